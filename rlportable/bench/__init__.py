@@ -1,0 +1,1 @@
+"""The benchmarks behind `rlportable bench`: ratios against a peer measured in the same run."""

@@ -1,0 +1,121 @@
+"""The `rlportable` command: parse, call, print. No logic lives here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from tabulate import tabulate
+
+from rlportable.errors import BackendUnavailable, RlpError
+
+DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
+                             type=click.Choice(["auto", "cpu", "cuda", "hip"]), help="Backend to run on.")
+
+
+def _fail(error: RlpError):
+    click.echo(f"error: {error}", err=True)
+    sys.exit(error.exit_code)
+
+
+def _backend(device: str, kernel_source: str = "native"):
+    from rlportable.runtime import get_backend, resolve_device
+
+    try:
+        backend = get_backend(device, kernel_source)
+    except RlpError as error:
+        _fail(error)
+    if device == "auto":
+        click.echo(f"device auto -> {resolve_device('auto')}", err=True)
+    return backend
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if path:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(payload, indent=2) + "\n")
+        click.echo(f"wrote {target}", err=True)
+
+
+@click.group()
+@click.version_option(package_name="rlportable")
+def main():
+    """rlportable: the LLM RL loop on NVIDIA and AMD GPUs, bitwise reproducible."""
+
+
+@main.command()
+def info():
+    """Each backend: available or not and why, versions, device name and architecture."""
+    from rlportable.runtime import AUTO_ORDER, get_backend, probe
+
+    rows = []
+    for name in AUTO_ORDER:
+        available, reason = probe(name)
+        details = ""
+        if available:
+            try:
+                details = ", ".join(f"{k}={v}" for k, v in get_backend(name).info().items() if k != "backend")
+            except RlpError as error:
+                available, reason = False, str(error)
+        rows.append([name, "yes" if available else "no", reason, details])
+    click.echo(tabulate(rows, headers=["backend", "available", "status", "details"]))
+
+
+@main.command()
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+@click.option("--quick", is_flag=True, help="Small inputs only (under a minute on a 2-core CPU).")
+@click.option("--kernel-source", default="native", type=click.Choice(["native", "hip"]),
+              help="hip: run the HIP sources on a cuda device through the HIP-on-CUDA prelude.")
+@click.option("--only", default=None, help="Run the checks whose name contains this text.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def conform(device, json_path, quick, kernel_source, only, seed):
+    """Check every contract's kernels against the NumPy reference, bit for bit."""
+    from rlportable import conform as suite
+
+    backend = _backend(device, kernel_source)
+    try:
+        results = suite.run(backend, quick=quick, seed=seed, only=only,
+                            progress=lambda name: click.echo(f"  checking {name} ...", err=True))
+    except RlpError as error:
+        _fail(error)
+    table = [[r.name, r.compared, r.mismatches, "pass" if r.passed else "FAIL"] for r in results]
+    click.echo(tabulate(table, headers=["check", "compared", "mismatches", "verdict"]))
+    payload = suite.report(backend.label, backend.info(), results)
+    click.echo(f"\n{backend.label}: {payload['compared']} elements compared, {payload['mismatches']} mismatches: "
+               f"{'PASS' if payload['passed'] else 'FAIL'}")
+    _write_json(json_path, payload)
+    sys.exit(0 if payload["passed"] else 1)
+
+
+@main.group()
+def bench():
+    """Benchmarks, as ratios against a peer measured in the same run."""
+
+
+@bench.command("gemm")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--m", "m_values", multiple=True, type=int, help="M values (default: 1 16 64 256 4096 16384).")
+def bench_gemm(device, json_path, m_values):
+    """Exact GEMM (with activation encoding) against torch bf16 matmul on Qwen3-0.6B shapes."""
+    from rlportable.bench import gemm as gemm_bench
+
+    backend = _backend(device)
+    try:
+        result = gemm_bench.run(backend, m_values=list(m_values) or None,
+                                progress=lambda text: click.echo(f"  {text}", err=True))
+    except RlpError as error:
+        _fail(error)
+    table = [[r["M"], r["K"], r["N"], *(f"{r[key] * 1e6:.1f}" for key in ("auto_s", "blas_s", "torch_bf16_s")),
+              f"{r['ratio']:.2f}"] for r in result["rows"]]
+    click.echo(tabulate(table, headers=["M", "K", "N", "fused/auto us", "blas us", "torch bf16 us", "ratio"]))
+    click.echo(json.dumps(result["targets"]))
+    _write_json(json_path, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The suite behind `rlportable conform`: every contract's kernels against the NumPy reference, bitwise.
+
+Each check returns how many elements it compared and how many differ in their
+raw bits (NaN payloads and signed zeros included). Later issues add checks to
+CHECKS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from rlportable.contract import exact, fixedpoint as fp
+from rlportable.conform_inputs import GEMM_SHAPES_FULL, GEMM_SHAPES_QUICK, ROW_KINDS, random_rows
+from rlportable.ops import fixedpoint as fixedpoint_op, gemm as gemm_op, rowsum as rowsum_op
+from rlportable.ops.gemm_fused import FUSED_TILES
+from rlportable.runtime.base import Backend
+
+
+@dataclass
+class CheckResult:
+    name: str
+    compared: int
+    mismatches: int
+
+    @property
+    def passed(self) -> bool:
+        return self.mismatches == 0
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def bit_mismatches(actual: np.ndarray, expected: np.ndarray) -> int:
+    """Elements whose raw bits differ (shapes must match)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape:
+        return max(actual.size, expected.size, 1)
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[expected.dtype.itemsize]
+    return int(np.count_nonzero(actual.view(width) != expected.view(width)))
+
+
+class Tally:
+    def __init__(self):
+        self.compared = 0
+        self.mismatches = 0
+
+    def add(self, actual, expected) -> None:
+        self.compared += int(np.asarray(expected).size)
+        self.mismatches += bit_mismatches(actual, expected)
+
+
+def _shapes(quick: bool):
+    return GEMM_SHAPES_QUICK if quick else GEMM_SHAPES_FULL
+
+
+def check_fixedpoint(backend: Backend, rng, quick: bool) -> Tally:
+    tally = Tally()
+    for m, k, _ in _shapes(quick):
+        for kind in ROW_KINDS:
+            x = random_rows(rng, m, k, kind)
+            for bits, descending in ((23, False), (15, True), (53, False), (9, False), (24, False)):
+                expected = fixedpoint_op.encode_rows_reference(x, bits, descending)
+                actual = fixedpoint_op.encode_rows(backend, backend.asarray(x), bits, descending)
+                tally.add(backend.to_numpy(actual.exponents), expected.exponents)
+                tally.add(backend.to_numpy(actual.digits), expected.digits)
+    return tally
+
+
+def gemm_methods(backend: Backend) -> list[tuple[str, str | None]]:
+    """(method, tile) pairs this backend can run with the default bits."""
+    if backend.kernel_vendor is None:
+        return [("auto", None)]
+    methods = [("blas", None)]
+    if backend.kernel_vendor == "cuda":
+        methods += [("fused", tile) for tile in FUSED_TILES]
+    return methods
+
+
+def _gemm_cases(rng, quick: bool):
+    for m, k, n in _shapes(quick):
+        for kind in ROW_KINDS:
+            yield random_rows(rng, m, k, kind), random_rows(rng, n, k, "normal" if kind == "nonfinite" else kind)
+    x = random_rows(rng, 9, 40, "normal")
+    yield x, random_rows(rng, 6, 40, "nonfinite")  # non-finite weight rows
+
+
+def check_gemm(backend: Backend, rng, quick: bool, bits_a=gemm_op.DEFAULT_BITS_A, bits_w=gemm_op.DEFAULT_BITS_W) -> Tally:
+    tally = Tally()
+    for x, w in _gemm_cases(rng, quick):
+        if x.shape[1] > exact.gemm_max_k(bits_a, bits_w):
+            continue
+        expected = exact.gemm(x, w, bits_a, bits_w)
+        weight = gemm_op.encode_weight(backend, backend.asarray(w), bits_w)
+        for method, tile in gemm_methods(backend) if (bits_a, bits_w) == (gemm_op.DEFAULT_BITS_A, gemm_op.DEFAULT_BITS_W) else [("auto", None)]:
+            y = gemm_op.gemm(backend, backend.asarray(x), weight, bits_a, method=method, tile=tile)
+            tally.add(backend.to_numpy(y), expected)
+    return tally
+
+
+def check_gemm_other_bits(backend: Backend, rng, quick: bool) -> Tally:
+    """Non-default operand widths (blas path on devices), shapes within each K limit."""
+    tally = Tally()
+    for bits_a, bits_w in ((15, 15), (22, 15), (8, 8), (31, 15)):
+        tally_bits = check_gemm(backend, rng, True, bits_a, bits_w)
+        tally.compared += tally_bits.compared
+        tally.mismatches += tally_bits.mismatches
+    return tally
+
+
+def check_gemm_invariance(backend: Backend, rng, quick: bool) -> Tally:
+    """Row permutation and batch size: each row's bits must not depend on its neighbours."""
+    tally = Tally()
+    m, k, n = (37, 300, 50) if quick else (300, 1024, 256)
+    x = random_rows(rng, m, k, "massive")
+    weight = gemm_op.encode_weight(backend, backend.asarray(random_rows(rng, n, k, "normal")))
+    for method, tile in gemm_methods(backend):
+        def run(rows):
+            return backend.to_numpy(gemm_op.gemm(backend, backend.asarray(rows), weight, method=method, tile=tile))
+
+        full = run(x)
+        permutation = rng.permutation(m)
+        tally.add(run(x[permutation]), full[permutation])
+        for row in rng.choice(m, size=min(m, 5), replace=False):
+            tally.add(run(x[row:row + 1]), full[row:row + 1])
+        tally.add(run(x[: m // 3]), full[: m // 3])
+    return tally
+
+
+def check_rowsum(backend: Backend, rng, quick: bool) -> Tally:
+    tally = Tally()
+    for m, k, _ in _shapes(quick):
+        for kind in ROW_KINDS:
+            x = random_rows(rng, m, k, kind)
+            if kind == "normal":
+                x = (x * x).astype(np.float32)  # a sum of squares
+            for bits in (rowsum_op.DEFAULT_BITS, 24):
+                tally.add(backend.to_numpy(rowsum_op.rowsum(backend, backend.asarray(x), bits)), exact.rowsum(x, bits))
+    return tally
+
+
+CHECKS: list[tuple[str, Callable]] = [
+    ("fixedpoint.encode_rows", check_fixedpoint),
+    ("gemm", check_gemm),
+    ("gemm.other_bits", check_gemm_other_bits),
+    ("gemm.invariance", check_gemm_invariance),
+    ("rowsum", check_rowsum),
+]
+
+
+def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None = None,
+        progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    results = []
+    for name, check in CHECKS:
+        if only and only not in name:
+            continue
+        if progress:
+            progress(name)
+        rng = np.random.default_rng([seed, len(results)])
+        tally = check(backend, rng, quick)
+        results.append(CheckResult(name, tally.compared, tally.mismatches))
+    return results
+
+
+def report(device: str, backend_info: dict, results: list[CheckResult]) -> dict:
+    return {
+        "device": device,
+        "backend": backend_info,
+        "checks": [r.as_json() for r in results],
+        "compared": sum(r.compared for r in results),
+        "mismatches": sum(r.mismatches for r in results),
+        "passed": all(r.passed for r in results),
+    }

@@ -1,0 +1,1 @@
+"""The numerical contract: contract files, fixed-point encoding, the contract's own elementwise functions."""

@@ -1,0 +1,85 @@
+"""Exact integer sums and products of fixed-point rows: the NumPy reference of gemm and rowsum.
+
+Integer sums are exact in any order, so these functions define the value every
+backend must return, whatever its tiling, split-K, warp width or BLAS.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlportable.contract import fixedpoint as fp
+
+FLOAT64_EXACT_LIMIT = 2**53
+
+
+def gemm_max_k(bits_a: int, bits_w: int) -> int:
+    """Largest K the contract accepts.
+
+    Two bounds: every dot product stays below 2^53 (exact in float64 and int64),
+    and every shift group of int8 digit products, min(n_a, n_w) pairs of at most
+    2^14 each per k, stays inside int32 (what tensor cores accumulate in).
+    """
+    float64_bound = 2 ** (53 - (bits_a - 1) - (bits_w - 1))
+    pairs = min(fp.slice_count(bits_a), fp.slice_count(bits_w))
+    int32_bound = (2**31 - 1) // (pairs * 2**14)
+    return min(float64_bound, int32_bound)
+
+
+def exact_int_matmul(qa: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """S = qa @ qw.T exactly, as int64.
+
+    Every partial sum is bounded by sum |qa||qw| < 2^53 (gemm_max_k), so a float64
+    BLAS product of the integer-valued arrays is exact whatever its summation order
+    or use of fma.
+    """
+    return (qa.astype(np.float64) @ qw.astype(np.float64).T).astype(np.int64)
+
+
+def gemm(x: np.ndarray, w: np.ndarray, bits_a: int, bits_w: int) -> np.ndarray:
+    """The gemm contract: Y = X @ W.T with exact accumulation and one rounding to float32."""
+    qa, ea = fp.quantize_rows(x, bits_a)
+    qw, ew = fp.quantize_rows(w, bits_w)
+    return gemm_from_encoded(qa, ea, bits_a, qw, ew, bits_w)
+
+
+def gemm_from_encoded(qa, ea, bits_a, qw, ew, bits_w) -> np.ndarray:
+    sums = exact_int_matmul(qa, qw)
+    finite_a = ea != fp.NONFINITE_EXPONENT
+    finite_w = ew != fp.NONFINITE_EXPONENT
+    scale = (
+        np.where(finite_a, fp.scale_exponent(ea, bits_a), 0)[:, None]
+        + np.where(finite_w, fp.scale_exponent(ew, bits_w), 0)[None, :]
+    )
+    y = fp.round_scaled(sums, scale)
+    y[~finite_a, :] = fp.CANONICAL_NAN
+    y[:, ~finite_w] = fp.CANONICAL_NAN
+    return y
+
+
+def rowsum(x: np.ndarray, bits: int) -> np.ndarray:
+    """The rowsum contract: exact sum of each row's fixed-point integers, rounded once.
+
+    Non-finite rows follow IEEE addition: any NaN, or both infinities, give the
+    canonical NaN; otherwise an infinity gives that infinity.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    q, e = fp.quantize_rows(x, bits)
+    finite = e != fp.NONFINITE_EXPONENT
+    sums = q.sum(axis=1)
+    y = fp.round_scaled(sums, np.where(finite, fp.scale_exponent(e, bits), 0))
+    if not finite.all():
+        bad = ~finite
+        rows = x[bad]
+        has_nan = np.isnan(rows).any(axis=1)
+        has_pos = (rows == np.inf).any(axis=1)
+        has_neg = (rows == -np.inf).any(axis=1)
+        out = np.where(has_pos, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
+        out[has_nan | (has_pos & has_neg)] = fp.CANONICAL_NAN
+        y[bad] = out
+    return y
+
+
+def rowsum_max_k(bits: int) -> int:
+    """Largest row length whose exact sum stays below 2^62 (int64, and round_to_odd_f64's range)."""
+    return 2 ** (62 - (bits - 1))

@@ -1,0 +1,137 @@
+"""Contract files (contracts/<family>.toml): schema, loading and validation.
+
+A contract names what an op family computes to the bit, its reference (a
+Python function), and its CUDA and HIP kernels. `validate` checks that every
+named piece exists: the reference functions import, both sources exist and
+define every named kernel as an extern "C" __global__ entry point.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlportable.errors import ContractError
+from rlportable.resources import resource_dir
+
+FAMILY_KEYS = {"name", "summary", "reference", "cuda_source", "hip_source"}
+OP_KEYS = {"name", "summary", "reference", "kernels", "computes", "inputs", "outputs", "params",
+           "invariances", "edge_cases"}
+KNOWN_INVARIANCES = {
+    "batch", "row_permutation", "position_in_batch", "k_sharding", "launch_shape", "vendor",
+    "elementwise", "prefill_decode", "kv_block_size", "tp_degree",
+}
+
+
+@dataclass
+class Op:
+    name: str
+    summary: str
+    reference: str
+    kernels: list[str]
+    computes: str
+    inputs: list[dict]
+    outputs: list[dict]
+    params: dict
+    invariances: list[str]
+    edge_cases: dict
+
+
+@dataclass
+class Contract:
+    path: Path
+    name: str
+    summary: str
+    reference: str
+    cuda_source: str
+    hip_source: str
+    ops: list[Op]
+    extra_kernels: list[str] = field(default_factory=list)
+
+    def all_kernels(self) -> list[str]:
+        return [k for op in self.ops for k in op.kernels] + list(self.extra_kernels)
+
+
+def contract_paths() -> list[Path]:
+    return sorted(resource_dir("contracts").glob("*.toml"))
+
+
+def load(path: Path) -> Contract:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ContractError(f"{path}: cannot read contract: {error}") from None
+    family = data.get("family")
+    if not isinstance(family, dict):
+        raise ContractError(f"{path}: missing [family] table")
+    _require_keys(path, "[family]", family, FAMILY_KEYS)
+    if family["name"] != path.stem:
+        raise ContractError(f"{path}: family name {family['name']!r} differs from the file name {path.stem!r}")
+    raw_ops = data.get("op")
+    if not isinstance(raw_ops, list) or not raw_ops:
+        raise ContractError(f"{path}: no [[op]] entries")
+    ops = []
+    for index, raw in enumerate(raw_ops):
+        _require_keys(path, f"[[op]] #{index + 1}", raw, OP_KEYS)
+        unknown = set(_invariance_names(raw["invariances"])) - KNOWN_INVARIANCES
+        if unknown:
+            raise ContractError(f"{path}: op {raw['name']!r} lists unknown invariances {sorted(unknown)}")
+        ops.append(Op(**{key: raw[key] for key in OP_KEYS}))
+    return Contract(path=path, name=family["name"], summary=family["summary"], reference=family["reference"],
+                    cuda_source=family["cuda_source"], hip_source=family["hip_source"], ops=ops,
+                    extra_kernels=list(family.get("extra_kernels", [])))
+
+
+def _invariance_names(invariances: list[str]) -> list[str]:
+    """'batch: a row's result ...' -> 'batch'."""
+    return [item.split(":", 1)[0].strip() for item in invariances]
+
+
+def _require_keys(path: Path, where: str, table: dict, keys: set[str]) -> None:
+    missing = sorted(keys - set(table))
+    if missing:
+        raise ContractError(f"{path}: {where} lacks {', '.join(missing)}")
+
+
+def load_all() -> list[Contract]:
+    return [load(path) for path in contract_paths()]
+
+
+def validate(contract: Contract) -> None:
+    """Raise ContractError unless every piece the contract names exists."""
+    module = _import_reference(contract)
+    for op in contract.ops:
+        if not callable(getattr(module, op.reference, None)):
+            raise ContractError(f"{contract.path}: reference {contract.reference}.{op.reference} does not exist")
+    root = resource_dir("backends").parent
+    for vendor, relative in (("cuda", contract.cuda_source), ("hip", contract.hip_source)):
+        source = _resolve_source(root, relative)
+        if not source.is_file():
+            raise ContractError(f"{contract.path}: {vendor} source {relative} does not exist")
+        defined = set(kernel_entry_points(source.read_text()))
+        for kernel in contract.all_kernels():
+            if kernel not in defined:
+                raise ContractError(f"{contract.path}: kernel {kernel!r} is not an extern \"C\" __global__ entry point of {relative}")
+
+
+def _resolve_source(root: Path, relative: str) -> Path:
+    # "backends/cuda/x.cu" -> the backends folder the package found (checkout or wheel)
+    parts = Path(relative).parts
+    return resource_dir(parts[0]).joinpath(*parts[1:])
+
+
+def _import_reference(contract: Contract):
+    try:
+        return importlib.import_module(contract.reference)
+    except ImportError as error:
+        raise ContractError(f"{contract.path}: reference module {contract.reference} does not import: {error}") from None
+
+
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)\s*\(')
+
+
+def kernel_entry_points(source: str) -> list[str]:
+    return _ENTRY.findall(source)

@@ -1,0 +1,1 @@
+"""One module per op family: input checks, the reference on cpu, kernel dispatch on devices."""

@@ -1,0 +1,147 @@
+"""Op family "gemm": Y = X @ W.T with exact integer accumulation, rounded once to float32.
+
+Contract: contracts/gemm.toml; reference: rlportable/contract/exact.py gemm;
+kernels: backends/{cuda,hip}/gemm.* (after backends/*/fixedpoint.* encodes rows).
+
+Weights are encoded once per update (GemmWeight); activations are encoded on
+every call. Two device methods give the same bits:
+  * "blas": the vendor int8 GEMM (cuBLAS / hipBLAS, int32 compute) computes one
+    int32 matrix G_d per digit shift d in a single call each (the digit pairs
+    with i + j = d are laid out side by side along K), then gemm_combine_groups
+    sums 256^d * G_d in int64 and rounds once.
+  * "fused": one hand-written tensor-core kernel (CUDA mma.sync) that keeps the
+    G_d in registers and writes float32 directly (default bits only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlportable.contract import exact, fixedpoint as fp
+from rlportable.errors import InputError
+from rlportable.ops.checks import require_bits, require_matrix
+from rlportable.ops.fixedpoint import EncodedRows, encode_rows
+from rlportable.runtime.base import Backend
+
+#: Chosen by measurement (docs/decisions.md, tests/test_gemm.py): 23-bit activations (3 int8
+#: digits) keep rows with massive activations more accurate than bf16; 15-bit weights are
+#: 2 int8 digits, the same bytes per weight as bf16.
+DEFAULT_BITS_A = 23
+DEFAULT_BITS_W = 15
+METHODS = ("auto", "blas", "fused")
+FUSED_DIGITS = (3, 2)  # (activation digits, weight digits) the fused kernel is built for
+COMBINE_THREADS = 256
+GROUP_BYTES_LIMIT = 1 << 30  # int32 G_d scratch per chunk of rows
+
+
+@dataclass
+class GemmWeight:
+    """A weight matrix [N, K] encoded once: digits stored most significant first."""
+
+    encoded: EncodedRows
+    n: int
+    k: int
+
+    @property
+    def bits(self) -> int:
+        return self.encoded.bits
+
+
+def encode_weight(backend: Backend, w, bits: int = DEFAULT_BITS_W) -> GemmWeight:
+    n, k = require_matrix("w", w)
+    return GemmWeight(encode_rows(backend, w, bits, descending=True), n, k)
+
+
+def check_gemm_shapes(m_k: tuple[int, int], weight: GemmWeight, bits_a: int) -> None:
+    m, k = m_k
+    if k != weight.k:
+        raise InputError(f"gemm: x has K={k} columns but the weight has K={weight.k}")
+    limit = exact.gemm_max_k(bits_a, weight.bits)
+    if k > limit:
+        raise InputError(f"gemm: K={k} exceeds the contract's limit {limit} for {bits_a}x{weight.bits} bits")
+
+
+def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, method: str = "auto",
+         tile: str | None = None):
+    """Y [M, N] float32 = X [M, K] @ W.T under the gemm contract."""
+    m, k = require_matrix("x", x)
+    bits_a = require_bits("bits_a", bits_a)
+    check_gemm_shapes((m, k), weight, bits_a)
+    if method not in METHODS:
+        raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
+    if backend.kernel_vendor is None:
+        return _gemm_reference(backend.to_numpy(x), weight, bits_a)
+    method = _pick_method(backend, bits_a, weight, method)
+    activations = encode_rows(backend, x, bits_a)
+    if m == 0 or weight.n == 0 or k == 0:
+        return backend.zeros((m, weight.n), np.float32)  # an empty sum is exactly +0
+    y = backend.empty((m, weight.n), np.float32)
+    if method == "fused":
+        _gemm_fused(backend, activations, weight, y, tile)
+    else:
+        _gemm_blas(backend, activations, weight, y)
+    return y
+
+
+def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarray:
+    qa, ea = fp.quantize_rows(x, bits_a)
+    encoded = weight.encoded
+    digits = np.moveaxis(np.asarray(encoded.digits)[:, ::-1, : weight.k], 1, 0)  # ascending
+    qw = fp.join_digits(digits)
+    return exact.gemm_from_encoded(qa, ea, bits_a, qw, np.asarray(encoded.exponents), weight.bits)
+
+
+def _pick_method(backend: Backend, bits_a: int, weight: GemmWeight, method: str) -> str:
+    fused_ok = backend.kernel_vendor == "cuda" and (fp.slice_count(bits_a), weight.encoded.slices) == FUSED_DIGITS
+    if method == "fused" and not fused_ok:
+        raise InputError(
+            f"gemm: the fused kernel exists for CUDA sources with {FUSED_DIGITS} digits; "
+            f"got {backend.label} with {fp.slice_count(bits_a)}x{weight.encoded.slices}"
+        )
+    if method == "auto":
+        return "fused" if fused_ok else "blas"
+    return method
+
+
+def _scale_offset(bits_a: int, bits_w: int) -> int:
+    return -(bits_a - 2) - (bits_w - 2)
+
+
+def _gemm_blas(backend: Backend, a: EncodedRows, weight: GemmWeight, y) -> None:
+    w = weight.encoded
+    n_a, n_w, kp = a.slices, w.slices, a.k_padded
+    groups = n_a + n_w - 1
+    m, n = a.rows, weight.n
+    rows_per_chunk = max(1, GROUP_BYTES_LIMIT // (groups * n * 4))
+    for start in range(0, m, rows_per_chunk):
+        rows = min(rows_per_chunk, m - start)
+        g = backend.empty((groups, rows, n), np.int32)
+        for d in range(groups):
+            i_lo, i_hi = max(0, d - (n_w - 1)), min(d, n_a - 1)
+            pairs = i_hi - i_lo + 1
+            # activation digits i_lo..i_hi meet weight digits d-i_lo..d-i_hi, which sit in
+            # ascending slots from n_w-1-(d-i_lo) in the most-significant-first layout.
+            backend.gemm_s8_s32(
+                n, rows, pairs * kp,
+                w.digits, (n_w - 1 - d + i_lo) * kp, n_w * kp,
+                a.digits, (start * n_a + i_lo) * kp, n_a * kp,
+                g, d * rows * n, n,
+            )
+        backend.launch(
+            "gemm", "gemm_combine_groups", (min(-(-rows * n // COMBINE_THREADS), 65535 * 8),), (COMBINE_THREADS,),
+            (g, np.int32(groups), np.int64(rows), np.int64(n),
+             _offset_view(a.exponents, start), w.exponents,
+             np.int32(_scale_offset(a.bits, w.bits)), _offset_view(y, start)),
+        )
+
+
+def _offset_view(array, start_row: int):
+    return array[start_row:]
+
+
+def _gemm_fused(backend: Backend, a: EncodedRows, weight: GemmWeight, y, tile) -> None:
+    from rlportable.ops.gemm_fused import launch_fused
+
+    launch_fused(backend, a, weight, y, _scale_offset(a.bits, weight.bits), tile)

@@ -1,0 +1,78 @@
+"""The small interface every device backend implements (cpu, cuda, hip)."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlportable.resources import kernel_source_path
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def assemble_source(vendor: str, family: str, prelude: str | None = None) -> str:
+    """A kernel family's source with its local #include "..." files inlined.
+
+    Inlining makes the source self-contained, so the compile cache key (a hash
+    of this text) covers every header it uses. `prelude` names a header of the
+    same folder put in front (the HIP-on-CUDA prelude).
+    """
+    path = kernel_source_path(vendor, family)
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {path} is missing")
+    text = path.read_text()
+    if prelude is not None:
+        text = f'#include "{prelude}"\n' + text
+    return _inline_includes(text, path.parent, seen=set())
+
+
+def _inline_includes(text: str, folder: Path, seen: set[str]) -> str:
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        if name in seen:
+            return f"// (already included: {name})"
+        seen.add(name)
+        included = folder / name
+        if not included.is_file():
+            raise FileNotFoundError(f"{folder}: included header {name} is missing")
+        return f"// ---- begin {name}\n{_inline_includes(included.read_text(), folder, seen)}\n// ---- end {name}"
+
+    return _LOCAL_INCLUDE.sub(replace, text)
+
+
+class Backend(ABC):
+    """One device: arrays, kernel launches, and the vendor integer GEMM."""
+
+    name: str = "?"
+    #: which kernel sources it runs: "cuda" (backends/cuda), "hip" (backends/hip), or None (NumPy)
+    kernel_vendor: str | None = None
+
+    @abstractmethod
+    def asarray(self, array: np.ndarray) -> Any: ...
+
+    @abstractmethod
+    def to_numpy(self, array: Any) -> np.ndarray: ...
+
+    @abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype) -> Any: ...
+
+    def zeros(self, shape: tuple[int, ...], dtype) -> Any:
+        return self.asarray(np.zeros(shape, dtype=dtype))
+
+    def synchronize(self) -> None:
+        pass
+
+    def launch(self, family: str, kernel: str, grid, block, args, shared_mem: int = 0) -> None:
+        raise NotImplementedError(f"the {self.name} backend runs no device kernels")
+
+    def info(self) -> dict:
+        return {"backend": self.name}
+
+    @property
+    def label(self) -> str:
+        """Name shown to users, e.g. 'cuda' or 'cuda (hip sources)'."""
+        return self.name

@@ -1,0 +1,169 @@
+"""The cuda backend: CuPy arrays, NVRTC-compiled kernels from backends/cuda, cuBLAS int8 GEMM.
+
+With kernel_source="hip" it compiles backends/hip instead, behind the
+prelude backends/hip/hip_on_cuda.h that maps HIP names to CUDA ones: the HIP
+kernels' logic then runs on NVIDIA hardware (with a warp of 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlportable.errors import BackendUnavailable, KernelCompileError
+from rlportable.runtime import cache, flags
+from rlportable.runtime.base import Backend, assemble_source
+
+HIP_PRELUDE = "hip_on_cuda.h"
+
+# cuBLAS enums (cublas_api.h, library_types.h)
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_CUDA_R_8I, _CUDA_R_32I = 3, 10
+_CUBLAS_COMPUTE_32I = 72
+_CUBLAS_GEMM_DEFAULT = -1
+
+
+def probe() -> tuple[bool, str]:
+    """(available, reason) without raising."""
+    try:
+        import cupy
+    except ImportError as error:
+        return False, f"CuPy is not installed ({error}); pip install 'rlportable[cuda]'"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # CUDARuntimeError: no driver, or driver too old
+        return False, f"no usable CUDA driver ({error})"
+    if count == 0:
+        return False, "the CUDA driver sees no device"
+    return True, f"{count} device(s)"
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, kernel_source: str = "cuda"):
+        available, reason = probe()
+        if not available:
+            raise BackendUnavailable(f"device 'cuda' is unavailable: {reason}")
+        import cupy
+
+        self.cupy = cupy
+        self.kernel_vendor = kernel_source
+        self.device = cupy.cuda.Device()
+        self.compute_capability = self.device.compute_capability  # e.g. "90"
+        self._modules: dict[str, object] = {}
+        self._functions: dict[tuple[str, str], object] = {}
+
+    @property
+    def label(self):
+        return "cuda" if self.kernel_vendor == "cuda" else "cuda (hip sources)"
+
+    # ---- arrays
+    def asarray(self, array):
+        return self.cupy.asarray(np.ascontiguousarray(array))
+
+    def to_numpy(self, array):
+        return self.cupy.asnumpy(array)
+
+    def empty(self, shape, dtype):
+        return self.cupy.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return self.cupy.zeros(shape, dtype=dtype)
+
+    def synchronize(self):
+        self.cupy.cuda.runtime.deviceSynchronize()
+
+    # ---- kernels
+    def compile_options(self) -> tuple[str, ...]:
+        options = flags.CUDA_OPTIONS + (flags.cuda_arch_option(self.compute_capability),)
+        if self.kernel_vendor == "hip":
+            options += ("-DRLP_HIP_ON_CUDA=1",)
+        return options
+
+    def source(self, family: str) -> str:
+        if self.kernel_vendor == "hip":
+            return assemble_source("hip", family, prelude=HIP_PRELUDE)
+        return assemble_source("cuda", family)
+
+    def module(self, family: str):
+        if family not in self._modules:
+            source = self.source(family)
+            options = self.compile_options()
+            key = cache.cache_key(source, options, f"sm_{self.compute_capability}", _nvrtc_version())
+            cubin = cache.cached_binary(key, ".cubin", lambda: _nvrtc_compile(source, family, options))
+            module = self.cupy.cuda.function.Module()
+            module.load(cubin)
+            self._modules[family] = module
+        return self._modules[family]
+
+    def function(self, family: str, kernel: str):
+        key = (family, kernel)
+        if key not in self._functions:
+            self._functions[key] = self.module(family).get_function(kernel)
+        return self._functions[key]
+
+    def launch(self, family, kernel, grid, block, args, shared_mem=0):
+        function = self.function(family, kernel)
+        if shared_mem > 48 * 1024:
+            function.max_dynamic_shared_size_bytes = shared_mem
+        function(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+
+    # ---- vendor integer GEMM
+    def gemm_s8_s32(self, m, n, k, a, a_offset, lda, b, b_offset, ldb, c, c_offset, ldc):
+        """Column-major C[m, n] (int32) = op(A)^T-form: C = A^T B with A [k, m] and B [k, n].
+
+        In row-major terms: C_rm[n, m] = B_rm[n, k] @ A_rm[m, k].T, i.e. each output
+        is the exact int32 dot product of a row of A and a row of B (cuBLAS TN form,
+        the one int8 tensor-core layout every architecture supports).
+        Offsets are in elements.
+        """
+        from cupy.cuda import cublas
+
+        handle = self.device.cublas_handle
+        cublas.setStream(handle, self.cupy.cuda.get_current_stream().ptr)
+        one = np.array(1, dtype=np.int32)
+        zero = np.array(0, dtype=np.int32)
+        cublas.gemmEx(
+            handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k,
+            one.ctypes.data, a.data.ptr + a_offset, _CUDA_R_8I, lda,
+            b.data.ptr + b_offset, _CUDA_R_8I, ldb,
+            zero.ctypes.data, c.data.ptr + 4 * c_offset, _CUDA_R_32I, ldc,
+            _CUBLAS_COMPUTE_32I, _CUBLAS_GEMM_DEFAULT,
+        )
+
+    def info(self):
+        cupy = self.cupy
+        properties = cupy.cuda.runtime.getDeviceProperties(self.device.id)
+        name = properties["name"]
+        return {
+            "backend": self.label,
+            "device": name.decode() if isinstance(name, bytes) else str(name),
+            "arch": f"sm_{self.compute_capability}",
+            "cupy": cupy.__version__,
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
+            "nvrtc": _nvrtc_version(),
+            "cublas": cupy.cuda.cublas.getVersion(self.device.cublas_handle),
+        }
+
+
+def _nvrtc_version() -> str:
+    from cupy_backends.cuda.libs import nvrtc
+
+    major, minor = nvrtc.getVersion()
+    return f"nvrtc-{major}.{minor}"
+
+
+def _nvrtc_compile(source: str, family: str, options: tuple[str, ...]) -> bytes:
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(source, f"{family}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, list(options))
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program)
+            raise KernelCompileError(f"NVRTC failed on kernel family '{family}': {error}\n{log}") from None
+        return nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)

@@ -1,0 +1,36 @@
+"""The compiler options every kernel is built with: the contract's rules for IEEE arithmetic.
+
+The runtime (NVRTC, hiprtc) and CI's offline compile (nvcc, hipcc) both take
+their options from here, so what CI proves compiles is what runs.
+"""
+
+# NVRTC and nvcc spell these options alike. No contraction into fma, no
+# flush-to-zero, IEEE division and square root, no fast math (NVRTC's default,
+# stated anyway so a change of default cannot slip in).
+CUDA_OPTIONS = (
+    "--std=c++17",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+)
+
+# hiprtc and hipcc (clang) spellings of the same rules. Denormals are kept for
+# float32 unless -fgpu-flush-denormals-to-zero is given; it is turned off
+# explicitly.
+HIP_OPTIONS = (
+    "-std=c++17",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-fno-gpu-flush-denormals-to-zero",
+)
+
+
+def cuda_arch_option(compute_capability: str) -> str:
+    """'90' -> '--gpu-architecture=sm_90' (real machine code, not PTX left to the driver)."""
+    return f"--gpu-architecture=sm_{compute_capability}"
+
+
+def hip_arch_option(gcn_arch: str) -> str:
+    """'gfx942:sramecc+:xnack-' -> '--offload-arch=gfx942' (target features kept off the name)."""
+    return f"--offload-arch={gcn_arch.split(':')[0]}"

@@ -29,6 +29,23 @@ def time_cupy_graph(cupy, step: Callable[[], None], replays: int = 20, repeats: 
     return statistics.median(samples)
 
 
+def time_cupy_loop(cupy, step: Callable[[], None], replays: int = 20, repeats: int = 5) -> float:
+    """Median seconds per call of `step` launched from Python (for code CuPy cannot capture,
+    such as its cuBLAS wrappers); host launch overhead is included."""
+    step()
+    cupy.cuda.runtime.deviceSynchronize()
+    samples = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(replays):
+            step()
+        stop.record()
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3 / replays)
+    return statistics.median(samples)
+
+
 def time_torch_graph(torch, step: Callable[[], None], replays: int = 20, repeats: int = 5) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

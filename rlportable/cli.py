@@ -100,19 +100,24 @@ def bench():
 @DEVICE_OPTION
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--m", "m_values", multiple=True, type=int, help="M values (default: 1 16 64 256 4096 16384).")
-def bench_gemm(device, json_path, m_values):
+@click.option("--sweep-tiles", is_flag=True, help="Also time every fused tile shape.")
+def bench_gemm(device, json_path, m_values, sweep_tiles):
     """Exact GEMM (with activation encoding) against torch bf16 matmul on Qwen3-0.6B shapes."""
     from rlportable.bench import gemm as gemm_bench
 
     backend = _backend(device)
     try:
-        result = gemm_bench.run(backend, m_values=list(m_values) or None,
+        from rlportable.ops.gemm_fused import FUSED_TILES
+
+        methods = ["auto", "blas"] + ([f"fused:{tile}" for tile in FUSED_TILES] if sweep_tiles else [])
+        result = gemm_bench.run(backend, m_values=list(m_values) or None, methods=methods,
                                 progress=lambda text: click.echo(f"  {text}", err=True))
     except RlpError as error:
         _fail(error)
-    table = [[r["M"], r["K"], r["N"], *(f"{r[key] * 1e6:.1f}" for key in ("auto_s", "blas_s", "torch_bf16_s")),
-              f"{r['ratio']:.2f}"] for r in result["rows"]]
-    click.echo(tabulate(table, headers=["M", "K", "N", "fused/auto us", "blas us", "torch bf16 us", "ratio"]))
+    keys = [key for key in result["rows"][0] if key.endswith("_s") and key != "exact_s"]
+    table = [[r["M"], r["K"], r["N"], *(f"{r[key] * 1e6:.1f}" for key in keys), f"{r['ratio']:.2f}"]
+             for r in result["rows"]]
+    click.echo(tabulate(table, headers=["M", "K", "N", *(key[:-2] + " us" for key in keys), "ratio"]))
     click.echo(json.dumps(result["targets"]))
     _write_json(json_path, result)
 

@@ -20,6 +20,7 @@ _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUDA_R_8I, _CUDA_R_32I = 3, 10
 _CUBLAS_COMPUTE_32I = 72
 _CUBLAS_GEMM_DEFAULT = -1
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # cuda.h CUfunction_attribute
 
 
 def probe() -> tuple[bool, str]:
@@ -104,8 +105,8 @@ class CudaBackend(Backend):
 
     def launch(self, family, kernel, grid, block, args, shared_mem=0):
         function = self.function(family, kernel)
-        if shared_mem > 48 * 1024:
-            function.max_dynamic_shared_size_bytes = shared_mem
+        if shared_mem > 48 * 1024:  # above the default limit a kernel must opt in
+            self.cupy.cuda.driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
         function(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
 
     # ---- vendor integer GEMM

@@ -50,6 +50,8 @@ class Contract:
     hip_source: str
     ops: list[Op]
     extra_kernels: list[str] = field(default_factory=list)
+    #: speed-only kernels with no HIP counterpart yet (each equal to the reference, checked by conform)
+    cuda_only_kernels: list[str] = field(default_factory=list)
 
     def all_kernels(self) -> list[str]:
         return [k for op in self.ops for k in op.kernels] + list(self.extra_kernels)
@@ -82,7 +84,8 @@ def load(path: Path) -> Contract:
         ops.append(Op(**{key: raw[key] for key in OP_KEYS}))
     return Contract(path=path, name=family["name"], summary=family["summary"], reference=family["reference"],
                     cuda_source=family["cuda_source"], hip_source=family["hip_source"], ops=ops,
-                    extra_kernels=list(family.get("extra_kernels", [])))
+                    extra_kernels=list(family.get("extra_kernels", [])),
+                    cuda_only_kernels=list(family.get("cuda_only_kernels", [])))
 
 
 def _invariance_names(invariances: list[str]) -> list[str]:
@@ -111,10 +114,16 @@ def validate(contract: Contract) -> None:
         source = _resolve_source(root, relative)
         if not source.is_file():
             raise ContractError(f"{contract.path}: {vendor} source {relative} does not exist")
-        defined = set(kernel_entry_points(source.read_text()))
+        text = source.read_text()
+        defined = set(kernel_entry_points(text))
         for kernel in contract.all_kernels():
             if kernel not in defined:
                 raise ContractError(f"{contract.path}: kernel {kernel!r} is not an extern \"C\" __global__ entry point of {relative}")
+        if vendor == "cuda":
+            for kernel in contract.cuda_only_kernels:
+                # defined through an entry macro, e.g. RLP_GEMM_FUSED_ENTRY(name, ...)
+                if not re.search(rf"\b{kernel}\b", text):
+                    raise ContractError(f"{contract.path}: CUDA-only kernel {kernel!r} does not appear in {relative}")
 
 
 def _resolve_source(root: Path, relative: str) -> Path:
@@ -130,7 +139,7 @@ def _import_reference(contract: Contract):
         raise ContractError(f"{contract.path}: reference module {contract.reference} does not import: {error}") from None
 
 
-_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)\s*\(')
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 
 
 def kernel_entry_points(source: str) -> list[str]:

@@ -73,7 +73,7 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
         raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
     if backend.kernel_vendor is None:
         return _gemm_reference(backend.to_numpy(x), weight, bits_a)
-    method = _pick_method(backend, bits_a, weight, method)
+    method = _pick_method(backend, m, bits_a, weight, method)
     activations = encode_rows(backend, x, bits_a)
     if m == 0 or weight.n == 0 or k == 0:
         return backend.zeros((m, weight.n), np.float32)  # an empty sum is exactly +0
@@ -93,7 +93,11 @@ def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarra
     return exact.gemm_from_encoded(qa, ea, bits_a, qw, np.asarray(encoded.exponents), weight.bits)
 
 
-def _pick_method(backend: Backend, bits_a: int, weight: GemmWeight, method: str) -> str:
+#: From M on, the vendor int8 GEMM + combine beats our tiled kernel (bench/results/)
+BLAS_FROM_M = 1024
+
+
+def _pick_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, method: str) -> str:
     fused_ok = backend.kernel_vendor == "cuda" and (fp.slice_count(bits_a), weight.encoded.slices) == FUSED_DIGITS
     if method == "fused" and not fused_ok:
         raise InputError(
@@ -101,7 +105,7 @@ def _pick_method(backend: Backend, bits_a: int, weight: GemmWeight, method: str)
             f"got {backend.label} with {fp.slice_count(bits_a)}x{weight.encoded.slices}"
         )
     if method == "auto":
-        return "fused" if fused_ok else "blas"
+        return "fused" if fused_ok and m < BLAS_FROM_M else "blas"
     return method
 
 

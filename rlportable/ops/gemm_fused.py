@@ -48,18 +48,21 @@ FUSED_TILES = {
 }
 
 
-def pick_tile(m: int) -> str:
+#: N at and above which a GEMM is an LM head: many columns, memory-bound on the weight
+LARGE_N = 65536
+
+
+def pick_tile(m: int, n: int) -> str:
+    """Fastest tile per (M, N) in bench/results/gemm_sweep_h200.json (H200, 2026-11-30)."""
     if m <= 16:
-        return "16x16k8"
+        return "16x32k4" if n >= LARGE_N else "16x16k8"
     if m <= 64:
-        return "16x32k4"
-    if m <= 512:
-        return "t64x64"
-    return "t128x64"
+        return "t64x64" if n >= LARGE_N else "16x32k4"
+    return "t64x64"
 
 
 def launch_fused(backend, a: EncodedRows, weight, y, scale_offset: int, tile: str | None = None) -> None:
-    spec = FUSED_TILES[tile or pick_tile(a.rows)]
+    spec = FUSED_TILES[tile or pick_tile(a.rows, weight.n)]
     grid = (-(-weight.n // spec.cols), -(-a.rows // spec.rows))
     backend.launch(
         "gemm", spec.kernel, grid, (spec.threads,),

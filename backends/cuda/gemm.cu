@@ -29,20 +29,17 @@ extern "C" __global__ void gemm_combine_groups(
     }
 }
 
+
 // ---------------------------------------------------------------------------
 // Fused path: int8 digit products on tensor cores (mma.sync m16n8k32, sm_80+),
 // the shift groups G_d kept in int32 registers, combined in int64 and rounded
-// once, in one kernel. Built for 3 activation digits x 2 weight digits (the
-// default 24 x 16 bits).
+// once, in one kernel. Built for 3 activation digits x 2 weight digits (16 to
+// 23 activation bits, 9 to 15 weight bits; the default is 23 x 15).
 //
-// Fragments are read straight from global memory as 16-byte vectors. The dot
-// product is a sum over k, so any permutation of k that A and B share gives the
-// same integer: thread (g = lane/4, t = lane%4) reads bytes [16t, 16t+16) of a
-// 64-wide k chunk of its rows, and the two mma steps of the chunk take 8 of
-// those bytes each. Every read is a coalesced 64-byte run per row.
-//
-// The warps of a block share one output tile and split K between them; their
-// int64 sums meet in shared memory through integer atomics (exact, any order).
+// The dot product is a sum over k, so any permutation of k that A and B share
+// gives the same integer. Thread (g = lane/4, t = lane%4) takes bytes
+// [16t, 16t+16) of each 64-wide k chunk of its rows, and the chunk's two mma
+// steps take 8 of those bytes each: every fragment is one 16-byte load.
 #define RLP_A_DIGITS 3
 #define RLP_W_DIGITS 2
 #define RLP_GROUPS (RLP_A_DIGITS + RLP_W_DIGITS - 1)
@@ -62,20 +59,37 @@ __device__ __forceinline__ int rlp_word(const int4& v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
-// WM m16 tiles x WN n8 tiles per warp; KSPLIT warps per block split the K chunks.
-template <int WM, int WN, int KSPLIT>
-__device__ __forceinline__ void rlp_gemm_fused(
-    const signed char* __restrict__ xd, const signed char* __restrict__ wd,
-    const int* __restrict__ ea, const int* __restrict__ ew, int m, int n, int kp, int scale_offset,
-    float* __restrict__ y) {
-    constexpr int TM = 16 * WM, TN = 8 * WN;
-    __shared__ unsigned long long tile_sum[TM * TN];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int g = lane / 4, t = lane % 4;
-    const int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
-    for (int i = threadIdx.x; i < TM * TN; i += blockDim.x) tile_sum[i] = 0ull;
+__device__ __forceinline__ void rlp_set_word(int4& v, int i, int value) {
+    if (i == 0) v.x = value; else if (i == 1) v.y = value; else if (i == 2) v.z = value; else v.w = value;
+}
 
-    int acc[RLP_GROUPS][WM][WN][4];
+__device__ __forceinline__ float rlp_lane(const float4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Accumulate one 64-wide chunk: digits a[i][mi][h] (rows g, g+8 of m16 tile mi)
+// times weight digits b[j][ni]; the product of digits i and j lands in group i+j.
+template <int WM, int WN>
+__device__ __forceinline__ void rlp_mma_chunk(int (&acc)[RLP_GROUPS][WM][WN][4],
+                                              const int4 (&a)[RLP_A_DIGITS][WM][2], const int4 (&b)[RLP_W_DIGITS][WN]) {
+#pragma unroll
+    for (int step = 0; step < 2; ++step)
+#pragma unroll
+        for (int i = 0; i < RLP_A_DIGITS; ++i)
+#pragma unroll
+            for (int j = 0; j < RLP_W_DIGITS; ++j)
+#pragma unroll
+                for (int mi = 0; mi < WM; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < WN; ++ni)
+                        rlp_mma_s8(acc[i + j][mi][ni],
+                                   rlp_word(a[i][mi][0], 2 * step), rlp_word(a[i][mi][1], 2 * step),
+                                   rlp_word(a[i][mi][0], 2 * step + 1), rlp_word(a[i][mi][1], 2 * step + 1),
+                                   rlp_word(b[j][ni], 2 * step), rlp_word(b[j][ni], 2 * step + 1));
+}
+
+template <int WM, int WN>
+__device__ __forceinline__ void rlp_zero(int (&acc)[RLP_GROUPS][WM][WN][4]) {
 #pragma unroll
     for (int d = 0; d < RLP_GROUPS; ++d)
 #pragma unroll
@@ -84,181 +98,271 @@ __device__ __forceinline__ void rlp_gemm_fused(
             for (int ni = 0; ni < WN; ++ni)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) acc[d][mi][ni][c] = 0;
+}
+
+// S = sum_d 256^d G_d for accumulator element c of tile (mi, ni): exact in int64.
+template <int WM, int WN>
+__device__ __forceinline__ long long rlp_combine(const int (&acc)[RLP_GROUPS][WM][WN][4], int mi, int ni, int c) {
+    long long s = 0;
+#pragma unroll
+    for (int d = RLP_GROUPS - 1; d >= 0; --d) s = s * 256 + (long long)acc[d][mi][ni][c];
+    return s;
+}
+
+__device__ __forceinline__ float rlp_gemm_output(long long s, int e_a, int e_w, int scale_offset) {
+    return (e_a == RLP_NONFINITE_EXPONENT || e_w == RLP_NONFINITE_EXPONENT)
+               ? rlp_canonical_nan()
+               : rlp_round_scaled(s, e_a + e_w + scale_offset);
+}
+
+// ---- direct kernels: fragments straight from global memory (small M) -------
+// The warps of a block share one output tile and split K; their int64 sums
+// meet in shared memory through integer atomics (exact, any order). Loads of
+// the next chunk are issued before the current chunk's mma (register double
+// buffering). With ENCODE the kernel reads float32 activations and encodes
+// them itself (the block first takes each row's exponent): one launch, no
+// digit buffer; it needs K % 4 == 0 for 16-byte float loads.
+template <int WM, int WN, bool ENCODE>
+struct RlpDirectFragments;
+
+template <int WM, int WN>
+struct RlpDirectFragments<WM, WN, false> {
+    int4 a[RLP_A_DIGITS][WM][2];
+    int4 b[RLP_W_DIGITS][WN];
+};
+
+template <int WM, int WN>
+struct RlpDirectFragments<WM, WN, true> {
+    float4 a[WM][2][4];
+    int4 b[RLP_W_DIGITS][WN];
+};
+
+// fixedpoint_encode_rows's digits of 16 consecutive values, packed 4 to a word.
+__device__ __forceinline__ void rlp_encode16(const float4 (&v)[4], int bits, int e, int4 (&digits)[RLP_A_DIGITS]) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        int words[RLP_A_DIGITS] = {0, 0, 0};
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            long long q = (e == RLP_NONFINITE_EXPONENT) ? 0 : rlp_quantize(rlp_lane(v[w], b), bits, e);
+#pragma unroll
+            for (int i = 0; i < RLP_A_DIGITS; ++i) {
+                const long long d = ((q + 128) & 255) - 128;
+                q = (q - d) >> 8;
+                words[i] |= ((int)d & 255) << (8 * b);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RLP_A_DIGITS; ++i) rlp_set_word(digits[i], w, words[i]);
+    }
+}
+
+template <int WM, int WN, int KSPLIT, bool ENCODE>
+__device__ __forceinline__ void rlp_gemm_direct(
+    const signed char* __restrict__ xd, const float* __restrict__ xf, int k, int bits_a,
+    const signed char* __restrict__ wd, const int* __restrict__ ea, const int* __restrict__ ew,
+    int m, int n, int kp, int scale_offset, float* __restrict__ y) {
+    constexpr int TM = 16 * WM, TN = 8 * WN;
+    __shared__ unsigned long long tile_sum[TM * TN];
+    __shared__ unsigned int row_largest[TM];
+    __shared__ int row_exponent[TM];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
+    for (int i = threadIdx.x; i < TM * TN; i += blockDim.x) tile_sum[i] = 0ull;
+    for (int r = threadIdx.x; r < TM; r += blockDim.x) row_largest[r] = 0u;
+    __syncthreads();
+    if constexpr (ENCODE) {
+        for (int r = 0; r < TM && m0 + r < m; ++r) {
+            unsigned int local = 0u;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) local = max(local, rlp_magnitude_bits(xf[(long long)(m0 + r) * k + i]));
+            atomicMax(&row_largest[r], local);
+        }
+        __syncthreads();
+        for (int r = threadIdx.x; r < TM; r += blockDim.x) row_exponent[r] = rlp_row_exponent(row_largest[r]);
+    } else {
+        for (int r = threadIdx.x; r < TM; r += blockDim.x) row_exponent[r] = (m0 + r < m) ? ea[m0 + r] : 0;
+    }
+    __syncthreads();
 
     const long long a_row_stride = (long long)RLP_A_DIGITS * kp, w_row_stride = (long long)RLP_W_DIGITS * kp;
-    const int chunks = kp / 64;
-    for (int chunk = warp; chunk < chunks; chunk += KSPLIT) {
+    auto load = [&](RlpDirectFragments<WM, WN, ENCODE>& f, int chunk) {
         const int k0 = chunk * 64 + 16 * t;
-        int4 va[RLP_A_DIGITS][WM][2];
-        int4 vb[RLP_W_DIGITS][WN];
 #pragma unroll
-        for (int i = 0; i < RLP_A_DIGITS; ++i)
+        for (int mi = 0; mi < WM; ++mi)
 #pragma unroll
-            for (int mi = 0; mi < WM; ++mi)
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + 16 * mi + g + 8 * h;
+                if constexpr (ENCODE) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = m0 + 16 * mi + g + 8 * h;
-                    va[i][mi][h] = rlp_load16(xd + row * a_row_stride + (long long)i * kp + k0, row < m);
+                    for (int v = 0; v < 4; ++v) {
+                        const int kk = k0 + 4 * v;
+                        f.a[mi][h][v] = (row < m && kk < k) ? __ldg(reinterpret_cast<const float4*>(xf + (long long)row * k + kk))
+                                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < RLP_A_DIGITS; ++i)
+                        f.a[i][mi][h] = rlp_load16(xd + row * a_row_stride + (long long)i * kp + k0, row < m);
                 }
+            }
 #pragma unroll
         for (int j = 0; j < RLP_W_DIGITS; ++j)
 #pragma unroll
             for (int ni = 0; ni < WN; ++ni) {
                 const int col = n0 + 8 * ni + g;
                 // weights are stored most significant digit first: digit j sits in slot W_DIGITS-1-j
-                vb[j][ni] = rlp_load16(wd + col * w_row_stride + (long long)(RLP_W_DIGITS - 1 - j) * kp + k0, col < n);
+                f.b[j][ni] = rlp_load16(wd + col * w_row_stride + (long long)(RLP_W_DIGITS - 1 - j) * kp + k0, col < n);
             }
+    };
+
+    int acc[RLP_GROUPS][WM][WN][4];
+    rlp_zero<WM, WN>(acc);
+    const int chunks = kp / 64;
+    RlpDirectFragments<WM, WN, ENCODE> current, next;
+    if (warp < chunks) load(current, warp);
+    for (int chunk = warp; chunk < chunks; chunk += KSPLIT) {
+        if (chunk + KSPLIT < chunks) load(next, chunk + KSPLIT);
+        if constexpr (ENCODE) {
+            int4 a[RLP_A_DIGITS][WM][2];
 #pragma unroll
-        for (int step = 0; step < 2; ++step)
+            for (int mi = 0; mi < WM; ++mi)
 #pragma unroll
-            for (int i = 0; i < RLP_A_DIGITS; ++i)
+                for (int h = 0; h < 2; ++h) {
+                    int4 digits[RLP_A_DIGITS];
+                    rlp_encode16(current.a[mi][h], bits_a, row_exponent[16 * mi + g + 8 * h], digits);
 #pragma unroll
-                for (int j = 0; j < RLP_W_DIGITS; ++j)
-#pragma unroll
-                    for (int mi = 0; mi < WM; ++mi)
-#pragma unroll
-                        for (int ni = 0; ni < WN; ++ni)
-                            rlp_mma_s8(acc[i + j][mi][ni],
-                                       rlp_word(va[i][mi][0], 2 * step), rlp_word(va[i][mi][1], 2 * step),
-                                       rlp_word(va[i][mi][0], 2 * step + 1), rlp_word(va[i][mi][1], 2 * step + 1),
-                                       rlp_word(vb[j][ni], 2 * step), rlp_word(vb[j][ni], 2 * step + 1));
+                    for (int i = 0; i < RLP_A_DIGITS; ++i) a[i][mi][h] = digits[i];
+                }
+            rlp_mma_chunk<WM, WN>(acc, a, current.b);
+        } else {
+            rlp_mma_chunk<WM, WN>(acc, current.a, current.b);
+        }
+        current = next;
     }
-    __syncthreads();  // tile_sum zeroed
 #pragma unroll
     for (int mi = 0; mi < WM; ++mi)
 #pragma unroll
         for (int ni = 0; ni < WN; ++ni)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                long long s = 0;
-#pragma unroll
-                for (int d = RLP_GROUPS - 1; d >= 0; --d) s = s * 256 + (long long)acc[d][mi][ni][c];
                 const int r = 16 * mi + g + 8 * (c / 2), col = 8 * ni + 2 * t + (c % 2);
-                atomicAdd(&tile_sum[r * TN + col], (unsigned long long)s);
+                atomicAdd(&tile_sum[r * TN + col], (unsigned long long)rlp_combine<WM, WN>(acc, mi, ni, c));
             }
     __syncthreads();
     for (int i = threadIdx.x; i < TM * TN; i += blockDim.x) {
         const int row = m0 + i / TN, col = n0 + i % TN;
         if (row >= m || col >= n) continue;
-        const int e_a = ea[row], e_w = ew[col];
-        y[(long long)row * n + col] = (e_a == RLP_NONFINITE_EXPONENT || e_w == RLP_NONFINITE_EXPONENT)
-                                          ? rlp_canonical_nan()
-                                          : rlp_round_scaled((long long)tile_sum[i], e_a + e_w + scale_offset);
+        y[(long long)row * n + col] = rlp_gemm_output((long long)tile_sum[i], row_exponent[i / TN], ew[col], scale_offset);
     }
 }
 
-#define RLP_GEMM_FUSED_ENTRY(NAME, WM, WN, KSPLIT)                                                           \
+#define RLP_GEMM_DIRECT_ENTRY(NAME, WM, WN, KSPLIT)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * KSPLIT) NAME(                                          \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
-        rlp_gemm_fused<WM, WN, KSPLIT>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                          \
+        rlp_gemm_direct<WM, WN, KSPLIT, false>(xd, nullptr, 0, 0, wd, ea, ew, m, n, kp, scale_offset, y);   \
     }
 
-// Tile shapes (rows x cols x warps splitting K), chosen per M by ops/gemm_fused.py.
-RLP_GEMM_FUSED_ENTRY(gemm_fused_a3w2_16x16k8, 1, 2, 8)
-RLP_GEMM_FUSED_ENTRY(gemm_fused_a3w2_16x32k4, 1, 4, 4)
-RLP_GEMM_FUSED_ENTRY(gemm_fused_a3w2_32x32k4, 2, 4, 4)
-RLP_GEMM_FUSED_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4)
+#define RLP_GEMM_ENCODE_ENTRY(NAME, WM, WN, KSPLIT)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * KSPLIT) NAME(                                          \
+        const float* __restrict__ x, int k, int bits_a, const signed char* __restrict__ wd,                 \
+        const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
+        rlp_gemm_direct<WM, WN, KSPLIT, true>(nullptr, x, k, bits_a, wd, nullptr, ew, m, n, kp, scale_offset, y); \
+    }
 
-// ---------------------------------------------------------------------------
-// Tiled variant for large M: the block stages a [digits][rows][64] slab of each
-// operand in shared memory (cp.async, two stages) so that each digit byte read
-// from global memory feeds every warp of the block. Same k permutation and the
-// same exact arithmetic as above; warps split the tile, not K.
+// Tile shapes (rows x cols x warps splitting K), chosen per shape by ops/gemm_fused.py.
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x16k8, 1, 2, 8)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4, 1, 4, 4)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4)
+RLP_GEMM_ENCODE_ENTRY(gemm_encode_a3w2_16x16k8, 1, 2, 8)
+RLP_GEMM_ENCODE_ENTRY(gemm_encode_a3w2_16x32k4, 1, 4, 4)
+
+// ---- tiled kernels: operands staged in shared memory (large M) -------------
+// Each stage holds CH 64-wide chunks of a BM-row slab of activation digits and a
+// BN-row slab of weight digits, laid out [digit][chunk][row][64] (a warp's
+// 16-byte reads of 8 rows then cover 512 contiguous bytes: no bank conflicts).
+// cp.async fills STAGES stages ahead; warps split the tile, not K.
 __device__ __forceinline__ void rlp_cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned int address = (unsigned int)__cvta_generic_to_shared(smem);
     const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(bytes));
 }
 
-// BM x BN tile; WARPS_M x WARPS_N warps, each WM m16 tiles x WN n8 tiles.
-template <int WM, int WN, int WARPS_M, int WARPS_N>
+__device__ __forceinline__ void rlp_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int PENDING>
+__device__ __forceinline__ void rlp_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+
+template <int WM, int WN, int WARPS_M, int WARPS_N, int CH, int STAGES>
 __device__ __forceinline__ void rlp_gemm_tiled(
     const signed char* __restrict__ xd, const signed char* __restrict__ wd,
     const int* __restrict__ ea, const int* __restrict__ ew, int m, int n, int kp, int scale_offset,
     float* __restrict__ y) {
     constexpr int BM = 16 * WM * WARPS_M, BN = 8 * WN * WARPS_N, THREADS = 32 * WARPS_M * WARPS_N;
-    constexpr int A_BYTES = RLP_A_DIGITS * BM * 64, W_BYTES = RLP_W_DIGITS * BN * 64;
-    extern __shared__ __align__(16) signed char slab[];  // 2 stages x (A then W)
+    constexpr int A_BYTES = RLP_A_DIGITS * CH * BM * 64, W_BYTES = RLP_W_DIGITS * CH * BN * 64;
+    extern __shared__ __align__(16) signed char slab[];  // STAGES x (A then W)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const long long a_row_stride = (long long)RLP_A_DIGITS * kp, w_row_stride = (long long)RLP_W_DIGITS * kp;
-    const int chunks = kp / 64;
+    const int chunks = kp / 64, groups = (chunks + CH - 1) / CH;
 
-    // slab layout per stage: A[digit][row][64] then W[slot][row][64]
-    auto stage_in = [&](int chunk, int stage) {
+    auto stage_in = [&](int group, int stage) {
         signed char* a_s = slab + stage * (A_BYTES + W_BYTES);
         signed char* w_s = a_s + A_BYTES;
-        const long long k0 = (long long)chunk * 64;
         for (int v = threadIdx.x; v < A_BYTES / 16; v += THREADS) {
-            const int digit = v / (BM * 4), row = (v / 4) % BM, part = v % 4;
-            const int grow = m0 + row;
-            rlp_cp_async16(a_s + v * 16, xd + (grow < m ? grow : 0) * a_row_stride + digit * (long long)kp + k0 + part * 16, grow < m);
+            const int digit = v / (CH * BM * 4), ch = (v / (BM * 4)) % CH, row = (v / 4) % BM, part = v % 4;
+            const int grow = m0 + row, chunk = group * CH + ch;
+            const bool valid = grow < m && chunk < chunks;
+            rlp_cp_async16(a_s + v * 16, xd + (valid ? grow * a_row_stride + digit * (long long)kp + chunk * 64 + part * 16 : 0), valid);
         }
         for (int v = threadIdx.x; v < W_BYTES / 16; v += THREADS) {
-            const int slot = v / (BN * 4), row = (v / 4) % BN, part = v % 4;
-            const int gcol = n0 + row;
-            rlp_cp_async16(w_s + v * 16, wd + (gcol < n ? gcol : 0) * w_row_stride + slot * (long long)kp + k0 + part * 16, gcol < n);
+            const int slot = v / (CH * BN * 4), ch = (v / (BN * 4)) % CH, row = (v / 4) % BN, part = v % 4;
+            const int gcol = n0 + row, chunk = group * CH + ch;
+            const bool valid = gcol < n && chunk < chunks;
+            rlp_cp_async16(w_s + v * 16, wd + (valid ? gcol * w_row_stride + slot * (long long)kp + chunk * 64 + part * 16 : 0), valid);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
     };
 
     int acc[RLP_GROUPS][WM][WN][4];
+    rlp_zero<WM, WN>(acc);
 #pragma unroll
-    for (int d = 0; d < RLP_GROUPS; ++d)
-#pragma unroll
-        for (int mi = 0; mi < WM; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < WN; ++ni)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[d][mi][ni][c] = 0;
-
-    if (chunks > 0) stage_in(0, 0);
-    for (int chunk = 0; chunk < chunks; ++chunk) {
-        const int stage = chunk & 1;
-        if (chunk + 1 < chunks) {
-            stage_in(chunk + 1, stage ^ 1);
-            asm volatile("cp.async.wait_group 1;\n" ::);
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
-        }
-        __syncthreads();
-        const signed char* a_s = slab + stage * (A_BYTES + W_BYTES);
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < groups) stage_in(s, s);
+        rlp_cp_async_commit();
+    }
+    for (int group = 0; group < groups; ++group) {
+        rlp_cp_async_wait<STAGES - 2>();
+        __syncthreads();  // this group landed for every thread; the stage refilled below is free
+        const int ahead = group + STAGES - 1;
+        if (ahead < groups) stage_in(ahead, ahead % STAGES);
+        rlp_cp_async_commit();
+        const signed char* a_s = slab + (group % STAGES) * (A_BYTES + W_BYTES);
         const signed char* w_s = a_s + A_BYTES;
-        int4 vb[RLP_W_DIGITS][WN];
 #pragma unroll
-        for (int j = 0; j < RLP_W_DIGITS; ++j)
+        for (int ch = 0; ch < CH; ++ch) {
+            int4 a[RLP_A_DIGITS][WM][2];
+            int4 b[RLP_W_DIGITS][WN];
 #pragma unroll
-            for (int ni = 0; ni < WN; ++ni) {
-                const int row = warp_n * 8 * WN + 8 * ni + g;
-                vb[j][ni] = *reinterpret_cast<const int4*>(w_s + ((RLP_W_DIGITS - 1 - j) * BN + row) * 64 + 16 * t);
-            }
+            for (int j = 0; j < RLP_W_DIGITS; ++j)
 #pragma unroll
-        for (int i = 0; i < RLP_A_DIGITS; ++i) {
-            int4 va[WM][2];
-#pragma unroll
-            for (int mi = 0; mi < WM; ++mi)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = warp_m * 16 * WM + 16 * mi + g + 8 * h;
-                    va[mi][h] = *reinterpret_cast<const int4*>(a_s + (i * BM + row) * 64 + 16 * t);
+                for (int ni = 0; ni < WN; ++ni) {
+                    const int row = warp_n * 8 * WN + 8 * ni + g;
+                    b[j][ni] = *reinterpret_cast<const int4*>(w_s + (((RLP_W_DIGITS - 1 - j) * CH + ch) * BN + row) * 64 + 16 * t);
                 }
 #pragma unroll
-            for (int step = 0; step < 2; ++step)
+            for (int i = 0; i < RLP_A_DIGITS; ++i)
 #pragma unroll
-                for (int j = 0; j < RLP_W_DIGITS; ++j)
+                for (int mi = 0; mi < WM; ++mi)
 #pragma unroll
-                    for (int mi = 0; mi < WM; ++mi)
-#pragma unroll
-                        for (int ni = 0; ni < WN; ++ni)
-                            rlp_mma_s8(acc[i + j][mi][ni],
-                                       rlp_word(va[mi][0], 2 * step), rlp_word(va[mi][1], 2 * step),
-                                       rlp_word(va[mi][0], 2 * step + 1), rlp_word(va[mi][1], 2 * step + 1),
-                                       rlp_word(vb[j][ni], 2 * step), rlp_word(vb[j][ni], 2 * step + 1));
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = warp_m * 16 * WM + 16 * mi + g + 8 * h;
+                        a[i][mi][h] = *reinterpret_cast<const int4*>(a_s + ((i * CH + ch) * BM + row) * 64 + 16 * t);
+                    }
+            rlp_mma_chunk<WM, WN>(acc, a, b);
         }
-        __syncthreads();  // the stage is refilled next iteration
     }
 #pragma unroll
     for (int mi = 0; mi < WM; ++mi)
@@ -268,24 +372,18 @@ __device__ __forceinline__ void rlp_gemm_tiled(
             for (int c = 0; c < 4; ++c) {
                 const int row = m0 + warp_m * 16 * WM + 16 * mi + g + 8 * (c / 2);
                 const int col = n0 + warp_n * 8 * WN + 8 * ni + 2 * t + (c % 2);
-                if (row >= m || col >= n) continue;
-                long long s = 0;
-#pragma unroll
-                for (int d = RLP_GROUPS - 1; d >= 0; --d) s = s * 256 + (long long)acc[d][mi][ni][c];
-                const int e_a = ea[row], e_w = ew[col];
-                y[(long long)row * n + col] = (e_a == RLP_NONFINITE_EXPONENT || e_w == RLP_NONFINITE_EXPONENT)
-                                                  ? rlp_canonical_nan()
-                                                  : rlp_round_scaled(s, e_a + e_w + scale_offset);
+                if (row < m && col < n)
+                    y[(long long)row * n + col] = rlp_gemm_output(rlp_combine<WM, WN>(acc, mi, ni, c), ea[row], ew[col], scale_offset);
             }
 }
 
-#define RLP_GEMM_TILED_ENTRY(NAME, WM, WN, WARPS_M, WARPS_N)                                                  \
+#define RLP_GEMM_TILED_ENTRY(NAME, WM, WN, WARPS_M, WARPS_N, CH, STAGES)                                      \
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) NAME(                               \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
-        rlp_gemm_tiled<WM, WN, WARPS_M, WARPS_N>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                \
+        rlp_gemm_tiled<WM, WN, WARPS_M, WARPS_N, CH, STAGES>(xd, wd, ea, ew, m, n, kp, scale_offset, y);    \
     }
 
-RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_128x64, 2, 4, 4, 2)
-RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x64, 2, 4, 2, 2)
-RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x128, 2, 4, 2, 4)
+RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x64, 2, 4, 2, 2, 2, 3)
+RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_128x64, 2, 4, 4, 2, 2, 3)
+RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x128, 2, 4, 2, 4, 2, 3)

@@ -74,14 +74,17 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
     if backend.kernel_vendor is None:
         return _gemm_reference(backend.to_numpy(x), weight, bits_a)
     method = _pick_method(backend, m, bits_a, weight, method)
-    activations = encode_rows(backend, x, bits_a)
     if m == 0 or weight.n == 0 or k == 0:
         return backend.zeros((m, weight.n), np.float32)  # an empty sum is exactly +0
     y = backend.empty((m, weight.n), np.float32)
     if method == "fused":
-        _gemm_fused(backend, activations, weight, y, tile)
+        from rlportable.ops.gemm_fused import launch_fused, pick_tile, tile_spec
+
+        spec = tile_spec(tile or pick_tile(m, weight.n, k), k)
+        activations = None if spec.encodes else encode_rows(backend, x, bits_a)
+        launch_fused(backend, spec, x, activations, weight, y, bits_a, _scale_offset(bits_a, weight.bits))
     else:
-        _gemm_blas(backend, activations, weight, y)
+        _gemm_blas(backend, encode_rows(backend, x, bits_a), weight, y)
     return y
 
 
@@ -143,9 +146,3 @@ def _gemm_blas(backend: Backend, a: EncodedRows, weight: GemmWeight, y) -> None:
 
 def _offset_view(array, start_row: int):
     return array[start_row:]
-
-
-def _gemm_fused(backend: Backend, a: EncodedRows, weight: GemmWeight, y, tile) -> None:
-    from rlportable.ops.gemm_fused import launch_fused
-
-    launch_fused(backend, a, weight, y, _scale_offset(a.bits, weight.bits), tile)

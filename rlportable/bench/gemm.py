@@ -44,7 +44,9 @@ def bench_case(backend, torch, m: int, k: int, n: int, methods: list[str], rng) 
 
         # CuPy refuses cuBLAS calls inside a graph capture: the blas path is timed by a
         # launch loop (host overhead included), the fused path by graph replay.
-        timer = time_cupy_loop if method == "blas" else time_cupy_graph
+        resolved = gemm_op.resolve_method(backend, m, gemm_op.DEFAULT_BITS_A, weight, name)
+        timer = time_cupy_loop if resolved == "blas" else time_cupy_graph
+        row[f"{method}_method"] = resolved
         row[f"{method}_s"] = timer(cupy, ours, replays, repeats)
     xt = torch.from_numpy(x_host).to("cuda", torch.bfloat16)
     wt = torch.from_numpy(w_host).to("cuda", torch.bfloat16)

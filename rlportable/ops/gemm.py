@@ -73,7 +73,7 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
         raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
     if backend.kernel_vendor is None:
         return _gemm_reference(backend.to_numpy(x), weight, bits_a)
-    method = _pick_method(backend, m, bits_a, weight, method)
+    method = resolve_method(backend, m, bits_a, weight, method)
     if m == 0 or weight.n == 0 or k == 0:
         return backend.zeros((m, weight.n), np.float32)  # an empty sum is exactly +0
     y = backend.empty((m, weight.n), np.float32)
@@ -100,7 +100,7 @@ def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarra
 BLAS_FROM_M = 1024
 
 
-def _pick_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, method: str) -> str:
+def resolve_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, method: str) -> str:
     fused_ok = backend.kernel_vendor == "cuda" and (fp.slice_count(bits_a), weight.encoded.slices) == FUSED_DIGITS
     if method == "fused" and not fused_ok:
         raise InputError(

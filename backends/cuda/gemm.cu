@@ -59,14 +59,6 @@ __device__ __forceinline__ int rlp_word(const int4& v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
-__device__ __forceinline__ void rlp_set_word(int4& v, int i, int value) {
-    if (i == 0) v.x = value; else if (i == 1) v.y = value; else if (i == 2) v.z = value; else v.w = value;
-}
-
-__device__ __forceinline__ float rlp_lane(const float4& v, int i) {
-    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
-}
-
 // Accumulate one 64-wide chunk: digits a[i][mi][h] (rows g, g+8 of m16 tile mi)
 // times weight digits b[j][ni]; the product of digits i and j lands in group i+j.
 template <int WM, int WN>
@@ -119,93 +111,38 @@ __device__ __forceinline__ float rlp_gemm_output(long long s, int e_a, int e_w, 
 // The warps of a block share one output tile and split K; their int64 sums
 // meet in shared memory through integer atomics (exact, any order). Loads of
 // the next chunk are issued before the current chunk's mma (register double
-// buffering). With ENCODE the kernel reads float32 activations and encodes
-// them itself (the block first takes each row's exponent): one launch, no
-// digit buffer; it needs K % 4 == 0 for 16-byte float loads.
-template <int WM, int WN, bool ENCODE>
-struct RlpDirectFragments;
-
+// buffering).
 template <int WM, int WN>
-struct RlpDirectFragments<WM, WN, false> {
+struct RlpDirectFragments {
     int4 a[RLP_A_DIGITS][WM][2];
     int4 b[RLP_W_DIGITS][WN];
 };
 
-template <int WM, int WN>
-struct RlpDirectFragments<WM, WN, true> {
-    float4 a[WM][2][4];
-    int4 b[RLP_W_DIGITS][WN];
-};
-
-// fixedpoint_encode_rows's digits of 16 consecutive values, packed 4 to a word.
-__device__ __forceinline__ void rlp_encode16(const float4 (&v)[4], int bits, int e, int4 (&digits)[RLP_A_DIGITS]) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        int words[RLP_A_DIGITS] = {0, 0, 0};
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            long long q = (e == RLP_NONFINITE_EXPONENT) ? 0 : rlp_quantize(rlp_lane(v[w], b), bits, e);
-#pragma unroll
-            for (int i = 0; i < RLP_A_DIGITS; ++i) {
-                const long long d = ((q + 128) & 255) - 128;
-                q = (q - d) >> 8;
-                words[i] |= ((int)d & 255) << (8 * b);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < RLP_A_DIGITS; ++i) rlp_set_word(digits[i], w, words[i]);
-    }
-}
-
-template <int WM, int WN, int KSPLIT, bool ENCODE>
+template <int WM, int WN, int KSPLIT>
 __device__ __forceinline__ void rlp_gemm_direct(
-    const signed char* __restrict__ xd, const float* __restrict__ xf, int k, int bits_a,
-    const signed char* __restrict__ wd, const int* __restrict__ ea, const int* __restrict__ ew,
-    int m, int n, int kp, int scale_offset, float* __restrict__ y) {
+    const signed char* __restrict__ xd, const signed char* __restrict__ wd,
+    const int* __restrict__ ea, const int* __restrict__ ew, int m, int n, int kp, int scale_offset,
+    float* __restrict__ y) {
     constexpr int TM = 16 * WM, TN = 8 * WN;
     __shared__ unsigned long long tile_sum[TM * TN];
-    __shared__ unsigned int row_largest[TM];
-    __shared__ int row_exponent[TM];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
     const int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
     for (int i = threadIdx.x; i < TM * TN; i += blockDim.x) tile_sum[i] = 0ull;
-    for (int r = threadIdx.x; r < TM; r += blockDim.x) row_largest[r] = 0u;
-    __syncthreads();
-    if constexpr (ENCODE) {
-        for (int r = 0; r < TM && m0 + r < m; ++r) {
-            unsigned int local = 0u;
-            for (int i = threadIdx.x; i < k; i += blockDim.x) local = max(local, rlp_magnitude_bits(xf[(long long)(m0 + r) * k + i]));
-            atomicMax(&row_largest[r], local);
-        }
-        __syncthreads();
-        for (int r = threadIdx.x; r < TM; r += blockDim.x) row_exponent[r] = rlp_row_exponent(row_largest[r]);
-    } else {
-        for (int r = threadIdx.x; r < TM; r += blockDim.x) row_exponent[r] = (m0 + r < m) ? ea[m0 + r] : 0;
-    }
     __syncthreads();
 
     const long long a_row_stride = (long long)RLP_A_DIGITS * kp, w_row_stride = (long long)RLP_W_DIGITS * kp;
-    auto load = [&](RlpDirectFragments<WM, WN, ENCODE>& f, int chunk) {
+    auto load = [&](RlpDirectFragments<WM, WN>& f, int chunk) {
         const int k0 = chunk * 64 + 16 * t;
 #pragma unroll
-        for (int mi = 0; mi < WM; ++mi)
+        for (int i = 0; i < RLP_A_DIGITS; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = m0 + 16 * mi + g + 8 * h;
-                if constexpr (ENCODE) {
+            for (int mi = 0; mi < WM; ++mi)
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) {
-                        const int kk = k0 + 4 * v;
-                        f.a[mi][h][v] = (row < m && kk < k) ? __ldg(reinterpret_cast<const float4*>(xf + (long long)row * k + kk))
-                                                            : make_float4(0.f, 0.f, 0.f, 0.f);
-                    }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < RLP_A_DIGITS; ++i)
-                        f.a[i][mi][h] = rlp_load16(xd + row * a_row_stride + (long long)i * kp + k0, row < m);
+                for (int h = 0; h < 2; ++h) {
+                    const int row = m0 + 16 * mi + g + 8 * h;
+                    f.a[i][mi][h] = rlp_load16(xd + row * a_row_stride + (long long)i * kp + k0, row < m);
                 }
-            }
 #pragma unroll
         for (int j = 0; j < RLP_W_DIGITS; ++j)
 #pragma unroll
@@ -219,25 +156,11 @@ __device__ __forceinline__ void rlp_gemm_direct(
     int acc[RLP_GROUPS][WM][WN][4];
     rlp_zero<WM, WN>(acc);
     const int chunks = kp / 64;
-    RlpDirectFragments<WM, WN, ENCODE> current, next;
+    RlpDirectFragments<WM, WN> current, next;
     if (warp < chunks) load(current, warp);
     for (int chunk = warp; chunk < chunks; chunk += KSPLIT) {
         if (chunk + KSPLIT < chunks) load(next, chunk + KSPLIT);
-        if constexpr (ENCODE) {
-            int4 a[RLP_A_DIGITS][WM][2];
-#pragma unroll
-            for (int mi = 0; mi < WM; ++mi)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    int4 digits[RLP_A_DIGITS];
-                    rlp_encode16(current.a[mi][h], bits_a, row_exponent[16 * mi + g + 8 * h], digits);
-#pragma unroll
-                    for (int i = 0; i < RLP_A_DIGITS; ++i) a[i][mi][h] = digits[i];
-                }
-            rlp_mma_chunk<WM, WN>(acc, a, current.b);
-        } else {
-            rlp_mma_chunk<WM, WN>(acc, current.a, current.b);
-        }
+        rlp_mma_chunk<WM, WN>(acc, current.a, current.b);
         current = next;
     }
 #pragma unroll
@@ -252,8 +175,8 @@ __device__ __forceinline__ void rlp_gemm_direct(
     __syncthreads();
     for (int i = threadIdx.x; i < TM * TN; i += blockDim.x) {
         const int row = m0 + i / TN, col = n0 + i % TN;
-        if (row >= m || col >= n) continue;
-        y[(long long)row * n + col] = rlp_gemm_output((long long)tile_sum[i], row_exponent[i / TN], ew[col], scale_offset);
+        if (row < m && col < n)
+            y[(long long)row * n + col] = rlp_gemm_output((long long)tile_sum[i], ea[row], ew[col], scale_offset);
     }
 }
 
@@ -261,22 +184,13 @@ __device__ __forceinline__ void rlp_gemm_direct(
     extern "C" __global__ void __launch_bounds__(32 * KSPLIT) NAME(                                          \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
-        rlp_gemm_direct<WM, WN, KSPLIT, false>(xd, nullptr, 0, 0, wd, ea, ew, m, n, kp, scale_offset, y);   \
-    }
-
-#define RLP_GEMM_ENCODE_ENTRY(NAME, WM, WN, KSPLIT)                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * KSPLIT) NAME(                                          \
-        const float* __restrict__ x, int k, int bits_a, const signed char* __restrict__ wd,                 \
-        const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
-        rlp_gemm_direct<WM, WN, KSPLIT, true>(nullptr, x, k, bits_a, wd, nullptr, ew, m, n, kp, scale_offset, y); \
+        rlp_gemm_direct<WM, WN, KSPLIT>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                         \
     }
 
 // Tile shapes (rows x cols x warps splitting K), chosen per shape by ops/gemm_fused.py.
 RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x16k8, 1, 2, 8)
 RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4, 1, 4, 4)
 RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4)
-RLP_GEMM_ENCODE_ENTRY(gemm_encode_a3w2_16x16k8, 1, 2, 8)
-RLP_GEMM_ENCODE_ENTRY(gemm_encode_a3w2_16x32k4, 1, 4, 4)
 
 // ---- tiled kernels: operands staged in shared memory (large M) -------------
 // Each stage holds CH 64-wide chunks of a BM-row slab of activation digits and a

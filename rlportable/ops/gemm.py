@@ -80,9 +80,8 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
     if method == "fused":
         from rlportable.ops.gemm_fused import launch_fused, pick_tile, tile_spec
 
-        spec = tile_spec(tile or pick_tile(m, weight.n, k), k)
-        activations = None if spec.encodes else encode_rows(backend, x, bits_a)
-        launch_fused(backend, spec, x, activations, weight, y, bits_a, _scale_offset(bits_a, weight.bits))
+        spec = tile_spec(tile or pick_tile(m, weight.n))
+        launch_fused(backend, spec, encode_rows(backend, x, bits_a), weight, y, _scale_offset(bits_a, weight.bits))
     else:
         _gemm_blas(backend, encode_rows(backend, x, bits_a), weight, y)
     return y

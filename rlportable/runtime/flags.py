@@ -20,8 +20,8 @@ CUDA_OPTIONS = (
 # explicitly.
 HIP_OPTIONS = (
     "-std=c++17",
-    "-ffp-contract=off",
     "-fno-fast-math",
+    "-ffp-contract=off",  # after -fno-fast-math, so the last word on contraction is "off"
     "-fno-gpu-flush-denormals-to-zero",
 )
 

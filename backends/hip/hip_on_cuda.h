@@ -1,0 +1,32 @@
+// HIP-on-CUDA prelude: lets NVRTC (or nvcc) compile backends/hip/*.hip on an
+// NVIDIA GPU, so the HIP kernels' logic is tested with a warp of 32 where no AMD
+// GPU is at hand. The runtime puts it in front of a HIP family's source
+// (CudaBackend(kernel_source="hip"), assemble_source("hip", family,
+// prelude="hip_on_cuda.h")) and also passes -DRLP_HIP_ON_CUDA=1.
+//
+// What it maps, and why that is all:
+//   * <hip/hip_runtime.h> is not available to NVRTC; every .hip file includes
+//     it only under #ifndef RLP_HIP_ON_CUDA, which this header defines.
+//   * The .hip sources are written (see common.h) with names that HIP and CUDA
+//     both define with the same meaning: threadIdx/blockIdx/blockDim/gridDim,
+//     __syncthreads, __global__/__device__/__shared__/__forceinline__/
+//     __restrict__, the bit casts (__int_as_float, __float_as_int,
+//     __double_as_longlong, __longlong_as_double), __clz, rint, and the
+//     atomics atomicMax/atomicOr(unsigned int*) and atomicAdd(unsigned long long*).
+//     None of them needs a mapping.
+//   * A HIP-only name that a .hip file starts to use gets its CUDA meaning
+//     here (e.g. `#define hipThreadIdx_x threadIdx.x`). One used and not mapped
+//     fails the offline compile in CI (tests/test_kernel_sources.py compiles
+//     every .hip through this prelude with nvcc), so the list cannot fall
+//     behind silently. AMD builtins (__builtin_amdgcn_*) have no CUDA meaning
+//     and are not allowed in the shared sources.
+// Include guard rather than #pragma once: the runtime inlines this file into
+// the compiled text, where #pragma once would draw a warning.
+#ifndef RLP_HIP_ON_CUDA_H
+#define RLP_HIP_ON_CUDA_H
+
+#ifndef RLP_HIP_ON_CUDA
+#define RLP_HIP_ON_CUDA 1
+#endif
+
+#endif  // RLP_HIP_ON_CUDA_H

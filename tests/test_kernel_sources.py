@@ -1,0 +1,158 @@
+"""Every kernel source compiles, as the runtime compiles it, for every target (no GPU needed).
+
+backends/cuda/*.cu with nvcc for sm_80 and sm_90; backends/hip/*.hip with hipcc
+and with hiprtc for gfx90a; backends/hip/*.hip behind hip_on_cuda.h with nvcc for
+sm_90. Sources and options come from the runtime (rlportable.runtime.offline_compile).
+
+A missing compiler fails the test when the CI environment variable is set (.ci/run
+installs hipcc; nvcc is on the machine) and skips it otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from rlportable.resources import resource_dir
+from rlportable.runtime import offline_compile
+
+# hip_runtime.h for hipcc and hiprtc, never under the HIP-on-CUDA prelude (NVRTC has no such header)
+HIP_HEADER = "#ifndef RLP_HIP_ON_CUDA\n#include <hip/hip_runtime.h>\n#endif\n"
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+# Names that tie a kernel to one warp width or one vendor: the HIP sources must run at 64 (CDNA)
+# and at 32 (NVIDIA, through the prelude), so block-wide results use shared-memory atomics only.
+_WARP_OR_VENDOR_SPECIFIC = ("__shfl", "__ballot", "__activemask", "__any_sync", "__all_sync", "warpSize",
+                            "__builtin_amdgcn_", "asm(", "asm volatile")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="module")
+def compile_results():
+    results = offline_compile.compile_all()
+    return {(result.target.name, result.family): result for result in results}
+
+
+JOBS = offline_compile.jobs()
+
+
+def test_there_are_kernels_for_every_target():
+    for target in offline_compile.TARGETS:
+        assert offline_compile.families(target.vendor), f"no kernel sources for {target.name}"
+
+
+@pytest.mark.parametrize("target,family", JOBS, ids=[f"{family}-{target.name}" for target, family in JOBS])
+def test_kernel_source_compiles(compile_results, target, family):
+    result = compile_results[(target.name, family)]
+    if result.status == "missing":
+        message = f"{result.detail}: cannot compile {family} for {target.name}"
+        if in_ci():
+            pytest.fail(f"{message} (CI must install every kernel compiler; see .ci/run)")
+        pytest.skip(message)
+    assert result.status == "ok", f"{family} / {target.name} failed\n$ {result.command}\n{result.detail}"
+
+
+def _sources(vendor: str) -> dict[str, str]:
+    suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
+    folder = resource_dir("backends") / vendor
+    return {family: (folder / f"{family}{suffix}").read_text() for family in offline_compile.families(vendor)}
+
+
+def _kernels(text: str) -> dict[str, str]:
+    return {name: " ".join(params.split()) for name, params in _KERNEL.findall(text)}
+
+
+def test_every_cuda_family_has_a_hip_port():
+    missing = sorted(set(_sources("cuda")) - set(_sources("hip")))
+    assert not missing, f"kernel families with no backends/hip/<family>.hip: {missing}"
+
+
+@pytest.mark.parametrize("family", offline_compile.families("hip"))
+def test_hip_kernels_match_cuda_names_and_arguments(family):
+    cuda_text = _sources("cuda").get(family)
+    if cuda_text is None:
+        pytest.fail(f"backends/hip/{family}.hip has no backends/cuda/{family}.cu")
+    hip_kernels, cuda_kernels = _kernels(_sources("hip")[family]), _kernels(cuda_text)
+    assert hip_kernels, f"{family}.hip defines no extern \"C\" __global__ kernel"
+    for name, params in hip_kernels.items():
+        assert name in cuda_kernels, f"{family}.hip kernel {name} has no CUDA twin"
+        assert params == cuda_kernels[name], f"{name}: HIP ({params}) and CUDA ({cuda_kernels[name]}) arguments differ"
+
+
+@pytest.mark.parametrize("family", offline_compile.families("hip"))
+def test_hip_source_layout(family):
+    text = _sources("hip")[family]
+    first_code = re.sub(r"\A(?:[ \t]*(?://[^\n]*)?\n)*", "", text)  # leading comment lines may come first
+    assert first_code.startswith(HIP_HEADER), f"{family}.hip must begin with the guarded runtime include:\n{HIP_HEADER}"
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)  # comments may name anything
+    for name in _WARP_OR_VENDOR_SPECIFIC:
+        assert name not in code, f"{family}.hip uses {name!r}: warp-width or vendor specific"
+
+
+def test_hip_common_header_is_warp_and_vendor_neutral():
+    text = (resource_dir("backends") / "hip" / "common.h").read_text()
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)
+    for name in _WARP_OR_VENDOR_SPECIFIC:
+        assert name not in code, f"hip/common.h uses {name!r}: warp-width or vendor specific"
+
+
+# ---- the runtime's options switch contraction off in every compiler (contract rule 2)
+
+_CONTRACTION_PROBE = """
+extern "C" __global__ void contraction_probe(const float* a, float* y, const double* d, double* z) {
+    int i = threadIdx.x;
+    y[i] = a[i] * a[i + 1] + a[i + 2];
+    z[i] = d[i] * d[i + 1] + d[i + 2];
+}
+"""
+# fused multiply-adds in PTX (nvcc) and in AMDGPU assembly (hipcc, hiprtc)
+_FUSED = re.compile(r"\bfma\.|\bmad\.|\bv_(?:pk_)?(?:fma|fmac|mad|mac)\w*_f(?:16|32|64)\b")
+
+
+def _disassemble_amdgpu(code: bytes, tmp_path) -> str:
+    import shutil
+    import subprocess
+
+    objdump = shutil.which("llvm-objdump") or next(
+        (shutil.which(f"llvm-objdump-{v}") for v in range(30, 13, -1) if shutil.which(f"llvm-objdump-{v}")), None)
+    if objdump is None:
+        if in_ci():
+            pytest.fail("llvm-objdump not found (it comes with hipcc's LLVM)")
+        pytest.skip("llvm-objdump not found")
+    path = tmp_path / "probe.hsaco"
+    path.write_bytes(code)
+    return subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("target", offline_compile.TARGETS, ids=[t.name for t in offline_compile.TARGETS])
+def test_runtime_options_forbid_contraction(target, tmp_path):
+    import subprocess
+
+    tool = offline_compile.find_compiler(target.compiler)
+    if tool is None:
+        if in_ci():
+            pytest.fail(f"{target.compiler} not found")
+        pytest.skip(f"{target.compiler} not found")
+    options = offline_compile.runtime_options(target)
+    if target.compiler == "nvcc":
+        src, out = tmp_path / "probe.cu", tmp_path / "probe.ptx"
+        src.write_text(("#define RLP_HIP_ON_CUDA 1\n" if target.hip_on_cuda else "") + _CONTRACTION_PROBE)
+        subprocess.run([tool, "-ptx", *options, str(src), "-o", str(out)], check=True, capture_output=True)
+        text = out.read_text()
+    elif target.compiler == "hipcc":
+        src, out = tmp_path / "probe.hip", tmp_path / "probe.s"
+        src.write_text(HIP_HEADER + _CONTRACTION_PROBE)
+        subprocess.run([tool, *offline_compile.HIPCC_DEVICE_ONLY, "-S", *options, str(src), "-o", str(out)],
+                       check=True, capture_output=True, env=dict(os.environ, HIP_PLATFORM="amd"))
+        text = out.read_text()
+    else:
+        status, log, code = offline_compile.hiprtc_compile(tool, HIP_HEADER + _CONTRACTION_PROBE, "probe.hip", options)
+        assert status == 0, log
+        text = _disassemble_amdgpu(code, tmp_path)
+    assert re.search(r"mul", text), "the probe's multiplies are missing from the output"
+    fused = sorted(set(_FUSED.findall(text)))
+    assert not fused, f"{target.name}: contraction with options {' '.join(options)}: {fused}"

@@ -14,21 +14,21 @@ extern "C" __global__ void gemm_combine_groups(
     const int* __restrict__ groups, int n_groups, long long m, long long n,
     const int* __restrict__ exponents_a, const int* __restrict__ exponents_w, int scale_offset,
     float* __restrict__ y) {
-    const long long total = m * n;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long row = idx / n, col = idx - row * n;
-        const int ea = exponents_a[row], ew = exponents_w[col];
-        if (ea == RLP_NONFINITE_EXPONENT || ew == RLP_NONFINITE_EXPONENT) {
-            y[idx] = rlp_canonical_nan();
-            continue;
+    // grid: x over columns, y over rows (grid-stride), so no 64-bit division per element
+    const long long plane = m * n;
+    for (long long row = blockIdx.y; row < m; row += gridDim.y) {
+        const int ea = exponents_a[row];
+        for (long long col = blockIdx.x * (long long)blockDim.x + threadIdx.x; col < n;
+             col += (long long)gridDim.x * blockDim.x) {
+            const long long idx = row * n + col;
+            long long s = 0;
+            for (int d = n_groups - 1; d >= 0; --d) s = s * 256 + (long long)groups[(long long)d * plane + idx];
+            y[idx] = (ea == RLP_NONFINITE_EXPONENT || exponents_w[col] == RLP_NONFINITE_EXPONENT)
+                         ? rlp_canonical_nan()
+                         : rlp_round_scaled(s, ea + exponents_w[col] + scale_offset);
         }
-        long long s = 0;
-        for (int d = n_groups - 1; d >= 0; --d) s = s * 256 + (long long)groups[(long long)d * total + idx];
-        y[idx] = rlp_round_scaled(s, ea + ew + scale_offset);
     }
 }
-
 
 // ---------------------------------------------------------------------------
 // Fused path: int8 digit products on tensor cores (mma.sync m16n8k32, sm_80+),
@@ -180,17 +180,19 @@ __device__ __forceinline__ void rlp_gemm_direct(
     }
 }
 
-#define RLP_GEMM_DIRECT_ENTRY(NAME, WM, WN, KSPLIT)                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * KSPLIT) NAME(                                          \
+#define RLP_GEMM_DIRECT_ENTRY(NAME, WM, WN, KSPLIT, MIN_BLOCKS)                                              \
+    extern "C" __global__ void __launch_bounds__(32 * KSPLIT, MIN_BLOCKS) NAME(                                          \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
         rlp_gemm_direct<WM, WN, KSPLIT>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                         \
     }
 
 // Tile shapes (rows x cols x warps splitting K), chosen per shape by ops/gemm_fused.py.
-RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x16k8, 1, 2, 8)
-RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4, 1, 4, 4)
-RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x16k8, 1, 2, 8, 1)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4, 1, 4, 4, 1)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4, 1)
+// the same tile held to fewer registers, for more warps per SM (more loads in flight)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4o, 1, 4, 4, 3)
 
 // ---- tiled kernels: operands staged in shared memory (large M) -------------
 // Each stage holds CH 64-wide chunks of a BM-row slab of activation digits and a

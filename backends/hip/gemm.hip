@@ -18,17 +18,18 @@ extern "C" __global__ void gemm_combine_groups(
     const int* __restrict__ groups, int n_groups, long long m, long long n,
     const int* __restrict__ exponents_a, const int* __restrict__ exponents_w, int scale_offset,
     float* __restrict__ y) {
-    const long long total = m * n;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long row = idx / n, col = idx - row * n;
-        const int ea = exponents_a[row], ew = exponents_w[col];
-        if (ea == RLP_NONFINITE_EXPONENT || ew == RLP_NONFINITE_EXPONENT) {
-            y[idx] = rlp_canonical_nan();
-            continue;
+    // grid: x over columns, y over rows (grid-stride), so no 64-bit division per element
+    const long long plane = m * n;
+    for (long long row = blockIdx.y; row < m; row += gridDim.y) {
+        const int ea = exponents_a[row];
+        for (long long col = blockIdx.x * (long long)blockDim.x + threadIdx.x; col < n;
+             col += (long long)gridDim.x * blockDim.x) {
+            const long long idx = row * n + col;
+            long long s = 0;
+            for (int d = n_groups - 1; d >= 0; --d) s = s * 256 + (long long)groups[(long long)d * plane + idx];
+            y[idx] = (ea == RLP_NONFINITE_EXPONENT || exponents_w[col] == RLP_NONFINITE_EXPONENT)
+                         ? rlp_canonical_nan()
+                         : rlp_round_scaled(s, ea + exponents_w[col] + scale_offset);
         }
-        long long s = 0;
-        for (int d = n_groups - 1; d >= 0; --d) s = s * 256 + (long long)groups[(long long)d * total + idx];
-        y[idx] = rlp_round_scaled(s, ea + ew + scale_offset);
     }
 }

@@ -136,7 +136,7 @@ def _gemm_blas(backend: Backend, a: EncodedRows, weight: GemmWeight, y) -> None:
                 g, d * rows * n, n,
             )
         backend.launch(
-            "gemm", "gemm_combine_groups", (min(-(-rows * n // COMBINE_THREADS), 65535 * 8),), (COMBINE_THREADS,),
+            "gemm", "gemm_combine_groups", (-(-n // COMBINE_THREADS), min(rows, 65535)), (COMBINE_THREADS,),
             (g, np.int32(groups), np.int64(rows), np.int64(n),
              _offset_view(a.exponents, start), w.exponents,
              np.int32(_scale_offset(a.bits, w.bits)), _offset_view(y, start)),

@@ -35,8 +35,8 @@ class Tile:
     shared_bytes: int = 0
 
 
-def _direct(rows, cols, warps):
-    return Tile("direct", f"gemm_fused_a3w2_{rows}x{cols}k{warps}", rows, cols, 32 * warps)
+def _direct(rows, cols, warps, suffix=""):
+    return Tile("direct", f"gemm_fused_a3w2_{rows}x{cols}k{warps}{suffix}", rows, cols, 32 * warps)
 
 
 def _tiled(rows, cols, warps, chunks_per_stage=2, stages=3):
@@ -48,6 +48,7 @@ FUSED_TILES = {
     "16x16k8": _direct(16, 16, 8),
     "16x32k4": _direct(16, 32, 4),
     "32x16k4": _direct(32, 16, 4),
+    "16x32k4o": _direct(16, 32, 4, "o"),  # o: register-bounded for occupancy
     "t64x64": _tiled(64, 64, 4),
     "t128x64": _tiled(128, 64, 8),
     "t64x128": _tiled(64, 128, 8),

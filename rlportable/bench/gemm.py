@@ -43,7 +43,7 @@ def bench_case(backend, torch, m: int, k: int, n: int, methods: list[str], rng) 
             out["y"] = gemm_op.gemm(backend, x, weight, method=name, tile=tile or None)
 
         # CuPy refuses cuBLAS calls inside a graph capture: the blas path is timed by a
-        # launch loop (host overhead included), the fused path by graph replay.
+        # launch loop queued behind a spin kernel, the fused path by graph replay.
         resolved = gemm_op.resolve_method(backend, m, gemm_op.DEFAULT_BITS_A, weight, name)
         timer = time_cupy_loop if resolved == "blas" else time_cupy_graph
         row[f"{method}_method"] = resolved

@@ -29,14 +29,28 @@ def time_cupy_graph(cupy, step: Callable[[], None], replays: int = 20, repeats: 
     return statistics.median(samples)
 
 
-def time_cupy_loop(cupy, step: Callable[[], None], replays: int = 20, repeats: int = 5) -> float:
-    """Median seconds per call of `step` launched from Python (for code CuPy cannot capture,
-    such as its cuBLAS wrappers); host launch overhead is included."""
+# A timing aid, not a compute kernel: it holds the stream busy while the host queues work.
+_SPIN_SOURCE = r"""
+extern "C" __global__ void bench_spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
+def time_cupy_loop(cupy, step: Callable[[], None], replays: int = 20, repeats: int = 5,
+                   spin_seconds: float = 0.02) -> float:
+    """Median device seconds per call of `step`, for code CuPy cannot capture in a graph
+    (its cuBLAS wrappers). A spin kernel keeps the GPU busy while Python queues the
+    launches, so they then run back to back: host overhead stays out of the number."""
+    spin = cupy.RawKernel(_SPIN_SOURCE, "bench_spin")
+    cycles = int(spin_seconds * cupy.cuda.Device().attributes["ClockRate"] * 1e3)
     step()
     cupy.cuda.runtime.deviceSynchronize()
     samples = []
     for _ in range(repeats):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        spin((1,), (1,), (cupy.int64(cycles),))
         start.record()
         for _ in range(replays):
             step()

@@ -72,19 +72,22 @@ def info():
               help="hip: run the HIP sources on a cuda device through the HIP-on-CUDA prelude.")
 @click.option("--only", default=None, help="Run the checks whose name contains this text.")
 @click.option("--seed", default=0, show_default=True, type=int)
-def conform(device, json_path, quick, kernel_source, only, seed):
+@click.option("--exhaustive", is_flag=True, help="Also grade exp and log on all 2^32 float32 inputs (GPU only).")
+def conform(device, json_path, quick, kernel_source, only, seed, exhaustive):
     """Check every contract's kernels against the NumPy reference, bit for bit."""
     from rlportable import conform as suite
 
     backend = _backend(device, kernel_source)
     try:
-        results = suite.run(backend, quick=quick, seed=seed, only=only,
+        results = suite.run(backend, quick=quick, seed=seed, only=only, exhaustive=exhaustive,
                             progress=lambda name: click.echo(f"  checking {name} ...", err=True))
     except RlpError as error:
         _fail(error)
     table = [[r.name, r.compared, r.mismatches, "pass" if r.passed else "FAIL"] for r in results]
     click.echo(tabulate(table, headers=["check", "compared", "mismatches", "verdict"]))
     payload = suite.report(backend.label, backend.info(), results)
+    if suite.EXHAUSTIVE_REPORTS:
+        payload["exhaustive"] = suite.EXHAUSTIVE_REPORTS
     click.echo(f"\n{backend.label}: {payload['compared']} elements compared, {payload['mismatches']} mismatches: "
                f"{'PASS' if payload['passed'] else 'FAIL'}")
     _write_json(json_path, payload)

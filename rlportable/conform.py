@@ -14,7 +14,8 @@ import numpy as np
 
 from rlportable.contract import exact, fixedpoint as fp
 from rlportable.conform_inputs import GEMM_SHAPES_FULL, GEMM_SHAPES_QUICK, ROW_KINDS, random_rows
-from rlportable.ops import fixedpoint as fixedpoint_op, gemm as gemm_op, rowsum as rowsum_op
+from rlportable.contract import elementwise as elementwise_ref
+from rlportable.ops import elementwise as elementwise_op, fixedpoint as fixedpoint_op, gemm as gemm_op, rowsum as rowsum_op
 from rlportable.ops.gemm_fused import FUSED_TILES
 from rlportable.runtime.base import Backend
 
@@ -141,19 +142,58 @@ def check_rowsum(backend: Backend, rng, quick: bool) -> Tally:
     return tally
 
 
+def elementwise_inputs(rng, quick: bool) -> np.ndarray:
+    """Random float32 bit patterns (every class: NaN, inf, subnormal, normal) plus the edge cases."""
+    count = (1 << 18) if quick else (1 << 24)
+    random_bits = rng.integers(0, 1 << 32, size=count, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([random_bits, elementwise_ref.edge_inputs()]).view(np.float32)
+
+
+def _check_elementwise(name: str):
+    def check(backend: Backend, rng, quick: bool) -> Tally:
+        tally = Tally()
+        x = elementwise_inputs(rng, quick)
+        expected = getattr(elementwise_ref, f"{name}_f32")(x)
+        tally.add(backend.to_numpy(elementwise_op.apply(backend, name, backend.asarray(x))), expected)
+        return tally
+
+    return check
+
+
+def _check_elementwise_exhaustive(name: str):
+    def check(backend: Backend, rng, quick: bool) -> Tally:
+        tally = Tally()
+        result = elementwise_op.exhaustive_check(backend, name)
+        tally.compared, tally.mismatches = result["checked"], result["not_correctly_rounded"]
+        EXHAUSTIVE_REPORTS.append(result)
+        return tally
+
+    return check
+
+
+EXHAUSTIVE_REPORTS: list[dict] = []
+
 CHECKS: list[tuple[str, Callable]] = [
     ("fixedpoint.encode_rows", check_fixedpoint),
     ("gemm", check_gemm),
     ("gemm.other_bits", check_gemm_other_bits),
     ("gemm.invariance", check_gemm_invariance),
     ("rowsum", check_rowsum),
+    ("elementwise.exp_f32", _check_elementwise("exp")),
+    ("elementwise.log_f32", _check_elementwise("log")),
+]
+
+#: added by --exhaustive: all 2^32 inputs graded for correct rounding on the device
+EXHAUSTIVE_CHECKS: list[tuple[str, Callable]] = [
+    ("elementwise.exp_f32.all_2^32_correctly_rounded", _check_elementwise_exhaustive("exp")),
+    ("elementwise.log_f32.all_2^32_correctly_rounded", _check_elementwise_exhaustive("log")),
 ]
 
 
 def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None = None,
-        progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+        progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> list[CheckResult]:
     results = []
-    for name, check in CHECKS:
+    for name, check in CHECKS + (EXHAUSTIVE_CHECKS if exhaustive else []):
         if only and only not in name:
             continue
         if progress:

@@ -180,19 +180,17 @@ __device__ __forceinline__ void rlp_gemm_direct(
     }
 }
 
-#define RLP_GEMM_DIRECT_ENTRY(NAME, WM, WN, KSPLIT, MIN_BLOCKS)                                              \
-    extern "C" __global__ void __launch_bounds__(32 * KSPLIT, MIN_BLOCKS) NAME(                                          \
+#define RLP_GEMM_DIRECT_ENTRY(NAME, WM, WN, KSPLIT)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * KSPLIT) NAME(                                          \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
         rlp_gemm_direct<WM, WN, KSPLIT>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                         \
     }
 
 // Tile shapes (rows x cols x warps splitting K), chosen per shape by ops/gemm_fused.py.
-RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x16k8, 1, 2, 8, 1)
-RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4, 1, 4, 4, 1)
-RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4, 1)
-// the same tile held to fewer registers, for more warps per SM (more loads in flight)
-RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4o, 1, 4, 4, 3)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x16k8, 1, 2, 8)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_16x32k4, 1, 4, 4)
+RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4)
 
 // ---- tiled kernels: operands staged in shared memory (large M) -------------
 // Each stage holds CH 64-wide chunks of a BM-row slab of activation digits and a

@@ -35,8 +35,8 @@ class Tile:
     shared_bytes: int = 0
 
 
-def _direct(rows, cols, warps, suffix=""):
-    return Tile("direct", f"gemm_fused_a3w2_{rows}x{cols}k{warps}{suffix}", rows, cols, 32 * warps)
+def _direct(rows, cols, warps):
+    return Tile("direct", f"gemm_fused_a3w2_{rows}x{cols}k{warps}", rows, cols, 32 * warps)
 
 
 def _tiled(rows, cols, warps, chunks_per_stage=2, stages=3):
@@ -48,7 +48,6 @@ FUSED_TILES = {
     "16x16k8": _direct(16, 16, 8),
     "16x32k4": _direct(16, 32, 4),
     "32x16k4": _direct(32, 16, 4),
-    "16x32k4o": _direct(16, 32, 4, "o"),  # o: register-bounded for occupancy
     "t64x64": _tiled(64, 64, 4),
     "t128x64": _tiled(128, 64, 8),
     "t64x128": _tiled(64, 128, 8),
@@ -59,9 +58,11 @@ LARGE_N = 65536
 
 
 def pick_tile(m: int, n: int) -> str:
-    """Fastest tile per shape in bench/results/gemm_sweep_h200.json (H200, 2026-11-30)."""
+    """Fastest tile per shape in bench/results/gemm_sweep*_h200.json (H200, 2026-11-30)."""
     if m <= 16:
-        return "16x32k4" if n >= LARGE_N else "16x16k8"
+        return "16x32k4" if n >= 4096 else "16x16k8"
+    if m <= 64 and n <= 1024:
+        return "16x16k8"
     direct_blocks = -(-m // 16) * -(-n // 32)
     if direct_blocks <= 512:
         return "16x32k4"

@@ -1,0 +1,78 @@
+"""Log-probabilities (and entropy) of logits at a temperature: reference of contracts/logprob.toml.
+
+For one row of logits z [V] (float32, from the exact gemm) and temperature T:
+  a_v  = RNE_f32(float64(z_v) / float64(T))          (T = 1 gives z exactly)
+  m    = max_v a_v                                     exact
+  p_v  = exp_f32(a_v - m)                              float32 subtraction, contract exp
+  S    = sum_v RNE(p_v * 2^36)                         exact int64 (V <= 2^25)
+  ls   = log_f32(RNE_f32(S * 2^-36))                   one rounding, contract log
+  logp(y) = RNE_f32(a_y - m) - ls                      two float32 subtractions
+  entropy = ls - RNE_f32(W / S') where W = sum_v p_v (a_v - m) as an exact fixed-point sum
+            of the exact float64 products (38 bits relative to the largest), S' = S * 2^-36,
+            the quotient of their round-to-odd float64 values rounded once to float32.
+A row with a NaN (or T that makes a_v non-finite) gives the canonical NaN. Every sum is
+exact, so the vocabulary may be processed in any number of chunks: the bits do not change.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlportable.contract import fixedpoint as fp
+from rlportable.contract.elementwise import exp_f32, log_f32
+
+SUM_BITS = 38
+MAX_VOCAB = 2**25
+
+
+def _shifted(logits: np.ndarray, temperature: float):
+    a = (logits.astype(np.float64) / np.float64(temperature)).astype(np.float32)
+    m = a.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        d = (a - m).astype(np.float32)
+    return a, m, d
+
+
+def _log_sum(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(S int64, ls float32) for p float32 [rows, V] in [0, 1]."""
+    s = np.rint(p.astype(np.float64) * 2.0 ** (SUM_BITS - 2)).astype(np.int64).sum(axis=1)
+    s32 = fp.round_scaled(s, np.full(s.shape, -(SUM_BITS - 2)))
+    return s, log_f32(s32)
+
+
+def logprobs(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """float32 [rows] log-probability of targets [rows] under softmax(logits / T)."""
+    a, m, d = _shifted(np.asarray(logits, dtype=np.float32), temperature)
+    p = exp_f32(d)
+    _, ls = _log_sum(p)
+    rows = np.arange(a.shape[0])
+    out = (d[rows, targets] - ls).astype(np.float32)
+    out[~np.isfinite(m[:, 0]) | np.isnan(a).any(axis=1)] = fp.CANONICAL_NAN
+    return out
+
+
+def entropy(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """float32 [rows] entropy of softmax(logits / T)."""
+    a, m, d = _shifted(np.asarray(logits, dtype=np.float32), temperature)
+    p = exp_f32(d)
+    s, ls = _log_sum(p)
+    w = p.astype(np.float64) * d.astype(np.float64)  # exact products, <= 0
+    qw, ew = quantize_f64_rows(w, SUM_BITS)
+    w_sum = fp.round_to_odd_f64(qw.sum(axis=1)) * fp.pow2_f64(ew - (SUM_BITS - 2))
+    s_val = fp.round_to_odd_f64(s) * fp.pow2_f64(np.full(s.shape, -(SUM_BITS - 2)))
+    mean = (w_sum / s_val).astype(np.float32)
+    out = (ls - mean).astype(np.float32)
+    out[~np.isfinite(m[:, 0]) | np.isnan(a).any(axis=1)] = fp.CANONICAL_NAN
+    return out
+
+
+def quantize_f64_rows(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fixed-point encoding of finite float64 rows: e = ilogb(max |w|) (0 for zero rows, whose
+    q are all 0), q = RNE(w * 2^(bits-2-e)); exact since the scaling is a power of two."""
+    largest = np.abs(w).max(axis=1)
+    e = np.where(largest > 0, np.frexp(largest)[1] - 1, 0).astype(np.int64)
+    shift = bits - 2 - e
+    # a power of two beyond float64's range is applied in two exact steps
+    half = shift // 2
+    q = np.rint((w * fp.pow2_f64(half)[:, None]) * fp.pow2_f64(shift - half)[:, None]).astype(np.int64)
+    return q, e

@@ -171,6 +171,21 @@ def _check_elementwise_exhaustive(name: str):
     return check
 
 
+def check_residual(backend: Backend, rng, quick: bool) -> Tally:
+    from rlportable.ops import residual as residual_op
+
+    tally = Tally()
+    for m, k, _ in _shapes(quick):
+        for kind in ROW_KINDS:
+            a, b = random_rows(rng, m, k, kind), random_rows(rng, m, k, kind)
+            tally.add(backend.to_numpy(residual_op.add(backend, backend.asarray(a), backend.asarray(b))),
+                      residual_op.add_reference(a, b))
+            bias = random_rows(rng, 1, k, kind)[0]
+            tally.add(backend.to_numpy(residual_op.add_bias(backend, backend.asarray(a), backend.asarray(bias))),
+                      residual_op.add_bias_reference(a, bias))
+    return tally
+
+
 EXHAUSTIVE_REPORTS: list[dict] = []
 
 CHECKS: list[tuple[str, Callable]] = [
@@ -179,6 +194,7 @@ CHECKS: list[tuple[str, Callable]] = [
     ("gemm.other_bits", check_gemm_other_bits),
     ("gemm.invariance", check_gemm_invariance),
     ("rowsum", check_rowsum),
+    ("residual", check_residual),
     ("elementwise.exp_f32", _check_elementwise("exp")),
     ("elementwise.log_f32", _check_elementwise("log")),
 ]

@@ -1,0 +1,44 @@
+"""load_model("tiny" | directory) -> (ModelConfig, ModelWeights, Tokenizer), and save_model."""
+
+from __future__ import annotations
+
+import os
+
+from rlportable.model.config import ModelConfig, ModelError
+from rlportable.model.tokenizer import TOKENIZER_FILE, Tokenizer, check_vocab, load_tokenizer
+from rlportable.model.weights import ModelWeights, check_weights, load_weights, save_safetensors
+
+TINY = "tiny"
+
+
+def load_model(spec: str | os.PathLike) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
+    """The built-in tiny model ("tiny") or a Hugging Face directory (config.json,
+    model.safetensors or its sharded index, tokenizer.json)."""
+    if isinstance(spec, str) and spec == TINY:
+        from rlportable.model.tiny import tiny_model
+
+        return tiny_model()
+    directory = os.fspath(spec)
+    if not os.path.exists(directory):
+        raise ModelError(f"model {directory!r}: no such directory (give a Hugging Face model directory or 'tiny')")
+    if not os.path.isdir(directory):
+        raise ModelError(f"model {directory!r}: not a directory (give a Hugging Face model directory or 'tiny')")
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelError(f"{directory}: no config.json")
+    if not os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
+        raise ModelError(f"{directory}: no {TOKENIZER_FILE}")
+    config = ModelConfig.from_file(config_path)
+    tokenizer = load_tokenizer(directory, config)
+    weights = load_weights(directory, config)
+    return config, weights, tokenizer
+
+
+def save_model(directory: str | os.PathLike, config: ModelConfig, weights: ModelWeights,
+               tokenizer: Tokenizer, dtype: str = "bf16") -> None:
+    """A directory load_model (and transformers) read back: config.json, model.safetensors,
+    tokenizer.json, tokenizer_config.json; each file written atomically."""
+    check_weights(weights, config)
+    check_vocab(tokenizer, config)
+    save_safetensors(weights, config, directory, dtype=dtype)
+    tokenizer.save(directory)

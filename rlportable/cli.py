@@ -94,6 +94,37 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive):
     sys.exit(0 if payload["passed"] else 1)
 
 
+@main.command()
+@click.option("--model", "model_spec", default="tiny", show_default=True, help="'tiny' or a Hugging Face style directory.")
+@DEVICE_OPTION
+@click.option("--text", default=None, help="A text to score.")
+@click.option("--jsonl", type=click.Path(dir_okay=False), default=None, help="Texts to score, one JSON object per line ('text').")
+@click.option("--temperature", default=1.0, show_default=True, type=float, help="Log-probs of softmax(logits / T).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def logp(model_spec, device, text, jsonl, temperature, as_json):
+    """Per-token log-probabilities of texts under a model."""
+    from rlportable.model import logp as logp_command
+    from rlportable.model.forward import Model
+    from rlportable.model.load import load_model
+
+    backend = _backend(device)
+    try:
+        texts = logp_command.read_texts(text, jsonl)
+        config, weights, tokenizer = load_model(model_spec)
+        results = logp_command.score(Model(backend, config, weights), tokenizer, texts, temperature)
+    except RlpError as error:
+        _fail(error)
+    if as_json:
+        click.echo(json.dumps({"model": model_spec, "device": backend.label, "temperature": temperature,
+                               "results": results}))
+        return
+    for result in results:
+        rows = [[i, t, p, "" if lp is None else f"{lp:.6f}"]
+                for i, (t, p, lp) in enumerate(zip(result["tokens"], result["pieces"], result["logprobs"]))]
+        click.echo(tabulate(rows, headers=["#", "token", "piece", "logprob"]))
+        click.echo(f"sum of log-probs: {result['sum_logprob']:.6f}\n")
+
+
 @main.group()
 def bench():
     """Benchmarks, as ratios against a peer measured in the same run."""
@@ -122,6 +153,30 @@ def bench_gemm(device, json_path, m_values, sweep_tiles):
              for r in result["rows"]]
     click.echo(tabulate(table, headers=["M", "K", "N", *(key[:-2] + " us" for key in keys), "ratio"]))
     click.echo(json.dumps(result["targets"]))
+    _write_json(json_path, result)
+
+
+@bench.command("forward")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--sequences", default=16, show_default=True, type=int)
+@click.option("--length", default=1024, show_default=True, type=int)
+@click.option("--layers", default=None, type=int, help="Fewer layers than Qwen3-0.6B's 28 (quick runs).")
+def bench_forward(device, json_path, sequences, length, layers):
+    """Log-prob throughput and peak memory of a Qwen3-0.6B-shaped model against HF transformers bf16."""
+    from rlportable.bench import forward as forward_bench
+
+    backend = _backend(device)
+    try:
+        result = forward_bench.run(backend, sequences, length, layers,
+                                   progress=lambda text: click.echo(f"  {text}", err=True))
+    except RlpError as error:
+        _fail(error)
+    rows = [["rlportable (contract)", f"{result['ours_tokens_per_s']:.0f}", f"{result['ours_peak_bytes'] / 2**30:.2f}"],
+            ["HF transformers bf16 sdpa", f"{result['hf_tokens_per_s']:.0f}", f"{result['hf_peak_bytes'] / 2**30:.2f}"]]
+    click.echo(tabulate(rows, headers=["forward + log-probs", "tokens/s", "peak GiB"]))
+    click.echo(f"throughput ratio {result['throughput_ratio']:.3f} (target >= 0.25), "
+               f"memory ratio {result['memory_ratio']:.3f} (target <= 1)")
     _write_json(json_path, result)
 
 

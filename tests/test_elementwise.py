@@ -24,6 +24,17 @@ mpmath = pytest.importorskip("mpmath")
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_SOURCE = ROOT / "backends" / "cuda" / "elementwise.cu"
 HIP_SOURCE = ROOT / "backends" / "hip" / "elementwise.hip"
+# the contract functions (constants, tables, rlp_exp_f32, rlp_log_f32) live in one shared header
+# per vendor, included by elementwise and the other families that use them
+CUDA_HEADER = ROOT / "backends" / "cuda" / "contract_math.cuh"
+HIP_HEADER = ROOT / "backends" / "hip" / "contract_math.h"
+HEADERS = {CUDA_SOURCE: CUDA_HEADER, HIP_SOURCE: HIP_HEADER}
+
+
+def _source_text(source: Path) -> str:
+    """The family source with its contract-math header in front (the header's text is where
+    the constants and the contract functions are spelled)."""
+    return HEADERS[source].read_text() + "\n" + source.read_text()
 FUNCTIONS = {"exp": ew.exp_f32, "log": ew.log_f32}
 
 
@@ -197,7 +208,8 @@ def _device_constants(text: str) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("source", [CUDA_SOURCE, HIP_SOURCE], ids=["cuda", "hip"])
 def test_device_sources_spell_the_reference_constants(source):
-    text = source.read_text()
+    assert f'#include "{HEADERS[source].name}"' in source.read_text()
+    text = _source_text(source)
     scalars, arrays = _device_constants(text)
     for name in ("SHIFT", "SPLIT"):
         assert scalars[f"RLP_EW_{name}"] == getattr(ew, name)
@@ -218,8 +230,13 @@ def test_device_sources_spell_the_reference_constants(source):
 def test_hip_source_is_line_parallel_to_cuda():
     def body(path):
         text = path.read_text()
-        return text[text.index("#define RLP_EW_CANONICAL_NAN_BITS"):]
-    assert body(CUDA_SOURCE).replace("(--fmad=false)", "") == body(HIP_SOURCE).replace("(-ffp-contract=off)", "")
+        return text[text.index("#define RLP_EW_CANONICAL_NAN_BITS"):text.index("#endif  // RLP_CONTRACT_MATH")]
+
+    def kernels(path):
+        text = path.read_text()
+        return text[text.index("// ---- kernels"):]
+    assert body(CUDA_HEADER).replace("(--fmad=false)", "") == body(HIP_HEADER).replace("(-ffp-contract=off)", "")
+    assert kernels(CUDA_SOURCE) == kernels(HIP_SOURCE)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

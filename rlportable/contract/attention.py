@@ -29,32 +29,56 @@ Q_BITS, K_BITS, V_BITS, P_BITS = 23, 15, 15, 23
 MAX_KEYS = 2**17  # keeps N_d below 2^53 (2^22 * 2^14 * 2^17)
 
 
-def _encode_heads(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_heads(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [T, H, D] -> (integers as float64 [T, H, D], exponents int64 [T, H]), one row per (token, head)."""
     rows, heads, dim = x.shape
     q, e = fp.quantize_rows(x.reshape(rows * heads, dim), bits)
     return q.reshape(rows, heads, dim).astype(np.float64), e.reshape(rows, heads).astype(np.int64)
 
 
+_encode_heads = encode_heads
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
     """One sequence: q float32 [Tq, Hq, D] at q_positions [Tq]; k, v float32 [L, Hkv, D] for
     positions 0..L-1 (L > max position). Returns float32 [Tq, Hq, D]."""
-    tq, hq, dim = q.shape
-    length, hkv, _ = k.shape
+    tq = q.shape[0]
+    length = k.shape[0]
     positions = np.asarray(q_positions, dtype=np.int64)
+    _check_lengths(tq, length, positions)
+    qq, eq = encode_heads(q, Q_BITS)
+    qk, ek = encode_heads(k, K_BITS)
+    qv, ev = encode_heads(v, V_BITS)
+    return attention_encoded(qq, eq, qk, ek, qv, ev, positions)
+
+
+def _check_lengths(tq: int, length: int, positions: np.ndarray) -> None:
     if length > MAX_KEYS:
         raise ValueError(f"attention: {length} keys exceed the contract's limit {MAX_KEYS}")
     if tq and positions.max() >= length:
         raise ValueError("attention: a query position has no key at its own position")
-    qq, eq = _encode_heads(q, Q_BITS)
-    qk, ek = _encode_heads(k, K_BITS)
-    qv, ev = _encode_heads(v, V_BITS)
+
+
+def attention_encoded(qq, eq, qk, ek, qv, ev, q_positions) -> np.ndarray:
+    """attention() from rows already encoded (how the KV cache stores them): qq [Tq, Hq, D]
+    23-bit integers with exponents eq [Tq, Hq]; qk, qv [L, Hkv, D] 15-bit integers with
+    exponents ek, ev [L, Hkv] (fixedpoint.quantize_rows, sentinel for non-finite rows)."""
+    qq = np.asarray(qq, dtype=np.float64)
+    qk = np.asarray(qk, dtype=np.float64)
+    qv = np.asarray(qv, dtype=np.float64)
+    eq, ek, ev = (np.asarray(e, dtype=np.int64) for e in (eq, ek, ev))
+    tq, hq, dim = qq.shape
+    length, hkv, _ = qk.shape
+    positions = np.asarray(q_positions, dtype=np.int64)
+    _check_lengths(tq, length, positions)
     allowed = np.arange(length)[None, :] <= positions[:, None]  # [Tq, L]
     scale = 1.0 / np.sqrt(np.float64(dim))
     out = np.empty((tq, hq, dim), dtype=np.float32)
     group = hq // hkv
-    for h in range(hq):
-        g = h // group
-        out[:, h, :] = _one_head(qq[:, h], eq[:, h], qk[:, g], ek[:, g], qv[:, g], ev[:, g], allowed, scale)
+    with np.errstate(over="ignore"):  # scores beyond FLT_MAX become +-inf (contract: nan_inf)
+        for h in range(hq):
+            g = h // group
+            out[:, h, :] = _one_head(qq[:, h], eq[:, h], qk[:, g], ek[:, g], qv[:, g], ev[:, g], allowed, scale)
     return out
 
 

@@ -10,6 +10,7 @@ For one row of logits z [V] (float32, from the exact gemm) and temperature T:
   entropy = ls - RNE_f32(W / S') where W = sum_v p_v (a_v - m) as an exact fixed-point sum
             of the exact float64 products (38 bits relative to the largest), S' = S * 2^-36,
             the quotient of their round-to-odd float64 values rounded once to float32.
+            A term with p_v = 0 contributes exactly 0 (also where a_v - m = -inf).
 A row with a NaN (or T that makes a_v non-finite) gives the canonical NaN. Every sum is
 exact, so the vocabulary may be processed in any number of chunks: the bits do not change.
 """
@@ -40,6 +41,7 @@ def _log_sum(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s, log_f32(s32)
 
 
+@np.errstate(all="ignore")  # overflow to inf and NaN are defined results, not warnings
 def logprobs(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """float32 [rows] log-probability of targets [rows] under softmax(logits / T)."""
     a, m, d = _shifted(np.asarray(logits, dtype=np.float32), temperature)
@@ -51,12 +53,15 @@ def logprobs(logits: np.ndarray, targets: np.ndarray, temperature: float = 1.0) 
     return out
 
 
+@np.errstate(all="ignore")  # overflow to inf and NaN are defined results, not warnings
 def entropy(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """float32 [rows] entropy of softmax(logits / T)."""
     a, m, d = _shifted(np.asarray(logits, dtype=np.float32), temperature)
     p = exp_f32(d)
     s, ls = _log_sum(p)
-    w = p.astype(np.float64) * d.astype(np.float64)  # exact products, <= 0
+    with np.errstate(invalid="ignore"):
+        # exact products, <= 0; p = 0 gives 0 even where d = -inf (0 * -inf would be NaN)
+        w = np.where(p == 0, 0.0, p.astype(np.float64) * d.astype(np.float64))
     qw, ew = quantize_f64_rows(w, SUM_BITS)
     w_sum = fp.round_to_odd_f64(qw.sum(axis=1)) * fp.pow2_f64(ew - (SUM_BITS - 2))
     s_val = fp.round_to_odd_f64(s) * fp.pow2_f64(np.full(s.shape, -(SUM_BITS - 2)))

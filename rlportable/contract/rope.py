@@ -12,6 +12,7 @@ host makes the same float32 tables; kernels only read them.
   y[i+D/2]    = RNE_f32(x[i+D/2] * cos[j] + x[i] * sin[j])
               with the products exact in float64 and the sum rounded in float64,
               then once more to float32 (the "rotate half" layout of HF models).
+  A NaN result (a NaN input, or inf * 0 and inf - inf) is the canonical NaN 0x7FC00000.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlportable.contract.fixedpoint import CANONICAL_NAN
 from rlportable.contract.float64_math import exp64, log64, sincos64
 
 TWO_PI = float.fromhex("0x1.921fb54442d18p+2")
+MAX_POSITIONS = 2**20
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,18 @@ def _llama3_scale(inv_freq: np.ndarray, s: Llama3Scaling) -> np.ndarray:
 
 
 def tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) float32 [len(positions), D/2]; positions are integers in [0, 2^24)."""
+    """(cos, sin) float32 [len(positions), D/2]; positions are integers in [0, 2^20).
+
+    2^20 keeps every angle (inv_freq <= 1) inside sincos64's exact range reduction."""
     positions = np.asarray(positions, dtype=np.int64)
-    if positions.size and (positions.min() < 0 or positions.max() >= 2**24):
-        raise ValueError("RoPE positions must lie in [0, 2^24)")
+    if positions.size and (positions.min() < 0 or positions.max() >= MAX_POSITIONS):
+        raise ValueError(f"RoPE positions must lie in [0, {MAX_POSITIONS})")
     angle = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
     sin, cos = sincos64(angle)
     return cos.astype(np.float32), sin.astype(np.float32)
 
 
+@np.errstate(all="ignore")  # overflow to inf and NaN are defined results, not warnings
 def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x float32 [T, heads, D]; cos/sin float32 [T, D/2] (one row per token's position)."""
     half = x.shape[-1] // 2
@@ -75,4 +81,5 @@ def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     out = np.empty(x.shape, dtype=np.float32)
     out[..., :half] = (first * c - second * s).astype(np.float32)
     out[..., half:] = (second * c + first * s).astype(np.float32)
+    out[np.isnan(out)] = CANONICAL_NAN
     return out

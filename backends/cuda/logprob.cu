@@ -1,0 +1,130 @@
+// Kernel family "logprob": log-probabilities and entropy of logits at a temperature.
+// Contract: contracts/logprob.toml. Reference: rlportable/contract/logprob.py (logprobs,
+// entropy, quantize_f64_rows). backends/hip/logprob.hip is the same logic, line for line.
+#include "common.cuh"
+#include "contract_math.cuh"
+
+#define RLP_LOGPROB_SUM_BITS 38
+#define RLP_LOGPROB_WANT_LOGP 1
+#define RLP_LOGPROB_WANT_ENTROPY 2
+
+__device__ __forceinline__ unsigned long long rlp_logprob_max_u64(unsigned long long a, unsigned long long b) {
+    return a > b ? a : b;
+}
+
+// An order-preserving integer key of a non-NaN float32 (a < b <=> key(a) < key(b); -0 < +0),
+// so the row's maximum is an integer max: exact and order-free.
+__device__ __forceinline__ unsigned int rlp_logprob_key(float a) {
+    unsigned int bits = (unsigned int)__float_as_int(a);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+__device__ __forceinline__ float rlp_logprob_from_key(unsigned int key) {
+    unsigned int bits = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+    return __int_as_float((int)bits);
+}
+
+// a_v = RNE_f32(double(z_v) / double(T)) (IEEE float64 division; T = 1 gives z exactly).
+__device__ __forceinline__ float rlp_logprob_scaled(float z, double temperature) {
+    return __double2float_rn((double)z / temperature);
+}
+
+// w_v = p_v * d_v, exact in float64 (24 x 24 bits); 0 where p_v = 0 (also where d_v = -inf).
+__device__ __forceinline__ double rlp_logprob_term(float p, float d) {
+    return p == 0.0f ? 0.0 : (double)p * (double)d;
+}
+
+// logprob.quantize_f64_rows's e: ilogb of the largest |w| (from its bits), 0 for a zero row.
+__device__ __forceinline__ int rlp_logprob_exponent_f64(unsigned long long magnitude_bits) {
+    if (magnitude_bits == 0ull) return 0;
+    int field = (int)(magnitude_bits >> 52);
+    if (field != 0) return field - 1023;
+    return (63 - __clzll((long long)magnitude_bits)) - 1074;  // subnormal: m * 2^-1074
+}
+
+// One block per row (grid-stride over rows); every row-wide result (max, NaN flag, the
+// exact int64 sums, the largest |w|) is combined with shared-memory atomics: exact and
+// order-free, whatever the block size or warp width. mode: RLP_LOGPROB_WANT_LOGP writes
+// logp[row] (targets read), RLP_LOGPROB_WANT_ENTROPY writes entropy[row]; an output not
+// asked for is never touched. The host checked 1 <= vocab <= 2^25 and 0 <= targets < vocab.
+//   pass 1: a_v, m = max a_v (integer key), any NaN;
+//   pass 2: d_v = a_v - m (float32), p_v = exp_f32(d_v), S = sum RNE(p_v 2^36), max |w_v|;
+//   ls = log_f32(RNE_f32(S 2^-36)); logp = (a_y - m) - ls;
+//   pass 3 (entropy): W = sum RNE(w_v 2^(36-e)), e = ilogb(max |w_v|) (exp_f32 recomputed);
+//   entropy = ls - RNE_f32((odd(W) 2^(e-36)) / (odd(S) 2^-36)).
+// A row with a NaN a_v, or whose maximum is +-inf, gives the canonical NaN.
+extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const int* __restrict__ targets,
+                                        long long rows, int vocab, double temperature, int mode,
+                                        float* __restrict__ logp, float* __restrict__ entropy) {
+    __shared__ unsigned int largest_key;
+    __shared__ unsigned int has_nan;
+    __shared__ unsigned long long total;
+    __shared__ unsigned long long largest_w;
+    __shared__ unsigned long long w_total;
+    const double unit = rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2);
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* zr = logits + row * (long long)vocab;
+        if (threadIdx.x == 0) { largest_key = 0u; has_nan = 0u; total = 0ull; largest_w = 0ull; w_total = 0ull; }
+        __syncthreads();
+        unsigned int local_key = 0u;
+        unsigned int nan = 0u;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            float a = rlp_logprob_scaled(zr[i], temperature);
+            if (a != a) nan = 1u;
+            else local_key = max(local_key, rlp_logprob_key(a));
+        }
+        atomicMax(&largest_key, local_key);
+        atomicOr(&has_nan, nan);
+        __syncthreads();
+        const float m = rlp_logprob_from_key(largest_key);
+        if (has_nan != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) {
+            if (threadIdx.x == 0) {
+                if (mode & RLP_LOGPROB_WANT_LOGP) logp[row] = rlp_canonical_nan();
+                if (mode & RLP_LOGPROB_WANT_ENTROPY) entropy[row] = rlp_canonical_nan();
+            }
+        } else {
+            long long local_s = 0;
+            unsigned long long local_w = 0ull;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                float d = rlp_logprob_scaled(zr[i], temperature) - m;
+                float p = rlp_exp_f32(d);
+                local_s += __double2ll_rn((double)p * unit);
+                if (mode & RLP_LOGPROB_WANT_ENTROPY) {
+                    double w = rlp_logprob_term(p, d);
+                    local_w = rlp_logprob_max_u64(local_w, (unsigned long long)__double_as_longlong(w) & 0x7fffffffffffffffull);
+                }
+            }
+            atomicAdd(&total, (unsigned long long)local_s);
+            atomicMax(&largest_w, local_w);
+            __syncthreads();
+            const long long s = (long long)total;
+            const float ls = rlp_log_f32(rlp_round_scaled(s, -(RLP_LOGPROB_SUM_BITS - 2)));
+            if ((mode & RLP_LOGPROB_WANT_LOGP) && threadIdx.x == 0) {
+                float d_target = rlp_logprob_scaled(zr[targets[row]], temperature) - m;
+                logp[row] = d_target - ls;
+            }
+            if (mode & RLP_LOGPROB_WANT_ENTROPY) {
+                const int e = rlp_logprob_exponent_f64(largest_w);
+                const int shift = (RLP_LOGPROB_SUM_BITS - 2) - e;
+                const int half = shift >> 1;  // floor(shift / 2): a power of two beyond range in two exact steps
+                const double scale_hi = rlp_pow2_f64(half);
+                const double scale_lo = rlp_pow2_f64(shift - half);
+                long long local_q = 0;
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    float d = rlp_logprob_scaled(zr[i], temperature) - m;
+                    double w = rlp_logprob_term(rlp_exp_f32(d), d);
+                    local_q += __double2ll_rn((w * scale_hi) * scale_lo);
+                }
+                atomicAdd(&w_total, (unsigned long long)local_q);
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    double w_sum = rlp_round_to_odd_f64((long long)w_total) * rlp_pow2_f64(e - (RLP_LOGPROB_SUM_BITS - 2));
+                    double s_val = rlp_round_to_odd_f64(s) * rlp_pow2_f64(-(RLP_LOGPROB_SUM_BITS - 2));
+                    float mean = __double2float_rn(w_sum / s_val);
+                    entropy[row] = ls - mean;
+                }
+            }
+        }
+        __syncthreads();
+    }
+}

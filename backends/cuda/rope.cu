@@ -1,0 +1,38 @@
+// Kernel family "rope": rotary position embedding applied with tables made on the host.
+// Contract: contracts/rope.toml. Reference: rlportable/contract/rope.py (apply; the cos/sin
+// tables come from rope.tables, computed once on the host and uploaded).
+// backends/hip/rope.hip is the same logic, line for line, in HIP spellings.
+#include "common.cuh"
+
+// Contraction off even where a compiler's default would fuse; the build options say the same.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+// x, y [tokens, heads, 2*half]; positions [tokens]; cos_table, sin_table [P, half], row = position.
+// Each lane rotates one pair (i, i + half) of one head of one token ("rotate half" layout):
+//   y[i]        = RNE_f32(x[i] * c - x[i+half] * s)
+//   y[i + half] = RNE_f32(x[i+half] * c + x[i] * s)
+// with the products exact in float64 (24 x 24 bits) and the sum rounded once in float64.
+// Grid-stride: any grid and block size gives the same bits. NaN results are the canonical NaN.
+extern "C" __global__ void rope_apply(const float* __restrict__ x, const int* __restrict__ positions,
+                                      const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                                      long long tokens, int heads, int half, float* __restrict__ y) {
+    const long long n = tokens * (long long)heads * (long long)half;
+    const long long stride = (long long)gridDim.x * (long long)blockDim.x;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        const long long j = k % half;
+        const long long head_row = k / half;  // token * heads + head
+        const long long token = head_row / heads;
+        const long long table = (long long)positions[token] * (long long)half + j;
+        const double c = (double)cos_table[table];
+        const double s = (double)sin_table[table];
+        const long long base = head_row * 2LL * (long long)half;
+        const double first = (double)x[base + j];
+        const double second = (double)x[base + half + j];
+        float lo = __double2float_rn(first * c - second * s);
+        float hi = __double2float_rn(second * c + first * s);
+        y[base + j] = (lo != lo) ? rlp_canonical_nan() : lo;
+        y[base + half + j] = (hi != hi) ? rlp_canonical_nan() : hi;
+    }
+}

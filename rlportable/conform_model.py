@@ -1,0 +1,62 @@
+"""Model-level conformance: whole-model log-probs on the backend against the cpu reference, bitwise."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlportable.runtime import get_backend
+
+
+def _packed_batch(rng, vocab: int, lengths) -> tuple[np.ndarray, np.ndarray]:
+    tokens = rng.integers(0, vocab, int(sum(lengths))).astype(np.int32)
+    return tokens, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _compare_models(backend, config, weights, rng, lengths, temperature, tally) -> None:
+    from rlportable.model.forward import Model
+
+    tokens, cu = _packed_batch(rng, config.vocab_size, lengths)
+    expected_lp, expected_ent = Model(get_backend("cpu"), config, weights).logprobs(tokens, cu, temperature, with_entropy=True)
+    model = Model(backend, config, weights)
+    got_lp, got_ent = model.logprobs(tokens, cu, temperature, with_entropy=True)
+    for got, expected in zip(got_lp + got_ent, expected_lp + expected_ent):
+        tally.add(got, expected)
+    # the same sequence alone: bits independent of the pack and of its offset in it
+    for index in range(len(lengths)):
+        alone = tokens[cu[index]:cu[index + 1]]
+        (lp,) = model.logprobs(alone, np.array([0, alone.size]), temperature)
+        tally.add(lp, expected_lp[index])
+
+
+def check_model_tiny(backend, rng, quick: bool):
+    from rlportable.conform import Tally
+    from rlportable.model.tiny import tiny_model
+
+    tally = Tally()
+    config, weights, _ = tiny_model()
+    lengths = [1, 7, 33, 64] if quick else [1, 2, 7, 33, 64, 130, 257]
+    for temperature in (1.0, 0.7):
+        _compare_models(backend, config, weights, rng, lengths, temperature, tally)
+    return tally
+
+
+def check_model_qwen3_06b_shape(backend, rng, quick: bool):
+    """A Qwen3-0.6B-shaped model with random weights (all 28 layers; 2 layers with --quick),
+    on devices only (DEVICE_ONLY): on cpu it would compare the reference with itself."""
+    from rlportable.bench.forward import qwen3_06b_config
+    from rlportable.conform import Tally
+    from rlportable.model.tiny import tiny_weights
+
+    tally = Tally()
+    config = qwen3_06b_config(2 if quick else None)
+    weights = tiny_weights(config, seed=3)
+    _compare_models(backend, config, weights, rng, [5, 40, 83], 1.0, tally)
+    return tally
+
+
+DEVICE_ONLY = {"model.qwen3-0.6b-shape.logprobs"}
+
+MODEL_CHECKS = [
+    ("model.tiny.logprobs", check_model_tiny),
+    ("model.qwen3-0.6b-shape.logprobs", check_model_qwen3_06b_shape),
+]

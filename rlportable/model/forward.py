@@ -1,0 +1,166 @@
+"""The model forward under the contract: Qwen3, Qwen2 and Llama decoder layers.
+
+One `Model` holds a config and its weights on a backend, with every projection
+encoded once for the exact GEMM. `Model.logprobs` runs packed variable-length
+sequences (cu_seqlens) through the layers and returns, for each sequence, the
+log-probability of each next token under softmax(logits / T), from the fused
+LM-head + log-prob op (the [tokens, vocab] logits never exist at once).
+
+Every op is a contract op (contracts/*.toml), so the same tokens give the same
+bits on any backend, whichever other sequences share the pack and at any offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlportable.contract import rope as rope_ref
+from rlportable.errors import InputError
+from rlportable.model.config import ModelConfig
+from rlportable.model.weights import LayerWeights, ModelWeights
+from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
+from rlportable.runtime.base import Backend
+
+
+@dataclass
+class DeviceLayer:
+    attn_norm: object
+    q: gemm.GemmWeight
+    k: gemm.GemmWeight
+    v: gemm.GemmWeight
+    o: gemm.GemmWeight
+    q_bias: object | None
+    k_bias: object | None
+    v_bias: object | None
+    q_norm: object | None
+    k_norm: object | None
+    mlp_norm: object
+    gate: gemm.GemmWeight
+    up: gemm.GemmWeight
+    down: gemm.GemmWeight
+
+
+class Model:
+    """A model's weights on one backend, ready for the forward pass."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, weights: ModelWeights):
+        self.backend = backend
+        self.config = config
+        put = backend.asarray
+        self.embed = put(weights.embed)
+        self.layers = [self._device_layer(layer) for layer in weights.layers]
+        self.final_norm = put(weights.final_norm)
+        self.lm_head = gemm.encode_weight(backend, put(weights.lm_head))
+        scaling = config.rope_scaling
+        self.rope_scaling = None if scaling is None else rope_ref.Llama3Scaling(
+            scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+            scaling.original_max_position_embeddings)
+        self._rope_tables = None
+
+    def _device_layer(self, w: LayerWeights) -> DeviceLayer:
+        put, backend = self.backend.asarray, self.backend
+
+        def optional(array):
+            return None if array is None else put(array)
+
+        return DeviceLayer(
+            attn_norm=put(w.attn_norm), q=gemm.encode_weight(backend, put(w.q)), k=gemm.encode_weight(backend, put(w.k)),
+            v=gemm.encode_weight(backend, put(w.v)), o=gemm.encode_weight(backend, put(w.o)),
+            q_bias=optional(w.q_bias), k_bias=optional(w.k_bias), v_bias=optional(w.v_bias),
+            q_norm=optional(w.q_norm), k_norm=optional(w.k_norm), mlp_norm=put(w.mlp_norm),
+            gate=gemm.encode_weight(backend, put(w.gate)), up=gemm.encode_weight(backend, put(w.up)),
+            down=gemm.encode_weight(backend, put(w.down)),
+        )
+
+    # ---- positions and RoPE tables
+    def rope_tables(self, length: int):
+        """Device (cos, sin) for positions 0..length-1, grown on demand (the contract's tables)."""
+        if self._rope_tables is None or self._rope_tables[0].shape[0] < length:
+            cfg = self.config
+            self._rope_tables = rope.tables(self.backend, max(length, 256), cfg.head_dim, cfg.rope_theta,
+                                            self.rope_scaling)
+        return self._rope_tables
+
+    # ---- forward
+    def hidden_states(self, tokens: np.ndarray, cu_seqlens: np.ndarray):
+        """Final-norm hidden states [T, H] of packed sequences."""
+        cfg, backend = self.config, self.backend
+        tokens = np.asarray(tokens, dtype=np.int32)
+        cu_seqlens = check_packing(tokens, cu_seqlens, cfg.vocab_size)
+        positions = packed_positions(cu_seqlens)
+        cos, sin = self.rope_tables(int(positions.max()) + 1 if positions.size else 1)
+        device_positions = backend.asarray(positions.astype(np.int32))
+        x = embedding.gather(backend, self.embed, backend.asarray(tokens))
+        for layer in self.layers:
+            x = self._layer(layer, x, device_positions, cos, sin, cu_seqlens)
+        return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
+
+    def _projection(self, h, weight, bias):
+        y = gemm.gemm(self.backend, h, weight)
+        return y if bias is None else residual.add_bias(self.backend, y, bias)
+
+    def _heads(self, flat, heads: int, head_norm):
+        cfg = self.config
+        x = flat.reshape(flat.shape[0], heads, cfg.head_dim)
+        if head_norm is not None:  # Qwen3's per-head QK-norm
+            x = norm.rmsnorm_heads(self.backend, x, head_norm, cfg.rms_norm_eps)
+        return x
+
+    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, cu_seqlens):
+        cfg, backend = self.config, self.backend
+        t = x.shape[0]
+        h = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
+        q = self._heads(self._projection(h, layer.q, layer.q_bias), cfg.num_attention_heads, layer.q_norm)
+        k = self._heads(self._projection(h, layer.k, layer.k_bias), cfg.num_key_value_heads, layer.k_norm)
+        v = self._projection(h, layer.v, layer.v_bias).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        q = rope.apply(backend, q, positions, cos, sin)
+        k = rope.apply(backend, k, positions, cos, sin)
+        a = attention.attention_packed(backend, q, k, v, cu_seqlens)
+        x = residual.add(backend, x, gemm.gemm(backend, a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
+        h = norm.rmsnorm(backend, x, layer.mlp_norm, cfg.rms_norm_eps)
+        mlp = activation.swiglu(backend, gemm.gemm(backend, h, layer.gate), gemm.gemm(backend, h, layer.up))
+        return residual.add(backend, x, gemm.gemm(backend, mlp, layer.down))
+
+    def logprobs(self, tokens: np.ndarray, cu_seqlens: np.ndarray, temperature: float = 1.0,
+                 with_entropy: bool = False):
+        """Per sequence, float32 log P(token[i+1] | token[:i+1]) for i < len-1 (and the entropies)."""
+        if not temperature > 0:
+            raise InputError(f"temperature must be positive, got {temperature}")
+        cu_seqlens = np.asarray(cu_seqlens, dtype=np.int64)
+        hidden = self.hidden_states(tokens, cu_seqlens)
+        rows, targets = next_token_rows(np.asarray(tokens, dtype=np.int32), cu_seqlens)
+        picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows.astype(np.int32)))  # a row gather
+        result = logprob.lm_head_logprobs(self.backend, picked, self.lm_head, self.backend.asarray(targets),
+                                          temperature, want_entropy=with_entropy)
+        lp, ent = result if with_entropy else (result, None)
+        lp = self.backend.to_numpy(lp)
+        splits = np.cumsum([max(int(b - a) - 1, 0) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])])[:-1]
+        per_sequence = np.split(lp, splits)
+        if with_entropy:
+            return per_sequence, np.split(self.backend.to_numpy(ent), splits)
+        return per_sequence
+
+
+def check_packing(tokens: np.ndarray, cu_seqlens, vocab_size: int) -> np.ndarray:
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != tokens.size or np.any(np.diff(cu) < 1):
+        raise InputError(f"cu_seqlens {cu.tolist()} must start at 0, end at the token count {tokens.size} "
+                         "and hold sequences of at least one token")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise InputError(f"token ids must lie in [0, {vocab_size}); got [{tokens.min()}, {tokens.max()}]")
+    return cu
+
+
+def packed_positions(cu_seqlens: np.ndarray) -> np.ndarray:
+    lengths = np.diff(cu_seqlens)
+    starts = np.repeat(cu_seqlens[:-1], lengths)
+    return np.arange(int(cu_seqlens[-1]), dtype=np.int64) - starts
+
+
+def next_token_rows(tokens: np.ndarray, cu_seqlens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows whose next token exists, that next token) over packed sequences."""
+    rows = np.concatenate([np.arange(a, b - 1) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])] or [np.zeros(0)])
+    rows = rows.astype(np.int64)
+    return rows, tokens[rows + 1].astype(np.int32)

@@ -1,0 +1,288 @@
+"""Op family "attention": exact causal GQA attention over an encoded (fixed-point) KV cache.
+
+Contract: contracts/attention.toml; reference: rlportable/contract/attention.py;
+kernels: backends/{cuda,hip}/attention.* (attention_paged, attention_write_kv).
+
+The KV cache stores every (slot, kv head) row of K and V ENCODED, exactly as
+fixedpoint_encode_rows writes rows with 15 bits and 2 ascending digits:
+  k_digits, v_digits         int8  [num_slots, Hkv, 2, round_up(D, 64)]  (qk = d0 + 256 d1)
+  k_exponents, v_exponents   int32 [num_slots, Hkv]
+Sequence s, position j lives in slot block_tables[s, j // block_size] * block_size + j % block_size.
+One kernel serves paged decode, chunked prefill and packed prefill: `attention_packed`
+writes the packed rows to contiguous slots and calls it with block_size 1 tables. Because
+every reduction of the contract is exact, each query's bits depend only on its own row and
+keys 0..t of its sequence, however the calls are cut.
+
+On cpu the same encoded cache is kept in NumPy arrays; attention_paged decodes the
+sequence's rows exactly (fixedpoint.join_digits) and runs the reference's
+attention_encoded; attention_packed runs the reference per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlportable.contract import attention as reference, fixedpoint as fp
+from rlportable.errors import InputError
+from rlportable.ops.checks import round_up, shape_of
+from rlportable.ops.fixedpoint import K_ALIGN, encode_rows_reference
+from rlportable.runtime.base import Backend
+
+Q_BITS = reference.Q_BITS  # 23: 3 int8 digits
+KV_BITS = reference.K_BITS  # 15: 2 int8 digits, as weights
+KV_SLICES = fp.slice_count(KV_BITS)
+MAX_HEAD_DIM = 512  # the kernel's shared-memory arrays (RLP_ATT_MAX_HEAD_DIM)
+MAX_KEYS = reference.MAX_KEYS
+THREADS = 256  # attention_paged block size (any value in [1, MAX_THREADS] gives the same bits)
+MAX_THREADS = 1024
+WRITE_THREADS = 128
+GRID_LIMIT = 1 << 20  # grid-stride beyond this many blocks
+
+
+@dataclass
+class KVCache:
+    """The encoded K/V cache of one attention layer (device arrays, or NumPy on cpu)."""
+
+    k_digits: Any  # int8 [num_slots, Hkv, 2, Dp]
+    k_exponents: Any  # int32 [num_slots, Hkv]
+    v_digits: Any
+    v_exponents: Any
+    num_slots: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def head_dim_padded(self) -> int:
+        return round_up(self.head_dim, K_ALIGN)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_slots // self.block_size
+
+    @classmethod
+    def allocate(cls, backend: Backend, num_slots: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
+                 zero: bool = True) -> "KVCache":
+        """A cache of num_slots slots (zero-filled: unwritten slots read as zero rows with e = 0)."""
+        for name, value, low in (("num_slots", num_slots, 0), ("num_kv_heads", num_kv_heads, 1),
+                                 ("head_dim", head_dim, 1), ("block_size", block_size, 1)):
+            if not isinstance(value, (int, np.integer)) or int(value) < low:
+                raise InputError(f"KVCache: {name} must be an integer >= {low}, got {value!r}")
+        if head_dim > MAX_HEAD_DIM:
+            raise InputError(f"KVCache: head_dim {head_dim} exceeds the contract's limit {MAX_HEAD_DIM}")
+        num_slots, num_kv_heads, head_dim, block_size = int(num_slots), int(num_kv_heads), int(head_dim), int(block_size)
+        make = backend.zeros if zero else backend.empty
+        dp = round_up(head_dim, K_ALIGN)
+        return cls(make((num_slots, num_kv_heads, KV_SLICES, dp), np.int8), make((num_slots, num_kv_heads), np.int32),
+                   make((num_slots, num_kv_heads, KV_SLICES, dp), np.int8), make((num_slots, num_kv_heads), np.int32),
+                   num_slots, num_kv_heads, head_dim, block_size)
+
+
+# ---- input checks
+
+
+def _require(name: str, array, ndim: int, dtype) -> tuple[int, ...]:
+    shape = shape_of(array)
+    if len(shape) != ndim:
+        raise InputError(f"{name} must have {ndim} dimensions, got shape {shape}")
+    if np.dtype(array.dtype) != np.dtype(dtype):
+        raise InputError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(array.dtype).name} "
+                         f"(shape {shape})")
+    if getattr(getattr(array, "flags", None), "c_contiguous", True) is False:
+        raise InputError(f"{name} (shape {shape}) must be C-contiguous")
+    return shape
+
+
+def _host(array) -> np.ndarray | None:
+    """The array if it lives on the host (values can be checked without a device sync), else None."""
+    return array if isinstance(array, np.ndarray) else None
+
+
+def _check_kv(cache: KVCache, k, v, slots) -> int:
+    shape = _require("k", k, 3, np.float32)
+    expected = (shape[0], cache.num_kv_heads, cache.head_dim)
+    if shape != expected:
+        raise InputError(f"write_kv: k must have shape [T, Hkv={cache.num_kv_heads}, D={cache.head_dim}], got {shape}")
+    if _require("v", v, 3, np.float32) != shape:
+        raise InputError(f"write_kv: v must have the shape of k {shape}, got {shape_of(v)}")
+    if _require("slots", slots, 1, np.int32) != (shape[0],):
+        raise InputError(f"write_kv: slots must have shape [T={shape[0]}], got {shape_of(slots)}")
+    host = _host(slots)
+    if host is not None:
+        used = host[host >= 0]
+        if used.size and used.max() >= cache.num_slots:
+            raise InputError(f"write_kv: slot {int(used.max())} is outside the cache's {cache.num_slots} slots")
+        if np.unique(used).size != used.size:
+            raise InputError("write_kv: slots must be distinct (a negative slot writes nothing)")
+    return shape[0]
+
+
+def _key_slots(table_row: np.ndarray, length: int, block_size: int, num_slots: int, seq: int) -> np.ndarray:
+    """Slots of positions 0..length-1 of one sequence; InputError if the tables or the cache lack one."""
+    positions = np.arange(length, dtype=np.int64)
+    blocks_needed = -(-length // block_size)
+    if blocks_needed > table_row.shape[0]:
+        raise InputError(f"attention: sequence {seq} needs {blocks_needed} blocks for position {length - 1}, "
+                         f"but block_tables has {table_row.shape[0]} columns")
+    blocks = table_row[positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+    if blocks.size and (blocks.min() < 0 or slots.max() >= num_slots):
+        raise InputError(f"attention: block_tables row {seq} names a block outside the cache "
+                         f"({num_slots} slots of block size {block_size})")
+    return slots
+
+
+def _check_query(q, q_seq, q_pos, cache: KVCache, block_tables) -> tuple[int, int]:
+    shape = _require("q", q, 3, np.float32)
+    tq, hq, dim = shape
+    if dim != cache.head_dim:
+        raise InputError(f"attention: q has head_dim {dim} but the cache has {cache.head_dim} (q shape {shape})")
+    if hq < cache.num_kv_heads or hq % cache.num_kv_heads:
+        raise InputError(f"attention: q's {hq} heads are not a multiple of the cache's {cache.num_kv_heads} kv heads")
+    for name, array in (("q_seq", q_seq), ("q_pos", q_pos)):
+        if _require(name, array, 1, np.int32) != (tq,):
+            raise InputError(f"attention: {name} must have shape [Tq={tq}], got {shape_of(array)}")
+    _require("block_tables", block_tables, 2, np.int32)
+    seqs, positions, tables = _host(q_seq), _host(q_pos), _host(block_tables)
+    if seqs is not None and positions is not None and tables is not None and tq:
+        if positions.min() < 0 or positions.max() >= MAX_KEYS:
+            raise InputError(f"attention: q_pos must lie in [0, {MAX_KEYS}), got [{positions.min()}, {positions.max()}]")
+        if seqs.min() < 0 or seqs.max() >= tables.shape[0]:
+            raise InputError(f"attention: q_seq must lie in [0, {tables.shape[0]}) (rows of block_tables), "
+                             f"got [{seqs.min()}, {seqs.max()}]")
+        for seq in np.unique(seqs):
+            length = int(positions[seqs == seq].max()) + 1
+            _key_slots(tables[seq], length, cache.block_size, cache.num_slots, int(seq))
+    return tq, hq
+
+
+# ---- ops
+
+
+def write_kv(backend: Backend, cache: KVCache, k, v, slots) -> None:
+    """Encode k, v [T, Hkv, D] float32 (15 bits per row) into cache slots [T] int32 (negative: skipped)."""
+    tokens = _check_kv(cache, k, v, slots)
+    if backend.kernel_vendor is None:
+        slots = np.asarray(slots)
+        keep = slots >= 0
+        for x, digits, exponents in ((k, cache.k_digits, cache.k_exponents), (v, cache.v_digits, cache.v_exponents)):
+            x = backend.to_numpy(x)
+            encoded = encode_rows_reference(x.reshape(tokens * cache.num_kv_heads, cache.head_dim), KV_BITS)
+            shaped = encoded.digits.reshape(tokens, cache.num_kv_heads, KV_SLICES, cache.head_dim_padded)
+            digits[slots[keep]] = shaped[keep]
+            exponents[slots[keep]] = encoded.exponents.reshape(tokens, cache.num_kv_heads)[keep]
+        return
+    if isinstance(slots, np.ndarray):
+        slots = backend.asarray(slots)
+    rows = 2 * tokens * cache.num_kv_heads
+    if rows:
+        backend.launch("attention", "attention_write_kv", (min(rows, GRID_LIMIT),), (WRITE_THREADS,),
+                       (k, v, slots, np.int64(tokens), np.int32(cache.num_kv_heads), np.int32(cache.head_dim),
+                        np.int32(cache.head_dim_padded), np.int64(cache.num_slots), cache.k_digits,
+                        cache.k_exponents, cache.v_digits, cache.v_exponents))
+
+
+def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS):
+    """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
+    0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32)."""
+    tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
+    if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
+        raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
+    dim = cache.head_dim
+    if backend.kernel_vendor is None:
+        return _attention_paged_reference(backend.to_numpy(q), np.asarray(q_seq), np.asarray(q_pos), cache,
+                                          np.asarray(block_tables))
+    out = backend.empty((tq, hq, dim), np.float32)
+    if tq == 0:
+        return out
+    q_seq, q_pos, block_tables = (backend.asarray(a) if isinstance(a, np.ndarray) else a
+                                  for a in (q_seq, q_pos, block_tables))
+    num_seqs, max_blocks = shape_of(block_tables)
+    scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the reference's float64 1/sqrt(D)
+    backend.launch("attention", "attention_paged", (min(tq * hq, GRID_LIMIT),), (int(threads),),
+                   (q, q_seq, q_pos, np.int64(tq), np.int32(hq), np.int32(cache.num_kv_heads), np.int32(dim),
+                    np.int32(cache.head_dim_padded), scale, block_tables, np.int32(num_seqs), np.int32(max_blocks),
+                    np.int32(cache.block_size), np.int64(cache.num_slots), cache.k_digits, cache.k_exponents,
+                    cache.v_digits, cache.v_exponents, out))
+    return out
+
+
+def _decode_rows(digits: np.ndarray, dim: int) -> np.ndarray:
+    """Cache digits [L, Hkv, 2, Dp] -> the 15-bit integers [L, Hkv, D] (exact)."""
+    return fp.join_digits(np.moveaxis(digits[..., :dim], 2, 0))
+
+
+def _attention_paged_reference(q: np.ndarray, q_seq: np.ndarray, q_pos: np.ndarray, cache: KVCache,
+                               block_tables: np.ndarray) -> np.ndarray:
+    qq, eq = reference.encode_heads(q, Q_BITS)
+    out = np.empty(q.shape, dtype=np.float32)
+    for seq in np.unique(q_seq):
+        rows = np.nonzero(q_seq == seq)[0]
+        length = int(q_pos[rows].max()) + 1
+        slots = _key_slots(block_tables[seq], length, cache.block_size, cache.num_slots, int(seq))
+        qk = _decode_rows(np.asarray(cache.k_digits)[slots], cache.head_dim)
+        qv = _decode_rows(np.asarray(cache.v_digits)[slots], cache.head_dim)
+        out[rows] = reference.attention_encoded(qq[rows], eq[rows], qk, np.asarray(cache.k_exponents)[slots], qv,
+                                                np.asarray(cache.v_exponents)[slots], q_pos[rows])
+    return out
+
+
+def _check_cu_seqlens(cu_seqlens, tokens: int) -> np.ndarray:
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise InputError(f"attention_packed: cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
+                         f"{cu.dtype.name} of shape {cu.shape}")
+    cu = cu.astype(np.int64)
+    lengths = np.diff(cu)
+    if cu[0] != 0 or cu[-1] != tokens or (lengths < 0).any():
+        raise InputError(f"attention_packed: cu_seqlens must rise from 0 to the {tokens} packed tokens, got {cu.tolist()}")
+    if lengths.size and lengths.max() > MAX_KEYS:
+        raise InputError(f"attention_packed: a sequence of {lengths.max()} tokens exceeds the contract's limit {MAX_KEYS}")
+    return cu
+
+
+def packed_layout(cu_seqlens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q_seq, q_pos, block_tables) of packed sequences in contiguous slots, block size 1."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lengths = np.diff(cu)
+    tokens = int(cu[-1])
+    q_seq = np.repeat(np.arange(lengths.size), lengths).astype(np.int32)
+    q_pos = (np.arange(tokens) - cu[:-1][q_seq]).astype(np.int32)
+    width = max(int(lengths.max()) if lengths.size else 0, 1)
+    tables = (cu[:-1, None] + np.arange(width)[None, :]).astype(np.int32)
+    return q_seq, q_pos, tables
+
+
+def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREADS):
+    """Packed variable-length causal prefill: q [T, Hq, D], k, v [T, Hkv, D] float32; sequence i
+    holds tokens cu_seqlens[i]..cu_seqlens[i+1]-1 at positions 0, 1, ... Returns o [T, Hq, D]."""
+    tokens, hq, dim = _require("q", q, 3, np.float32)
+    kshape = _require("k", k, 3, np.float32)
+    if kshape[0] != tokens or kshape[2] != dim:
+        raise InputError(f"attention_packed: k must have shape [T={tokens}, Hkv, D={dim}], got {kshape}")
+    if _require("v", v, 3, np.float32) != kshape:
+        raise InputError(f"attention_packed: v must have the shape of k {kshape}, got {shape_of(v)}")
+    hkv = kshape[1]
+    if hkv < 1 or hq % hkv:
+        raise InputError(f"attention_packed: q's {hq} heads are not a multiple of k's {hkv} kv heads")
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise InputError(f"attention_packed: head_dim {dim} outside the contract's [1, {MAX_HEAD_DIM}]")
+    cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
+                           tokens)
+    if backend.kernel_vendor is None:
+        q, k, v = backend.to_numpy(q), backend.to_numpy(k), backend.to_numpy(v)
+        out = np.empty((tokens, hq, dim), dtype=np.float32)
+        for start, stop in zip(cu[:-1], cu[1:]):
+            if stop > start:
+                out[start:stop] = reference.attention(q[start:stop], k[start:stop], v[start:stop],
+                                                      np.arange(stop - start))
+        return out
+    if tokens == 0:
+        return backend.empty((0, hq, dim), np.float32)
+    cache = KVCache.allocate(backend, tokens, hkv, dim, block_size=1, zero=False)
+    write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
+    q_seq, q_pos, tables = packed_layout(cu)
+    return attention_paged(backend, q, q_seq, q_pos, cache, tables, threads=threads)

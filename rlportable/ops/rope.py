@@ -1,0 +1,66 @@
+"""Op family "rope": rotary position embedding with host-made tables.
+
+Contract: contracts/rope.toml; reference: rlportable/contract/rope.py (inverse_frequencies,
+tables, apply); kernels: backends/{cuda,hip}/rope.*.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlportable.contract import rope as reference
+from rlportable.errors import InputError
+from rlportable.ops.checks import shape_of
+
+ROPE_THREADS = 256
+MAX_GRID = 4096
+
+
+def tables(backend, max_positions: int, head_dim: int, theta: float, scaling: reference.Llama3Scaling | None = None):
+    """(cos, sin) float32 [max_positions, head_dim / 2] for positions 0 .. max_positions - 1, made on
+    the host with the contract's float64 functions and put on the backend."""
+    if head_dim <= 0 or head_dim % 2:
+        raise InputError(f"rope: head_dim must be a positive even number, got {head_dim}")
+    if not 0 <= max_positions <= reference.MAX_POSITIONS:
+        raise InputError(f"rope: max_positions must lie in [0, {reference.MAX_POSITIONS}], got {max_positions}")
+    inv_freq = reference.inverse_frequencies(head_dim, theta, scaling)
+    cos, sin = reference.tables(np.arange(max_positions), inv_freq)
+    return backend.asarray(cos), backend.asarray(sin)
+
+
+def _check(x, positions, cos, sin) -> tuple[int, int, int, int]:
+    shape = shape_of(x)
+    if len(shape) != 3 or np.dtype(x.dtype) != np.float32:
+        raise InputError(f"rope: x must be float32 [tokens, heads, head_dim], got {np.dtype(x.dtype).name} of shape {shape}")
+    tokens, heads, head_dim = shape
+    if head_dim % 2:
+        raise InputError(f"rope: head_dim must be even, got x of shape {shape}")
+    if shape_of(positions) != (tokens,) or np.dtype(positions.dtype) != np.int32:
+        raise InputError(f"rope: positions must be int32 of shape ({tokens},), got "
+                         f"{np.dtype(positions.dtype).name} of shape {shape_of(positions)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        table_shape = shape_of(table)
+        if len(table_shape) != 2 or table_shape[1] != head_dim // 2 or np.dtype(table.dtype) != np.float32:
+            raise InputError(f"rope: {name} must be float32 [positions, {head_dim // 2}], got "
+                             f"{np.dtype(table.dtype).name} of shape {table_shape}")
+    if shape_of(cos) != shape_of(sin):
+        raise InputError(f"rope: cos {shape_of(cos)} and sin {shape_of(sin)} differ in shape")
+    return tokens, heads, head_dim // 2, shape_of(cos)[0]
+
+
+def apply(backend, x, positions, cos, sin):
+    """y [tokens, heads, D] = x rotated by the table rows cos[positions], sin[positions]."""
+    tokens, heads, half, table_rows = _check(x, positions, cos, sin)
+    host_positions = np.asarray(backend.to_numpy(positions))
+    if host_positions.size and (host_positions.min() < 0 or host_positions.max() >= table_rows):
+        bad = host_positions[(host_positions < 0) | (host_positions >= table_rows)][0]
+        raise InputError(f"rope: position {int(bad)} is outside the tables' [0, {table_rows})")
+    if backend.kernel_vendor is None:
+        cos, sin = backend.to_numpy(cos), backend.to_numpy(sin)
+        return reference.apply(backend.to_numpy(x), cos[host_positions], sin[host_positions])
+    y = backend.empty((tokens, heads, 2 * half), np.float32)
+    n = tokens * heads * half
+    if n:
+        backend.launch("rope", "rope_apply", (min(-(-n // ROPE_THREADS), MAX_GRID),), (ROPE_THREADS,),
+                       (x, positions, cos, sin, np.int64(tokens), np.int32(heads), np.int32(half), y))
+    return y

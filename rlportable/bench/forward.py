@@ -98,8 +98,7 @@ def run(backend, sequences: int = 16, length: int = 1024, layers: int | None = N
 
     if progress:
         progress("HF transformers bf16 sdpa: timing")
-    hf_config = transformers.Qwen3Config(**{k: v for k, v in QWEN3_06B.items()},
-                                         num_hidden_layers=config.num_hidden_layers)
+    hf_config = transformers.Qwen3Config(**{**QWEN3_06B, "num_hidden_layers": config.num_hidden_layers})
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
                                                        torch_dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(tokens.reshape(sequences, length).astype(np.int64), device="cuda")

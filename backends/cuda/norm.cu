@@ -25,11 +25,7 @@ extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float
         float* yr = y + row * (long long)h;
         if (threadIdx.x == 0) { largest = 0u; total = 0ull; }
         __syncthreads();
-        unsigned int local = 0u;
-        for (int i = threadIdx.x; i < h; i += blockDim.x) local = max(local, rlp_magnitude_bits(xr[i]));
-        atomicMax(&largest, local);
-        __syncthreads();
-        const int e = rlp_row_exponent(largest);
+        const int e = rlp_block_row_exponent(xr, h, &largest);
         if (e == RLP_NONFINITE_EXPONENT) {
             for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = rlp_canonical_nan();
         } else {

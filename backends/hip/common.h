@@ -84,4 +84,16 @@ __device__ __forceinline__ unsigned int rlp_magnitude_bits(float x) {
     return (unsigned int)__float_as_int(x) & 0x7fffffffu;
 }
 
+// The exact exponent of a row, computed by a whole block: every thread reads a strided
+// share of the row and the maxima meet through a shared-memory atomicMax (exact for any
+// block size or warp width). `largest` is shared, zeroed and synchronised by the caller;
+// every thread returns the same exponent.
+__device__ __forceinline__ int rlp_block_row_exponent(const float* row, int k, unsigned int* largest) {
+    unsigned int local = 0u;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) local = rlp_max_u32(local, rlp_magnitude_bits(row[i]));
+    atomicMax(largest, local);
+    __syncthreads();
+    return rlp_row_exponent(*largest);
+}
+
 #endif  // RLP_HIP_COMMON_H

@@ -15,21 +15,12 @@ extern "C" __global__ void fixedpoint_encode_rows(
     const float* __restrict__ x, long long rows, int k, int k_padded, int bits, int slices,
     int descending, signed char* __restrict__ digits, int* __restrict__ exponents) {
     __shared__ unsigned int largest;
-    __shared__ int exponent;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* xr = x + row * (long long)k;
         if (threadIdx.x == 0) largest = 0u;
         __syncthreads();
-        unsigned int local = 0u;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) local = rlp_max_u32(local, rlp_magnitude_bits(xr[i]));
-        atomicMax(&largest, local);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            exponent = rlp_row_exponent(largest);
-            exponents[row] = exponent;
-        }
-        __syncthreads();
-        const int e = exponent;
+        const int e = rlp_block_row_exponent(xr, k, &largest);
+        if (threadIdx.x == 0) exponents[row] = e;
         signed char* out = digits + row * (long long)slices * k_padded;
         for (int i = threadIdx.x; i < k_padded; i += blockDim.x) {
             long long q = (i < k && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], bits, e) : 0;

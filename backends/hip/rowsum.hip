@@ -22,11 +22,7 @@ extern "C" __global__ void rowsum_exact(const float* __restrict__ x, long long r
         const float* xr = x + row * (long long)k;
         if (threadIdx.x == 0) { largest = 0u; total = 0ull; specials = 0u; }
         __syncthreads();
-        unsigned int local = 0u;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) local = rlp_max_u32(local, rlp_magnitude_bits(xr[i]));
-        atomicMax(&largest, local);
-        __syncthreads();
-        const int e = rlp_row_exponent(largest);
+        const int e = rlp_block_row_exponent(xr, k, &largest);
         if (e == RLP_NONFINITE_EXPONENT) {
             unsigned int seen = 0u;
             for (int i = threadIdx.x; i < k; i += blockDim.x) {

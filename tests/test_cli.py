@@ -35,3 +35,22 @@ def test_info_lists_every_backend():
 def test_auto_says_which_device_it_took():
     result = CliRunner().invoke(main, ["conform", "--device", "auto", "--quick", "--only", "rowsum"])
     assert "device auto -> " in result.output
+
+
+def test_logp_prints_per_token_logprobs_as_json(tmp_path):
+    data = tmp_path / "texts.jsonl"
+    data.write_text('{"text": "12+34=46"}\n{"prompt": "7*6=", "completion": "42"}\n')
+    result = CliRunner().invoke(main, ["logp", "--model", "tiny", "--device", "cpu", "--jsonl", str(data), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert len(payload["results"]) == 2
+    first = payload["results"][0]
+    assert first["logprobs"][0] is None and len(first["logprobs"]) == len(first["tokens"]) >= 2
+    assert all(lp <= 0 for lp in first["logprobs"][1:])
+
+
+def test_logp_bad_input_is_one_line():
+    result = CliRunner().invoke(main, ["logp", "--model", "tiny", "--device", "cpu"])
+    assert result.exit_code == 1 and "exactly one of --text or --jsonl" in result.output
+    result = CliRunner().invoke(main, ["logp", "--model", "/no/such/dir", "--device", "cpu", "--text", "hi there"])
+    assert result.exit_code == 1 and "/no/such/dir" in result.output and "Traceback" not in result.output

@@ -508,9 +508,15 @@ def _attention_expected(q, k, v, cu) -> np.ndarray:
     return out
 
 
-def _attention_packed(backend: Backend, q, k, v, cu, threads: int = attention_op.THREADS) -> np.ndarray:
+def _attention_packed(backend: Backend, q, k, v, cu, threads: int = attention_op.THREADS,
+                      method: str = "portable") -> np.ndarray:
     return backend.to_numpy(attention_op.attention_packed(backend, backend.asarray(q), backend.asarray(k),
-                                                          backend.asarray(v), cu, threads=threads))
+                                                          backend.asarray(v), cu, threads=threads, method=method))
+
+
+def _attention_methods(backend: Backend, d: int) -> tuple[str, ...]:
+    """Every kernel variant of attention_paged this backend runs (each must give the reference's bits)."""
+    return attention_op.available_methods(backend, d)
 
 
 def _paged_layout(rng, lengths, block_size: int, spare_blocks: int = 3):
@@ -544,11 +550,11 @@ class _PagedRun:
         attention_op.write_kv(self.backend, self.cache, self.backend.asarray(k), self.backend.asarray(v),
                               self.backend.asarray(slots))
 
-    def query(self, q, q_seq, q_pos, threads: int = attention_op.THREADS) -> np.ndarray:
+    def query(self, q, q_seq, q_pos, threads: int = attention_op.THREADS, method: str = "portable") -> np.ndarray:
         b = self.backend
         return b.to_numpy(attention_op.attention_paged(
             b, b.asarray(q), b.asarray(np.asarray(q_seq, dtype=np.int32)), b.asarray(np.asarray(q_pos, dtype=np.int32)),
-            self.cache, self.device_tables, threads=threads))
+            self.cache, self.device_tables, threads=threads, method=method))
 
 
 def check_attention_packed(backend: Backend, rng, quick: bool) -> Tally:
@@ -561,7 +567,9 @@ def check_attention_packed(backend: Backend, rng, quick: bool) -> Tally:
     for hq, hkv, d in ATTENTION_HEADS:
         for kind in ATTENTION_KINDS if (hq, hkv, d) == ATTENTION_HEADS[0] or not quick else ("normal", "massive"):
             q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, kind)
-            tally.add(_attention_packed(backend, q, k, v, cu), _attention_expected(q, k, v, cu))
+            expected = _attention_expected(q, k, v, cu)
+            for method in _attention_methods(backend, d):
+                tally.add(_attention_packed(backend, q, k, v, cu, method=method), expected)
     return tally
 
 
@@ -578,7 +586,8 @@ def check_attention_nonfinite(backend: Backend, rng, quick: bool) -> Tally:
     expected = _attention_expected(q, k, v, cu)
     nan_rows = np.isnan(expected).all(axis=2)
     assert nan_rows.sum() == 1 + 20 * 4 + 4 * 4 and not np.isnan(expected[~nan_rows]).any()
-    tally.add(_attention_packed(backend, q, k, v, cu), expected)
+    for method in _attention_methods(backend, d):
+        tally.add(_attention_packed(backend, q, k, v, cu, method=method), expected)
     return tally
 
 
@@ -620,7 +629,14 @@ def check_attention_paged(backend: Backend, rng, quick: bool) -> Tally:
             run.write(seq, np.arange(stop - start), k[start:stop], v[start:stop])
         q_seq = np.repeat(np.arange(len(lengths)), lengths)
         q_pos = np.arange(int(cu[-1])) - cu[:-1][q_seq]
-        tally.add(run.query(q, q_seq, q_pos), _attention_expected(q, k, v, cu))
+        expected = _attention_expected(q, k, v, cu)
+        for method in _attention_methods(backend, d):
+            tally.add(run.query(q, q_seq, q_pos, method=method), expected)
+        # the same queries shuffled: tiles of rows from several sequences at scattered positions
+        order = rng.permutation(q_seq.size)
+        for method in _attention_methods(backend, d):
+            tally.add(run.query(np.ascontiguousarray(q[order]), q_seq[order], q_pos[order], method=method),
+                      expected[order])
     # long sequence: a few queries at positions around and beyond the score cache
     length = 4200 if quick else 9000
     hq, hkv, d = 4, 2, 64
@@ -629,7 +645,14 @@ def check_attention_paged(backend: Backend, rng, quick: bool) -> Tally:
     run = _PagedRun(backend, rng, [length], hkv, d, 32)
     run.write(0, np.arange(length), k, v)
     expected = attention_ref.attention(q[positions], k, v, positions)
-    tally.add(run.query(np.ascontiguousarray(q[positions]), np.zeros(positions.size), positions), expected)
+    for method in _attention_methods(backend, d):
+        tally.add(run.query(np.ascontiguousarray(q[positions]), np.zeros(positions.size), positions, method=method),
+                  expected)
+    # a prefill-shaped slice of the long sequence: 130 consecutive queries ending at the last key
+    tail = np.arange(length - 130, length)
+    tail_expected = attention_ref.attention(q[tail], k, v, tail)
+    for method in _attention_methods(backend, d):
+        tally.add(run.query(np.ascontiguousarray(q[tail]), np.zeros(tail.size), tail, method=method), tail_expected)
     for threads in (64, 1024):
         tally.add(run.query(np.ascontiguousarray(q[positions]), np.zeros(positions.size), positions, threads), expected)
     return tally
@@ -644,6 +667,7 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
     q, k, v = _attention_qkv(rng, target, hq, hkv, d, "massive")
     alone = _attention_packed(backend, q, k, v, _cu([target]))
     tally.add(alone, _attention_expected(q, k, v, _cu([target])))
+    methods = _attention_methods(backend, d)
     # position in batch: packed after (and before) other sequences, at several slot offsets
     for before in ([7], [50, 1], [33, 7, 50], []):
         after = [n for n in others if n not in before][:2]
@@ -651,8 +675,9 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
         oq, ok, ov = _attention_qkv(rng, sum(lengths), hq, hkv, d, "normal")
         offset = sum(before)
         oq[offset:offset + target], ok[offset:offset + target], ov[offset:offset + target] = q, k, v
-        packed = _attention_packed(backend, oq, ok, ov, _cu(lengths))
-        tally.add(packed[offset:offset + target], alone)
+        for method in methods:
+            packed = _attention_packed(backend, oq, ok, ov, _cu(lengths), method=method)
+            tally.add(packed[offset:offset + target], alone)
     # launch shape: any thread count
     for threads in (32, 100, 1024):
         tally.add(_attention_packed(backend, q, k, v, _cu([target]), threads=threads), alone)
@@ -663,12 +688,15 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
     for block_size in (1, 16, 32):
         run = _PagedRun(backend, rng, [target, partner], hkv, d, block_size)
         run.write(0, positions, k, v)
-        tally.add(run.query(q, np.zeros(target), positions), alone)
+        for method in methods:
+            tally.add(run.query(q, np.zeros(target), positions, method=method), alone)
         run = _PagedRun(backend, rng, [target, partner], hkv, d, block_size)
         cuts = [0, 1, 17, 40, target]
         for start, stop in zip(cuts[:-1], cuts[1:]):
             run.write(0, positions[start:stop], k[start:stop], v[start:stop])
-            tally.add(run.query(q[start:stop], np.zeros(stop - start), positions[start:stop]), alone[start:stop])
+            for method in methods:
+                tally.add(run.query(q[start:stop], np.zeros(stop - start), positions[start:stop], method=method),
+                          alone[start:stop])
     run = _PagedRun(backend, rng, [target, partner], hkv, d, 16)
     run.write(1, np.arange(partner // 2), pk[: partner // 2], pv[: partner // 2])  # the partner's prompt
     decoded = np.empty_like(alone)
@@ -677,8 +705,11 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
         pt = partner // 2 + t
         if pt < partner:
             run.write(1, np.array([pt]), pk[pt:pt + 1], pv[pt:pt + 1])
-            out = run.query(np.concatenate([pq[pt:pt + 1], q[t:t + 1]]), [1, 0], [pt, t])
+            rows = np.concatenate([pq[pt:pt + 1], q[t:t + 1]])
+            out = run.query(rows, [1, 0], [pt, t])
             decoded[t] = out[1]
+            for method in methods:  # a tile holding rows of two sequences (one round per sequence)
+                tally.add(run.query(rows, [1, 0], [pt, t], method=method)[1], out[1])
         else:
             decoded[t] = run.query(q[t:t + 1], [0], [t])[0]
     tally.add(decoded, alone)

@@ -346,3 +346,37 @@ def test_bad_inputs_name_the_tensor():
         op.KVCache.allocate(CPU, 4, 1, 600)
     assert op.attention_packed(CPU, np.zeros((0, 4, 16), np.float32), np.zeros((0, 2, 16), np.float32),
                                np.zeros((0, 2, 16), np.float32), [0]).shape == (0, 4, 16)
+
+
+# ---- kernel variants: "portable" everywhere, "mma" (tensor cores) only for CUDA sources
+
+
+def test_methods_dispatch_and_reject():
+
+    cpu = get_backend("cpu")
+    assert op.available_methods(cpu, 128) == ("portable",)
+    assert op.resolve_method(cpu, 1024, 1, 128, "auto") == "portable"
+    with pytest.raises(InputError, match="mma"):
+        op.resolve_method(cpu, 1024, 1, 128, "mma")
+    with pytest.raises(InputError, match="method"):
+        op.resolve_method(cpu, 1024, 1, 128, "fast")
+
+    class FakeCuda:
+        kernel_vendor = "cuda"
+        label = "cuda"
+
+    cuda = FakeCuda()
+    assert op.available_methods(cuda, 128) == ("portable", "mma")
+    assert op.available_methods(cuda, 256) == ("portable", "mma")
+    assert op.available_methods(cuda, 257) == ("portable",)
+    assert op.resolve_method(cuda, 1024, 16, 128, "auto") == "mma"  # prefill
+    assert op.resolve_method(cuda, 16, 16, 128, "auto") == "portable"  # decode
+    assert op.resolve_method(cuda, 16, 16, 128, "mma") == "mma"
+    assert op.mma_shared_bytes(128) == 7 * 64 * 128 + 3 * 64 * 64
+
+
+def test_mma_kernels_are_declared_cuda_only():
+    from rlportable.contract.spec import load_all
+
+    contract = next(c for c in load_all() if c.name == "attention")
+    assert sorted(contract.cuda_only_kernels) == ["attention_paged_mma_d128", "attention_paged_mma_d256"]

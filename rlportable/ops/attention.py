@@ -40,6 +40,16 @@ THREADS = 256  # attention_paged block size (any value in [1, MAX_THREADS] gives
 MAX_THREADS = 1024
 WRITE_THREADS = 128
 GRID_LIMIT = 1 << 20  # grid-stride beyond this many blocks
+#: Kernel variants of attention_paged (every one gives the reference's bits):
+#:   "portable": attention_paged, one block per (query, head), scalar int64 arithmetic (CUDA and HIP);
+#:   "mma": attention_paged_mma_d128 / _d256, CUDA sources only (mma.sync int8 tensor cores), 64 query
+#:          rows x one head per block, padded head_dim <= 256;
+#:   "auto": "mma" where it exists and the call has enough queries per sequence (prefill), else "portable".
+METHODS = ("auto", "portable", "mma")
+MMA_ROWS = 64  # query rows per block of the mma kernels
+MMA_THREADS = 256
+MMA_MAX_HEAD_DIM_PADDED = 256
+MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run the portable kernel
 
 
 @dataclass
@@ -185,12 +195,41 @@ def write_kv(backend: Backend, cache: KVCache, k, v, slots) -> None:
                         cache.k_exponents, cache.v_digits, cache.v_exponents))
 
 
-def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS):
+def available_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
+    """The kernel variants this backend runs for this head_dim (cpu: the reference only, "portable")."""
+    if backend.kernel_vendor == "cuda" and round_up(head_dim, K_ALIGN) <= MMA_MAX_HEAD_DIM_PADDED:
+        return ("portable", "mma")
+    return ("portable",)
+
+
+def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, method: str) -> str:
+    if method not in METHODS:
+        raise InputError(f"attention: method must be one of {METHODS}, got {method!r}")
+    available = available_methods(backend, head_dim)
+    if method == "mma" and "mma" not in available:
+        raise InputError(f"attention: the mma kernel exists for CUDA sources and padded head_dim <= "
+                         f"{MMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {head_dim}")
+    if method == "auto":
+        return "mma" if "mma" in available and tq >= MMA_MIN_ROWS_PER_SEQ * max(num_seqs, 1) else "portable"
+    return method
+
+
+def mma_shared_bytes(head_dim_padded: int) -> int:
+    """Dynamic shared memory of attention_paged_mma_*: q digits 3*64*dp, K digits 2*64*dp,
+    V digits (transposed) 2*64*dp, weight digits 3*64*64."""
+    return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
+
+
+def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,
+                    method: str = "auto"):
     """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
-    0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32)."""
+    0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32).
+    method: "auto", "portable" or "mma" (METHODS; all give the same bits). threads: the portable
+    kernel's block size."""
     tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
+    method = resolve_method(backend, tq, shape_of(block_tables)[0], cache.head_dim, method)
     dim = cache.head_dim
     if backend.kernel_vendor is None:
         return _attention_paged_reference(backend.to_numpy(q), np.asarray(q_seq), np.asarray(q_pos), cache,
@@ -202,11 +241,17 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                                   for a in (q_seq, q_pos, block_tables))
     num_seqs, max_blocks = shape_of(block_tables)
     scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the reference's float64 1/sqrt(D)
-    backend.launch("attention", "attention_paged", (min(tq * hq, GRID_LIMIT),), (int(threads),),
+    if method == "mma":
+        dp = cache.head_dim_padded
+        kernel = "attention_paged_mma_d128" if dp <= 128 else "attention_paged_mma_d256"
+        grid, block, shared = (-(-tq // MMA_ROWS), hq), (MMA_THREADS,), mma_shared_bytes(dp)
+    else:
+        kernel, grid, block, shared = "attention_paged", (min(tq * hq, GRID_LIMIT),), (int(threads),), 0
+    backend.launch("attention", kernel, grid, block,
                    (q, q_seq, q_pos, np.int64(tq), np.int32(hq), np.int32(cache.num_kv_heads), np.int32(dim),
                     np.int32(cache.head_dim_padded), scale, block_tables, np.int32(num_seqs), np.int32(max_blocks),
                     np.int32(cache.block_size), np.int64(cache.num_slots), cache.k_digits, cache.k_exponents,
-                    cache.v_digits, cache.v_exponents, out))
+                    cache.v_digits, cache.v_exponents, out), shared_mem=shared)
     return out
 
 
@@ -256,7 +301,7 @@ def packed_layout(cu_seqlens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return q_seq, q_pos, tables
 
 
-def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREADS):
+def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREADS, method: str = "auto"):
     """Packed variable-length causal prefill: q [T, Hq, D], k, v [T, Hkv, D] float32; sequence i
     holds tokens cu_seqlens[i]..cu_seqlens[i+1]-1 at positions 0, 1, ... Returns o [T, Hq, D]."""
     tokens, hq, dim = _require("q", q, 3, np.float32)
@@ -285,4 +330,4 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
     cache = KVCache.allocate(backend, tokens, hkv, dim, block_size=1, zero=False)
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     q_seq, q_pos, tables = packed_layout(cu)
-    return attention_paged(backend, q, q_seq, q_pos, cache, tables, threads=threads)
+    return attention_paged(backend, q, q_seq, q_pos, cache, tables, threads=threads, method=method)

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from rlportable.errors import BackendUnavailable, RlpError
+from rlportable.errors import RlpError
 
 DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
                              type=click.Choice(["auto", "cpu", "cuda", "hip"]), help="Backend to run on.")

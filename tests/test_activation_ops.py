@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlportable.conform_inputs import random_rows
+from rlportable.conform.inputs import random_rows
 from rlportable.contract import activation as reference
 from rlportable.errors import InputError
 from rlportable.ops import activation

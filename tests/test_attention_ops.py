@@ -2,7 +2,7 @@
 the paged and packed paths, the contract's invariances, and accuracy against float64 attention.
 
 The device kernels are checked against the same reference, bitwise, by `rlportable conform`
-(rlportable/conform.py, attention.*); their sources compile in tests/test_kernel_sources.py.
+(rlportable/conform/attention.py); their sources compile in tests/test_kernel_sources.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlportable.conform_inputs import random_rows
+from rlportable.conform.inputs import random_rows
 from rlportable.contract import attention as ref, fixedpoint as fp
 from rlportable.contract.elementwise import exp_f32
 from rlportable.errors import InputError

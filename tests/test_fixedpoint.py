@@ -3,7 +3,7 @@ import pytest
 
 from exact_oracle import quantize
 from rlportable.contract import fixedpoint as fp
-from rlportable.conform_inputs import ROW_KINDS, random_rows
+from rlportable.conform.inputs import ROW_KINDS, random_rows
 from rlportable.ops.fixedpoint import encode_rows, encode_rows_reference
 from rlportable.runtime import get_backend
 

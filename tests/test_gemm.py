@@ -5,7 +5,7 @@ import pytest
 
 from exact_oracle import quantize, round_fraction_to_f32
 from rlportable.contract import exact, fixedpoint as fp
-from rlportable.conform_inputs import random_rows
+from rlportable.conform.inputs import random_rows
 from rlportable.errors import InputError
 from rlportable.ops import gemm as gemm_op
 from rlportable.runtime import get_backend

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlportable.conform_inputs import random_rows
+from rlportable.conform.inputs import random_rows
 from rlportable.contract import exact, logprob as reference
 from rlportable.errors import InputError
 from rlportable.ops import gemm, logprob

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from exact_oracle import quantize
-from rlportable.conform_inputs import random_rows
+from rlportable.conform.inputs import random_rows
 from rlportable.contract import fixedpoint as fp, norm as reference
 from rlportable.errors import InputError
 from rlportable.ops import norm

@@ -5,7 +5,7 @@ import pytest
 
 from exact_oracle import quantize, round_fraction_to_f32
 from rlportable.contract import exact
-from rlportable.conform_inputs import random_rows
+from rlportable.conform.inputs import random_rows
 from rlportable.ops.rowsum import DEFAULT_BITS, rowsum
 from rlportable.runtime import get_backend
 

@@ -29,7 +29,7 @@ def _compare_models(backend, config, weights, rng, lengths, temperature, tally) 
 
 
 def check_model_tiny(backend, rng, quick: bool):
-    from rlportable.conform import Tally
+    from rlportable.conform.tally import Tally
     from rlportable.model.tiny import tiny_model
 
     tally = Tally()
@@ -44,7 +44,7 @@ def check_model_qwen3_06b_shape(backend, rng, quick: bool):
     """A Qwen3-0.6B-shaped model with random weights (all 28 layers; 2 layers with --quick),
     on devices only (DEVICE_ONLY): on cpu it would compare the reference with itself."""
     from rlportable.bench.forward import qwen3_06b_config
-    from rlportable.conform import Tally
+    from rlportable.conform.tally import Tally
     from rlportable.model.tiny import tiny_weights
 
     tally = Tally()

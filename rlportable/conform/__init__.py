@@ -1,0 +1,49 @@
+"""The suite behind `rlportable conform`: every contract's kernels against the NumPy reference, bitwise.
+
+Each check returns how many elements it compared and how many differ in their
+raw bits (NaN payloads and signed zeros included). One module per part of the
+stack: primitives (issue 2), forward_ops and attention (issue 3), model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from rlportable.conform.attention import ATTENTION_CHECKS
+from rlportable.conform.forward_ops import FORWARD_OP_CHECKS
+from rlportable.conform.model import DEVICE_ONLY, MODEL_CHECKS
+from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, EXHAUSTIVE_REPORTS, PRIMITIVE_CHECKS
+from rlportable.conform.tally import CheckResult, Tally, bit_mismatches
+from rlportable.runtime.base import Backend
+
+CHECKS: list[tuple[str, Callable]] = PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
+
+__all__ = ["CHECKS", "CheckResult", "EXHAUSTIVE_REPORTS", "Tally", "bit_mismatches", "report", "run"]
+
+
+def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None = None,
+        progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> list[CheckResult]:
+    results = []
+    for name, check in CHECKS + (EXHAUSTIVE_CHECKS if exhaustive else []):
+        if (only and only not in name) or (backend.kernel_vendor is None and name in DEVICE_ONLY):
+            continue
+        if progress:
+            progress(name)
+        rng = np.random.default_rng([seed, len(results)])
+        tally = check(backend, rng, quick)
+        results.append(CheckResult(name, tally.compared, tally.mismatches))
+    return results
+
+
+
+def report(device: str, backend_info: dict, results: list[CheckResult]) -> dict:
+    return {
+        "device": device,
+        "backend": backend_info,
+        "checks": [r.as_json() for r in results],
+        "compared": sum(r.compared for r in results),
+        "mismatches": sum(r.mismatches for r in results),
+        "passed": all(r.passed for r in results),
+    }

@@ -1,0 +1,257 @@
+"""Conformance of attention (contracts/attention.toml): exact causal GQA attention over the encoded
+KV cache, packed and paged, every kernel variant, against the reference, bitwise."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlportable.conform.inputs import ROW_KINDS, random_rows
+from rlportable.conform.tally import Tally
+from rlportable.runtime.base import Backend
+
+from rlportable.contract import attention as attention_ref
+from rlportable.ops import attention as attention_op
+from rlportable.ops.fixedpoint import encode_rows_reference as _encode_rows_reference
+
+# (Hq, Hkv, D): GQA 4:1, plain multi-head, a ragged head_dim, a wide one
+ATTENTION_HEADS = ((8, 2, 64), (4, 4, 128), (8, 2, 20))
+ATTENTION_LENGTHS = (1, 7, 33, 200)
+ATTENTION_KINDS = ("normal", "massive", "tiny", "huge", "zeros", "special")
+
+
+def _attention_qkv(rng, tokens: int, hq: int, hkv: int, d: int, kind: str = "normal"):
+    def rows(heads):
+        return random_rows(rng, tokens * heads, d, kind).reshape(tokens, heads, d)
+
+    return rows(hq), rows(hkv), rows(hkv)
+
+
+def _cu(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _attention_expected(q, k, v, cu) -> np.ndarray:
+    """The reference, one sequence at a time (the contract's definition of a packed batch)."""
+    out = np.empty(q.shape, dtype=np.float32)
+    for start, stop in zip(cu[:-1], cu[1:]):
+        if stop > start:
+            out[start:stop] = attention_ref.attention(q[start:stop], k[start:stop], v[start:stop],
+                                                      np.arange(stop - start))
+    return out
+
+
+def _attention_packed(backend: Backend, q, k, v, cu, threads: int = attention_op.THREADS,
+                      method: str = "portable") -> np.ndarray:
+    return backend.to_numpy(attention_op.attention_packed(backend, backend.asarray(q), backend.asarray(k),
+                                                          backend.asarray(v), cu, threads=threads, method=method))
+
+
+def _attention_methods(backend: Backend, d: int) -> tuple[str, ...]:
+    """Every kernel variant of attention_paged this backend runs (each must give the reference's bits)."""
+    return attention_op.available_methods(backend, d)
+
+
+def _paged_layout(rng, lengths, block_size: int, spare_blocks: int = 3):
+    """Block tables for sequences of these lengths over shuffled physical blocks (plus unused ones)."""
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + spare_blocks
+    physical = rng.permutation(num_blocks)
+    tables = np.full((len(lengths), max(max(needed), 1) + 1), -1, dtype=np.int32)
+    used = 0
+    for seq, count in enumerate(needed):
+        tables[seq, :count] = physical[used:used + count]
+        used += count
+    return tables, num_blocks
+
+
+def _seq_slots(tables: np.ndarray, seq: int, positions: np.ndarray, block_size: int) -> np.ndarray:
+    return (tables[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size).astype(np.int32)
+
+
+class _PagedRun:
+    """One paged cache on the backend: write K/V rows of sequences, run queries against it."""
+
+    def __init__(self, backend: Backend, rng, lengths, hkv: int, d: int, block_size: int):
+        self.backend, self.block_size = backend, block_size
+        self.tables, num_blocks = _paged_layout(rng, lengths, block_size)
+        self.cache = attention_op.KVCache.allocate(backend, num_blocks * block_size, hkv, d, block_size)
+        self.device_tables = backend.asarray(self.tables)
+
+    def write(self, seq: int, positions: np.ndarray, k, v) -> None:
+        slots = _seq_slots(self.tables, seq, positions, self.block_size)
+        attention_op.write_kv(self.backend, self.cache, self.backend.asarray(k), self.backend.asarray(v),
+                              self.backend.asarray(slots))
+
+    def query(self, q, q_seq, q_pos, threads: int = attention_op.THREADS, method: str = "portable") -> np.ndarray:
+        b = self.backend
+        return b.to_numpy(attention_op.attention_paged(
+            b, b.asarray(q), b.asarray(np.asarray(q_seq, dtype=np.int32)), b.asarray(np.asarray(q_pos, dtype=np.int32)),
+            self.cache, self.device_tables, threads=threads, method=method))
+
+
+def check_attention_packed(backend: Backend, rng, quick: bool) -> Tally:
+    """Packed ragged sequences (1, 7, 33, 200 tokens) against the reference, every head layout and input kind."""
+    tally = Tally()
+    lengths = list(ATTENTION_LENGTHS)
+    order = rng.permutation(len(lengths))
+    lengths = [lengths[i] for i in order] + ([] if quick else [517, 3])
+    cu = _cu(lengths)
+    for hq, hkv, d in ATTENTION_HEADS:
+        for kind in ATTENTION_KINDS if (hq, hkv, d) == ATTENTION_HEADS[0] or not quick else ("normal", "massive"):
+            q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, kind)
+            expected = _attention_expected(q, k, v, cu)
+            for method in _attention_methods(backend, d):
+                tally.add(_attention_packed(backend, q, k, v, cu, method=method), expected)
+    return tally
+
+
+def check_attention_nonfinite(backend: Backend, rng, quick: bool) -> Tally:
+    """A NaN q row, an inf k row and a NaN v row: NaN exactly where the contract says, nothing else touched."""
+    tally = Tally()
+    lengths = [33, 40, 7]
+    cu = _cu(lengths)
+    hq, hkv, d = 8, 2, 64
+    q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
+    q[5, 3, 17] = np.nan  # sequence 0, position 5, head 3 only
+    k[cu[1] + 20, 1, 2] = np.inf  # sequence 1, positions >= 20, kv head 1 (heads 4..7)
+    v[cu[2] + 3, 0, 0] = -np.nan  # sequence 2, positions >= 3, kv head 0 (heads 0..3)
+    expected = _attention_expected(q, k, v, cu)
+    nan_rows = np.isnan(expected).all(axis=2)
+    assert nan_rows.sum() == 1 + 20 * 4 + 4 * 4 and not np.isnan(expected[~nan_rows]).any()
+    for method in _attention_methods(backend, d):
+        tally.add(_attention_packed(backend, q, k, v, cu, method=method), expected)
+    return tally
+
+
+def check_attention_write_kv(backend: Backend, rng, quick: bool) -> Tally:
+    """The cache writer against fixedpoint's reference encoding (15 bits, 2 digits), scattered to slots."""
+    tally = Tally()
+    for hkv, d in ((2, 64), (4, 128), (2, 20), (1, 1)):
+        for kind in ROW_KINDS:
+            tokens, num_slots = 13, 40
+            k = random_rows(rng, tokens * hkv, d, kind).reshape(tokens, hkv, d)
+            v = random_rows(rng, tokens * hkv, d, "normal" if kind == "nonfinite" else kind).reshape(tokens, hkv, d)
+            slots = rng.permutation(num_slots)[:tokens].astype(np.int32)
+            slots[[2, 7]] = -1  # skipped
+            cache = attention_op.KVCache.allocate(backend, num_slots, hkv, d, block_size=4)
+            attention_op.write_kv(backend, cache, backend.asarray(k), backend.asarray(v), backend.asarray(slots))
+            dp = cache.head_dim_padded
+            for x, digits, exponents in ((k, cache.k_digits, cache.k_exponents), (v, cache.v_digits, cache.v_exponents)):
+                encoded = _encode_rows_reference(x.reshape(tokens * hkv, d), attention_op.KV_BITS)
+                want_digits = np.zeros((num_slots, hkv, attention_op.KV_SLICES, dp), dtype=np.int8)
+                want_exponents = np.zeros((num_slots, hkv), dtype=np.int32)
+                keep = slots >= 0
+                want_digits[slots[keep]] = encoded.digits.reshape(tokens, hkv, attention_op.KV_SLICES, dp)[keep]
+                want_exponents[slots[keep]] = encoded.exponents.reshape(tokens, hkv)[keep]
+                tally.add(backend.to_numpy(digits), want_digits)
+                tally.add(backend.to_numpy(exponents), want_exponents)
+    return tally
+
+
+def check_attention_paged(backend: Backend, rng, quick: bool) -> Tally:
+    """Paged cache (shuffled blocks of 16) against the reference, plus a sequence longer than the
+    kernel's shared score cache (4096 keys: later scores are recomputed in pass 2)."""
+    tally = Tally()
+    for hq, hkv, d in ATTENTION_HEADS:
+        lengths = [45, 1, 130]
+        cu = _cu(lengths)
+        q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
+        run = _PagedRun(backend, rng, lengths, hkv, d, 16)
+        for seq, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
+            run.write(seq, np.arange(stop - start), k[start:stop], v[start:stop])
+        q_seq = np.repeat(np.arange(len(lengths)), lengths)
+        q_pos = np.arange(int(cu[-1])) - cu[:-1][q_seq]
+        expected = _attention_expected(q, k, v, cu)
+        for method in _attention_methods(backend, d):
+            tally.add(run.query(q, q_seq, q_pos, method=method), expected)
+        # the same queries shuffled: tiles of rows from several sequences at scattered positions
+        order = rng.permutation(q_seq.size)
+        for method in _attention_methods(backend, d):
+            tally.add(run.query(np.ascontiguousarray(q[order]), q_seq[order], q_pos[order], method=method),
+                      expected[order])
+    # long sequence: a few queries at positions around and beyond the score cache
+    length = 4200 if quick else 9000
+    hq, hkv, d = 4, 2, 64
+    q, k, v = _attention_qkv(rng, length, hq, hkv, d, "normal")
+    positions = np.array([0, 1, 4094, 4095, 4096, 4097, 4150, length - 1])
+    run = _PagedRun(backend, rng, [length], hkv, d, 32)
+    run.write(0, np.arange(length), k, v)
+    expected = attention_ref.attention(q[positions], k, v, positions)
+    for method in _attention_methods(backend, d):
+        tally.add(run.query(np.ascontiguousarray(q[positions]), np.zeros(positions.size), positions, method=method),
+                  expected)
+    # a prefill-shaped slice of the long sequence: 130 consecutive queries ending at the last key
+    tail = np.arange(length - 130, length)
+    tail_expected = attention_ref.attention(q[tail], k, v, tail)
+    for method in _attention_methods(backend, d):
+        tally.add(run.query(np.ascontiguousarray(q[tail]), np.zeros(tail.size), tail, method=method), tail_expected)
+    for threads in (64, 1024):
+        tally.add(run.query(np.ascontiguousarray(q[positions]), np.zeros(positions.size), positions, threads), expected)
+    return tally
+
+
+def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
+    """position_in_batch, prefill_decode, kv_block_size, launch_shape: bitwise equal outputs."""
+    tally = Tally()
+    hq, hkv, d = 8, 2, 64
+    target = 70 if quick else 300
+    others = [7, 50, 1, 33]
+    q, k, v = _attention_qkv(rng, target, hq, hkv, d, "massive")
+    alone = _attention_packed(backend, q, k, v, _cu([target]))
+    tally.add(alone, _attention_expected(q, k, v, _cu([target])))
+    methods = _attention_methods(backend, d)
+    # position in batch: packed after (and before) other sequences, at several slot offsets
+    for before in ([7], [50, 1], [33, 7, 50], []):
+        after = [n for n in others if n not in before][:2]
+        lengths = before + [target] + after
+        oq, ok, ov = _attention_qkv(rng, sum(lengths), hq, hkv, d, "normal")
+        offset = sum(before)
+        oq[offset:offset + target], ok[offset:offset + target], ov[offset:offset + target] = q, k, v
+        for method in methods:
+            packed = _attention_packed(backend, oq, ok, ov, _cu(lengths), method=method)
+            tally.add(packed[offset:offset + target], alone)
+    # launch shape: any thread count
+    for threads in (32, 100, 1024):
+        tally.add(_attention_packed(backend, q, k, v, _cu([target]), threads=threads), alone)
+    # prefill at once, chunked prefill, one-token decode steps (next to a second sequence), block sizes 1, 16, 32
+    partner = 41
+    pq, pk, pv = _attention_qkv(rng, partner, hq, hkv, d, "normal")
+    positions = np.arange(target)
+    for block_size in (1, 16, 32):
+        run = _PagedRun(backend, rng, [target, partner], hkv, d, block_size)
+        run.write(0, positions, k, v)
+        for method in methods:
+            tally.add(run.query(q, np.zeros(target), positions, method=method), alone)
+        run = _PagedRun(backend, rng, [target, partner], hkv, d, block_size)
+        cuts = [0, 1, 17, 40, target]
+        for start, stop in zip(cuts[:-1], cuts[1:]):
+            run.write(0, positions[start:stop], k[start:stop], v[start:stop])
+            for method in methods:
+                tally.add(run.query(q[start:stop], np.zeros(stop - start), positions[start:stop], method=method),
+                          alone[start:stop])
+    run = _PagedRun(backend, rng, [target, partner], hkv, d, 16)
+    run.write(1, np.arange(partner // 2), pk[: partner // 2], pv[: partner // 2])  # the partner's prompt
+    decoded = np.empty_like(alone)
+    for t in range(target):  # continuous batching: both sequences decode in one call while the partner lasts
+        run.write(0, positions[t:t + 1], k[t:t + 1], v[t:t + 1])
+        pt = partner // 2 + t
+        if pt < partner:
+            run.write(1, np.array([pt]), pk[pt:pt + 1], pv[pt:pt + 1])
+            rows = np.concatenate([pq[pt:pt + 1], q[t:t + 1]])
+            out = run.query(rows, [1, 0], [pt, t])
+            decoded[t] = out[1]
+            for method in methods:  # a tile holding rows of two sequences (one round per sequence)
+                tally.add(run.query(rows, [1, 0], [pt, t], method=method)[1], out[1])
+        else:
+            decoded[t] = run.query(q[t:t + 1], [0], [t])[0]
+    tally.add(decoded, alone)
+    return tally
+
+
+ATTENTION_CHECKS = [
+    ("attention.packed", check_attention_packed),
+    ("attention.nonfinite_rows", check_attention_nonfinite),
+    ("attention.write_kv", check_attention_write_kv),
+    ("attention.paged", check_attention_paged),
+    ("attention.invariance", check_attention_invariance),
+]

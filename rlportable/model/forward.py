@@ -94,8 +94,45 @@ class Model:
         device_positions = backend.asarray(positions.astype(np.int32))
         x = embedding.gather(backend, self.embed, backend.asarray(tokens))
         for layer in self.layers:
-            x = self._layer(layer, x, device_positions, cos, sin, cu_seqlens)
+            x = self._layer(layer, x, device_positions, cos, sin,
+                            lambda q, k, v, _layer: attention.attention_packed(backend, q, k, v, cu_seqlens))
         return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
+
+    def step(self, tokens, positions, q_seq, block_tables, slots, caches: list):
+        """One engine step over a paged KV cache: final-norm hidden states [T, H].
+
+        Token i (id tokens[i], position positions[i]) belongs to row q_seq[i] of
+        block_tables and writes its K and V to cache slot slots[i] of every
+        layer's cache (caches[layer], ops.attention.KVCache) before attending to
+        positions 0..positions[i] of its sequence. Prefill, chunked prefill and
+        decode are all this call; the attention contract makes their bits equal
+        to the packed forward's.
+        """
+        cfg, backend = self.config, self.backend
+        positions = np.asarray(positions, dtype=np.int64)
+        cos, sin = self.rope_tables(int(positions.max()) + 1 if positions.size else 1)
+        device_positions = backend.asarray(positions.astype(np.int32))
+        q_seq, slots = backend.asarray(np.asarray(q_seq, np.int32)), backend.asarray(np.asarray(slots, np.int32))
+        tables = backend.asarray(np.asarray(block_tables, np.int32))
+
+        def paged(q, k, v, index):
+            attention.write_kv(backend, caches[index], k, v, slots)
+            return attention.attention_paged(backend, q, q_seq, device_positions, caches[index], tables)
+
+        x = embedding.gather(backend, self.embed, backend.asarray(np.asarray(tokens, np.int32)))
+        for index, layer in enumerate(self.layers):
+            x = self._layer(layer, x, device_positions, cos, sin, lambda q, k, v, _l, i=index: paged(q, k, v, i))
+        return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
+
+    def allocate_caches(self, num_blocks: int, block_size: int) -> list:
+        """One encoded KV cache per layer (ops.attention.KVCache) of num_blocks blocks."""
+        cfg = self.config
+        return [attention.KVCache.allocate(self.backend, num_blocks * block_size, cfg.num_key_value_heads,
+                                           cfg.head_dim, block_size) for _ in self.layers]
+
+    def logits(self, hidden_rows):
+        """float32 logits [rows, V] of final-norm hidden rows (the exact gemm with the LM head)."""
+        return gemm.gemm(self.backend, hidden_rows, self.lm_head)
 
     def _projection(self, h, weight, bias):
         y = gemm.gemm(self.backend, h, weight)
@@ -108,7 +145,7 @@ class Model:
             x = norm.rmsnorm_heads(self.backend, x, head_norm, cfg.rms_norm_eps)
         return x
 
-    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, cu_seqlens):
+    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend):
         cfg, backend = self.config, self.backend
         t = x.shape[0]
         h = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
@@ -117,7 +154,7 @@ class Model:
         v = self._projection(h, layer.v, layer.v_bias).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         q = rope.apply(backend, q, positions, cos, sin)
         k = rope.apply(backend, k, positions, cos, sin)
-        a = attention.attention_packed(backend, q, k, v, cu_seqlens)
+        a = attend(q, k, v, layer)
         x = residual.add(backend, x, gemm.gemm(backend, a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
         h = norm.rmsnorm(backend, x, layer.mlp_norm, cfg.rms_norm_eps)
         mlp = activation.swiglu(backend, gemm.gemm(backend, h, layer.gate), gemm.gemm(backend, h, layer.up))

@@ -125,6 +125,63 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
         click.echo(f"sum of log-probs: {result['sum_logprob']:.6f}\n")
 
 
+@main.command()
+@click.option("--model", "model_spec", default="tiny", show_default=True, help="'tiny' or a Hugging Face style directory.")
+@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
+@click.option("--jsonl", type=click.Path(dir_okay=False), default=None, help="Prompts, one JSON object per line ('prompt').")
+@click.option("-n", "n", default=1, show_default=True, type=int, help="Samples per prompt.")
+@click.option("--max-tokens", default=32, show_default=True, type=int)
+@click.option("--temperature", default=1.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--min-p", default=0.0, show_default=True, type=float)
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--max-batch", default=64, show_default=True, type=int, help="Sequences decoded together at most.")
+@click.option("--block-size", default=16, show_default=True, type=int, help="KV cache block size (tokens).")
+@click.option("--prefix-caching", is_flag=True, help="Share cached prompt blocks across requests.")
+@DEVICE_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Per sample: token ids, text and log-probs, as JSON.")
+def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_k, min_p, ignore_eos, seed,
+             max_batch, block_size, prefix_caching, device, as_json):
+    """Sample completions with the rollout engine (paged KV cache, continuous batching)."""
+    from rlportable.engine.llm import LLM
+    from rlportable.engine.sequence import SamplingParams
+    from rlportable.model.logp import read_prompts
+
+    backend_name = _backend(device).name
+    try:
+        texts = read_prompts(list(prompts), jsonl)
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed)
+        llm = LLM(model_spec, device=backend_name, block_size=block_size, max_num_seqs=max_batch,
+                  enable_prefix_caching=prefix_caching)
+        with click.progressbar(length=len(texts) * n * max_tokens, label="generating", file=sys.stderr) as bar:
+            done = [0]
+
+            def progress(tokens, _budget):
+                bar.update(tokens - done[0])
+                done[0] = tokens
+
+            outputs = llm.generate(texts, params, progress=progress)
+    except RlpError as error:
+        _fail(error)
+    stats = llm.stats
+    summary = (f"{stats.output_tokens} tokens in {stats.seconds:.2f} s ({stats.output_tokens_per_s:.1f} tokens/s), "
+               f"{stats.steps} steps, {stats.preemptions} preemptions")
+    if as_json:
+        click.echo(json.dumps({"model": model_spec, "device": llm.backend.label, "results": [
+            {"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids, "samples": [
+                {"index": c.index, "token_ids": c.token_ids, "text": c.text, "logprobs": c.logprobs,
+                 "finish_reason": c.finish_reason} for c in r.outputs]} for r in outputs]}))
+    else:
+        for r in outputs:
+            for c in r.outputs:
+                click.echo(f"[{r.request_id}.{c.index}] {r.prompt!r} -> {c.text!r} ({c.finish_reason}, "
+                           f"sum logprob {sum(c.logprobs):.4f})")
+    click.echo(summary, err=True)
+
+
 @main.group()
 def bench():
     """Benchmarks, as ratios against a peer measured in the same run."""

@@ -54,3 +54,12 @@ def test_logp_bad_input_is_one_line():
     assert result.exit_code == 1 and "exactly one of --text or --jsonl" in result.output
     result = CliRunner().invoke(main, ["logp", "--model", "/no/such/dir", "--device", "cpu", "--text", "hi there"])
     assert result.exit_code == 1 and "/no/such/dir" in result.output and "Traceback" not in result.output
+
+
+def test_generate_json_gives_tokens_text_and_logprobs():
+    result = CliRunner().invoke(main, ["generate", "--device", "cpu", "--prompt", "12+34=", "-n", "2",
+                                       "--max-tokens", "5", "--ignore-eos", "--seed", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    samples = payload["results"][0]["samples"]
+    assert len(samples) == 2 and all(len(s["token_ids"]) == 5 == len(s["logprobs"]) for s in samples)

@@ -18,26 +18,49 @@ def read_texts(text: str | None, jsonl: str | None) -> list[str]:
         return [text]
     texts = []
     path = Path(jsonl)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise InputError(f"{path}:{number}: not JSON ({error.msg})") from None
+    for number, record in _jsonl_records(jsonl):
         if isinstance(record, dict) and isinstance(record.get("text"), str):
             texts.append(record["text"])
         elif isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
             texts.append(record["prompt"] + record["completion"])
         else:
             raise InputError(f"{path}:{number}: expected an object with a string field 'text' (or 'prompt' and 'completion')")
-    if not texts:
-        raise InputError(f"{path}: no records")
     return texts
+
+
+def read_prompts(prompts: list[str], jsonl: str | None) -> list[str]:
+    """Prompts from --prompt options, or the "prompt" (or "text") field of each JSONL line."""
+    if bool(prompts) == (jsonl is not None):
+        raise InputError("give --prompt (one or more) or --jsonl, not both and not neither")
+    if prompts:
+        return list(prompts)
+    records = _jsonl_records(jsonl)
+    texts = []
+    for number, record in records:
+        text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise InputError(f"{jsonl}:{number}: expected an object with a string field 'prompt'")
+        texts.append(text)
+    return texts
+
+
+def _jsonl_records(jsonl: str) -> list[tuple[int, object]]:
+    path = Path(jsonl)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise InputError(f"{path}: cannot read: {error.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((number, json.loads(line)))
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path}:{number}: not JSON ({error.msg})") from None
+    if not records:
+        raise InputError(f"{path}: no records")
+    return records
 
 
 def score(model, tokenizer, texts: list[str], temperature: float = 1.0) -> list[dict]:

@@ -1,0 +1,151 @@
+"""`LLM`: the rollout engine's front door, in the spirit of vLLM's `LLM.generate`.
+
+    llm = LLM("tiny", device="cpu")
+    outputs = llm.generate(["12+34="], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=1))
+    outputs[0].outputs[2].token_ids, .text, .logprobs
+
+A request's id is its index in the generate() call, so its tokens depend only on
+(seed, prompt, index, sample, position): never on batching or scheduling.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+from rlportable.engine.block_manager import BlockManager
+from rlportable.engine.runner import ModelRunner
+from rlportable.engine.scheduler import Scheduler
+from rlportable.engine.sequence import SamplingParams, Sequence
+from rlportable.errors import InputError
+from rlportable.model.forward import Model
+from rlportable.model.load import load_model
+from rlportable.runtime import get_backend
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None
+    top_logprobs: list | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = False, loaded=None):
+        """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer."""
+        self.backend = get_backend(device)
+        if isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[0], Model):
+            self.model, self.tokenizer = loaded
+        else:
+            config, weights, self.tokenizer = loaded if loaded is not None else load_model(model)
+            self.model = Model(self.backend, config, weights)
+        config = self.model.config
+        self.max_model_len = max_model_len or min(config.max_position_embeddings, 4096)
+        self.block_size = block_size
+        self.num_blocks = num_blocks or max_num_seqs * -(-self.max_model_len // block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.runner = ModelRunner(self.model, self.num_blocks, block_size)
+        self.stats = GenerationStats()
+
+    def _scheduler(self, stop_checker) -> Scheduler:
+        manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        eos = getattr(self.tokenizer, "stop_token_ids", None) or [self.tokenizer.eos_token_id]
+        return Scheduler(manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                         eos_token_ids=[t for t in eos if t is not None], stop_checker=stop_checker)
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InputError(f"prompt {prompt!r} encodes to no tokens")
+            return prompt, ids
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise InputError(f"prompt token ids must be a non-empty list of ids in [0, {vocab})")
+        return None, ids
+
+    def generate(self, prompts: Seq, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); returns one RequestOutput per prompt, in order.
+
+        progress(done_tokens, total_budget) is called after every step."""
+        if isinstance(prompts, (str, bytes)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InputError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        params = [p or SamplingParams() for p in params]
+        scheduler = self._scheduler(self._stop_checker)
+        requests, groups = [], []
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = self._encode(prompt)
+            requests.append(RequestOutput(index, text, ids))
+            groups.append(scheduler.add_request(index, ids, p))
+        budget = sum(p.n * p.max_tokens for p in params)
+        start = time.perf_counter()
+        steps = 0
+        while scheduler.has_unfinished():
+            out = scheduler.schedule()
+            if out.is_empty:
+                raise InputError("the scheduler cannot make progress: the KV cache is too small for one sequence")
+            tokens, logprobs, top = self.runner.execute(out)
+            scheduler.postprocess(out, tokens, logprobs, top)
+            steps += 1
+            if progress:
+                progress(sum(s.num_output_tokens for g in groups for s in g), budget)
+        self.backend.synchronize()
+        for request, group in zip(requests, groups):
+            request.outputs = [self._completion(seq) for seq in group]
+        self._record(groups, steps, scheduler.num_preemptions, time.perf_counter() - start)
+        return requests
+
+    def _stop_checker(self, seq: Sequence) -> bool:
+        if not seq.params.stop:
+            return False
+        text = self.tokenizer.decode(seq.output_token_ids)
+        return any(stop in text for stop in seq.params.stop)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        text = self.tokenizer.decode(seq.output_token_ids)
+        for stop in seq.params.stop:
+            if stop in text:
+                text = text[: text.index(stop)]
+        top = seq.output_top_logprobs if seq.params.logprobs else None
+        return CompletionOutput(seq.sample_index, list(seq.output_token_ids), text, list(seq.output_logprobs),
+                                seq.finish_reason, top)
+
+    def _record(self, groups, steps: int, preemptions: int, seconds: float) -> None:
+        self.stats = GenerationStats(
+            steps=steps, prompt_tokens=sum(g[0].num_prompt_tokens for g in groups),
+            output_tokens=sum(s.num_output_tokens for g in groups for s in g), preemptions=preemptions,
+            seconds=seconds)

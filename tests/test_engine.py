@@ -1,0 +1,72 @@
+"""The engine on the cpu backend: tokens and log-probs independent of batching, paging, sharing and
+preemption (bitwise), and equal to the trainer's forward (bitwise)."""
+
+import numpy as np
+import pytest
+
+from rlportable.engine.llm import LLM
+from rlportable.engine.sequence import SamplingParams
+from rlportable.model.load import load_model
+
+PROMPTS = ["12+34=", "hello world, this is a longer prompt that spans blocks", "7*8", "the"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def run(tiny, **engine):
+    llm = LLM(device="cpu", loaded=tiny, **engine)
+    params = [SamplingParams(n=3, temperature=t, top_p=p, max_tokens=12, seed=5, ignore_eos=True)
+              for t, p in ((1.0, 1.0), (0.7, 0.9), (1.3, 1.0), (0.0, 1.0))]
+    outputs = llm.generate(PROMPTS, params)
+    return llm, [(c.token_ids, np.asarray(c.logprobs, dtype=np.float32).view(np.uint32).tolist())
+                 for r in outputs for c in r.outputs]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    return run(tiny, max_num_seqs=64, block_size=16)[1]
+
+
+@pytest.mark.parametrize("engine", [
+    dict(max_num_seqs=1, block_size=16),
+    dict(max_num_seqs=3, block_size=32),
+    dict(max_num_seqs=64, block_size=16, enable_prefix_caching=True),
+    dict(max_num_seqs=8, block_size=16, max_num_batched_tokens=8),  # chunked prefill
+    dict(max_num_seqs=16, block_size=16, num_blocks=6),  # preemption by recompute
+])
+def test_same_tokens_and_logprob_bits_under_any_engine_configuration(tiny, baseline, engine):
+    llm, results = run(tiny, **engine)
+    assert results == baseline
+    if engine.get("num_blocks"):
+        assert llm.stats.preemptions > 0
+
+
+def test_recorded_logprobs_equal_the_trainer_forward(tiny):
+    llm, _ = run(tiny, max_num_seqs=4, block_size=16)
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=10, seed=11, ignore_eos=True)
+    (request,) = llm.generate([PROMPTS[1]], params)
+    for completion in request.outputs:
+        tokens = np.array(request.prompt_token_ids + completion.token_ids, dtype=np.int32)
+        (trainer,) = llm.model.logprobs(tokens, np.array([0, tokens.size]), temperature=0.8)
+        recomputed = trainer[len(request.prompt_token_ids) - 1:]
+        assert np.array_equal(recomputed.view(np.uint32), np.asarray(completion.logprobs, np.float32).view(np.uint32))
+
+
+def test_samples_of_a_request_differ_and_greedy_is_deterministic(tiny):
+    _, results = run(tiny, max_num_seqs=64, block_size=16)
+    first_request = [tokens for tokens, _ in results[:3]]
+    assert len({tuple(t) for t in first_request}) == 3
+    greedy = [tokens for tokens, _ in results[9:12]]
+    assert greedy[0] == greedy[1] == greedy[2]
+
+
+def test_stop_conditions(tiny):
+    llm = LLM(device="cpu", loaded=tiny)
+    (request,) = llm.generate(["12+34="], SamplingParams(max_tokens=5, temperature=0.0))
+    assert len(request.outputs[0].token_ids) <= 5
+    first = request.outputs[0].token_ids[0]
+    (stopped,) = llm.generate(["12+34="], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(first,)))
+    assert stopped.outputs[0].token_ids == [first] and stopped.outputs[0].finish_reason == "stop"

@@ -104,7 +104,9 @@ def run_workload(requests, *, block_size, num_blocks, max_num_seqs, max_batched,
         while queue and queue[0][0] <= step:
             _, r, prompt, params = queue.pop(0)
             all_seqs += sched.add_request(r, prompt, params)
+        busy = sched.has_unfinished()
         out = sched.schedule()
+        assert out.is_empty != busy  # something runs whenever something is unfinished: no livelock
         if check_every_step:
             sched.check_invariants()
         assert out.num_batched_tokens <= max_batched
@@ -146,7 +148,7 @@ def test_tokens_do_not_depend_on_the_schedule(block_size, prefix_caching):
     preemptions = 0
     for max_num_seqs, max_batched in ((1, 5), (3, 16), (64, 64)):
         for num_blocks in (400, tight):
-            results, sched, bm, runner = run_workload(
+            results, sched, bm, _ = run_workload(
                 requests, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                 max_batched=max_batched, prefix_caching=prefix_caching)
             check_against_expected(requests, results)
@@ -263,7 +265,7 @@ def test_prefix_cache_across_requests():
     step(sched, runner)
     second = sched.add_request(1, prompt + [99], params)[0]
     out, _ = step(sched, runner)
-    entry = [e for e in out.scheduled if e.seq is second][0]
+    entry = next(e for e in out.scheduled if e.seq is second)
     assert second.num_cached_tokens == 48 and (entry.start, entry.num_new_tokens) == (48, 3)
     assert second.block_table[:3] == first.block_table[:3]
     while sched.has_unfinished():

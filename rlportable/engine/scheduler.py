@@ -1,0 +1,364 @@
+"""Continuous batching: which sequences compute how many tokens in the next engine step.
+
+One engine step is
+    out = scheduler.schedule()
+    runner: apply out.copies to the KV cache (every layer, K and V), then run the forward over
+            out.scheduled (for each entry: tokens seq.token_ids(start, start + num_new_tokens)
+            at positions start.., written to slots seq.slots(start, start + num_new_tokens, bs),
+            attending over seq.block_table), take the logits of the last position of every
+            entry with needs_sample, and draw one token for each sequence in its sample_seqs
+            (all of out.samples, in that order)
+    finished = scheduler.postprocess(out, token_ids, logprobs, top_logprobs)
+
+Policy, every step:
+  1. Decode: every running sequence with one uncomputed token (its last sampled token) gets
+     that token, oldest first. If blocks run out, the most recently arrived running sequences
+     not yet scheduled this step are preempted (possibly the one being scheduled): their
+     blocks are freed and they go back to the waiting queue, where they are recomputed from
+     scratch (prompt and the tokens already generated, which are kept) when readmitted.
+  2. Running sequences in the middle of a (chunked) prefill continue, oldest first, with as
+     many tokens as the remaining token budget and the free blocks allow; if not even one
+     token fits, newer unscheduled sequences are preempted, and if there are none it keeps
+     its blocks and waits a step.
+  3. If nothing was preempted, waiting sequences are admitted in order (preempted ones,
+     being older, first) while the budget, max_num_seqs and the blocks allow, each with a
+     chunk of at most the remaining budget (after its prefix-cache hit, if any). A waiting
+     sequence that does not fit stops admission (first come, first served).
+The n samples of a request: sample 0 is prefilled alone; when the step that computes its
+last prompt token runs, the other samples are forked from it (they share every prompt block,
+copy-on-write on the partial last one) and draw their first token from the same logits row
+(its entry's sample_seqs). Samples that would exceed max_num_seqs at that moment are instead
+queued as sequences of their own (they recompute the prompt, or hit the prefix cache).
+
+Tokens never depend on this schedule: a token is a function of (seed, request, sample,
+position) and logits that the exact kernels make independent of how the work was cut.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from rlportable.engine.block_manager import BlockCopy, BlockManager, InvariantError
+from rlportable.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from rlportable.errors import InputError
+
+#: stop_checker(seq) -> bool, called after each token is appended to an unfinished sequence;
+#: True finishes it with reason "stop" (stop strings: the caller detokenizes and decides).
+StopChecker = Callable[[Sequence], bool]
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work in a step: compute its tokens [start, start + num_new_tokens)."""
+
+    seq: Sequence
+    start: int  # = seq.num_computed_tokens when scheduled (and when the runner runs)
+    num_new_tokens: int
+    needs_sample: bool  # start + num_new_tokens == seq.num_tokens: the last row's logits give tokens
+    sample_seqs: list[Sequence] = field(default_factory=list)  # who draws a token from that row (seq first)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One token, the last known one, after all others were computed."""
+        return self.num_new_tokens == 1 and self.needs_sample
+
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids(self.start, self.end)
+
+    def positions(self) -> range:
+        return range(self.start, self.end)
+
+    def slots(self, block_size: int) -> list[int]:
+        return self.seq.slots(self.start, self.end, block_size)
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan. `scheduled`: decodes first (oldest first), then prefill chunks."""
+
+    scheduled: list[ScheduledSequence]
+    copies: list[BlockCopy]  # copy-on-write copies to apply before the forward
+    preempted: list[Sequence]  # sequences freed this step (now waiting)
+    num_batched_tokens: int
+
+    @property
+    def samples(self) -> list[Sequence]:
+        """The sequences that get a token this step, in the order postprocess expects them."""
+        return [s for entry in self.scheduled for s in entry.sample_seqs]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching over a BlockManager.
+
+    max_num_seqs            running sequences at most (the decode batch)
+    max_num_batched_tokens  tokens computed per step at most (>= max_num_seqs, so decodes always fit)
+    max_model_len           prompt + max_tokens at most, per request
+    eos_token_ids           the model's end tokens (stop unless ignore_eos)
+    stop_checker            optional hook for stop strings (see StopChecker)
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: Iterable[int] = (), stop_checker: StopChecker | None = None):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"Scheduler: {name} must be an integer >= 1, got {value!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise InputError(f"Scheduler: max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({max_num_seqs}) so that every running sequence can decode each step")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.stop_checker = stop_checker
+        self.waiting: list[Sequence] = []  # by priority (arrival, sample_index)
+        self.running: list[Sequence] = []  # by priority
+        self._pending: dict[int, list[Sequence]] = {}  # parent seq_id -> samples to fork when its prompt is done
+        self._arrivals = 0
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ---- requests
+
+    def add_request(self, request_id: int, prompt_token_ids, params: SamplingParams | None = None) -> list[Sequence]:
+        """Make and add the params.n sequences of one request; returns them (sample 0 first)."""
+        params = SamplingParams() if params is None else params
+        seqs = [Sequence(request_id, prompt_token_ids, params, sample_index=i) for i in range(params.n)]
+        self.add(seqs)
+        return seqs
+
+    def add(self, seqs: Sequence | Seq[Sequence]) -> None:
+        """Queue a sequence, or the sequences of one request (same request_id, prompt and params,
+        distinct sample indices; the first is prefilled and the others forked from it).
+
+        InputError if prompt + max_tokens exceeds max_model_len, or if one sequence alone would
+        need more KV blocks than the cache has.
+        """
+        group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+        if not group:
+            return
+        first = group[0]
+        for seq in group:
+            if not isinstance(seq, Sequence):
+                raise InputError(f"Scheduler.add: expected Sequence objects, got {type(seq).__name__}")
+            if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.block_table:
+                raise InputError(f"Scheduler.add: {seq!r} is not a new sequence")
+            if (seq.request_id != first.request_id or seq.params is not first.params
+                    and seq.params != first.params or seq.prompt_token_ids != first.prompt_token_ids):
+                raise InputError("Scheduler.add: sequences added together must share request_id, prompt and params")
+        if len({s.sample_index for s in group}) != len(group):
+            raise InputError(f"Scheduler.add: request {first.request_id} has repeated sample indices")
+        total = first.num_prompt_tokens + first.params.max_tokens
+        if total > self.max_model_len:
+            raise InputError(f"request {first.request_id}: prompt ({first.num_prompt_tokens} tokens) + max_tokens "
+                             f"({first.params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
+        bm = self.block_manager
+        blocks = -(-(total - 1) // bm.block_size)  # the last sampled token never needs K/V
+        if blocks > bm.num_blocks:
+            raise InputError(f"request {first.request_id}: prompt + max_tokens needs {blocks} KV blocks of "
+                             f"{bm.block_size} tokens, the cache has {bm.num_blocks}")
+        arrival = self._arrivals
+        self._arrivals += 1
+        group.sort(key=lambda s: s.sample_index)
+        for seq in group:
+            seq.arrival = arrival
+        if len(group) > 1:
+            self._pending[group[0].seq_id] = group[1:]
+        self._insert(self.waiting, group[0])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._pending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + sum(len(p) for p in self._pending.values())
+
+    # ---- scheduling
+
+    @staticmethod
+    def _insert(queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=lambda s: s.priority)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert(self.waiting, seq)
+
+    def _preempt_newest(self, scheduled: set[int], above: Sequence | None = None) -> Sequence | None:
+        """Preempt the newest running sequence not scheduled this step; with `above`, only one
+        newer than it (None if there is none)."""
+        for seq in reversed(self.running):
+            if seq is above:
+                return None
+            if seq.seq_id not in scheduled:
+                self._preempt(seq)
+                return seq
+        raise InvariantError("Scheduler: nothing left to preempt")  # the current sequence is never scheduled
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        scheduled_ids: set[int] = set()
+        copies: list[BlockCopy] = []
+        preempted: list[Sequence] = []
+        forks = 0  # running slots reserved for samples forked at the end of this step
+
+        def plan(seq: Sequence, num_new: int, new_copies: list[BlockCopy]) -> None:
+            nonlocal budget, forks
+            copies.extend(new_copies)
+            budget -= num_new
+            scheduled_ids.add(seq.seq_id)
+            entry = ScheduledSequence(seq, seq.num_computed_tokens, num_new,
+                                      seq.num_computed_tokens + num_new == seq.num_tokens)
+            if entry.needs_sample:
+                entry.sample_seqs.append(seq)
+                pending = self._pending.pop(seq.seq_id, None)
+                if pending:
+                    room = max(0, self.max_num_seqs - len(self.running) - forks)
+                    entry.sample_seqs.extend(pending[:room])
+                    forks += min(room, len(pending))
+                    for child in pending[room:]:  # no room to fork: they run on their own later
+                        self._insert(self.waiting, child)
+            scheduled.append(entry)
+
+        # 1. decodes, oldest first
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an older one above
+            while (new_copies := bm.try_allocate(seq, 1)) is None:
+                victim = self._preempt_newest(scheduled_ids)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if new_copies is None:
+                break  # seq itself was preempted, after every newer one
+            plan(seq, 1, new_copies)
+
+        # 2. running prefills (chunked, or recomputation after preemption), oldest first
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.seq_id in scheduled_ids or seq.status is not SequenceStatus.RUNNING:
+                continue
+            while bm.max_new_tokens(seq) == 0:
+                victim = self._preempt_newest(scheduled_ids, above=seq)
+                if victim is None:
+                    break
+                preempted.append(victim)
+            if bm.max_new_tokens(seq) == 0:
+                continue  # every newer running sequence is already scheduled: keep its K/V and wait
+            num_new = min(seq.num_uncomputed_tokens, budget, bm.max_new_tokens(seq))
+            plan(seq, num_new, bm.allocate(seq, num_new))
+
+        # 3. admissions, first come first served
+        while not preempted and self.waiting and budget > 0 and len(self.running) + forks < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = bm.cached_prefix_length(seq)
+            num_new = min(seq.num_tokens - hit, budget)
+            new_copies = bm.try_allocate(seq, num_new)
+            if new_copies is None:
+                break
+            self.waiting.pop(0)
+            if seq.num_computed_tokens != hit:
+                raise InvariantError(f"Scheduler: {seq!r} expected a prefix-cache hit of {hit} tokens")
+            seq.status = SequenceStatus.RUNNING
+            self._insert(self.running, seq)
+            plan(seq, num_new, new_copies)
+
+        self.num_steps += 1
+        return SchedulerOutput(scheduled, copies, preempted, self.max_num_batched_tokens - budget)
+
+    # ---- results
+
+    def postprocess(self, output: SchedulerOutput, token_ids: Seq[int], logprobs: Seq[float] | None = None,
+                    top_logprobs: Seq | None = None) -> list[Sequence]:
+        """Record a step: its computed tokens, forks, and one sampled token per sequence of
+        output.samples (token_ids, and optional logprobs / top_logprobs, in that order).
+        Finishes sequences that hit a stop condition and frees their blocks; returns them."""
+        samples = output.samples
+        for name, values in (("token_ids", token_ids), ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
+            if values is not None and len(values) != len(samples):
+                raise InputError(f"Scheduler.postprocess: {name} has {len(values)} entries for {len(samples)} samples")
+        bm = self.block_manager
+        finished: list[Sequence] = []
+        k = 0
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.start:
+                raise InputError(f"Scheduler.postprocess: {seq!r} does not match this output (postprocess each "
+                                 f"schedule() output exactly once, in order)")
+            bm.mark_computed(seq, entry.num_new_tokens)
+            if not entry.needs_sample:
+                continue
+            for child in entry.sample_seqs[1:]:
+                bm.fork(seq, child)
+                child.status = SequenceStatus.RUNNING
+                self._insert(self.running, child)
+            for s in entry.sample_seqs:
+                s.append_token(token_ids[k], None if logprobs is None else float(logprobs[k]),
+                               None if top_logprobs is None else top_logprobs[k])
+                k += 1
+                reason = self._stop_reason(s)
+                if reason is not None:
+                    self._finish(s, reason)
+                    finished.append(s)
+        return finished
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        token = seq.last_token
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if self.stop_checker is not None and self.stop_checker(seq):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- checks
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless queues, sequences and blocks agree (between steps)."""
+        def fail(message: str):
+            raise InvariantError(f"Scheduler invariant: {message}")
+
+        if len(self.running) > self.max_num_seqs:
+            fail(f"{len(self.running)} running sequences exceed max_num_seqs {self.max_num_seqs}")
+        for queue, status in ((self.waiting, SequenceStatus.WAITING), (self.running, SequenceStatus.RUNNING)):
+            if [s.priority for s in queue] != sorted(s.priority for s in queue):
+                fail(f"the {status.value} queue is out of order")
+            for s in queue:
+                if s.status is not status:
+                    fail(f"{s!r} is in the {status.value} queue")
+                if s.num_uncomputed_tokens < 1:
+                    fail(f"{s!r} has no token left to compute")
+        for s in self.waiting:
+            if s.block_table or s.num_computed_tokens:
+                fail(f"waiting {s!r} holds blocks")
+        ids = [s.seq_id for s in self.waiting + self.running]
+        pending = [c.seq_id for p in self._pending.values() for c in p]
+        if len(set(ids + pending)) != len(ids) + len(pending):
+            fail("a sequence is queued twice")
+        self.block_manager.check_invariants(self.running)

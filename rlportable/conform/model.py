@@ -60,3 +60,42 @@ MODEL_CHECKS = [
     ("model.tiny.logprobs", check_model_tiny),
     ("model.qwen3-0.6b-shape.logprobs", check_model_qwen3_06b_shape),
 ]
+
+
+def check_engine_tiny(backend, rng, quick: bool):
+    """The rollout engine on the backend against the cpu engine: the same tokens and log-prob bits,
+    with prefix sharing (n samples), chunked prefill and a small batch; and the recorded log-probs
+    against the trainer's forward on the backend."""
+    from rlportable.conform.tally import Tally
+    from rlportable.engine.llm import LLM
+    from rlportable.engine.sequence import SamplingParams
+    from rlportable.model.tiny import tiny_model
+
+    tally = Tally()
+    loaded = tiny_model()
+    prompts = ["12+34=", "a longer prompt that spans more than one block of the cache", "7"]
+    params = [SamplingParams(n=3, temperature=t, max_tokens=8 if quick else 24, seed=int(rng.integers(1 << 30)),
+                             ignore_eos=True) for t in (1.0, 0.6, 0.0)]
+
+    def run(device_backend, **engine):
+        llm = LLM(device=device_backend, loaded=loaded, **engine)
+        outputs = llm.generate(prompts, params)
+        return llm, [(np.array(c.token_ids, np.int32), np.array(c.logprobs, np.float32))
+                     for r in outputs for c in r.outputs], outputs
+
+    _, expected, _ = run("cpu", max_num_seqs=64, block_size=16)
+    for engine in (dict(max_num_seqs=64, block_size=16), dict(max_num_seqs=2, block_size=32, max_num_batched_tokens=8)):
+        llm, got, outputs = run(backend.name, **engine)
+        for (tokens, lp), (tokens_ref, lp_ref) in zip(got, expected):
+            tally.add(tokens, tokens_ref)
+            tally.add(lp, lp_ref)
+    for request in outputs:  # recorded log-probs == the trainer's forward, on this backend
+        for completion in request.outputs:
+            tokens = np.array(request.prompt_token_ids + completion.token_ids, dtype=np.int32)
+            temperature = params[request.request_id].temperature or 1.0
+            (trainer,) = llm.model.logprobs(tokens, np.array([0, tokens.size]), temperature)
+            tally.add(trainer[len(request.prompt_token_ids) - 1:], np.array(completion.logprobs, np.float32))
+    return tally
+
+
+MODEL_CHECKS.append(("engine.tiny.generate", check_engine_tiny))

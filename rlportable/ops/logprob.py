@@ -61,44 +61,35 @@ def _launch(backend, logits, targets, temperature: float, logp, entropy) -> None
                     dummy_f32 if logp is None else logp, dummy_f32 if entropy is None else entropy))
 
 
+def _logprob_pass(backend, logits, targets, temperature: float, want_logp: bool, want_entropy: bool):
+    """(logp or None, entropy or None) from one pass of the kernel (or the reference on cpu)."""
+    rows, vocab = require_matrix("logits", logits)
+    _check_vocab("logprobs" if want_logp else "entropy", vocab)
+    temperature = check_temperature(temperature)
+    host_targets = _check_targets("logprobs", backend, targets, rows, vocab) if want_logp else None
+    if backend.kernel_vendor is None:
+        host_logits = backend.to_numpy(logits)
+        return (reference.logprobs(host_logits, host_targets, temperature) if want_logp else None,
+                reference.entropy(host_logits, temperature) if want_entropy else None)
+    logp = backend.empty((rows,), np.float32) if want_logp else None
+    ent = backend.empty((rows,), np.float32) if want_entropy else None
+    _launch(backend, logits, targets if want_logp else None, temperature, logp, ent)
+    return logp, ent
+
+
 def logprobs(backend, logits, targets, temperature: float = 1.0):
     """float32 [rows]: log softmax(logits / T) at targets, logits float32 [rows, V], targets int32 [rows]."""
-    rows, vocab = require_matrix("logits", logits)
-    _check_vocab("logprobs", vocab)
-    temperature = check_temperature(temperature)
-    host_targets = _check_targets("logprobs", backend, targets, rows, vocab)
-    if backend.kernel_vendor is None:
-        return reference.logprobs(backend.to_numpy(logits), host_targets, temperature)
-    out = backend.empty((rows,), np.float32)
-    _launch(backend, logits, targets, temperature, out, None)
-    return out
+    return _logprob_pass(backend, logits, targets, temperature, True, False)[0]
 
 
 def entropy(backend, logits, temperature: float = 1.0):
     """float32 [rows]: entropy of softmax(logits / T), logits float32 [rows, V]."""
-    rows, vocab = require_matrix("logits", logits)
-    _check_vocab("entropy", vocab)
-    temperature = check_temperature(temperature)
-    if backend.kernel_vendor is None:
-        return reference.entropy(backend.to_numpy(logits), temperature)
-    out = backend.empty((rows,), np.float32)
-    _launch(backend, logits, None, temperature, None, out)
-    return out
+    return _logprob_pass(backend, logits, None, temperature, False, True)[1]
 
 
 def logprobs_and_entropy(backend, logits, targets, temperature: float = 1.0):
     """(logp, entropy), each float32 [rows], from one pass of the kernel over the logits."""
-    rows, vocab = require_matrix("logits", logits)
-    _check_vocab("logprobs", vocab)
-    temperature = check_temperature(temperature)
-    host_targets = _check_targets("logprobs", backend, targets, rows, vocab)
-    if backend.kernel_vendor is None:
-        host_logits = backend.to_numpy(logits)
-        return (reference.logprobs(host_logits, host_targets, temperature),
-                reference.entropy(host_logits, temperature))
-    logp, ent = backend.empty((rows,), np.float32), backend.empty((rows,), np.float32)
-    _launch(backend, logits, targets, temperature, logp, ent)
-    return logp, ent
+    return _logprob_pass(backend, logits, targets, temperature, True, True)
 
 
 def lm_head_logprobs(backend, hidden, weight: gemm_op.GemmWeight, targets, temperature: float = 1.0,

@@ -237,5 +237,65 @@ def bench_forward(device, json_path, sequences, length, layers):
     _write_json(json_path, result)
 
 
+@bench.command("decode")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--sequences", default=256, show_default=True, type=int, help="Concurrent sequences.")
+@click.option("--prompt-len", default=128, show_default=True, type=int, help="Random token-id prompt length.")
+@click.option("--new-tokens", default=512, show_default=True, type=int, help="Tokens generated per sequence.")
+@click.option("--layers", default=None, type=int, help="Fewer layers than Qwen3-0.6B's 28 (quick runs).")
+@click.option("--peer", default="hf", show_default=True, type=click.Choice(["hf", "none"]),
+              help="none: skip HF transformers.")
+@click.option("--time-limit", default=240.0, show_default=True, type=float,
+              help="Seconds of generation after which a side is stopped (its decode steps still count); 0 = none.")
+@click.option("--sampler", default="auto", show_default=True, type=click.Choice(["auto", "host", "device"]),
+              help="The engine's sampler; auto: the device sampler on cuda when the engine has one.")
+def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler):
+    """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound."""
+    from rlportable.bench import decode as decode_bench
+
+    backend = _backend(device)
+    try:
+        result = decode_bench.run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit or None,
+                                  sampler, progress=lambda text: click.echo(f"  {text}", err=True))
+    except RlpError as error:
+        _fail(error)
+
+    def number(value, scale=1.0, fmt="{:.0f}"):
+        return "-" if value is None else fmt.format(value * scale)
+
+    sides = [("rlportable engine", result["ours"])]
+    if result["hf_bf16"] is not None:
+        sides.append(("HF transformers bf16 sdpa", result["hf_bf16"]))
+    rows = [[name, "yes" if side["complete"] else "no", number(side["tokens_per_s"]),
+             number(side.get("decode_step_s_median"), 1e3, "{:.2f}"), number(side.get("decode_tokens_per_s")),
+             number(side.get("bound_fraction"), 1.0, "{:.3f}"), number(side["peak_bytes"], 2**-30, "{:.2f}")]
+            for name, side in sides]
+    click.echo(tabulate(rows, headers=["decode", "complete", "tokens/s", "ms/decode step", "decode tokens/s",
+                                       "bound fraction", "peak GiB"]))
+    ours, ratios = result["ours"], result["ratios"]
+    click.echo(f"copy bandwidth {result['copy_bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s (read + write); "
+               f"bytes per decode step (mid-decode) {result['step_bytes_at_mid_decode']['ours']['total'] / 1e6:.1f} MB")
+    if ours.get("decode_execute_s_median") is not None:
+        parts = [f"{key[7:-9].replace('_', ' ')} {ours[key] * 1e3:.2f} ms" for key in
+                 ("decode_execute_s_median", "decode_host_sampler_s_median", "decode_device_sampler_s_median")
+                 if ours.get(key) is not None]
+        click.echo(f"ours per decode step ({ours['engine']['sampler']} sampler): " + ", ".join(parts))
+    if ratios:
+        click.echo(f"throughput ratio {number(ratios.get('throughput_ratio'), 1.0, '{:.3f}')} (target >= 10), "
+                   f"decode step ratio {number(ratios.get('decode_step_ratio'), 1.0, '{:.3f}')} "
+                   f"over {ratios.get('decode_steps_compared', 0)} steps, "
+                   f"memory ratio {number(ratios.get('memory_ratio'), 1.0, '{:.3f}')}")
+    click.echo(f"bound fraction {number(ours.get('bound_fraction'), 1.0, '{:.3f}')} (target >= 0.3)")
+    for name, side in sides:
+        if not side["complete"]:
+            click.echo(f"note: {name} stopped at the time limit after {side['steps']} steps "
+                       f"({side['output_tokens']} tokens)", err=True)
+    _write_json(json_path, result)
+    if result["peer_error"]:
+        click.echo(f"error: the HF transformers peer failed: {result['peer_error']}", err=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

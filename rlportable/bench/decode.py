@@ -1,0 +1,544 @@
+"""`rlportable bench decode`: rollout throughput of the engine on a Qwen3-0.6B-shaped model.
+
+N concurrent sequences of random token-id prompts, each generating exactly `new_tokens`
+tokens (ignore_eos, temperature 1, no top-k / top-p / min-p filter). Ours: `LLM.generate`
+(paged KV cache, continuous batching, the sampler's contract). Peer: HF transformers
+`generate` in bf16 with sdpa attention on the same batch of prompts (do_sample, temperature 1,
+top_k 0, top_p 1, min_new_tokens = max_new_tokens), in the same process on the same GPU.
+Weights are random (no download): throughput does not depend on their values.
+
+Reported for both: end-to-end output tokens/s (prefill included, the whole generate call),
+the time of every decode step (each side records a timestamp after every step; a step is
+"pure decode" when every sequence fed exactly its last sampled token), peak memory, and the
+fraction of the memory-bandwidth bound reached in the pure decode steps:
+
+    bound time of a step = bytes it must read / measured device-to-device copy bandwidth
+    bytes of a step      = weights as the kernels read them + the KV cache rows it attends to
+    bound fraction       = sum of bound times / sum of measured times (same steps)
+
+Byte accounting (`step_bytes`), ours: every projection and the LM head as stored for the
+exact GEMM (2 int8 digits per element, K padded to K_ALIGN, one int32 exponent per output
+row), read once per step; the embedding's float32 rows gathered (one per sequence), not the
+whole table; the float32 norm weights; the KV cache: for each sequence, layer, KV head and
+attended position, K and V rows of 2 int8 digits per element (head_dim padded to K_ALIGN) and
+one int32 exponent each. HF bf16: 2 bytes per weight element and per K/V element, the tied
+LM head read once, embedding rows gathered. A step that feeds the token at position p attends
+to p + 1 positions (its own K/V included).
+
+Ratios: throughput_ratio = our end-to-end tokens/s / HF's (only when both ran to the end);
+decode_step_ratio = HF's decode time / ours over the same step indices (> 1: ours is faster);
+memory_ratio = our peak / HF's peak.
+
+A slow side is stopped after `time_limit` seconds of generation (then "complete" is false and
+the end-to-end numbers cover what ran); decode steps are compared at the same step indices, so
+a truncated run still gives a fair per-step ratio. The engine samples on the device when it has
+a device sampler (`sampler="auto"` on cuda), else with the contract's NumPy sampler on the host;
+the time each decode step spends in `execute` and in the sampler is reported. If the peer fails
+(say, out of memory), our numbers are kept and the failure is recorded as `peer_error`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlportable.bench.forward import PeakTracker, qwen3_06b_config, random_weights
+from rlportable.errors import InputError, RlpError
+
+TARGETS = {"throughput_ratio_at_least": 10.0, "bound_fraction_at_least": 0.30}
+EXPONENT_BYTES = 4  # int32 per encoded row (weights' output channels, KV (token, head) rows)
+FLOAT32_BYTES = 4
+BF16_BYTES = 2
+
+
+# ---------------------------------------------------------------- byte accounting
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _layout():
+    """(weight digits per element, KV digits per element, K alignment) of the stored encodings."""
+    from rlportable.contract.fixedpoint import slice_count
+    from rlportable.ops.attention import KV_SLICES
+    from rlportable.ops.fixedpoint import K_ALIGN
+    from rlportable.ops.gemm import DEFAULT_BITS_W
+
+    return slice_count(DEFAULT_BITS_W), KV_SLICES, K_ALIGN
+
+
+def _matrices(config) -> list[tuple[str, int, int]]:
+    """(name, N, K) of one decoder layer's projections (Y = X @ W.T, W [N, K])."""
+    h, q, kv, i = config.hidden_size, config.num_attention_heads * config.head_dim, \
+        config.num_key_value_heads * config.head_dim, config.intermediate_size
+    return [("q", q, h), ("k", kv, h), ("v", kv, h), ("o", h, q), ("gate", i, h), ("up", i, h), ("down", h, i)]
+
+
+def _layer_vectors(config) -> int:
+    """Elements of one layer's norm weights and biases."""
+    h, d = config.hidden_size, config.head_dim
+    count = 2 * h + (2 * d if config.qk_norm else 0)
+    if config.qkv_bias:
+        count += (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+    return count
+
+
+def step_bytes(config, kv_lengths, scheme: str = "ours") -> dict:
+    """Bytes one decode step must read from device memory.
+
+    kv_lengths: for each sequence in the step, the positions it attends to (its own included).
+    scheme "ours": the contract encodings as stored; "bf16": HF transformers' bf16 tensors.
+    Returns the parts and their "total"."""
+    lengths = np.asarray(kv_lengths, dtype=np.int64)
+    if lengths.ndim != 1 or (lengths.size and lengths.min() < 1):
+        raise InputError(f"step_bytes: kv_lengths must be a list of lengths >= 1, got {kv_lengths!r}")
+    sequences, tokens = int(lengths.size), int(lengths.sum())
+    h, v, layers = config.hidden_size, config.vocab_size, config.num_hidden_layers
+    hkv, d = config.num_key_value_heads, config.head_dim
+    if scheme == "ours":
+        weight_digits, kv_digits, align = _layout()
+
+        def matrix(n: int, k: int) -> int:
+            return n * (weight_digits * _round_up(k, align) + EXPONENT_BYTES)
+
+        projections = layers * sum(matrix(n, k) for _, n, k in _matrices(config))
+        vectors = (layers * _layer_vectors(config) + h) * FLOAT32_BYTES  # + the final norm
+        embedding_rows = sequences * h * FLOAT32_BYTES
+        lm_head = matrix(v, h)
+        kv_row = kv_digits * _round_up(d, align) + EXPONENT_BYTES  # one (token, kv head) row of K or of V
+        kv = tokens * layers * hkv * 2 * kv_row
+    elif scheme == "bf16":
+        projections = layers * sum(n * k for _, n, k in _matrices(config)) * BF16_BYTES
+        vectors = (layers * _layer_vectors(config) + h) * BF16_BYTES
+        embedding_rows = sequences * h * BF16_BYTES
+        lm_head = v * h * BF16_BYTES
+        kv = tokens * layers * hkv * 2 * d * BF16_BYTES
+    else:
+        raise InputError(f"step_bytes: unknown scheme {scheme!r} (ours, bf16)")
+    parts = {"projections": projections, "norms_and_biases": vectors, "embedding_rows": embedding_rows,
+             "lm_head": lm_head, "kv_cache": kv}
+    parts = {key: int(value) for key, value in parts.items()}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def decode_kv_lengths(prompt_len: int, step_index: int, sequences: int) -> list[int]:
+    """KV lengths of the decode step after which every sequence holds `step_index` output tokens:
+    it feeds output token step_index - 1 at position prompt_len + step_index - 2, attending to
+    prompt_len + step_index - 1 positions."""
+    return [prompt_len + step_index - 1] * sequences
+
+
+# ---------------------------------------------------------------- copy bandwidth
+
+def copy_bandwidth(backend, nbytes: int = 1 << 31, repeats: int = 10) -> dict:
+    """Device-to-device copy bandwidth, counting read + write bytes; the best of `repeats` copies
+    of `nbytes` is the bound's bandwidth (the most the device showed it can move)."""
+    samples = []
+    if backend.name == "cuda":
+        cupy = backend.cupy
+        src = cupy.ones(nbytes // 4, dtype=cupy.float32)
+        dst = cupy.empty_like(src)
+        kind = cupy.cuda.runtime.memcpyDeviceToDevice
+        stream = cupy.cuda.get_current_stream()
+        for index in range(repeats + 1):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, kind, stream.ptr)
+            stop.record(stream)
+            stop.synchronize()
+            if index:  # the first copy is a warm-up
+                samples.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+        nbytes = src.nbytes
+        del src, dst
+        cupy.get_default_memory_pool().free_all_blocks()
+    elif backend.name == "cpu":
+        nbytes = min(nbytes, 1 << 26)
+        src = np.ones(nbytes // 4, dtype=np.float32)
+        dst = np.empty_like(src)
+        for index in range(repeats + 1):
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            if index:
+                samples.append(time.perf_counter() - start)
+        nbytes = src.nbytes
+    else:
+        raise RlpError(f"bench decode: no copy-bandwidth measurement on {backend.label}")
+    best, median = min(samples), statistics.median(samples)
+    return {"method": "cudaMemcpyAsync device to device" if backend.name == "cuda" else "numpy copyto",
+            "bytes_copied": nbytes, "counted_bytes": 2 * nbytes, "best_s": best, "median_s": median,
+            "bytes_per_s": 2 * nbytes / best, "median_bytes_per_s": 2 * nbytes / median}
+
+
+# ---------------------------------------------------------------- step records
+
+@dataclass
+class StepLog:
+    """Timestamps after every generation step, with the output tokens each sequence held then."""
+
+    sequences: int
+    new_tokens: int
+    time_limit: float | None = None
+    start: float = 0.0
+    times: list[float] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)  # total output tokens after each step
+    stopped: bool = False
+
+    def begin(self) -> None:
+        self.start = time.perf_counter()
+
+    def record(self, total_outputs: int) -> bool:
+        """Log one step; True when the time limit has run out."""
+        now = time.perf_counter()
+        self.times.append(now)
+        self.outputs.append(int(total_outputs))
+        return self.time_limit is not None and now - self.start > self.time_limit
+
+    def decode_steps(self) -> dict[int, float]:
+        """{k: seconds} of the pure decode steps (`pure_decode_indices`), k the outputs per sequence after it."""
+        return {self.outputs[i] // self.sequences: self.times[i] - self.times[i - 1]
+                for i in pure_decode_indices(self.outputs, self.sequences)}
+
+    def summary(self, config, prompt_len: int, scheme: str, bandwidth: float | None) -> dict:
+        seconds = (self.times[-1] - self.start) if self.times else 0.0
+        produced = self.outputs[-1] if self.outputs else 0
+        decode = self.decode_steps()
+        out = {
+            "complete": produced == self.sequences * self.new_tokens and not self.stopped,
+            "sequences": self.sequences,
+            "steps": len(self.times), "output_tokens": produced, "seconds": seconds,
+            "tokens_per_s": produced / seconds if seconds else None,
+            "first_step_s": (self.times[0] - self.start) if self.times else None,
+            "decode_steps": len(decode),
+            "decode_step_indices": [min(decode), max(decode)] if decode else None,
+            "step_log": {"times_s": [t - self.start for t in self.times], "outputs": list(self.outputs)},
+        }
+        if decode:
+            times = list(decode.values())
+            total = sum(times)
+            out.update({"decode_step_s_median": statistics.median(times), "decode_step_s_mean": total / len(times),
+                        "decode_tokens_per_s": self.sequences * len(times) / total})
+            byte_parts = [step_bytes(config, decode_kv_lengths(prompt_len, k, self.sequences), scheme)
+                          for k in decode]
+            read = sum(parts["total"] for parts in byte_parts)
+            out["decode_bytes_per_step_mean"] = read / len(times)
+            out["decode_bytes_parts_mean"] = {key: sum(p[key] for p in byte_parts) / len(times)
+                                              for key in byte_parts[0]}
+            if bandwidth:
+                bound = read / bandwidth
+                out["bound_step_s_mean"] = bound / len(times)
+                out["bound_fraction"] = bound / total
+        return out
+
+
+def pure_decode_indices(outputs: list[int], sequences: int) -> list[int]:
+    """Indices i of the logged steps that were pure decode: before step i every sequence held
+    k - 1 >= 1 output tokens and after it k (every sequence fed its last token, nothing else ran)."""
+    n = sequences
+    return [i for i in range(1, len(outputs))
+            if outputs[i - 1] % n == 0 and outputs[i - 1] >= n and outputs[i] == outputs[i - 1] + n]
+
+
+#: the runner's sampling functions (where they exist) and the timing key of each
+SAMPLER_FUNCTIONS = {"sample_tokens": "host_sampler_s", "sample_tokens_on_device": "device_sampler_s"}
+
+
+def engine_sampler(backend_name: str, sampler: str = "auto") -> tuple[dict, str]:
+    """LLM keyword arguments for the sampler asked for, and its name. "auto": the device sampler on
+    cuda when this engine has one, else the host sampler (the contract's NumPy reference)."""
+    from rlportable.engine.llm import LLM
+
+    if sampler not in ("auto", "host", "device"):
+        raise InputError(f"bench decode: unknown sampler {sampler!r} (auto, host, device)")
+    has_choice = "sampler" in inspect.signature(LLM.__init__).parameters
+    if sampler == "auto":
+        sampler = "device" if has_choice and backend_name == "cuda" else "host"
+    if not has_choice:
+        if sampler == "device":
+            raise RlpError("bench decode: this engine has no device sampler (LLM takes no sampler argument)")
+        return {}, "host"
+    return {"sampler": sampler}, sampler
+
+
+class _TimeLimit(Exception):
+    """Raised from the engine's progress callback to stop a run that exceeds its time limit."""
+
+
+@contextlib.contextmanager
+def _timed_runner(llm, log: StepLog, timings: dict):
+    """Times the runner's execute (device forward, logits to host, sampling) and the host sampler
+    of every step (keyed by the step's index in `log`), on this LLM only, while the benchmark
+    runs; restores both afterwards."""
+    from rlportable.engine import runner as runner_module
+
+    execute = llm.runner.execute
+    samplers = {name: getattr(runner_module, name) for name in SAMPLER_FUNCTIONS if hasattr(runner_module, name)}
+
+    def timed(function, key):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            timings.setdefault(key, {})[len(log.times)] = time.perf_counter() - start
+            return result
+
+        return call
+
+    llm.runner.execute = timed(execute, "execute_s")
+    for name, function in samplers.items():
+        setattr(runner_module, name, timed(function, SAMPLER_FUNCTIONS[name]))
+    try:
+        yield
+    finally:
+        del llm.runner.execute
+        for name, function in samplers.items():
+            setattr(runner_module, name, function)
+
+
+class IdsOnlyTokenizer:
+    """What the engine asks of a tokenizer when prompts are token ids and nothing stops early."""
+
+    def __init__(self):
+        self.eos_token_id = None
+        self.stop_token_ids: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        raise InputError("bench decode gives token-id prompts; there is no tokenizer")
+
+    def decode(self, ids) -> str:
+        return ""
+
+
+def random_prompts(config, sequences: int, prompt_len: int, seed: int = 1) -> np.ndarray:
+    if sequences < 1 or prompt_len < 1:
+        raise InputError(f"bench decode needs sequences >= 1 and prompt_len >= 1, got {sequences}, {prompt_len}")
+    return np.random.default_rng(seed).integers(0, config.vocab_size, (sequences, prompt_len)).astype(np.int64)
+
+
+# ---------------------------------------------------------------- ours
+
+def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: int, block_size: int = 16,
+                   max_num_batched_tokens: int = 4096, time_limit: float | None = None,
+                   bandwidth: float | None = None, sampler: str = "auto", progress=None) -> dict:
+    """Our engine on `backend`: warm-up, then generate `new_tokens` tokens for every prompt."""
+    from rlportable.engine.llm import LLM
+    from rlportable.engine.sequence import SamplingParams
+
+    if new_tokens < 1:
+        raise InputError(f"bench decode needs new_tokens >= 1, got {new_tokens}")
+    sequences, prompt_len = prompts.shape
+    max_len = prompt_len + new_tokens
+    sampler_kwargs, sampler = engine_sampler(backend.name, sampler)
+    params = SamplingParams(n=1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=new_tokens,
+                            ignore_eos=True, seed=0)
+    log = StepLog(sequences, new_tokens, time_limit)
+    timings: dict[str, dict[int, float]] = {}
+    tracker = PeakTracker(backend.cupy) if backend.name == "cuda" else contextlib.nullcontext()
+    with tracker:
+        if progress:
+            progress("ours: building the model and the KV cache")
+        llm = LLM(device=backend.name, block_size=block_size,
+                  num_blocks=sequences * -(-max_len // block_size), max_num_seqs=sequences,
+                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
+                  loaded=(config, weights, IdsOnlyTokenizer()), **sampler_kwargs)
+        if progress:
+            progress("ours: warm-up")
+        warm = min(sequences, 4)
+        llm.generate([row.tolist() for row in prompts[:warm]],
+                     SamplingParams(temperature=1.0, max_tokens=min(new_tokens, 2), ignore_eos=True, seed=1))
+        backend.synchronize()
+        if progress:
+            progress(f"ours: {sequences} sequences x {new_tokens} tokens"
+                     + (f" (time limit {time_limit:.0f} s)" if time_limit else ""))
+        ids = [row.tolist() for row in prompts]
+
+        def on_step(done: int, _budget: int) -> None:
+            if log.record(done):
+                raise _TimeLimit
+
+        with _timed_runner(llm, log, timings):
+            log.begin()
+            try:
+                outputs = llm.generate(ids, params, progress=on_step)
+            except _TimeLimit:
+                log.stopped, outputs = True, None
+        backend.synchronize()
+    result = log.summary(config, prompt_len, "ours", bandwidth)
+    result["peak_bytes"] = tracker.peak if backend.name == "cuda" else None
+    result["engine"] = {"sampler": sampler, "block_size": block_size, "num_blocks": llm.num_blocks,
+                        "max_num_seqs": sequences, "max_num_batched_tokens": llm.max_num_batched_tokens,
+                        "max_model_len": max_len}
+    result["preemptions"] = llm.stats.preemptions if outputs is not None else None
+    if outputs is not None:
+        result["all_lengths_equal_new_tokens"] = all(len(c.token_ids) == new_tokens for r in outputs
+                                                     for c in r.outputs)
+    decode = pure_decode_indices(log.outputs, sequences)
+    for name, values in timings.items():  # where a pure decode step's time goes
+        picked = [values[i] for i in decode if i in values]
+        result[f"decode_{name}_median"] = statistics.median(picked) if picked else None
+    del llm
+    if backend.name == "cuda":
+        backend.cupy.get_default_memory_pool().free_all_blocks()
+    return result
+
+
+# ---------------------------------------------------------------- peer
+
+def hf_config(config):
+    import transformers
+
+    fields = {key: getattr(config, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+        "tie_word_embeddings")}
+    return transformers.Qwen3Config(**fields)
+
+
+def measure_hf(config, prompts: np.ndarray, new_tokens: int, device: str = "cuda", time_limit: float | None = None,
+               bandwidth: float | None = None, progress=None) -> dict:
+    """HF transformers Qwen3ForCausalLM, bf16, sdpa: generate on the same token-id prompts."""
+    try:
+        import torch
+        import transformers
+    except ImportError as error:
+        raise RlpError(f"bench decode needs torch and transformers for the peer (or --peer none): {error}") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RlpError("bench decode: torch cannot see a CUDA device for the peer (or use --peer none)")
+    sequences, prompt_len = prompts.shape
+    log = StepLog(sequences, new_tokens, time_limit)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    class Recorder(transformers.StoppingCriteria):
+        """A timestamp after every generated token (after a sync), and the time limit."""
+
+        active = False
+
+        def __call__(self, input_ids, scores, **kwargs):
+            stop = False
+            if self.active:
+                sync()
+                stop = log.record((input_ids.shape[1] - prompt_len) * sequences)
+                log.stopped = log.stopped or stop
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    if progress:
+        progress("HF transformers bf16 sdpa: building")
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="sdpa",
+                                                       dtype=torch.bfloat16).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)  # equal-length prompts: no padding
+    recorder = Recorder()
+
+    def generate(tokens: int):
+        with torch.no_grad():
+            return hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                               top_p=1.0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0,
+                               stopping_criteria=transformers.StoppingCriteriaList([recorder]))
+
+    if progress:
+        progress("HF transformers bf16 sdpa: warm-up")
+    generate(min(new_tokens, 2))
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if progress:
+        progress(f"HF transformers bf16 sdpa: {sequences} sequences x {new_tokens} tokens")
+    recorder.active = True
+    log.begin()
+    out = generate(new_tokens)
+    sync()
+    result = log.summary(config, prompt_len, "bf16", bandwidth)
+    result["generated_shape"] = list(out.shape)
+    result["peak_bytes"] = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+    result["torch"], result["transformers"] = torch.__version__, transformers.__version__
+    return result
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def compare(ours: dict, hf: dict | None) -> dict:
+    """Ratios of ours to the peer: end-to-end tokens/s (when both ran to the end), decode steps at
+    the same step indices, peak memory."""
+    if hf is None:
+        return {}
+    out = {}
+    if ours["complete"] and hf["complete"]:
+        out["throughput_ratio"] = ours["tokens_per_s"] / hf["tokens_per_s"]
+    else:
+        out["throughput_ratio"] = None
+    mine = _decode_by_index(ours)
+    theirs = _decode_by_index(hf)
+    common = sorted(set(mine) & set(theirs))
+    if common:
+        out["decode_step_ratio"] = sum(theirs[k] for k in common) / sum(mine[k] for k in common)
+        out["decode_steps_compared"] = len(common)
+    if ours.get("peak_bytes") and hf.get("peak_bytes"):
+        out["memory_ratio"] = ours["peak_bytes"] / hf["peak_bytes"]
+    return out
+
+
+def _decode_by_index(result: dict) -> dict[int, float]:
+    times, outputs = result["step_log"]["times_s"], result["step_log"]["outputs"]
+    n = result["sequences"]
+    return {outputs[i] // n: times[i] - times[i - 1] for i in pure_decode_indices(outputs, n)}
+
+
+def measure(backend, config, weights, sequences: int, prompt_len: int, new_tokens: int, peer: str = "hf",
+            time_limit: float | None = None, sampler: str = "auto", progress=None) -> dict:
+    """The whole benchmark on any backend (the CLI's run() checks for cuda): copy bandwidth, ours,
+    then the peer (HF on the same device kind) unless peer is "none"."""
+    if peer not in ("hf", "none"):
+        raise InputError(f"bench decode: unknown peer {peer!r} (hf, none)")
+    prompts = random_prompts(config, sequences, prompt_len)
+    if progress:
+        progress("copy bandwidth")
+    bandwidth = copy_bandwidth(backend)
+    ours = measure_engine(backend, config, weights, prompts, new_tokens, time_limit=time_limit,
+                          bandwidth=bandwidth["bytes_per_s"], sampler=sampler, progress=progress)
+    hf, peer_error = None, None
+    if peer == "hf":
+        try:
+            hf = measure_hf(config, prompts, new_tokens, device="cuda" if backend.name == "cuda" else "cpu",
+                            time_limit=time_limit, bandwidth=bandwidth["bytes_per_s"], progress=progress)
+        except (RlpError, RuntimeError, ValueError, TypeError, AttributeError) as error:  # OOM, API changes: keep ours
+            peer_error = f"{type(error).__name__}: {error}"
+        gc.collect()  # the HF model and its cache went out of scope with measure_hf
+        if backend.name == "cuda":
+            with contextlib.suppress(ImportError):
+                import torch
+
+                torch.cuda.empty_cache()
+    lengths = [prompt_len + new_tokens // 2] * sequences
+    return {
+        "device": backend.info(), "model": "Qwen3 shape, random weights", "layers": config.num_hidden_layers,
+        "config": {key: getattr(config, key) for key in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim")},
+        "sequences": sequences, "prompt_len": prompt_len, "new_tokens": new_tokens, "peer": peer,
+        "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "ignore_eos": True},
+        "time_limit_s": time_limit,
+        "copy_bandwidth": bandwidth,
+        "step_bytes_at_mid_decode": {"kv_length": lengths[0], "ours": step_bytes(config, lengths, "ours"),
+                                     "bf16": step_bytes(config, lengths, "bf16")},
+        "ours": ours, "hf_bf16": hf, "peer_error": peer_error, "ratios": compare(ours, hf),
+        "targets": dict(TARGETS),
+    }
+
+
+def run(backend, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 512, layers: int | None = None,
+        peer: str = "hf", time_limit: float | None = 240.0, sampler: str = "auto", progress=None) -> dict:
+    """`rlportable bench decode`: the Qwen3-0.6B-shaped model on cuda."""
+    if backend.name != "cuda":
+        raise RlpError(f"bench decode runs on the cuda backend (peer: HF transformers on CUDA); got {backend.label}")
+    config = qwen3_06b_config(layers)
+    if progress:
+        progress("random weights")
+    weights = random_weights(config)
+    return measure(backend, config, weights, sequences, prompt_len, new_tokens, peer, time_limit, sampler, progress)

@@ -58,8 +58,10 @@ class GenerationStats:
 class LLM:
     def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = False, loaded=None):
-        """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer."""
+                 enable_prefix_caching: bool = False, loaded=None, sampler: str = "host"):
+        """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer.
+        `sampler`: "host" (the contract's NumPy sampler) or "device" (the sampling kernel for rows
+        without top-k/top-p/min-p, the host for the others); the same tokens and log-probs either way."""
         self.backend = get_backend(device)
         if isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[0], Model):
             self.model, self.tokenizer = loaded
@@ -73,7 +75,7 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.enable_prefix_caching = enable_prefix_caching
-        self.runner = ModelRunner(self.model, self.num_blocks, block_size)
+        self.runner = ModelRunner(self.model, self.num_blocks, block_size, sampler=sampler)
         self.stats = GenerationStats()
 
     def _scheduler(self, stop_checker) -> Scheduler:

@@ -16,13 +16,22 @@ from rlportable.contract import sampling
 from rlportable.engine.block_manager import BlockCopy
 from rlportable.engine.scheduler import SchedulerOutput
 from rlportable.engine.sequence import Sequence
-from rlportable.errors import RlpError
+from rlportable.errors import InputError, RlpError
 from rlportable.model.forward import Model
 from rlportable.ops import embedding
+from rlportable.ops import sampling as sampling_op
+
+#: where tokens are sampled: "host" (the contract's NumPy reference on the logits copied to the
+#: host) or "device" (the sampling kernel for rows without filters, the host for filtered rows).
+#: Both give the same tokens and log-probs, bit for bit, by contract.
+SAMPLERS = ("host", "device")
 
 
 class ModelRunner:
-    def __init__(self, model: Model, num_blocks: int, block_size: int):
+    def __init__(self, model: Model, num_blocks: int, block_size: int, sampler: str = "host"):
+        if sampler not in SAMPLERS:
+            raise InputError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        self.sampler = sampler
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
@@ -59,8 +68,14 @@ class ModelRunner:
         if not rows:
             return [], [], None
         picked = embedding.gather(self.backend, hidden, self.backend.asarray(np.asarray(rows, dtype=np.int32)))
-        logits = self.backend.to_numpy(self.model.logits(picked))
         per_sample_rows = [i for i, e in enumerate(e for e in entries if e.needs_sample) for _ in e.sample_seqs]
+        if self.sampler == "device":
+            logits = self.model.logits(picked)
+            if per_sample_rows != list(range(len(rows))):
+                logits = embedding.gather(self.backend, logits,
+                                          self.backend.asarray(np.asarray(per_sample_rows, dtype=np.int32)))
+            return sample_tokens_on_device(self.backend, logits, out.samples)
+        logits = self.backend.to_numpy(self.model.logits(picked))
         return sample_tokens(logits[per_sample_rows], out.samples)
 
 
@@ -89,5 +104,42 @@ def sample_tokens(logits: np.ndarray, samples: list[Sequence]) -> tuple[list[int
     wanted = max(p.logprobs for p in params)
     if wanted:
         ids, values = sampling.top_logprobs(logits, temperature, wanted)
+        top = [list(zip(ids[i, : p.logprobs].tolist(), values[i, : p.logprobs].tolist())) for i, p in enumerate(params)]
+    return [int(t) for t in tokens], [float(v) for v in logprobs], top
+
+
+def sample_tokens_on_device(backend, logits, samples: list[Sequence]) -> tuple[list[int], list[float], list | None]:
+    """`sample_tokens` with the logits left on the device (a backend array [len(samples), V]): rows
+    without filters go through the sampling kernel, filtered rows through the contract on the host,
+    log-probs through the logprob kernel. The same tokens and log-probs as `sample_tokens`, bit for bit."""
+    params = [s.params for s in samples]
+    vocab = int(logits.shape[1])
+    temperature = np.array([p.temperature for p in params], dtype=np.float64)
+    top_k, top_p = np.array([p.top_k for p in params]), np.array([p.top_p for p in params])
+    min_p = np.array([p.min_p for p in params])
+    seed = np.array([p.seed for p in params], dtype=np.uint64)
+    request = np.array([s.request_id for s in samples])
+    sample_index = np.array([s.sample_index for s in samples])
+    position = np.array([s.num_tokens for s in samples])
+    on_device = sampling_op.device_rows(vocab, temperature, top_k, top_p, min_p)
+    tokens = np.zeros(len(samples), dtype=np.int32)
+    groups = [(np.flatnonzero(on_device), True), (np.flatnonzero(~on_device), False)]
+    for rows, device in groups:
+        if rows.size == 0:
+            continue
+        z = logits if rows.size == len(samples) else embedding.gather(
+            backend, logits, backend.asarray(rows.astype(np.int32)))
+        counters = dict(seed=seed[rows], request=request[rows], sample_index=sample_index[rows],
+                        position=position[rows])
+        if device:
+            tokens[rows] = backend.to_numpy(sampling_op.sample(backend, z, temperature[rows], **counters))
+        else:
+            tokens[rows] = sampling.sample(backend.to_numpy(z), temperature[rows], top_k=top_k[rows],
+                                           top_p=top_p[rows], min_p=min_p[rows], **counters)
+    logprobs = backend.to_numpy(sampling_op.sampled_logprobs(backend, logits, backend.asarray(tokens), temperature))
+    top = None
+    wanted = max(p.logprobs for p in params)
+    if wanted:
+        ids, values = sampling.top_logprobs(backend.to_numpy(logits), temperature, wanted)
         top = [list(zip(ids[i, : p.logprobs].tolist(), values[i, : p.logprobs].tolist())) for i, p in enumerate(params)]
     return [int(t) for t in tokens], [float(v) for v in logprobs], top

@@ -1,0 +1,127 @@
+"""Op family "sampling": the sampler's contract on the device, for rows without filters.
+
+Contract: contracts/sampling.toml; reference: rlportable/contract/sampling.py (sample,
+sampled_logprobs); kernels: backends/{cuda,hip}/sampling.*.
+
+The kernel samples greedy rows (T = 0) and rows with T > 0 and no top-k / top-p / min-p: the
+settings RL rollouts use. A row with a filter is an InputError here on every backend (cpu
+included, so an op behaves alike everywhere); the engine samples those rows on the host with
+the reference (`device_rows` tells which), which gives the same bits by contract.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlportable.contract import sampling as reference
+from rlportable.errors import InputError
+from rlportable.ops import embedding as embedding_op
+from rlportable.ops import logprob as logprob_op
+from rlportable.ops.checks import require_matrix, shape_of
+
+THREADS = 512        # any block size up to 1024 gives the same tokens (the kernel's scan is exact)
+MAX_THREADS = 1024   # RLP_SAMPLING_MAX_THREADS: the kernel's shared prefix array
+MAX_GRID = 65535
+REFUSED = -1         # the kernel's token for a row the contract refuses
+
+
+def device_rows(vocab: int, temperature, top_k=None, top_p=None, min_p=None) -> np.ndarray:
+    """bool [rows]: the rows the kernel samples: greedy (T = 0; the contract ignores filters there),
+    or T > 0 with no filter (top_k < 1 or >= V, top_p = 1, min_p = 0). The others need the host."""
+    temperature = np.atleast_1d(np.asarray(temperature, dtype=np.float64))
+    rows = temperature.shape[0]
+    temperature, top_k, top_p, min_p = reference._check_params(rows, temperature, top_k, top_p, min_p)
+    unfiltered = ((top_k < 1) | (top_k >= vocab)) & (top_p == 1.0) & (min_p == 0.0)
+    return (temperature == 0) | unfiltered
+
+
+def _row_counters(rows: int, seed, request, sample_index, position) -> list[np.ndarray]:
+    """seed uint64, request / sample_index / position uint32, each [rows] (the reference's checks)."""
+    out = []
+    for name, value, bits, dtype in (("seed", seed, 64, np.uint64), ("request", request, 32, np.uint32),
+                                     ("sample_index", sample_index, 32, np.uint32),
+                                     ("position", position, 32, np.uint32)):
+        array = reference._unsigned(name, value, bits)
+        if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != rows):
+            raise InputError(f"sampling: {name} must be a scalar or have shape ({rows},), got shape {array.shape}")
+        out.append(np.ascontiguousarray(np.broadcast_to(array, (rows,)).astype(dtype)))
+    return out
+
+
+def _refuse(backend, logits, host_tokens: np.ndarray, temperature: np.ndarray) -> None:
+    """Raise the reference's InputError for the first row the kernel refused."""
+    bad = np.flatnonzero(host_tokens == REFUSED)
+    if bad.size == 0:
+        return
+    row = int(bad[0])
+    picked = embedding_op.gather(backend, logits, backend.asarray(np.array([row], dtype=np.int32)))
+    z = np.asarray(backend.to_numpy(picked))
+    reference._scaled(z, temperature[row:row + 1], row)  # raises, naming the row
+    raise InputError(f"sampling: row {row} of the logits was refused by the kernel")  # pragma: no cover
+
+
+def sample(backend, logits, temperature, top_k=None, top_p=None, min_p=None, *, seed, request, sample_index,
+           position, threads: int = THREADS):
+    """int32 [rows] (a backend array): contract.sampling.sample of each row, bit for bit, for rows
+    without filters (top_k, top_p, min_p: None or off; a filtered row with T > 0 is an InputError).
+
+    logits float32 [rows, V] (a backend array); temperature (float64 >= 0, 0 = greedy), seed
+    ([0, 2^64)), request, sample_index, position ([0, 2^32)): scalars or host arrays [rows].
+    A row with a NaN, +inf (also from z / T) or no finite logit raises the reference's InputError.
+    `threads`: the kernel's block size (any value in [1, 1024] gives the same tokens)."""
+    rows, vocab = require_matrix("logits", logits)
+    if not 1 <= vocab <= reference.MAX_VOCAB:
+        raise InputError(f"sampling: the vocabulary size must lie in [1, 2^25], got {vocab}")
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
+        raise InputError(f"sampling: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
+    temperature, top_k, top_p, min_p = reference._check_params(rows, temperature, top_k, top_p, min_p)
+    on_device = device_rows(vocab, temperature, top_k, top_p, min_p) if rows else np.zeros(0, bool)
+    if not on_device.all():
+        row = int(np.flatnonzero(~on_device)[0])
+        raise InputError(f"sampling: row {row} has top_k={int(top_k[row])}, top_p={float(top_p[row])!r}, "
+                         f"min_p={float(min_p[row])!r} at temperature {float(temperature[row])!r}: filtered rows "
+                         f"are sampled on the host (rlportable.contract.sampling.sample), not by this op")
+    seeds, requests, samples, positions = _row_counters(rows, seed, request, sample_index, position)
+    if backend.kernel_vendor is None:
+        return reference.sample(backend.to_numpy(logits), temperature, seed=seeds, request=requests,
+                                sample_index=samples, position=positions)
+    tokens = backend.empty((rows,), np.int32)
+    if rows == 0:
+        return tokens
+    temperature = np.ascontiguousarray(temperature, dtype=np.float64)
+    backend.launch("sampling", "sampling_rows", (min(rows, MAX_GRID),), (int(threads),),
+                   (logits, np.int64(rows), np.int32(vocab), backend.asarray(temperature), backend.asarray(seeds),
+                    backend.asarray(requests), backend.asarray(samples), backend.asarray(positions), tokens))
+    _refuse(backend, logits, np.asarray(backend.to_numpy(tokens)), temperature)
+    return tokens
+
+
+def sampled_logprobs(backend, logits, tokens, temperature):
+    """float32 [rows]: the log-prob the engine records for each sampled token, the logprob op at
+    record_temperature(T) (T, or 1 for greedy rows), as contract.sampling.sampled_logprobs.
+    logits float32 [rows, V] and tokens int32 [rows] are backend arrays; temperature host [rows]."""
+    rows, vocab = require_matrix("logits", logits)
+    if shape_of(tokens) != (rows,) or np.dtype(tokens.dtype) != np.int32:
+        raise InputError(f"sampling: tokens must be int32 of shape ({rows},), got "
+                         f"{np.dtype(tokens.dtype).name} of shape {shape_of(tokens)}")
+    t = reference.record_temperature(reference._row_param("temperature", temperature, rows, np.float64))
+    if not np.all(np.isfinite(t) & (t > 0)):
+        raise InputError(f"sampling: temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    values = np.unique(t)
+    if values.size == 1:
+        return logprob_op.logprobs(backend, logits, tokens, float(values[0]))
+    host_tokens = np.asarray(backend.to_numpy(tokens))
+    out = np.empty(rows, dtype=np.float32)
+    for value in values:
+        group = np.flatnonzero(t == value).astype(np.int32)
+        z = embedding_op.gather(backend, logits, backend.asarray(group))  # a bit copy of the rows
+        out[group] = backend.to_numpy(logprob_op.logprobs(backend, z, backend.asarray(host_tokens[group]),
+                                                          float(value)))
+    return out if backend.kernel_vendor is None else backend.asarray(out)
+
+
+def sample_and_logprobs(backend, logits, temperature, *, seed, request, sample_index, position):
+    """(tokens int32 [rows], log-probs float32 [rows]): `sample` then `sampled_logprobs`."""
+    tokens = sample(backend, logits, temperature, seed=seed, request=request, sample_index=sample_index,
+                    position=position)
+    return tokens, sampled_logprobs(backend, logits, tokens, temperature)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,11 +34,29 @@ def _backend(device: str, kernel_source: str = "native"):
 
 
 def _write_json(path: str | None, payload: dict) -> None:
-    if path:
-        target = Path(path)
+    """Write a result with its provenance (commit, date); a bad path is a one-line error."""
+    if not path:
+        return
+    from rlportable.provenance import provenance
+
+    payload = {**payload, "provenance": payload.get("provenance") or provenance()}
+    target = Path(path)
+    try:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(payload, indent=2) + "\n")
-        click.echo(f"wrote {target}", err=True)
+    except OSError as error:
+        _fail(RlpError(f"cannot write {target}: {error.strerror or error}"))
+    click.echo(f"wrote {target}", err=True)
+
+
+def _check_json_path(path: str | None) -> None:
+    """Before a long run: the JSON's folder must exist (or be creatable) and be writable."""
+    if not path:
+        return
+    folder = Path(path).resolve().parent
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+        _fail(RlpError(f"cannot write {path}: {existing or folder} is not a writable folder"))
 
 
 @click.group()
@@ -75,6 +94,7 @@ def info():
 @click.option("--exhaustive", is_flag=True, help="Also grade exp and log on all 2^32 float32 inputs (GPU only).")
 def conform(device, json_path, quick, kernel_source, only, seed, exhaustive):
     """Check every contract's kernels against the NumPy reference, bit for bit."""
+    _check_json_path(json_path)
     from rlportable import conform as suite
 
     backend = _backend(device, kernel_source)
@@ -149,12 +169,12 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
     from rlportable.engine.sequence import SamplingParams
     from rlportable.model.logp import read_prompts
 
-    backend_name = _backend(device).name
+    backend = _backend(device)
     try:
         texts = read_prompts(list(prompts), jsonl)
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed)
-        llm = LLM(model_spec, device=backend_name, block_size=block_size, max_num_seqs=max_batch,
+        llm = LLM(model_spec, device=backend, block_size=block_size, max_num_seqs=max_batch,
                   enable_prefix_caching=prefix_caching)
         with click.progressbar(length=len(texts) * n * max_tokens, label="generating", file=sys.stderr) as bar:
             done = [0]
@@ -194,6 +214,7 @@ def bench():
 @click.option("--sweep-tiles", is_flag=True, help="Also time every fused tile shape.")
 def bench_gemm(device, json_path, m_values, sweep_tiles):
     """Exact GEMM (with activation encoding) against torch bf16 matmul on Qwen3-0.6B shapes."""
+    _check_json_path(json_path)
     from rlportable.bench import gemm as gemm_bench
 
     backend = _backend(device)
@@ -221,6 +242,7 @@ def bench_gemm(device, json_path, m_values, sweep_tiles):
 @click.option("--layers", default=None, type=int, help="Fewer layers than Qwen3-0.6B's 28 (quick runs).")
 def bench_forward(device, json_path, sequences, length, layers):
     """Log-prob throughput and peak memory of a Qwen3-0.6B-shaped model against HF transformers bf16."""
+    _check_json_path(json_path)
     from rlportable.bench import forward as forward_bench
 
     backend = _backend(device)
@@ -252,6 +274,7 @@ def bench_forward(device, json_path, sequences, length, layers):
               help="The engine's sampler; auto: the device sampler on cuda when the engine has one.")
 def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler):
     """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound."""
+    _check_json_path(json_path)
     from rlportable.bench import decode as decode_bench
 
     backend = _backend(device)

@@ -11,7 +11,8 @@ def test_conform_cpu_quick_passes_and_writes_json(tmp_path):
     result = CliRunner().invoke(main, ["conform", "--device", "cpu", "--quick", "--json", str(out)])
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
-    assert set(payload) == {"device", "backend", "checks", "compared", "mismatches", "passed"}
+    assert set(payload) == {"device", "backend", "checks", "compared", "mismatches", "passed", "provenance"}
+    assert set(payload["provenance"]) == {"commit", "date"}
     assert payload["passed"] and payload["mismatches"] == 0 and payload["compared"] > 1_000_000
     assert {c["name"] for c in payload["checks"]} >= {"gemm", "rowsum", "fixedpoint.encode_rows", "gemm.invariance"}
 

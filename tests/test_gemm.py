@@ -116,3 +116,11 @@ def test_empty_shapes():
     weight = gemm_op.encode_weight(CPU, np.zeros((3, 0), np.float32))
     y = gemm_op.gemm(CPU, np.zeros((2, 0), np.float32), weight)
     assert y.shape == (2, 3) and (y.view(np.uint32) == 0).all()
+
+
+def test_strided_views_are_refused():
+    """Kernels read row-major memory: a strided view would be read wrongly on a device."""
+    weight = gemm_op.encode_weight(CPU, np.zeros((4, 8), np.float32))
+    x = np.zeros((3, 16), np.float32)[:, ::2]
+    with pytest.raises(InputError, match="C-contiguous"):
+        gemm_op.gemm(CPU, x, weight)

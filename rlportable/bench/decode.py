@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -252,17 +251,10 @@ SAMPLER_FUNCTIONS = {"sample_tokens": "host_sampler_s", "sample_tokens_on_device
 def engine_sampler(backend_name: str, sampler: str = "auto") -> tuple[dict, str]:
     """LLM keyword arguments for the sampler asked for, and its name. "auto": the device sampler on
     cuda when this engine has one, else the host sampler (the contract's NumPy reference)."""
-    from rlportable.engine.llm import LLM
-
     if sampler not in ("auto", "host", "device"):
         raise InputError(f"bench decode: unknown sampler {sampler!r} (auto, host, device)")
-    has_choice = "sampler" in inspect.signature(LLM.__init__).parameters
     if sampler == "auto":
-        sampler = "device" if has_choice and backend_name == "cuda" else "host"
-    if not has_choice:
-        if sampler == "device":
-            raise RlpError("bench decode: this engine has no device sampler (LLM takes no sampler argument)")
-        return {}, "host"
+        sampler = "device" if backend_name == "cuda" else "host"
     return {"sampler": sampler}, sampler
 
 
@@ -278,7 +270,7 @@ def _timed_runner(llm, log: StepLog, timings: dict):
     from rlportable.engine import runner as runner_module
 
     execute = llm.runner.execute
-    samplers = {name: getattr(runner_module, name) for name in SAMPLER_FUNCTIONS if hasattr(runner_module, name)}
+    samplers = {name: getattr(runner_module, name) for name in SAMPLER_FUNCTIONS}
 
     def timed(function, key):
         def call(*args, **kwargs):
@@ -342,7 +334,7 @@ def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: in
     with tracker:
         if progress:
             progress("ours: building the model and the KV cache")
-        llm = LLM(device=backend.name, block_size=block_size,
+        llm = LLM(device=backend, block_size=block_size,
                   num_blocks=sequences * -(-max_len // block_size), max_num_seqs=sequences,
                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
                   loaded=(config, weights, IdsOnlyTokenizer()), **sampler_kwargs)

@@ -4,6 +4,8 @@ contract.sampling.sampled_logprobs, refusals, batch and launch-shape invariance.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from rlportable.conform.inputs import random_rows
@@ -71,23 +73,32 @@ def _pick(counters: dict, rows) -> dict:
 
 
 def _expected(z, temperature, counters):
-    """The reference's tokens, or None where it refuses the batch."""
+    """The reference's tokens, or the refusal (an InputError) where it refuses the batch."""
     try:
         return reference.sample(z, temperature, **counters)
-    except InputError:
-        return None
+    except InputError as error:
+        return error
+
+
+def _refused_row(error: InputError) -> str | None:
+    """The row a refusal names ("row 3"), if it names one."""
+    match = re.search(r"row (\d+)", str(error))
+    return match.group(1) if match else None
 
 
 def _compare(tally: Tally, backend: Backend, z, temperature, counters, expected=None, **kwargs) -> None:
-    """Tokens of the op against the reference; a refusal must match a refusal (one element)."""
+    """Tokens of the op against the reference; a refusal must match a refusal of the same row
+    (one element)."""
     expected = _expected(z, temperature, counters) if expected is None else expected
     try:
         got = backend.to_numpy(sampling_op.sample(backend, backend.asarray(z), temperature, **counters, **kwargs))
-    except InputError:
-        got = None
-    if expected is None or got is None:
+    except InputError as error:
+        got = error
+    if isinstance(expected, InputError) or isinstance(got, InputError):
         tally.compared += 1
-        tally.mismatches += int((expected is None) != (got is None))
+        same = isinstance(expected, InputError) and isinstance(got, InputError) and \
+            _refused_row(expected) == _refused_row(got)
+        tally.mismatches += int(not same)
         return
     tally.add(np.asarray(got), expected)
 

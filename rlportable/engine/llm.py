@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
+import numpy as np
+
 from rlportable.engine.block_manager import BlockManager
 from rlportable.engine.runner import ModelRunner
 from rlportable.engine.scheduler import Scheduler
@@ -22,6 +24,7 @@ from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
 from rlportable.runtime import get_backend
+from rlportable.runtime.base import Backend
 
 
 @dataclass
@@ -55,6 +58,15 @@ class GenerationStats:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
+def _check_engine_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        optional = name in ("max_model_len", "num_blocks")
+        if optional and value is None:
+            continue
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise InputError(f"LLM: {name} must be an integer >= 1, got {value!r}")
+
+
 class LLM:
     def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
@@ -62,7 +74,10 @@ class LLM:
         """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer.
         `sampler`: "host" (the contract's NumPy sampler) or "device" (the sampling kernel for rows
         without top-k/top-p/min-p, the host for the others); the same tokens and log-probs either way."""
-        self.backend = get_backend(device)
+        _check_engine_sizes(block_size=block_size, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                            num_blocks=num_blocks)
+        self.backend = device if isinstance(device, Backend) else get_backend(device)
         if isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[0], Model):
             self.model, self.tokenizer = loaded
         else:
@@ -84,17 +99,20 @@ class LLM:
         return Scheduler(manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                          eos_token_ids=[t for t in eos if t is not None], stop_checker=stop_checker)
 
-    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             if not ids:
-                raise InputError(f"prompt {prompt!r} encodes to no tokens")
+                raise InputError(f"prompt {index} ({prompt!r}) encodes to no tokens")
             return prompt, ids
-        ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
-        if not ids or min(ids) < 0 or max(ids) >= vocab:
-            raise InputError(f"prompt token ids must be a non-empty list of ids in [0, {vocab})")
-        return None, ids
+        if isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
+            raise InputError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
+                              for t in ids):
+            raise InputError(f"prompt {index}: token ids must be a non-empty list of integers in [0, {vocab})")
+        return None, [int(t) for t in ids]
 
     def generate(self, prompts: Seq, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
@@ -106,11 +124,14 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InputError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        params = [p or SamplingParams() for p in params]
+        params = [SamplingParams() if p is None else p for p in params]
+        for index, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise InputError(f"sampling params {index} must be a SamplingParams, got {type(p).__name__}")
         scheduler = self._scheduler(self._stop_checker)
         requests, groups = [], []
         for index, (prompt, p) in enumerate(zip(prompts, params)):
-            text, ids = self._encode(prompt)
+            text, ids = self._encode(prompt, index)
             requests.append(RequestOutput(index, text, ids))
             groups.append(scheduler.add_request(index, ids, p))
         budget = sum(p.n * p.max_tokens for p in params)

@@ -87,40 +87,47 @@ def _block_tables(seqs: list[Sequence]) -> np.ndarray:
     return tables
 
 
-def sample_tokens(logits: np.ndarray, samples: list[Sequence]) -> tuple[list[int], list[float], list | None]:
-    """One token per sequence from its logits row (the sampler's contract, keyed by the sequence's
-    seed, request, sample index and the position of the token being generated)."""
+def _sampling_arrays(samples: list[Sequence]) -> dict:
+    """Per-row sampling parameters and the sampler's counters (the token being generated sits at
+    position num_tokens of its sequence)."""
     params = [s.params for s in samples]
-    temperature = np.array([p.temperature for p in params], dtype=np.float64)
-    tokens = sampling.sample(
-        logits, temperature,
+    return dict(
+        temperature=np.array([p.temperature for p in params], dtype=np.float64),
         top_k=np.array([p.top_k for p in params]), top_p=np.array([p.top_p for p in params]),
         min_p=np.array([p.min_p for p in params]),
         seed=np.array([p.seed for p in params], dtype=np.uint64),
-        request=np.array([s.request_id for s in samples]), sample_index=np.array([s.sample_index for s in samples]),
+        request=np.array([s.request_id for s in samples]),
+        sample_index=np.array([s.sample_index for s in samples]),
         position=np.array([s.num_tokens for s in samples]))
+
+
+def _top_logprobs(host_logits: np.ndarray, samples: list[Sequence], temperature: np.ndarray) -> list | None:
+    wanted = max(s.params.logprobs for s in samples)
+    if not wanted:
+        return None
+    ids, values = sampling.top_logprobs(host_logits, temperature, wanted)
+    return [list(zip(ids[i, : s.params.logprobs].tolist(), values[i, : s.params.logprobs].tolist()))
+            for i, s in enumerate(samples)]
+
+
+def sample_tokens(logits: np.ndarray, samples: list[Sequence]) -> tuple[list[int], list[float], list | None]:
+    """One token per sequence from its logits row (the sampler's contract, keyed by the sequence's
+    seed, request, sample index and the position of the token being generated)."""
+    arrays = _sampling_arrays(samples)
+    temperature = arrays.pop("temperature")
+    tokens = sampling.sample(logits, temperature, **arrays)
     logprobs = sampling.sampled_logprobs(logits, tokens, temperature)
-    top = None
-    wanted = max(p.logprobs for p in params)
-    if wanted:
-        ids, values = sampling.top_logprobs(logits, temperature, wanted)
-        top = [list(zip(ids[i, : p.logprobs].tolist(), values[i, : p.logprobs].tolist())) for i, p in enumerate(params)]
-    return [int(t) for t in tokens], [float(v) for v in logprobs], top
+    return [int(t) for t in tokens], [float(v) for v in logprobs], _top_logprobs(logits, samples, temperature)
 
 
 def sample_tokens_on_device(backend, logits, samples: list[Sequence]) -> tuple[list[int], list[float], list | None]:
     """`sample_tokens` with the logits left on the device (a backend array [len(samples), V]): rows
     without filters go through the sampling kernel, filtered rows through the contract on the host,
     log-probs through the logprob kernel. The same tokens and log-probs as `sample_tokens`, bit for bit."""
-    params = [s.params for s in samples]
     vocab = int(logits.shape[1])
-    temperature = np.array([p.temperature for p in params], dtype=np.float64)
-    top_k, top_p = np.array([p.top_k for p in params]), np.array([p.top_p for p in params])
-    min_p = np.array([p.min_p for p in params])
-    seed = np.array([p.seed for p in params], dtype=np.uint64)
-    request = np.array([s.request_id for s in samples])
-    sample_index = np.array([s.sample_index for s in samples])
-    position = np.array([s.num_tokens for s in samples])
+    arrays = _sampling_arrays(samples)
+    temperature, top_k, top_p, min_p = (arrays[k] for k in ("temperature", "top_k", "top_p", "min_p"))
+    seed, request, sample_index, position = (arrays[k] for k in ("seed", "request", "sample_index", "position"))
     on_device = sampling_op.device_rows(vocab, temperature, top_k, top_p, min_p)
     tokens = np.zeros(len(samples), dtype=np.int32)
     groups = [(np.flatnonzero(on_device), True), (np.flatnonzero(~on_device), False)]
@@ -137,9 +144,5 @@ def sample_tokens_on_device(backend, logits, samples: list[Sequence]) -> tuple[l
             tokens[rows] = sampling.sample(backend.to_numpy(z), temperature[rows], top_k=top_k[rows],
                                            top_p=top_p[rows], min_p=min_p[rows], **counters)
     logprobs = backend.to_numpy(sampling_op.sampled_logprobs(backend, logits, backend.asarray(tokens), temperature))
-    top = None
-    wanted = max(p.logprobs for p in params)
-    if wanted:
-        ids, values = sampling.top_logprobs(backend.to_numpy(logits), temperature, wanted)
-        top = [list(zip(ids[i, : p.logprobs].tolist(), values[i, : p.logprobs].tolist())) for i, p in enumerate(params)]
+    top = _top_logprobs(backend.to_numpy(logits), samples, temperature) if max(s.params.logprobs for s in samples) else None
     return [int(t) for t in tokens], [float(v) for v in logprobs], top

@@ -11,12 +11,21 @@ def shape_of(array) -> tuple[int, ...]:
     return tuple(int(d) for d in array.shape)
 
 
+def require_contiguous(name: str, array) -> None:
+    """Kernels read row-major memory: a strided view (a slice of columns, a transpose) would be
+    read wrongly on a device while NumPy's reference honours the strides."""
+    flags = getattr(array, "flags", None)
+    if flags is not None and not flags["C_CONTIGUOUS"]:
+        raise InputError(f"{name} must be C-contiguous (row-major); pass a contiguous copy of the strided view")
+
+
 def require_matrix(name: str, array, dtype=np.float32) -> tuple[int, int]:
     shape = shape_of(array)
     if len(shape) != 2:
         raise InputError(f"{name} must be a 2-D matrix, got shape {shape}")
     if np.dtype(array.dtype) != np.dtype(dtype):
         raise InputError(f"{name} must have dtype {np.dtype(dtype).name}, got {np.dtype(array.dtype).name}")
+    require_contiguous(name, array)
     return shape
 
 

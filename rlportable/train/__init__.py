@@ -1,0 +1,1 @@
+"""Training: built-in tasks and datasets, reward functions (and, later, optimiser, SFT, GRPO, checkpoints)."""

@@ -1,0 +1,307 @@
+"""Atomic training checkpoints.
+
+Layout of ``directory/``::
+
+    step-000123/            one complete checkpoint (loads with load_model / --model)
+        config.json  model.safetensors (fp32)  tokenizer.json  tokenizer_config.json
+        optimizer.safetensors   name -> array, exact bits (any numeric dtype)
+        trainer_state.json      scheduler, data-order position, RNG states, metrics
+        manifest.json           step + SHA-256 and size of every other file (written last)
+    latest                  text file naming the current step directory
+
+save_checkpoint writes everything into a hidden sibling ``.tmp-step-...`` directory,
+fsyncs every file and the directory, renames it into place with os.replace, fsyncs the
+parent, then replaces ``latest`` (temp file + os.replace).  A crash at any point leaves
+``latest`` naming either the previous checkpoint or the complete new one.  One writer
+per checkpoint directory is assumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlportable.errors import RlpError
+from rlportable.model.config import ModelConfig
+from rlportable.model.tokenizer import Tokenizer
+from rlportable.model.weights import ModelWeights, atomic_write
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_STATE_FILE = "trainer_state.json"
+FORMAT = "rlportable-checkpoint-1"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = ".tmp-step-"
+_TRASH_PREFIX = ".trash-step-"
+
+
+class CheckpointError(RlpError):
+    """A checkpoint is missing, partial, corrupt, or cannot be written."""
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    step: int
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: Tokenizer
+    optimizer_state: dict[str, np.ndarray]
+    trainer_state: dict[str, Any]
+    path: str
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _fsync_path(path: str) -> None:
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return  # e.g. directories cannot be opened on Windows
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for base, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            out.append(os.path.relpath(os.path.join(base, name), root).replace(os.sep, "/"))
+    return out
+
+
+def _encode_optimizer(state: dict[str, np.ndarray]) -> bytes:
+    from safetensors import SafetensorError
+    from safetensors.numpy import save
+
+    tensors = {}
+    for name, array in state.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"optimizer state key {name!r} is not a non-empty string")
+        array = np.asarray(array)
+        if array.dtype.kind not in "biuf":
+            raise CheckpointError(f"optimizer state {name!r} has dtype {array.dtype}; need a numeric array")
+        tensors[name] = np.array(array, dtype=array.dtype.newbyteorder("<"), order="C", copy=True)
+    try:
+        return save(tensors, metadata={"format": "rlportable-optimizer"})
+    except (ValueError, TypeError, SafetensorError) as error:  # unsupported dtype and the like
+        raise CheckpointError(f"cannot encode optimizer state: {' '.join(str(error).split())}") from None
+
+
+def _step_dirs(directory: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        match = _STEP_RE.match(name)
+        if match and os.path.isdir(os.path.join(directory, name)):
+            found.append((int(match.group(1)), name))
+    return sorted(found)
+
+
+def _read_latest(directory: str) -> str | None:
+    path = os.path.join(directory, LATEST)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            name = handle.read().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path}: unreadable: {' '.join(str(error).split())}") from None
+    if not _STEP_RE.match(name):
+        raise CheckpointError(f"{path}: does not name a step directory (got {name[:60]!r})")
+    return name
+
+
+def _remove_dir(directory: str, name: str) -> None:
+    """Rename out of sight first (atomic), then delete, so no half-deleted step-* remains."""
+    trash = tempfile.mkdtemp(dir=directory, prefix=_TRASH_PREFIX)
+    target = os.path.join(trash, name)
+    os.replace(os.path.join(directory, name), target)
+    _fsync_path(directory)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _clean_stale(directory: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and os.path.isdir(os.path.join(directory, name)):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[int]:
+    """Steps of the step-* directories in `directory`, ascending (not verified)."""
+    return [step for step, _ in _step_dirs(os.fspath(directory))]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> str | None:
+    """Path of the step directory `latest` names (or the highest step-* when there is no
+    `latest` file), or None when `directory` holds no checkpoint."""
+    directory = os.fspath(directory)
+    name = _read_latest(directory)
+    if name is None:
+        dirs = _step_dirs(directory)
+        if not dirs:
+            return None
+        name = dirs[-1][1]
+    return os.path.join(directory, name)
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig, weights: ModelWeights,
+                    tokenizer: Tokenizer, optimizer_state: dict[str, np.ndarray], trainer_state: dict,
+                    keep_last: int | None = None) -> str:
+    """Write directory/step-NNNNNN atomically, point `latest` at it, optionally prune to the
+    `keep_last` highest steps (never the latest). Returns the step directory's path."""
+    from rlportable.model.load import save_model
+
+    directory = os.fspath(directory)
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint step must be a non-negative integer, got {step!r}")
+    step = int(step)
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
+    try:
+        state_text = json.dumps(trainer_state, indent=2, sort_keys=True) + "\n"
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"trainer state is not JSON-serialisable: {error}") from None
+    optimizer_bytes = _encode_optimizer(optimizer_state)
+
+    os.makedirs(directory, exist_ok=True)
+    _clean_stale(directory)
+    name = step_dir_name(step)
+    final = os.path.join(directory, name)
+    current = _read_latest(directory)
+    if current == name and os.path.exists(final):
+        raise CheckpointError(f"{final}: already exists and is the latest checkpoint; not overwriting it")
+
+    tmp = tempfile.mkdtemp(dir=directory, prefix=_TMP_PREFIX + f"{step:06d}-")
+    try:
+        save_model(tmp, config, weights, tokenizer, dtype="fp32")
+        atomic_write(os.path.join(tmp, OPTIMIZER_FILE), [optimizer_bytes])
+        atomic_write(os.path.join(tmp, TRAINER_STATE_FILE), [state_text.encode("utf-8")])
+        files = {}
+        for rel in _files(tmp):
+            path = os.path.join(tmp, rel)
+            _fsync_path(path)
+            files[rel] = {"sha256": _sha256(path), "size": os.path.getsize(path)}
+        manifest = {"format": FORMAT, "step": step, "files": files}
+        atomic_write(os.path.join(tmp, MANIFEST), [(json.dumps(manifest, indent=2) + "\n").encode("utf-8")])
+        _fsync_path(tmp)
+        if os.path.exists(final):  # a step-* that `latest` does not name (e.g. left by a crash)
+            _remove_dir(directory, name)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_path(directory)
+    atomic_write(os.path.join(directory, LATEST), [(name + "\n").encode("utf-8")])
+    _fsync_path(directory)
+
+    if keep_last is not None:
+        dirs = _step_dirs(directory)
+        keep = {n for _, n in dirs[-keep_last:]} | {name}
+        for _, other in dirs:
+            if other not in keep:
+                _remove_dir(directory, other)
+    return final
+
+
+def verify_checkpoint(step_dir: str | os.PathLike) -> dict:
+    """Check every file against manifest.json; returns the manifest or raises CheckpointError."""
+    step_dir = os.fspath(step_dir)
+    manifest_path = os.path.join(step_dir, MANIFEST)
+    if not os.path.isdir(step_dir):
+        raise CheckpointError(f"{step_dir}: no such checkpoint directory")
+    try:
+        with open(manifest_path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest_path}: missing (partial checkpoint)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{manifest_path}: corrupt: {' '.join(str(error).split())}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (manifest.get("format") != FORMAT if isinstance(manifest, dict) else True) or not isinstance(files, dict) \
+            or not isinstance(manifest.get("step"), int):
+        raise CheckpointError(f"{manifest_path}: not an {FORMAT} manifest")
+    for required in ("config.json", "model.safetensors", OPTIMIZER_FILE, TRAINER_STATE_FILE):
+        if required not in files:
+            raise CheckpointError(f"{manifest_path}: does not list {required}")
+    for rel, entry in files.items():
+        path = os.path.join(step_dir, *rel.split("/"))
+        if ".." in rel.split("/") or not isinstance(entry, dict):
+            raise CheckpointError(f"{manifest_path}: bad entry {rel!r}")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
+        if os.path.getsize(path) != entry.get("size") or _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path}: corrupt (SHA-256 or size differs from {MANIFEST})")
+    return manifest
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Load a step directory, or the one `latest` names in a checkpoint directory; every file
+    is verified against the manifest first, so the result is complete or an error is raised."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    from rlportable.model.load import load_model
+
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, MANIFEST)) or _STEP_RE.match(os.path.basename(os.path.normpath(path))):
+        step_dir = path
+    else:
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: no such checkpoint directory")
+        step_dir = latest_checkpoint(path)
+        if step_dir is None:
+            raise CheckpointError(f"{path}: no checkpoint (no {LATEST} file and no step-* directory)")
+    manifest = verify_checkpoint(step_dir)
+    optimizer_path = os.path.join(step_dir, OPTIMIZER_FILE)
+    state_path = os.path.join(step_dir, TRAINER_STATE_FILE)
+    try:
+        with open(optimizer_path, "rb") as handle:
+            raw = handle.read()
+        optimizer_state = dict(load(raw))
+    except (OSError, ValueError, TypeError, SafetensorError) as error:
+        raise CheckpointError(f"{optimizer_path}: unreadable: {' '.join(str(error).split())}") from None
+    try:
+        with open(state_path, encoding="utf-8") as handle:
+            trainer_state = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{state_path}: unreadable: {' '.join(str(error).split())}") from None
+    try:
+        config, weights, tokenizer = load_model(step_dir)
+    except RlpError as error:
+        raise CheckpointError(f"{step_dir}: model does not load: {error}") from None
+    return Checkpoint(step=manifest["step"], config=config, weights=weights, tokenizer=tokenizer,
+                      optimizer_state=optimizer_state, trainer_state=trainer_state, path=step_dir)

@@ -1,1 +1,1 @@
-"""Training: built-in tasks and datasets, reward functions (and, later, optimiser, SFT, GRPO, checkpoints)."""
+"""Training: built-in tasks and datasets, reward functions, atomic checkpoints (and, later, optimiser, SFT, GRPO)."""

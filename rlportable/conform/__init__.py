@@ -16,13 +16,14 @@ import numpy as np
 from rlportable.conform.attention import ATTENTION_CHECKS
 from rlportable.conform.forward_ops import FORWARD_OP_CHECKS
 from rlportable.conform.model import DEVICE_ONLY, MODEL_CHECKS
+from rlportable.conform.optim import OPTIM_CHECKS
 from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, EXHAUSTIVE_REPORTS, PRIMITIVE_CHECKS
 from rlportable.conform.sampling import SAMPLING_CHECKS
 from rlportable.conform.tally import CheckResult, Tally, bit_mismatches
 from rlportable.runtime.base import Backend
 
 CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
-                                      + SAMPLING_CHECKS)
+                                      + SAMPLING_CHECKS + OPTIM_CHECKS)
 
 __all__ = ["CHECKS", "CheckResult", "EXHAUSTIVE_REPORTS", "Tally", "bit_mismatches", "report", "run"]
 

@@ -1,0 +1,108 @@
+"""Op family "adamw": exact global-norm clip factor and the in-place AdamW update.
+
+Contract: contracts/adamw.toml; reference: rlportable/contract/adamw.py;
+kernels: backends/{cuda,hip}/adamw.*.
+
+API
+  clip_factor(backend, grads, max_norm) -> (c, norm)     host float64 scalars
+  adamw_step(backend, params, grads, m, v, step, hyper, lr=None) -> StepInfo(lr, norm, clip)
+      updates params, m and v IN PLACE (float32 backend arrays, C-contiguous, any shapes;
+      m and v start as zeros); `hyper` is contract.adamw.Hyper; lr defaults to hyper.lr
+      (pass contract.adamw.lr_at(step, ...) for the warmup + cosine schedule); step >= 1.
+The gradients are the caller's accumulated gradients (their sum over micro-batches must be exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlportable.contract import adamw as ref
+from rlportable.contract.adamw import Hyper, lr_at  # noqa: F401  (re-exported)
+from rlportable.errors import InputError
+from rlportable.ops.checks import require_contiguous, shape_of
+
+THREADS = 256
+MAX_GRID = 65535
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    lr: float
+    norm: float
+    clip: float
+
+
+def _size(name: str, array) -> int:
+    if np.dtype(array.dtype) != np.float32:
+        raise InputError(f"{name} must have dtype float32, got {np.dtype(array.dtype).name}")
+    require_contiguous(name, array)
+    return int(np.prod(shape_of(array), dtype=np.int64))
+
+
+def _flat(array):
+    return array.reshape(-1) if hasattr(array, "reshape") else array
+
+
+def global_norm(backend, grads) -> float:
+    sizes = [_size(f"grads[{i}]", g) for i, g in enumerate(grads)]
+    if backend.kernel_vendor is None:
+        return ref.global_norm([backend.to_numpy(g) for g in grads])
+    largest_dev = backend.zeros((1,), np.uint32)
+    for g, n in zip(grads, sizes):
+        if n:
+            grid = min(MAX_GRID, -(-n // THREADS))
+            backend.launch("adamw", "adamw_max_bits", (grid,), (THREADS,), (_flat(g), np.int64(n), largest_dev))
+    largest = int(backend.to_numpy(largest_dev)[0])
+    if largest >= 0x7F800000:
+        return ref.norm_from_parts(largest, 0)
+    e = ref.exponent_of(largest)
+    total = 0
+    for g, n in zip(grads, sizes):
+        if n:
+            chunks = -(-n // ref.NORM_CHUNK)
+            out = backend.zeros((chunks,), np.int64)
+            backend.launch("adamw", "adamw_sumsq", (min(MAX_GRID, chunks),), (THREADS,),
+                           (_flat(g), np.int64(n), np.int32(ref.NORM_BITS), np.int32(e),
+                            np.int64(ref.NORM_CHUNK), out))
+            total += sum(int(s) for s in backend.to_numpy(out))  # Python ints: exact
+    return ref.norm_from_parts(largest, total)
+
+
+def clip_factor(backend, grads, max_norm) -> tuple[float, float]:
+    """(c, norm): the contract's clip factor over every gradient tensor, and the global norm."""
+    norm = global_norm(backend, grads)
+    return ref.clip_from_norm(norm, max_norm), norm
+
+
+def adamw_step(backend, params, grads, m, v, step: int, hyper: Hyper, lr: float | None = None) -> StepInfo:
+    """One AdamW step over every tensor, in place (see the module docstring)."""
+    if not (len(params) == len(grads) == len(m) == len(v)):
+        raise InputError("adamw_step: params, grads, m and v must be lists of the same length")
+    for i, tensors in enumerate(zip(params, grads, m, v)):
+        shapes = {shape_of(t) for t in tensors}
+        if len(shapes) != 1:
+            raise InputError(f"adamw_step: tensor {i}: params, grads, m, v shapes differ: {sorted(shapes)}")
+    if int(step) < 1:
+        raise InputError(f"adamw_step: steps count from 1, got {step}")
+    lr = float(hyper.lr if lr is None else lr)
+    c, norm = clip_factor(backend, grads, hyper.max_norm)
+    s = ref.hyper_scalars(hyper, step, lr)
+    for i, (p, g, mi, vi) in enumerate(zip(params, grads, m, v)):
+        n = _size(f"params[{i}]", p)
+        for name, t in (("m", mi), ("v", vi)):
+            _size(f"{name}[{i}]", t)
+        if backend.kernel_vendor is None:
+            new_p, new_m, new_v = ref.adamw_update(np.ravel(p), np.ravel(g), np.ravel(mi), np.ravel(vi), c, s)
+            p.reshape(-1)[...] = new_p
+            mi.reshape(-1)[...] = new_m
+            vi.reshape(-1)[...] = new_v
+        elif n:
+            grid = min(MAX_GRID, -(-n // THREADS))
+            backend.launch("adamw", "adamw_update", (grid,), (THREADS,),
+                           (_flat(p), _flat(g), _flat(mi), _flat(vi), np.int64(n), np.float64(c),
+                            np.float64(s["beta1"]), np.float64(s["one_minus_beta1"]), np.float64(s["beta2"]),
+                            np.float64(s["one_minus_beta2"]), np.float64(s["decay"]), np.float64(s["step_size"]),
+                            np.float64(s["sqrt_bc2"]), np.float64(s["eps"])))
+    return StepInfo(lr=lr, norm=norm, clip=c)

@@ -116,3 +116,14 @@ def test_table_errors():
     cos, sin = rope.tables(CPU, 10, 8, 10000.0)
     with pytest.raises(InputError, match=r"cos must be float32 \[positions, 4\]"):
         rope.apply(CPU, np.ones((1, 1, 8), np.float32), np.zeros(1, np.int32), cos[:, :3].copy(), sin)
+
+
+def test_host_positions_are_checked_in_place_of_the_device_copy():
+    backend = get_backend("cpu")
+    cos, sin = rope.tables(backend, 8, 4, 10000.0)
+    x = np.ones((2, 1, 4), np.float32)
+    positions = np.array([0, 7], np.int32)
+    same = rope.apply(backend, x, positions, cos, sin, host_positions=positions)
+    assert np.array_equal(same.view(np.uint32), rope.apply(backend, x, positions, cos, sin).view(np.uint32))
+    with pytest.raises(InputError, match="position 8"):
+        rope.apply(backend, x, positions, cos, sin, host_positions=np.array([0, 8], np.int32))

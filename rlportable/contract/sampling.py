@@ -385,6 +385,17 @@ def sample(logits, temperature, top_k=None, top_p=None, min_p=None, *, seed, req
     z = _check_logits(logits)
     rows, vocab = z.shape
     temperature, top_k, top_p, min_p = _check_params(rows, temperature, top_k, top_p, min_p)
+    random = random_u64(*row_counters(rows, seed, request, sample_index, position))
+    tokens = np.zeros(rows, dtype=np.int32)
+    for block in _row_blocks(rows, vocab):
+        kept = _kept_block(z[block], temperature[block], top_k[block], top_p[block], min_p[block], block.start)
+        tokens[block] = draw(kept, random[block])
+    return tokens
+
+
+def row_counters(rows: int, seed, request, sample_index, position) -> list[np.ndarray]:
+    """The four counter inputs, checked (seed in [0, 2^64), the others in [0, 2^32)) and
+    broadcast to uint64 [rows]."""
     counters = []
     for name, value, bits in (("seed", seed, 64), ("request", request, 32), ("sample_index", sample_index, 32),
                               ("position", position, 32)):
@@ -392,12 +403,7 @@ def sample(logits, temperature, top_k=None, top_p=None, min_p=None, *, seed, req
         if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != rows):
             raise InputError(f"sampling: {name} must be a scalar or have shape ({rows},), got shape {array.shape}")
         counters.append(np.broadcast_to(array, (rows,)))
-    random = random_u64(*counters)
-    tokens = np.zeros(rows, dtype=np.int32)
-    for block in _row_blocks(rows, vocab):
-        kept = _kept_block(z[block], temperature[block], top_k[block], top_p[block], min_p[block], block.start)
-        tokens[block] = draw(kept, random[block])
-    return tokens
+    return counters
 
 
 def sampled_logprobs(logits, tokens, temperature) -> np.ndarray:

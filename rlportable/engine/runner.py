@@ -67,7 +67,8 @@ class ModelRunner:
         rows = [int(end) for end, e in zip(ends, entries) if e.needs_sample]
         if not rows:
             return [], [], None
-        picked = embedding.gather(self.backend, hidden, self.backend.asarray(np.asarray(rows, dtype=np.int32)))
+        rows = np.asarray(rows, dtype=np.int32)
+        picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows), host_ids=rows)
         per_sample_rows = [i for i, e in enumerate(e for e in entries if e.needs_sample) for _ in e.sample_seqs]
         if self.sampler == "device":
             logits = self.model.logits(picked)

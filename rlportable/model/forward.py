@@ -86,17 +86,10 @@ class Model:
     # ---- forward
     def hidden_states(self, tokens: np.ndarray, cu_seqlens: np.ndarray):
         """Final-norm hidden states [T, H] of packed sequences."""
-        cfg, backend = self.config, self.backend
         tokens = np.asarray(tokens, dtype=np.int32)
-        cu_seqlens = check_packing(tokens, cu_seqlens, cfg.vocab_size)
-        positions = packed_positions(cu_seqlens)
-        cos, sin = self.rope_tables(int(positions.max()) + 1 if positions.size else 1)
-        device_positions = backend.asarray(positions.astype(np.int32))
-        x = embedding.gather(backend, self.embed, backend.asarray(tokens))
-        for layer in self.layers:
-            x = self._layer(layer, x, device_positions, cos, sin,
-                            lambda q, k, v, _layer: attention.attention_packed(backend, q, k, v, cu_seqlens))
-        return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
+        cu_seqlens = check_packing(tokens, cu_seqlens, self.config.vocab_size)
+        return self._forward(tokens, packed_positions(cu_seqlens),
+                             lambda q, k, v, _index: attention.attention_packed(self.backend, q, k, v, cu_seqlens))
 
     def step(self, tokens, positions, q_seq, block_tables, slots, caches: list):
         """One engine step over a paged KV cache: final-norm hidden states [T, H].
@@ -108,10 +101,9 @@ class Model:
         decode are all this call; the attention contract makes their bits equal
         to the packed forward's.
         """
-        cfg, backend = self.config, self.backend
-        positions = np.asarray(positions, dtype=np.int64)
-        cos, sin = self.rope_tables(int(positions.max()) + 1 if positions.size else 1)
-        device_positions = backend.asarray(positions.astype(np.int32))
+        backend = self.backend
+        positions = np.asarray(positions, dtype=np.int32)
+        device_positions = backend.asarray(positions)
         q_seq, slots = backend.asarray(np.asarray(q_seq, np.int32)), backend.asarray(np.asarray(slots, np.int32))
         tables = backend.asarray(np.asarray(block_tables, np.int32))
 
@@ -119,9 +111,22 @@ class Model:
             attention.write_kv(backend, caches[index], k, v, slots)
             return attention.attention_paged(backend, q, q_seq, device_positions, caches[index], tables)
 
-        x = embedding.gather(backend, self.embed, backend.asarray(np.asarray(tokens, np.int32)))
+        return self._forward(np.asarray(tokens, np.int32), positions, paged, device_positions)
+
+    def _forward(self, tokens: np.ndarray, positions: np.ndarray, attend, device_positions=None):
+        """Embedding, the layers (attention by attend(q, k, v, layer_index)), final norm.
+
+        tokens and positions are host arrays: their ranges are checked here once, not by
+        every op on the device."""
+        cfg, backend = self.config, self.backend
+        positions = np.asarray(positions, dtype=np.int32)
+        cos, sin = self.rope_tables(int(positions.max()) + 1 if positions.size else 1)
+        if device_positions is None:
+            device_positions = backend.asarray(positions)
+        x = embedding.gather(backend, self.embed, backend.asarray(tokens), host_ids=tokens)
         for index, layer in enumerate(self.layers):
-            x = self._layer(layer, x, device_positions, cos, sin, lambda q, k, v, _l, i=index: paged(q, k, v, i))
+            x = self._layer(layer, x, (device_positions, positions), cos, sin,
+                            lambda q, k, v, i=index: attend(q, k, v, i))
         return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> list:
@@ -146,15 +151,17 @@ class Model:
         return x
 
     def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend):
+        """One decoder layer; positions = (device array, the same on the host)."""
         cfg, backend = self.config, self.backend
         t = x.shape[0]
         h = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
         q = self._heads(self._projection(h, layer.q, layer.q_bias), cfg.num_attention_heads, layer.q_norm)
         k = self._heads(self._projection(h, layer.k, layer.k_bias), cfg.num_key_value_heads, layer.k_norm)
         v = self._projection(h, layer.v, layer.v_bias).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-        q = rope.apply(backend, q, positions, cos, sin)
-        k = rope.apply(backend, k, positions, cos, sin)
-        a = attend(q, k, v, layer)
+        device_positions, host_positions = positions
+        q = rope.apply(backend, q, device_positions, cos, sin, host_positions)
+        k = rope.apply(backend, k, device_positions, cos, sin, host_positions)
+        a = attend(q, k, v)
         x = residual.add(backend, x, gemm.gemm(backend, a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
         h = norm.rmsnorm(backend, x, layer.mlp_norm, cfg.rms_norm_eps)
         mlp = activation.swiglu(backend, gemm.gemm(backend, h, layer.gate), gemm.gemm(backend, h, layer.up))
@@ -168,7 +175,8 @@ class Model:
         cu_seqlens = np.asarray(cu_seqlens, dtype=np.int64)
         hidden = self.hidden_states(tokens, cu_seqlens)
         rows, targets = next_token_rows(np.asarray(tokens, dtype=np.int32), cu_seqlens)
-        picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows.astype(np.int32)))  # a row gather
+        rows = rows.astype(np.int32)
+        picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows), host_ids=rows)  # a row gather
         result = logprob.lm_head_logprobs(self.backend, picked, self.lm_head, self.backend.asarray(targets),
                                           temperature, want_entropy=with_entropy)
         lp, ent = result if with_entropy else (result, None)

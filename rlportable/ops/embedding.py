@@ -16,13 +16,15 @@ THREADS = 256
 MAX_GRID = 4096
 
 
-def gather(backend, table, ids):
-    """out [T, H] float32 = table [V, H] float32 rows at ids [T] int32; ids outside [0, V) are an InputError."""
+def gather(backend, table, ids, host_ids=None):
+    """out [T, H] float32 = table [V, H] float32 rows at ids [T] int32; ids outside [0, V) are an InputError.
+
+    host_ids: the same ids as a NumPy array, when the caller has them (checked without a copy back)."""
     vocab, hidden = require_matrix("table", table)
     if len(shape_of(ids)) != 1 or np.dtype(ids.dtype) != np.int32:
         raise InputError(f"embedding: ids must be a 1-D int32 array, got {np.dtype(ids.dtype).name} of shape {shape_of(ids)}")
     tokens = shape_of(ids)[0]
-    host_ids = np.asarray(backend.to_numpy(ids))
+    host_ids = np.asarray(backend.to_numpy(ids) if host_ids is None else host_ids)
     bad = (host_ids < 0) | (host_ids >= vocab)
     if bad.any():
         index = int(np.flatnonzero(bad)[0])

@@ -138,10 +138,6 @@ def _gemm_blas(backend: Backend, a: EncodedRows, weight: GemmWeight, y) -> None:
         backend.launch(
             "gemm", "gemm_combine_groups", (-(-n // COMBINE_THREADS), min(rows, 65535)), (COMBINE_THREADS,),
             (g, np.int32(groups), np.int64(rows), np.int64(n),
-             _offset_view(a.exponents, start), w.exponents,
-             np.int32(_scale_offset(a.bits, w.bits)), _offset_view(y, start)),
+             a.exponents[start:], w.exponents, np.int32(_scale_offset(a.bits, w.bits)), y[start:]),
         )
 
-
-def _offset_view(array, start_row: int):
-    return array[start_row:]

@@ -48,10 +48,13 @@ def _check(x, positions, cos, sin) -> tuple[int, int, int, int]:
     return tokens, heads, head_dim // 2, shape_of(cos)[0]
 
 
-def apply(backend, x, positions, cos, sin):
-    """y [tokens, heads, D] = x rotated by the table rows cos[positions], sin[positions]."""
+def apply(backend, x, positions, cos, sin, host_positions=None):
+    """y [tokens, heads, D] = x rotated by the table rows cos[positions], sin[positions].
+
+    host_positions: the same positions as a NumPy array, when the caller has them; they are
+    checked instead of copying `positions` back from the device (the model's per-layer calls)."""
     tokens, heads, half, table_rows = _check(x, positions, cos, sin)
-    host_positions = np.asarray(backend.to_numpy(positions))
+    host_positions = np.asarray(backend.to_numpy(positions) if host_positions is None else host_positions)
     if host_positions.size and (host_positions.min() < 0 or host_positions.max() >= table_rows):
         bad = host_positions[(host_positions < 0) | (host_positions >= table_rows)][0]
         raise InputError(f"rope: position {int(bad)} is outside the tables' [0, {table_rows})")

@@ -37,15 +37,9 @@ def device_rows(vocab: int, temperature, top_k=None, top_p=None, min_p=None) -> 
 
 def _row_counters(rows: int, seed, request, sample_index, position) -> list[np.ndarray]:
     """seed uint64, request / sample_index / position uint32, each [rows] (the reference's checks)."""
-    out = []
-    for name, value, bits, dtype in (("seed", seed, 64, np.uint64), ("request", request, 32, np.uint32),
-                                     ("sample_index", sample_index, 32, np.uint32),
-                                     ("position", position, 32, np.uint32)):
-        array = reference._unsigned(name, value, bits)
-        if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != rows):
-            raise InputError(f"sampling: {name} must be a scalar or have shape ({rows},), got shape {array.shape}")
-        out.append(np.ascontiguousarray(np.broadcast_to(array, (rows,)).astype(dtype)))
-    return out
+    counters = reference.row_counters(rows, seed, request, sample_index, position)
+    return [np.ascontiguousarray(array.astype(dtype))
+            for array, dtype in zip(counters, (np.uint64, np.uint32, np.uint32, np.uint32))]
 
 
 def _refuse(backend, logits, host_tokens: np.ndarray, temperature: np.ndarray) -> None:

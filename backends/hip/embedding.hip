@@ -1,9 +1,11 @@
 #ifndef RLP_HIP_ON_CUDA
 #include <hip/hip_runtime.h>
 #endif
-// Kernel family "embedding": gather rows of a table by token id, a bit copy.
-// Contract: contracts/embedding.toml. Reference: rlportable/contract/embedding.py (gather).
+// Kernel family "embedding": gather rows of a table by token id (a bit copy), and its gradient.
+// Contract: contracts/embedding.toml. Reference: rlportable/contract/embedding.py (gather,
+// gather_backward).
 // Line-by-line port of backends/cuda/embedding.cu (no warp-width assumption anywhere).
+#include "common.h"
 
 // out[t, :] = table[ids[t], :], copied as 32-bit words (every bit kept: NaN payloads, -0,
 // subnormals). The host checked 0 <= ids[t] < V before the launch. Grid-stride over
@@ -16,5 +18,25 @@ extern "C" __global__ void embedding_gather(const unsigned int* __restrict__ tab
         const long long token = k / hidden;
         const long long column = k - token * (long long)hidden;
         out[k] = table[(long long)ids[token] * (long long)hidden + column];
+    }
+}
+
+// dtable[v, h] = RNE_f32(((+0 + dy[t1, h]) + dy[t2, h]) + ...), t1 < t2 < ... the tokens with id v:
+// order[offsets[v] .. offsets[v + 1]) lists them in increasing token index (built on the host by a
+// stable sort of the ids). One thread per (v, h) walks its list, so the float64 additions happen in
+// token order whatever the launch shape; a row with no tokens is +0, a NaN result canonical.
+// Grid-stride over vocab * hidden (consecutive threads read consecutive columns of one dy row).
+extern "C" __global__ void embedding_gather_backward(const float* __restrict__ dy, const int* __restrict__ offsets,
+                                                     const int* __restrict__ order, int vocab, int hidden,
+                                                     float* __restrict__ dtable) {
+    const long long n = (long long)vocab * (long long)hidden;
+    const long long stride = (long long)gridDim.x * (long long)blockDim.x;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        const long long v = k / hidden;
+        const long long column = k - v * (long long)hidden;
+        double total = 0.0;
+        for (int j = offsets[v]; j < offsets[v + 1]; ++j) total += (double)dy[(long long)order[j] * (long long)hidden + column];
+        const float rounded = rlp_double2float_rn(total);
+        dtable[k] = rounded != rounded ? rlp_canonical_nan() : rounded;
     }
 }

@@ -1,9 +1,10 @@
 #ifndef RLP_HIP_ON_CUDA
 #include <hip/hip_runtime.h>
 #endif
-// Kernel family "logprob": log-probabilities and entropy of logits at a temperature.
+// Kernel family "logprob": log-probabilities and entropy of logits at a temperature, and the
+// log-probabilities' gradient with respect to the logits.
 // Contract: contracts/logprob.toml. Reference: rlportable/contract/logprob.py (logprobs,
-// entropy, quantize_f64_rows). Line-by-line port of backends/cuda/logprob.cu.
+// entropy, quantize_f64_rows, logprobs_backward). Line-by-line port of backends/cuda/logprob.cu.
 #include "common.h"
 #include "contract_math.h"
 
@@ -129,5 +130,74 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
             }
         }
         __syncthreads();
+    }
+}
+
+// logprobs_backward's element: q = p / S' (IEEE float64 division), c = -q (exact) or 1 - q at
+// the target, dz = RNE_f32(scale * c) with scale = g / T: one float64 product, one conversion.
+__device__ __forceinline__ float rlp_logprob_grad_element(float p, bool is_target, double s_val, double scale) {
+    const double q = (double)p / s_val;
+    const double c = is_target ? 1.0 - q : -q;
+    return rlp_double2float_rn(scale * c);
+}
+
+// The gradient of grad[row] * logp[row] with respect to logits[row, :] (logprobs_backward).
+// One block per row (grid-stride over rows); the max, the NaN flag and the exact sum S are
+// computed as in logprob_rows (shared-memory atomics: any block size or warp width gives the
+// same bits). The host checked 1 <= vocab <= 2^25 and 0 <= targets < vocab.
+//   g = +-0: +0 everywhere, the logits are not read (masked tokens);
+//   g non-finite: the canonical NaN everywhere;
+//   pass 1: a_v, m = max a_v (integer key), any NaN; a NaN or m = +-inf: the canonical NaN everywhere;
+//   pass 2: S = sum RNE(exp_f32(a_v - m) 2^36), exact int64; S' = odd(S) 2^-36;
+//   pass 3: dz_v = RNE_f32((g / T) * c_v), c_v = -p_v / S' or 1 - p_y / S' (exp_f32 recomputed).
+extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                 const float* __restrict__ grad, long long rows, int vocab,
+                                                 double temperature, float* __restrict__ dlogits) {
+    __shared__ unsigned int largest_key;
+    __shared__ unsigned int has_nan;
+    __shared__ unsigned long long total;
+    const double unit = rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2);
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* zr = logits + row * (long long)vocab;
+        float* dz = dlogits + row * (long long)vocab;
+        const float g = grad[row];  // the same for every thread: every branch below is block-uniform
+        if (g == 0.0f) {
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) dz[i] = 0.0f;
+        } else if (rlp_magnitude_bits(g) >= 0x7f800000u) {
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) dz[i] = rlp_canonical_nan();
+        } else {
+            if (threadIdx.x == 0) { largest_key = 0u; has_nan = 0u; total = 0ull; }
+            __syncthreads();
+            unsigned int local_key = 0u;
+            unsigned int nan = 0u;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                float a = rlp_logprob_scaled(zr[i], temperature);
+                if (a != a) nan = 1u;
+                else local_key = rlp_max_u32(local_key, rlp_logprob_key(a));
+            }
+            atomicMax(&largest_key, local_key);
+            atomicOr(&has_nan, nan);
+            __syncthreads();
+            const float m = rlp_logprob_from_key(largest_key);
+            if (has_nan != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) {
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) dz[i] = rlp_canonical_nan();
+            } else {
+                long long local_s = 0;
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    float p = rlp_exp_f32(rlp_logprob_scaled(zr[i], temperature) - m);
+                    local_s += rlp_double2ll_rn((double)p * unit);
+                }
+                atomicAdd(&total, (unsigned long long)local_s);
+                __syncthreads();
+                const double s_val = rlp_round_to_odd_f64((long long)total) * rlp_pow2_f64(-(RLP_LOGPROB_SUM_BITS - 2));
+                const double scale = (double)g / temperature;
+                const int target = targets[row];
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    float p = rlp_exp_f32(rlp_logprob_scaled(zr[i], temperature) - m);
+                    dz[i] = rlp_logprob_grad_element(p, i == target, s_val, scale);
+                }
+            }
+        }
+        __syncthreads();  // every thread is done with this row's shared values before the next row resets them
     }
 }

@@ -1,15 +1,25 @@
-"""Embedding lookup: reference of contracts/embedding.toml.
+"""Embedding lookup and its gradient: reference of contracts/embedding.toml.
 
   out[t, :] = table[ids[t], :]      for a float32 table [V, H] and int32 ids [T]
 
 a bit copy (NaN payloads, -0 and subnormals kept). Every id must lie in [0, V);
 the op checks that on the host before any launch (an id out of range is an error,
 never a wrap-around or a clamp).
+
+The gradient (gather_backward) of the table, for an upstream gradient dy [T, H]:
+
+  dtable[v, h] = RNE_f32(((+0 + dy[t1, h]) + dy[t2, h]) + ...)    t1 < t2 < ... the tokens with id v
+
+float64 IEEE additions in increasing token index, from +0, rounded once to float32; a NaN
+result is the canonical NaN, a row with no tokens +0. The order depends on token positions
+only, so every backend, launch shape and vendor gives the same bits.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from rlportable.contract.fixedpoint import CANONICAL_NAN
 
 
 def gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -19,3 +29,34 @@ def gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
         raise ValueError(f"embedding ids must lie in [0, {table.shape[0]})")
     return table.view(np.uint32)[ids].view(np.float32)
+
+
+def token_lists(ids: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int32 [V + 1], order int32 [T]): order[offsets[v]:offsets[v + 1]] are the token indices t
+    with ids[t] == v, increasing (a stable sort by id), so every row's list is in token order."""
+    ids = np.asarray(ids).astype(np.int64)
+    order = np.argsort(ids, kind="stable").astype(np.int32)
+    offsets = np.zeros(vocab + 1, dtype=np.int32)
+    np.cumsum(np.bincount(ids, minlength=vocab), out=offsets[1:])
+    return offsets, order
+
+
+@np.errstate(over="ignore", invalid="ignore")  # +-inf and NaN are defined results, not warnings
+def gather_backward(ids: np.ndarray, dy: np.ndarray, vocab: int) -> np.ndarray:
+    """float32 [V, H]: dtable[v] = the float64 sum of dy[t] over the tokens t with ids[t] == v, in increasing t,
+    from +0, rounded once to float32; NaN results canonical, rows with no tokens +0."""
+    dy = np.asarray(dy, dtype=np.float32)
+    ids = np.asarray(ids).astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"embedding ids must lie in [0, {vocab})")
+    offsets, order = token_lists(ids, vocab)
+    counts = np.diff(offsets)
+    total = np.zeros((vocab, dy.shape[1]), dtype=np.float64)
+    rows = np.flatnonzero(counts)
+    for k in range(int(counts.max(initial=0))):
+        # the k-th token of every row that has one: one IEEE float64 addition per row and column
+        rows = rows[counts[rows] > k]
+        total[rows] += dy[order[offsets[rows] + k]].astype(np.float64)
+    out = total.astype(np.float32)
+    out[np.isnan(out)] = CANONICAL_NAN
+    return out

@@ -13,6 +13,15 @@ For one row of logits z [V] (float32, from the exact gemm) and temperature T:
             A term with p_v = 0 contributes exactly 0 (also where a_v - m = -inf).
 A row with a NaN (or T that makes a_v non-finite) gives the canonical NaN. Every sum is
 exact, so the vocabulary may be processed in any number of chunks: the bits do not change.
+
+The backward (logprobs_backward) is the gradient of g * logp with respect to the logits z,
+from the same a_v, m, p_v and S:
+  S'   = odd(S) * 2^-36                                float64 (round to odd, exact scaling)
+  q_v  = float64(p_v) / S'                             IEEE float64 division, in [0, 1]
+  c_v  = -q_v for v != y, 1 - q_y at the target y      a sign flip (exact; -0 where q_v = 0), a subtraction
+  dz_v = RNE_f32((float64(g) / float64(T)) * c_v)      float64 product, one conversion
+A row with g = +-0 gives +0 everywhere (masked tokens; even a NaN row); otherwise a non-finite
+g or a forward NaN row gives the canonical NaN everywhere.
 """
 
 from __future__ import annotations
@@ -68,6 +77,25 @@ def entropy(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     mean = (w_sum / s_val).astype(np.float32)
     out = (ls - mean).astype(np.float32)
     out[~np.isfinite(m[:, 0]) | np.isnan(a).any(axis=1)] = fp.CANONICAL_NAN
+    return out
+
+
+@np.errstate(all="ignore")  # overflow to inf and NaN are defined results, not warnings
+def logprobs_backward(logits: np.ndarray, targets: np.ndarray, temperature: float, grad: np.ndarray) -> np.ndarray:
+    """float32 [rows, V]: d(grad[r] * logp[r]) / d logits[r, v], the softmax from the forward's own p_v and S.
+
+    Rows are independent, so any split of the rows into chunks gives the same bits."""
+    a, m, d = _shifted(np.asarray(logits, dtype=np.float32), temperature)
+    grad = np.asarray(grad, dtype=np.float32)
+    p = exp_f32(d)
+    s, _ = _log_sum(p)
+    s_val = fp.round_to_odd_f64(s) * fp.pow2_f64(np.full(s.shape, -(SUM_BITS - 2)))
+    rows = np.arange(a.shape[0])
+    c = -(p.astype(np.float64) / s_val[:, None])
+    c[rows, targets] += 1.0  # (-q) + 1 is the IEEE subtraction 1 - q
+    out = ((grad.astype(np.float64) / np.float64(temperature))[:, None] * c).astype(np.float32)
+    out[~np.isfinite(m[:, 0]) | np.isnan(a).any(axis=1) | ~np.isfinite(grad)] = fp.CANONICAL_NAN
+    out[grad == 0] = 0.0  # a masked token's row: +0, whatever its logits
     return out
 
 

@@ -1,6 +1,6 @@
-"""Op family "embedding": token embedding lookup, a bit copy of table rows.
+"""Op family "embedding": token embedding lookup, a bit copy of table rows, and its gradient.
 
-Contract: contracts/embedding.toml; reference: rlportable/contract/embedding.py gather;
+Contract: contracts/embedding.toml; reference: rlportable/contract/embedding.py gather, gather_backward;
 kernels: backends/{cuda,hip}/embedding.*.
 """
 
@@ -37,6 +37,41 @@ def gather(backend, table, ids, host_ids=None):
         backend.launch("embedding", "embedding_gather", (min(-(-n // THREADS), MAX_GRID),), (THREADS,),
                        (table, ids, np.int64(tokens), np.int32(hidden), out))
     return out
+
+
+def gather_backward(backend, ids, host_ids, dy, vocab: int):
+    """dtable [vocab, H] float32: row v is the sum of dy [T, H] float32 over the tokens t with ids[t] == v.
+
+    The sum is float64 in increasing token index, rounded once (contracts/embedding.toml), so it is
+    deterministic and vendor-free; rows with no tokens are +0. ids: the device ids [T] int32 (checked
+    for shape and dtype); host_ids: the same ids as a NumPy array (None: copied back from ids), from
+    which the host builds each row's token list for the kernel."""
+    tokens, hidden = require_matrix("dy", dy)
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or not 1 <= vocab < 2**31:
+        raise InputError(f"embedding gather_backward: vocab must be an integer in [1, 2^31), got {vocab!r}")
+    vocab = int(vocab)
+    if shape_of(ids) != (tokens,) or np.dtype(ids.dtype) != np.int32:
+        raise InputError(f"embedding gather_backward: ids must be int32 of shape ({tokens},) (dy's rows), got "
+                         f"{np.dtype(ids.dtype).name} of shape {shape_of(ids)}")
+    host_ids = np.asarray(backend.to_numpy(ids) if host_ids is None else host_ids)
+    if host_ids.shape != (tokens,) or host_ids.dtype.kind not in "iu":
+        raise InputError(f"embedding gather_backward: host_ids must be integers of shape ({tokens},), got "
+                         f"{host_ids.dtype.name} of shape {host_ids.shape}")
+    bad = (host_ids < 0) | (host_ids >= vocab)
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        raise InputError(f"embedding gather_backward: ids[{index}] = {int(host_ids[index])} "
+                         f"is outside the table's [0, {vocab})")
+    if backend.kernel_vendor is None:
+        return reference.gather_backward(host_ids, backend.to_numpy(dy), vocab)
+    offsets, order = reference.token_lists(host_ids, vocab)
+    dtable = backend.empty((vocab, hidden), np.float32)
+    n = vocab * hidden
+    if n:
+        order_dev = backend.asarray(order) if tokens else backend.zeros((1,), np.int32)
+        backend.launch("embedding", "embedding_gather_backward", (min(-(-n // THREADS), MAX_GRID),), (THREADS,),
+                       (dy, backend.asarray(offsets), order_dev, np.int32(vocab), np.int32(hidden), dtable))
+    return dtable
 
 
 #: the name the model code uses for the lookup (also a plain row gather of any float32 matrix)

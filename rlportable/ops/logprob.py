@@ -1,7 +1,8 @@
-"""Op family "logprob": log-probabilities and entropy of logits at a temperature, and the LM head
-that produces them block by block.
+"""Op family "logprob": log-probabilities and entropy of logits at a temperature, the LM head
+that produces them block by block, and the log-probabilities' gradient with respect to the logits.
 
-Contract: contracts/logprob.toml; reference: rlportable/contract/logprob.py (logprobs, entropy);
+Contract: contracts/logprob.toml; reference: rlportable/contract/logprob.py (logprobs, entropy,
+logprobs_backward);
 kernels: backends/{cuda,hip}/logprob.*.
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 from rlportable.contract import logprob as reference
 from rlportable.errors import InputError
 from rlportable.ops import gemm as gemm_op
-from rlportable.ops.checks import require_matrix, shape_of
+from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 THREADS = 512
 MAX_GRID = 65535
@@ -90,6 +91,32 @@ def entropy(backend, logits, temperature: float = 1.0):
 def logprobs_and_entropy(backend, logits, targets, temperature: float = 1.0):
     """(logp, entropy), each float32 [rows], from one pass of the kernel over the logits."""
     return _logprob_pass(backend, logits, targets, temperature, True, True)
+
+
+def logprobs_backward(backend, logits, targets, temperature, grad):
+    """float32 [rows, V]: the gradient of grad[r] * logprobs(logits, targets, T)[r] with respect to logits.
+
+    dlogits[r, v] = (grad[r] / T) * ([v == targets[r]] - softmax(logits[r] / T)[v]), the softmax from the
+    forward contract's own exp_f32 terms and exact sum (contracts/logprob.toml). logits float32 [rows, V],
+    targets int32 [rows], grad float32 [rows]; a row with grad 0 (a masked token) is +0. Rows are
+    independent: a caller may pass any slice of rows (e.g. one LM-head block of logits) and the bits
+    of each row do not change.
+    """
+    rows, vocab = require_matrix("logits", logits)
+    _check_vocab("logprobs_backward", vocab)
+    temperature = check_temperature(temperature)
+    host_targets = _check_targets("logprobs_backward", backend, targets, rows, vocab)
+    if shape_of(grad) != (rows,) or np.dtype(grad.dtype) != np.float32:
+        raise InputError(f"logprobs_backward: grad must be float32 of shape ({rows},), got "
+                         f"{np.dtype(grad.dtype).name} of shape {shape_of(grad)}")
+    require_contiguous("grad", grad)
+    if backend.kernel_vendor is None:
+        return reference.logprobs_backward(backend.to_numpy(logits), host_targets, temperature, backend.to_numpy(grad))
+    dlogits = backend.empty((rows, vocab), np.float32)
+    if rows:
+        backend.launch("logprob", "logprob_backward_rows", (min(rows, MAX_GRID),), (THREADS,),
+                       (logits, targets, grad, np.int64(rows), np.int32(vocab), np.float64(temperature), dlogits))
+    return dlogits
 
 
 def lm_head_logprobs(backend, hidden, weight: gemm_op.GemmWeight, targets, temperature: float = 1.0,

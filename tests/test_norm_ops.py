@@ -1,14 +1,16 @@
-"""Op family "norm" on the cpu backend: the reference's properties, the op's input checks.
+"""Op family "norm" on the cpu backend: the reference's properties (forward and backward), the op's input checks.
 
 The device kernels are checked bitwise against the same reference by `rlportable conform`.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
-from exact_oracle import quantize
+from exact_oracle import ilogb, quantize, round_fraction_to_f32
 from rlportable.conform.inputs import random_rows
 from rlportable.contract import fixedpoint as fp, norm as reference
 from rlportable.errors import InputError
@@ -105,3 +107,227 @@ def test_input_errors(x, w, eps, message):
     with pytest.raises(InputError, match=message):
         norm.rmsnorm(CPU, x, w, eps)
     assert fp.CANONICAL_NAN_BITS == NAN_BITS
+
+
+# ---- backward: rmsnorm_backward, rmsnorm_heads_backward
+
+
+def _float64_rmsnorm_backward(x, w, eps, dy):
+    """The textbook gradient in float64 with the float64 r (not the contract's fixed-point r)."""
+    x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64)
+    h = x.shape[1]
+    r = 1.0 / np.sqrt((x64 * x64).mean(axis=1) + eps)
+    g = dy64 * w64
+    s = (g * x64).sum(axis=1)
+    dx = g * r[:, None] - x64 * (r**3 * s / h)[:, None]
+    return dx, (dy64 * x64 * r[:, None]).sum(axis=0)
+
+
+def _backward_error_bounds(x, w, eps, dy):
+    """Per-element bounds on |contract - float64 math| for dx and dweight.
+
+    r: the 23-bit encoding moves each x_j by at most one unit 2^u, u = e - 21 (half a unit, a whole
+    one where the clamp bites), so sum x^2 moves by at most d = 2^(u+1) sum|x| + H 2^(2u) and r by
+    d / (2 sum x^2) relative; we use delta = d / sum x^2 (twice that, covering the float64 steps).
+    dx = A - B with A = r g_i and B = x_i r^3 s / H: A moves by delta |A|, B by 3 delta |B| (r^3),
+    plus s's fixed-point error: H half-units of 2^(e_t - 42) and a 2^-52 relative float64 rounding
+    per term; then the float32 conversion, 2^-24 relative (or half the subnormal spacing).
+    dweight = sum_rows dy x r: delta |u| per row, rows half-units of 2^(e_u - 36), 2^-52 per term,
+    then 2^-24 relative.
+    """
+    x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64)
+    rows, h = x.shape
+    dx64, dw64 = _float64_rmsnorm_backward(x, w, eps, dy)
+    e = np.array([ilogb(float(np.abs(row).max())) for row in x64])
+    unit = 2.0 ** (e - 21)
+    ss = (x64 * x64).sum(axis=1)
+    delta = (2 * unit * np.abs(x64).sum(axis=1) + h * unit**2) / ss + 2.0**-50
+    r = 1.0 / np.sqrt(ss / h + eps)
+    g = dy64 * w64
+    t = g * x64
+    e_t = np.array([ilogb(float(np.abs(row).max())) for row in t])
+    s_error = h * 2.0 ** (e_t - 43) + np.abs(t).sum(axis=1) * 2.0**-52
+    a = np.abs(g * r[:, None])
+    b = np.abs(x64 * (r**3 * t.sum(axis=1) / h)[:, None])
+    dx_bound = (delta[:, None] * (a + 3.1 * b) + np.abs(x64) * (r**3 * s_error / h)[:, None] * 1.01
+                + 2.0**-24 * np.abs(dx64) * 1.01 + 2.0**-150)
+    u = dy64 * x64 * r[:, None]
+    e_u = np.array([ilogb(float(np.abs(col).max())) for col in u.T])
+    dw_bound = ((np.abs(u) * delta[:, None]).sum(axis=0) + rows * 2.0 ** (e_u - 37)
+                + np.abs(u).sum(axis=0) * 2.0**-52) * 1.01 + 2.0**-24 * np.abs(dw64) * 1.01 + 2.0**-150
+    return dx64, dx_bound, dw64, dw_bound
+
+
+@pytest.mark.parametrize("kind", ["normal", "massive"])
+@pytest.mark.parametrize("h", [7, 128, 1000, 5120])
+def test_backward_close_to_float64_math(kind, h):
+    rng = np.random.default_rng(100 + h)
+    x = random_rows(rng, 9, h, kind)
+    w = random_rows(rng, 1, h, "normal")[0]
+    dy = random_rows(rng, 9, h, "normal")
+    dx, dweight = norm.rmsnorm_backward(CPU, x, w, 1e-6, dy)
+    dx64, dx_bound, dw64, dw_bound = _backward_error_bounds(x, w, 1e-6, dy)
+    assert np.all(np.abs(dx - dx64) <= dx_bound)
+    assert np.all(np.abs(dweight - dw64) <= dw_bound)
+    # the bound is not vacuous: under ten float32 ulps of the row's scale for a typical element
+    assert np.median(dx_bound / np.abs(dx64).max(axis=1, keepdims=True)) < 1e-6
+
+
+def _float64_loss(x64, w64, eps, dy64):
+    y = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps) * w64
+    return float((dy64 * y).sum())
+
+
+@pytest.mark.parametrize("h", [13, 16])
+def test_backward_matches_finite_differences(h):
+    # Central differences of the float64 loss L = sum(dy * rmsnorm64(x, w)) with step 1e-5: truncation
+    # error ~ step^2 |L'''| / 6 and cancellation ~ 2^-52 |L| / step, both ~1e-10 here (O(1) inputs);
+    # 1e-8 absolute is checked against the float64 analytic gradient first. The contract's values must
+    # then lie within the analytic bound of _backward_error_bounds plus that 1e-8.
+    rng = np.random.default_rng(h)
+    x = random_rows(rng, 3, h, "normal")
+    w = random_rows(rng, 1, h, "normal")[0]
+    dy = random_rows(rng, 3, h, "normal")
+    eps, step = 1e-5, 1e-5
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    fd_x = np.zeros_like(x64)
+    for i in np.ndindex(x.shape):
+        plus, minus = x64.copy(), x64.copy()
+        plus[i] += step
+        minus[i] -= step
+        fd_x[i] = (_float64_loss(plus, w64, eps, dy64) - _float64_loss(minus, w64, eps, dy64)) / (2 * step)
+    fd_w = np.zeros_like(w64)
+    for i in range(h):
+        plus, minus = w64.copy(), w64.copy()
+        plus[i] += step
+        minus[i] -= step
+        fd_w[i] = (_float64_loss(x64, plus, eps, dy64) - _float64_loss(x64, minus, eps, dy64)) / (2 * step)
+    dx64, dx_bound, dw64, dw_bound = _backward_error_bounds(x, w, eps, dy)
+    assert np.abs(fd_x - dx64).max() < 1e-8 and np.abs(fd_w - dw64).max() < 1e-8
+    dx, dweight = norm.rmsnorm_backward(CPU, x, w, eps, dy)
+    assert np.all(np.abs(dx - fd_x) <= dx_bound + 1e-8)
+    assert np.all(np.abs(dweight - fd_w) <= dw_bound + 1e-8)
+
+
+def _exact_fixed_point_sum(terms: list[float], bits: int) -> tuple[int, int]:
+    """(Q, e) with Python integers: e = ilogb(max |t|) (0 if all zero), Q = sum RNE(t 2^(bits-2-e))."""
+    largest = max(abs(t) for t in terms)
+    e = ilogb(largest) if largest else 0
+    return sum(round(Fraction(t) * Fraction(2) ** (bits - 2 - e)) for t in terms), e
+
+
+def test_backward_sums_are_exact():
+    # s over H and dweight over rows against an independent exact oracle (Python integers, Fractions)
+    rng = np.random.default_rng(7)
+    rows, h = 6, 300
+    x, dy = random_rows(rng, rows, h, "massive"), random_rows(rng, rows, h, "special")
+    w = random_rows(rng, 1, h, "normal")[0]
+    t = (dy.astype(np.float64) * w.astype(np.float64)) * x.astype(np.float64)
+    total, e, finite = reference.fixed_point_sums(t, reference.GRAD_SUM_BITS)
+    assert finite.all()
+    for row in range(rows):
+        expected = _exact_fixed_point_sum([float(v) for v in t[row]], reference.GRAD_SUM_BITS)
+        assert (int(total[row]), int(e[row])) == expected
+    _, dweight = reference.rmsnorm_backward(x, w, 1e-6, dy)
+    r, _ = reference.rms_scale(x, 1e-6)
+    u = (dy.astype(np.float64) * x.astype(np.float64)) * r[:, None]
+    for column in range(0, h, 37):
+        q_sum, e_u = _exact_fixed_point_sum([float(v) for v in u[:, column]], reference.WEIGHT_GRAD_BITS)
+        exact = Fraction(q_sum) * Fraction(2) ** (e_u - (reference.WEIGHT_GRAD_BITS - 2))
+        assert int(dweight.view(np.uint32)[column]) == round_fraction_to_f32(exact)
+
+
+def test_backward_rows_and_order():
+    rng = np.random.default_rng(21)
+    x, dy = random_rows(rng, 40, 96, "massive"), random_rows(rng, 40, 96, "normal")
+    w = random_rows(rng, 1, 96, "normal")[0]
+    dx, dweight = norm.rmsnorm_backward(CPU, x, w, 1e-6, dy)
+    permutation = rng.permutation(40)
+    dx_p, dweight_p = norm.rmsnorm_backward(CPU, x[permutation], w, 1e-6, dy[permutation])
+    assert np.array_equal(dx_p.view(np.uint32), dx[permutation].view(np.uint32))
+    assert np.array_equal(dweight_p.view(np.uint32), dweight.view(np.uint32))  # an exact sum: order-free
+    for row in (0, 17, 39):
+        one, _ = norm.rmsnorm_backward(CPU, x[row:row + 1], w, 1e-6, dy[row:row + 1])
+        assert np.array_equal(one.view(np.uint32), dx[row:row + 1].view(np.uint32))
+
+
+def test_backward_op_is_the_reference_bitwise():
+    rng = np.random.default_rng(4)
+    for rows, h in ((1, 1), (7, 13), (5, 257), (3, 1000)):
+        for kind in ("normal", "tiny", "huge", "special", "nonfinite", "zeros"):
+            x, dy = random_rows(rng, rows, h, kind), random_rows(rng, rows, h, "normal")
+            w = random_rows(rng, 1, h, "normal")[0]
+            got = norm.rmsnorm_backward(CPU, x, w, 1e-5, dy)
+            expected = reference.rmsnorm_backward(x, w, 1e-5, dy)
+            for a, b in zip(got, expected):
+                assert a.dtype == np.float32 and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_backward_edge_cases():
+    w = np.array([1.0, -2.0, 0.5], dtype=np.float32)
+    dy = np.array([[1.0, 2.0, 3.0]] * 4, dtype=np.float32)
+    x = np.array([[0.0, -0.0, 0.0], [1.0, np.nan, 2.0], [1.0, 2.0, 3.0], [1e-45, -1e-45, 0.0]], dtype=np.float32)
+    dx, dweight = norm.rmsnorm_backward(CPU, x, w, 1e-6, dy)
+    # a zero row: s = 0, c = +0, dx = RNE_f32(g r)
+    r0 = 1.0 / np.sqrt(1e-6)
+    expected = (dy[0].astype(np.float64) * w.astype(np.float64) * r0).astype(np.float32)
+    assert np.array_equal(dx[0].view(np.uint32), expected.view(np.uint32))
+    assert (dx.view(np.uint32)[1] == NAN_BITS).all()  # a non-finite x row: a NaN row ...
+    assert (dweight.view(np.uint32) == NAN_BITS).all()  # ... and NaN in every dweight element
+    assert np.isfinite(dx[2:]).all()  # a subnormal row is an ordinary row
+    # NaN in dy poisons its row of dx (through s) and its column of dweight only
+    x = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=np.float32)
+    dy = np.array([[1.0, np.nan, 1.0], [1.0, 1.0, 1.0]], dtype=np.float32)
+    dx, dweight = norm.rmsnorm_backward(CPU, x, w, 1e-6, dy)
+    assert (dx.view(np.uint32)[0] == NAN_BITS).all() and np.isfinite(dx[1]).all()
+    assert dweight.view(np.uint32)[1] == NAN_BITS and np.isfinite(dweight[[0, 2]]).all()
+    # eps = 0 with a zero row: r = inf, c = inf * 0: the canonical NaN
+    dx, dweight = norm.rmsnorm_backward(CPU, np.zeros((1, 3), np.float32), w, 0.0, np.ones((1, 3), np.float32))
+    assert (dx.view(np.uint32) == NAN_BITS).all() and (dweight.view(np.uint32) == NAN_BITS).all()
+    # empty shapes: rows = 0 gives dweight = +0 (empty sums), H = 0 empty outputs
+    dx, dweight = norm.rmsnorm_backward(CPU, np.zeros((0, 5), np.float32), np.ones(5, np.float32), 1e-6,
+                                        np.zeros((0, 5), np.float32))
+    assert dx.shape == (0, 5) and dweight.dtype == np.float32 and (dweight.view(np.uint32) == 0).all()
+    dx, dweight = norm.rmsnorm_backward(CPU, np.zeros((3, 0), np.float32), np.ones(0, np.float32), 1e-6,
+                                        np.zeros((3, 0), np.float32))
+    assert dx.shape == (3, 0) and dweight.shape == (0,)
+
+
+def test_heads_backward_is_rows_backward():
+    rng = np.random.default_rng(9)
+    x = random_rows(rng, 5 * 4, 64, "normal").reshape(5, 4, 64)
+    dy = random_rows(rng, 5 * 4, 64, "normal").reshape(5, 4, 64)
+    w = random_rows(rng, 1, 64, "normal")[0]
+    dx, dweight = norm.rmsnorm_heads_backward(CPU, x, w, 1e-6, dy)
+    dx_rows, dweight_rows = reference.rmsnorm_backward(x.reshape(20, 64), w, 1e-6, dy.reshape(20, 64))
+    assert dx.shape == (5, 4, 64) and dweight.shape == (64,)
+    assert np.array_equal(dx.reshape(20, 64).view(np.uint32), dx_rows.view(np.uint32))
+    assert np.array_equal(dweight.view(np.uint32), dweight_rows.view(np.uint32))
+
+
+_ONES = np.ones((2, 4), np.float32)
+
+
+@pytest.mark.parametrize("x,w,eps,dy,message", [
+    (np.ones(4, np.float32), np.ones(4, np.float32), 1e-6, np.ones(4, np.float32), "rmsnorm_backward: x must be a 2-D"),
+    (np.ones((2, 4), np.float64), np.ones(4, np.float32), 1e-6, _ONES, "x must have dtype float32"),
+    (_ONES, np.ones(4, np.float32), 1e-6, np.ones((2, 5), np.float32), r"dy must be float32 of shape \(2, 4\)"),
+    (_ONES, np.ones(4, np.float32), 1e-6, np.ones((2, 4), np.float64), "dy must be float32"),
+    (_ONES, np.ones(4, np.float32), 1e-6, np.ones((4, 2), np.float32).T, "dy must be C-contiguous"),
+    (_ONES, np.ones(5, np.float32), 1e-6, _ONES, r"weight must be float32 of shape \(4,\)"),
+    (_ONES, np.ones(4, np.float32), -1.0, _ONES, "eps must be a finite number >= 0"),
+    (np.ones((1, 2**18 + 1), np.float32), np.ones(2**18 + 1, np.float32), 1e-6, np.ones((1, 2**18 + 1), np.float32),
+     "exceeds the contract's limit"),
+])
+def test_backward_input_errors(x, w, eps, dy, message):
+    with pytest.raises(InputError, match=message):
+        norm.rmsnorm_backward(CPU, x, w, eps, dy)
+
+
+def test_backward_shape_limits():
+    many = np.zeros((reference.MAX_GRAD_ROWS + 1, 1), np.float32)  # 64 MiB, refused before any arithmetic
+    with pytest.raises(InputError, match="rows exceed the contract's limit"):
+        norm.rmsnorm_backward(CPU, many, np.ones(1, np.float32), 1e-6, many)
+    with pytest.raises(InputError, match="heads_backward: dy must have x's shape"):
+        norm.rmsnorm_heads_backward(CPU, np.ones((2, 3, 4), np.float32), np.ones(4, np.float32), 1e-6,
+                                    np.ones((2, 3, 5), np.float32))

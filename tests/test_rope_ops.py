@@ -1,4 +1,4 @@
-"""Op family "rope" on the cpu backend: tables against float64 NumPy, the rotation, input checks.
+"""Op family "rope" on the cpu backend: tables against float64 NumPy, the rotation and its backward, input checks.
 
 The device kernels are checked bitwise against the same reference by `rlportable conform`.
 """
@@ -127,3 +127,95 @@ def test_host_positions_are_checked_in_place_of_the_device_copy():
     assert np.array_equal(same.view(np.uint32), rope.apply(backend, x, positions, cos, sin).view(np.uint32))
     with pytest.raises(InputError, match="position 8"):
         rope.apply(backend, x, positions, cos, sin, host_positions=np.array([0, 8], np.int32))
+
+
+# ---- backward: apply_backward (dx = R^T dy)
+
+
+def _backward_inputs(seed, tokens=9, heads=4, head_dim=64, kind="normal"):
+    rng = np.random.default_rng(seed)
+    dy = random_rows(rng, tokens * heads, head_dim, kind).reshape(tokens, heads, head_dim)
+    cos, sin = rope.tables(CPU, 100, head_dim, 10000.0)
+    positions = rng.integers(0, 100, tokens).astype(np.int32)
+    return dy, positions, cos, sin
+
+
+def test_backward_is_the_transpose_in_float64():
+    # For fixed tables the forward is the linear map R(c, s) with the float32 table values; its gradient
+    # is R^T dy. Each output is one float64 sum of two exact products, rounded to float64 then to
+    # float32: |error| <= 2^-24 |value| (+ 2^-53 of the terms, far below) or half the subnormal spacing.
+    dy, positions, cos, sin = _backward_inputs(15)
+    dx = rope.apply_backward(CPU, dy, positions, cos, sin)
+    c, s = cos[positions][:, None, :].astype(np.float64), sin[positions][:, None, :].astype(np.float64)
+    d1, d2 = dy[..., :32].astype(np.float64), dy[..., 32:].astype(np.float64)
+    expected = np.concatenate([d1 * c + d2 * s, d2 * c - d1 * s], axis=-1)
+    terms = np.abs(d1 * c) + np.abs(d2 * s) + np.abs(d2 * c) + np.abs(d1 * s)
+    bound = 2.0**-24 * np.abs(expected) + 2.0**-52 * np.concatenate([terms, terms], axis=-1) + 2.0**-150
+    assert np.all(np.abs(dx - expected) <= bound)
+    # the adjoint identity <R x, dy> = <x, R^T dy>, both sides in float64 from the float32 results
+    x = random_rows(np.random.default_rng(16), 9 * 4, 64, "normal").reshape(9, 4, 64)
+    y = rope.apply(CPU, x, positions, cos, sin)
+    lhs, rhs = float((y.astype(np.float64) * dy).sum()), float((x.astype(np.float64) * dx).sum())
+    assert abs(lhs - rhs) <= 2.0**-22 * float(np.abs(x).astype(np.float64).sum() * np.abs(dy).max())
+
+
+def test_backward_matches_finite_differences():
+    # L(x) = sum(dy * R x) in float64 is linear in x, so central differences with step 1e-3 carry only
+    # cancellation error, ~2^-52 |L| / step < 1e-10 here; the contract is within 2^-24 relative of R^T dy.
+    dy, positions, cos, sin = _backward_inputs(17, tokens=3, heads=2, head_dim=8)
+    c, s = cos[positions][:, None, :].astype(np.float64), sin[positions][:, None, :].astype(np.float64)
+    dy64 = dy.astype(np.float64)
+
+    def loss(x):
+        x1, x2 = x[..., :4], x[..., 4:]
+        return float((dy64 * np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)).sum())
+
+    x0 = random_rows(np.random.default_rng(18), 6, 8, "normal").reshape(3, 2, 8).astype(np.float64)
+    fd = np.zeros_like(x0)
+    for i in np.ndindex(x0.shape):
+        plus, minus = x0.copy(), x0.copy()
+        plus[i] += 1e-3
+        minus[i] -= 1e-3
+        fd[i] = (loss(plus) - loss(minus)) / 2e-3
+    dx = rope.apply_backward(CPU, dy, positions, cos, sin)
+    assert np.all(np.abs(dx - fd) <= 2.0**-24 * np.abs(fd) + 1e-9)
+
+
+def test_backward_is_apply_with_negated_sine_bitwise():
+    for kind in ("normal", "special", "nonfinite", "tiny", "huge", "zeros"):
+        dy, positions, cos, sin = _backward_inputs(19, kind=kind)
+        dx = rope.apply_backward(CPU, dy, positions, cos, sin)
+        negated = rope.apply(CPU, dy, positions, cos, (-sin).astype(np.float32))
+        assert np.array_equal(dx.view(np.uint32), negated.view(np.uint32))
+        expected = reference.apply_backward(dy, cos[positions], sin[positions])
+        assert np.array_equal(dx.view(np.uint32), expected.view(np.uint32))
+
+
+def test_backward_edge_cases():
+    cos, sin = rope.tables(CPU, 4, 4, 10000.0)
+    dy = np.array([[[np.inf, 1.0, 1.0, 1.0]], [[np.nan, 1.0, -np.inf, 1.0]], [[1.0, -0.0, 2.0, 3.0]]], dtype=np.float32)
+    dy[1, 0, 0] = np.uint32(0xFFC00123).view(np.float32)  # a NaN with a payload and the sign bit
+    dx = rope.apply_backward(CPU, dy, np.array([0, 1, 0], dtype=np.int32), cos, sin)
+    bits = dx.view(np.uint32)
+    nan = np.isnan(dx)
+    assert nan.any() and (bits[nan] == 0x7FC00000).all()
+    assert np.array_equal(bits[2], (dy[2] + np.float32(0)).view(np.uint32))  # position 0 is the identity
+    empty = rope.apply_backward(CPU, np.zeros((0, 2, 4), np.float32), np.zeros(0, np.int32), cos, sin)
+    assert empty.shape == (0, 2, 4)
+
+
+@pytest.mark.parametrize("dy,positions,message", [
+    (np.ones((2, 3, 8), np.float32), np.array([0, 10], np.int32), r"position 10 is outside the tables' \[0, 10\)"),
+    (np.ones((2, 3, 8), np.float32), np.array([0], np.int32), r"apply_backward: positions must be int32 of shape \(2,\)"),
+    (np.ones((2, 8), np.float32), np.array([0, 1], np.int32), r"apply_backward: dy must be float32 \[tokens, heads, head_dim\]"),
+    (np.ones((2, 3, 8), np.float64), np.array([0, 1], np.int32), "apply_backward: dy must be float32"),
+    (np.ones((2, 3, 7), np.float32), np.array([0, 1], np.int32), "head_dim must be even, got dy"),
+    (np.ones((8, 3, 2), np.float32).transpose(2, 1, 0), np.array([0, 1], np.int32), "dy must be C-contiguous"),
+])
+def test_backward_input_errors(dy, positions, message):
+    cos, sin = rope.tables(CPU, 10, 8, 10000.0)
+    with pytest.raises(InputError, match=message):
+        rope.apply_backward(CPU, dy, positions, cos, sin)
+    with pytest.raises(InputError, match="position 8"):
+        rope.apply_backward(CPU, np.ones((2, 1, 8), np.float32), np.array([0, 1], np.int32), cos[:8], sin[:8],
+                            host_positions=np.array([0, 8], np.int32))

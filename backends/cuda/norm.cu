@@ -1,5 +1,6 @@
 // Kernel family "norm": RMSNorm (and the per-head QK-norm: rows = tokens * heads).
-// Contract: contracts/norm.toml. Reference: rlportable/contract/norm.py (rmsnorm).
+// Contract: contracts/norm.toml. Reference: rlportable/contract/norm.py (rmsnorm, and
+// rmsnorm_backward: the gradient, dx per row and dweight over rows).
 // backends/hip/norm.hip is the same logic, line for line, in HIP spellings.
 #include "common.cuh"
 
@@ -45,5 +46,169 @@ extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float
             }
         }
         __syncthreads();
+    }
+}
+
+// ---- backward: rmsnorm_backward (contracts/norm.toml), reference norm.rmsnorm_backward.
+
+#define RLP_NORM_GRAD_SUM_BITS 44
+#define RLP_NORM_WEIGHT_GRAD_BITS 38
+#define RLP_NORM_F64_NONFINITE 0x7ff0000000000000ull  // magnitude bits >= this: inf or NaN
+
+__device__ __forceinline__ unsigned long long rlp_norm_max_u64(unsigned long long a, unsigned long long b) {
+    return a > b ? a : b;
+}
+
+// |v| as the bits of a float64: an integer max over them is the largest magnitude (NaN > inf > finite).
+__device__ __forceinline__ unsigned long long rlp_norm_magnitude_f64(double v) {
+    return (unsigned long long)__double_as_longlong(v) & 0x7fffffffffffffffull;
+}
+
+// logprob.quantize_f64_rows's e: ilogb of the largest |term| (from its bits), 0 when all are 0.
+__device__ __forceinline__ int rlp_norm_exponent_f64(unsigned long long magnitude_bits) {
+    if (magnitude_bits == 0ull) return 0;
+    int field = (int)(magnitude_bits >> 52);
+    if (field != 0) return field - 1023;
+    return (63 - __clzll((long long)magnitude_bits)) - 1074;  // subnormal: m * 2^-1074 (never for our terms)
+}
+
+// q = RNE((term * 2^half) * 2^(shift - half)), shift = bits - 2 - e, half = floor(shift / 2):
+// quantize_f64_rows's two exact power-of-two steps.
+__device__ __forceinline__ long long rlp_norm_quantize_f64(double term, double scale_hi, double scale_lo) {
+    return __double2ll_rn((term * scale_hi) * scale_lo);
+}
+
+// dx: one block per row (grid-stride over rows). r is the forward's (same steps as norm_rmsnorm).
+// With g_j = dy_j w_j (exact) and t_j = RNE_f64(g_j x_j):
+//   s = odd(Q) 2^(e-42), Q = sum_j RNE(t_j 2^(42-e)) exact int64, e = ilogb(max |t_j|)
+//   c = (((r r) r) s) / H;  dx_j = RNE_f32((g_j r) - (x_j c))
+// The max and the sums meet through shared-memory atomics: exact and order-free. row_scale[row]
+// = r (NaN on a non-finite x row) for the dweight kernels. A non-finite x row or t gives a
+// canonical-NaN row; any other NaN result is the canonical NaN.
+extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ w,
+                                                 const float* __restrict__ dy, long long rows, int h, double eps,
+                                                 float* __restrict__ dx, double* __restrict__ row_scale) {
+    __shared__ unsigned int largest;
+    __shared__ unsigned long long total;
+    __shared__ unsigned long long largest_t;
+    __shared__ unsigned long long total_t;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long offset = row * (long long)h;
+        if (threadIdx.x == 0) { largest = 0u; total = 0ull; largest_t = 0ull; total_t = 0ull; }
+        __syncthreads();
+        const int e = rlp_block_row_exponent(x + offset, h, &largest);
+        if (e == RLP_NONFINITE_EXPONENT) {
+            for (int i = threadIdx.x; i < h; i += blockDim.x) dx[offset + i] = rlp_canonical_nan();
+            if (threadIdx.x == 0) row_scale[row] = __longlong_as_double(0x7ff8000000000000ll);
+        } else {
+            long long local_sum = 0;
+            unsigned long long local_t = 0ull;
+            for (int i = threadIdx.x; i < h; i += blockDim.x) {
+                const float xi = x[offset + i];
+                long long q = rlp_quantize(xi, RLP_NORM_BITS, e);
+                local_sum += q * q;
+                const double t = ((double)dy[offset + i] * (double)w[i]) * (double)xi;
+                local_t = rlp_norm_max_u64(local_t, rlp_norm_magnitude_f64(t));
+            }
+            atomicAdd(&total, (unsigned long long)local_sum);
+            atomicMax(&largest_t, local_t);
+            __syncthreads();
+            const double ss = __ll2double_rn((long long)total);
+            const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
+            const double r = 1.0 / sqrt(mean + eps);
+            if (threadIdx.x == 0) row_scale[row] = r;
+            if (largest_t >= RLP_NORM_F64_NONFINITE) {
+                for (int i = threadIdx.x; i < h; i += blockDim.x) dx[offset + i] = rlp_canonical_nan();
+            } else {
+                const int et = rlp_norm_exponent_f64(largest_t);
+                const int shift = (RLP_NORM_GRAD_SUM_BITS - 2) - et;
+                const int half = shift >> 1;  // floor(shift / 2)
+                const double scale_hi = rlp_pow2_f64(half);
+                const double scale_lo = rlp_pow2_f64(shift - half);
+                long long local_q = 0;
+                for (int i = threadIdx.x; i < h; i += blockDim.x) {
+                    const double t = ((double)dy[offset + i] * (double)w[i]) * (double)x[offset + i];
+                    local_q += rlp_norm_quantize_f64(t, scale_hi, scale_lo);
+                }
+                atomicAdd(&total_t, (unsigned long long)local_q);
+                __syncthreads();
+                const double s = rlp_round_to_odd_f64((long long)total_t) * rlp_pow2_f64(et - (RLP_NORM_GRAD_SUM_BITS - 2));
+                const double c = (((r * r) * r) * s) / (double)h;
+                for (int i = threadIdx.x; i < h; i += blockDim.x) {
+                    const double g = (double)dy[offset + i] * (double)w[i];
+                    float v = __double2float_rn((g * r) - ((double)x[offset + i] * c));
+                    dx[offset + i] = (v != v) ? rlp_canonical_nan() : v;
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// dweight's term: u = RNE_f64(RNE_f64(dy x) * r) (dy x exact; r = NaN poisons a non-finite x row).
+__device__ __forceinline__ double rlp_norm_weight_term(const float* dy, const float* x, const double* row_scale,
+                                                       long long row, int h, int column) {
+    const long long k = row * (long long)h + column;
+    return ((double)dy[k] * (double)x[k]) * row_scale[row];
+}
+
+// dweight, pass 1: largest[column] = max over rows of |u| (as float64 bits), global atomicMax.
+// grid.x tiles columns (one thread each, consecutive threads on consecutive columns), grid.y
+// chunks of rows_per_chunk rows; both grid-stride, so any grid gives the same maxima.
+extern "C" __global__ void norm_rmsnorm_dweight_largest(const float* __restrict__ dy, const float* __restrict__ x,
+                                                        const double* __restrict__ row_scale, long long rows, int h,
+                                                        int rows_per_chunk, unsigned long long* __restrict__ largest) {
+    for (long long column = (long long)blockIdx.x * blockDim.x + threadIdx.x; column < h;
+         column += (long long)gridDim.x * blockDim.x) {
+        for (long long first = (long long)blockIdx.y * rows_per_chunk; first < rows;
+             first += (long long)gridDim.y * rows_per_chunk) {
+            const long long last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+            unsigned long long local = 0ull;
+            for (long long row = first; row < last; ++row)
+                local = rlp_norm_max_u64(local, rlp_norm_magnitude_f64(rlp_norm_weight_term(dy, x, row_scale, row, h, (int)column)));
+            atomicMax(&largest[column], local);
+        }
+    }
+}
+
+// dweight, pass 2: total[column] = sum over rows of RNE(u 2^(36-e)), e = ilogb(largest[column]),
+// exact int64 through global atomicAdd (order-free). Columns with a non-finite u are skipped.
+extern "C" __global__ void norm_rmsnorm_dweight_sum(const float* __restrict__ dy, const float* __restrict__ x,
+                                                    const double* __restrict__ row_scale, long long rows, int h,
+                                                    int rows_per_chunk, const unsigned long long* __restrict__ largest,
+                                                    unsigned long long* __restrict__ total) {
+    for (long long column = (long long)blockIdx.x * blockDim.x + threadIdx.x; column < h;
+         column += (long long)gridDim.x * blockDim.x) {
+        if (largest[column] >= RLP_NORM_F64_NONFINITE) continue;
+        const int e = rlp_norm_exponent_f64(largest[column]);
+        const int shift = (RLP_NORM_WEIGHT_GRAD_BITS - 2) - e;
+        const int half = shift >> 1;  // floor(shift / 2)
+        const double scale_hi = rlp_pow2_f64(half);
+        const double scale_lo = rlp_pow2_f64(shift - half);
+        for (long long first = (long long)blockIdx.y * rows_per_chunk; first < rows;
+             first += (long long)gridDim.y * rows_per_chunk) {
+            const long long last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+            long long local = 0;
+            for (long long row = first; row < last; ++row)
+                local += rlp_norm_quantize_f64(rlp_norm_weight_term(dy, x, row_scale, row, h, (int)column), scale_hi, scale_lo);
+            atomicAdd(&total[column], (unsigned long long)local);
+        }
+    }
+}
+
+// dweight, pass 3: dweight[column] = RNE_f32(odd(total) 2^(e-36)), one rounding; canonical NaN
+// for a non-finite column (or a NaN result).
+extern "C" __global__ void norm_rmsnorm_dweight_round(const unsigned long long* __restrict__ largest,
+                                                      const unsigned long long* __restrict__ total, int h,
+                                                      float* __restrict__ dweight) {
+    for (long long column = (long long)blockIdx.x * blockDim.x + threadIdx.x; column < h;
+         column += (long long)gridDim.x * blockDim.x) {
+        if (largest[column] >= RLP_NORM_F64_NONFINITE) {
+            dweight[column] = rlp_canonical_nan();
+        } else {
+            const int e = rlp_norm_exponent_f64(largest[column]);
+            float v = rlp_round_scaled((long long)total[column], e - (RLP_NORM_WEIGHT_GRAD_BITS - 2));
+            dweight[column] = (v != v) ? rlp_canonical_nan() : v;
+        }
     }
 }

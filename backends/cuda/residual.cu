@@ -1,4 +1,4 @@
-// Kernel family "residual": IEEE float32 additions (contracts/residual.toml).
+// Kernel family "residual": IEEE float32 additions, and a bit-copy transpose (contracts/residual.toml).
 // Reference: rlportable/ops/residual.py. NaN results are canonicalised: hardware
 // NaN payload propagation differs between vendors.
 #include "common.cuh"
@@ -19,4 +19,37 @@ extern "C" __global__ void residual_add_bias_f32(const float* __restrict__ x, co
     const long long total = rows * n;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x)
         y[i] = rlp_add(x[i], b[i % n]);
+}
+
+// y [cols, rows] = x [rows, cols] transposed, as a copy of 32-bit patterns (unsigned int, never a
+// float register operation), so every bit is kept, NaN payloads included.
+// A 32 x 32 tile goes through shared memory: coalesced reads of x rows, coalesced writes of y rows.
+// The row pitch of 33 words puts tile[k][c] in bank (k + c) mod 32 (32 banks of 4 bytes on both
+// vendors), so the 32 threads of one threadIdx.y hit 32 different banks both when they write a tile
+// row and when they read a tile column: no bank conflicts, at any warp width.
+// blockDim.x must be 32 (the tile width), blockDim.y any size (the op uses 8); tiles grid-stride
+// over both grid axes, so any grid moves every element exactly once.
+#define RLP_TRANSPOSE_TILE 32
+
+extern "C" __global__ void residual_transpose_f32(const unsigned int* __restrict__ x, unsigned int* __restrict__ y,
+                                                  long long rows, long long cols) {
+    __shared__ unsigned int tile[RLP_TRANSPOSE_TILE][RLP_TRANSPOSE_TILE + 1];
+    for (long long tile_row = (long long)blockIdx.y * RLP_TRANSPOSE_TILE; tile_row < rows;
+         tile_row += (long long)gridDim.y * RLP_TRANSPOSE_TILE) {
+        for (long long tile_col = (long long)blockIdx.x * RLP_TRANSPOSE_TILE; tile_col < cols;
+             tile_col += (long long)gridDim.x * RLP_TRANSPOSE_TILE) {
+            const long long col = tile_col + threadIdx.x;
+            for (int k = threadIdx.y; k < RLP_TRANSPOSE_TILE; k += blockDim.y) {
+                const long long row = tile_row + k;
+                if (row < rows && col < cols) tile[k][threadIdx.x] = x[row * cols + col];
+            }
+            __syncthreads();
+            const long long out_col = tile_row + threadIdx.x;  // a row of x is a column of y
+            for (int k = threadIdx.y; k < RLP_TRANSPOSE_TILE; k += blockDim.y) {
+                const long long out_row = tile_col + k;
+                if (out_row < cols && out_col < rows) y[out_row * rows + out_col] = tile[threadIdx.x][k];
+            }
+            __syncthreads();
+        }
+    }
 }

@@ -2,7 +2,7 @@
 #include <hip/hip_runtime.h>
 #endif
 // Kernel family "rope": rotary position embedding applied with tables made on the host.
-// Contract: contracts/rope.toml. Reference: rlportable/contract/rope.py (apply; the cos/sin
+// Contract: contracts/rope.toml. Reference: rlportable/contract/rope.py (apply, apply_backward; the cos/sin
 // tables come from rope.tables, computed once on the host and uploaded).
 // Line-by-line port of backends/cuda/rope.cu (no warp-width assumption anywhere).
 #include "common.h"
@@ -37,5 +37,32 @@ extern "C" __global__ void rope_apply(const float* __restrict__ x, const int* __
         float hi = rlp_double2float_rn(second * c + first * s);
         y[base + j] = (lo != lo) ? rlp_canonical_nan() : lo;
         y[base + half + j] = (hi != hi) ? rlp_canonical_nan() : hi;
+    }
+}
+
+// The gradient of rope_apply for an upstream dy: dx = R(position)^T dy, the same pairs and tables:
+//   dx[i]        = RNE_f32(dy[i] * c + dy[i+half] * s)
+//   dx[i + half] = RNE_f32(dy[i+half] * c - dy[i] * s)
+// products exact in float64, the sum rounded once in float64, then once to float32.
+// Grid-stride: any grid and block size gives the same bits. NaN results are the canonical NaN.
+extern "C" __global__ void rope_apply_backward(const float* __restrict__ dy, const int* __restrict__ positions,
+                                               const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                                               long long tokens, int heads, int half, float* __restrict__ dx) {
+    const long long n = tokens * (long long)heads * (long long)half;
+    const long long stride = (long long)gridDim.x * (long long)blockDim.x;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        const long long j = k % half;
+        const long long head_row = k / half;  // token * heads + head
+        const long long token = head_row / heads;
+        const long long table = (long long)positions[token] * (long long)half + j;
+        const double c = (double)cos_table[table];
+        const double s = (double)sin_table[table];
+        const long long base = head_row * 2LL * (long long)half;
+        const double first = (double)dy[base + j];
+        const double second = (double)dy[base + half + j];
+        float lo = rlp_double2float_rn(first * c + second * s);
+        float hi = rlp_double2float_rn(second * c - first * s);
+        dx[base + j] = (lo != lo) ? rlp_canonical_nan() : lo;
+        dx[base + half + j] = (hi != hi) ? rlp_canonical_nan() : hi;
     }
 }

@@ -4,6 +4,7 @@
 with exp_f32 the contract's correctly rounded exp and IEEE float64 add, divide,
 multiply (the division rounds in float64, the product too, then one conversion).
 A NaN result (a NaN input, -inf gate, inf * 0) is the canonical NaN 0x7FC00000.
+swiglu_backward is its gradient (dgate, dup) in fixed float64 steps with the same exp_f32.
 """
 
 from __future__ import annotations
@@ -22,3 +23,28 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         y = (silu * np.asarray(up, dtype=np.float32).astype(np.float64)).astype(np.float32)
     y[np.isnan(y)] = CANONICAL_NAN
     return y
+
+
+@np.errstate(all="ignore")  # overflow to inf and NaN (signalling ones included) are defined results, not warnings
+def swiglu_backward(gate: np.ndarray, up: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(dgate, dup) float32 of y = swiglu(gate, up) for the upstream dy, elementwise:
+      E = float64(exp_f32(-g)),  d = 1 + E,  silu = g / d,  sig = 1 / d
+      dup   = RNE_f32(dy * silu)
+      dgate = RNE_f32((dy * u) * (sig * (1 + g * (1 - sig))))   (dy * u exact)
+    every step an IEEE float64 operation in this order, one conversion per output.
+    A NaN result (NaN input, g = +-inf: inf * 0 in dgate, -inf / inf in dup) is the canonical NaN.
+    """
+    gate = np.asarray(gate, dtype=np.float32)
+    e = exp_f32(-gate).astype(np.float64)
+    g = gate.astype(np.float64)
+    u = np.asarray(up, dtype=np.float32).astype(np.float64)
+    d_out = np.asarray(dy, dtype=np.float32).astype(np.float64)
+    denominator = 1.0 + e
+    silu = g / denominator
+    sig = 1.0 / denominator
+    dsilu = sig * (1.0 + g * (1.0 - sig))
+    dup = (d_out * silu).astype(np.float32)
+    dgate = ((d_out * u) * dsilu).astype(np.float32)
+    dup[np.isnan(dup)] = CANONICAL_NAN
+    dgate[np.isnan(dgate)] = CANONICAL_NAN
+    return dgate, dup

@@ -13,6 +13,7 @@ host makes the same float32 tables; kernels only read them.
               with the products exact in float64 and the sum rounded in float64,
               then once more to float32 (the "rotate half" layout of HF models).
   A NaN result (a NaN input, or inf * 0 and inf - inf) is the canonical NaN 0x7FC00000.
+  apply_backward is the transpose rotation dx = R^T dy, rounded the same way.
 """
 
 from __future__ import annotations
@@ -81,5 +82,24 @@ def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     out = np.empty(x.shape, dtype=np.float32)
     out[..., :half] = (first * c - second * s).astype(np.float32)
     out[..., half:] = (second * c + first * s).astype(np.float32)
+    out[np.isnan(out)] = CANONICAL_NAN
+    return out
+
+
+@np.errstate(all="ignore")  # overflow to inf and NaN are defined results, not warnings
+def apply_backward(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """dx = R^T dy, the gradient of apply for the upstream dy [T, heads, D] (cos/sin [T, D/2] rows):
+      dx[i]       = RNE_f32(dy[i] * cos[j] + dy[i+D/2] * sin[j])   for i = j < D/2
+      dx[i+D/2]   = RNE_f32(dy[i+D/2] * cos[j] - dy[i] * sin[j])
+    products exact in float64, the sum rounded in float64, then once to float32 (bitwise equal to
+    apply(dy, cos, -sin): a - (-b) is a + b in IEEE arithmetic). NaN -> the canonical NaN."""
+    half = dy.shape[-1] // 2
+    first = dy[..., :half].astype(np.float64)
+    second = dy[..., half:].astype(np.float64)
+    c = cos.astype(np.float64)[:, None, :]
+    s = sin.astype(np.float64)[:, None, :]
+    out = np.empty(dy.shape, dtype=np.float32)
+    out[..., :half] = (first * c + second * s).astype(np.float32)
+    out[..., half:] = (second * c - first * s).astype(np.float32)
     out[np.isnan(out)] = CANONICAL_NAN
     return out

@@ -34,3 +34,22 @@ def swiglu(backend, gate, up):
         backend.launch("activation", "activation_swiglu", (min(-(-n // THREADS), MAX_GRID),), (THREADS,),
                        (gate, up, np.int64(n), y))
     return y
+
+
+def swiglu_backward(backend, gate, up, dy):
+    """(dgate, dup) float32, the gradient of swiglu(gate, up) for the upstream dy (all one shape)."""
+    shape = shape_of(gate)
+    for name, array in (("gate", gate), ("up", up), ("dy", dy)):
+        if np.dtype(array.dtype) != np.float32:
+            raise InputError(f"swiglu_backward: {name} must have dtype float32, got {np.dtype(array.dtype).name}")
+        if shape_of(array) != shape:
+            raise InputError(f"swiglu_backward: {name} {shape_of(array)} must have gate's shape {shape}")
+    if backend.kernel_vendor is None:
+        return reference.swiglu_backward(backend.to_numpy(gate), backend.to_numpy(up), backend.to_numpy(dy))
+    dgate = backend.empty(shape, np.float32)
+    dup = backend.empty(shape, np.float32)
+    n = math.prod(shape)
+    if n:
+        backend.launch("activation", "activation_swiglu_backward", (min(-(-n // THREADS), MAX_GRID),), (THREADS,),
+                       (gate, up, dy, np.int64(n), dgate, dup))
+    return dgate, dup

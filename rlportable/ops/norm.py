@@ -1,7 +1,7 @@
 """Op family "norm": RMSNorm, and the per-head QK-norm (the same op on rows = tokens * heads).
 
-Contract: contracts/norm.toml; reference: rlportable/contract/norm.py rmsnorm;
-kernels: backends/{cuda,hip}/norm.*.
+Contract: contracts/norm.toml; reference: rlportable/contract/norm.py rmsnorm (and
+rmsnorm_backward, the gradient); kernels: backends/{cuda,hip}/norm.*.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 from rlportable.contract import norm as reference
 from rlportable.errors import InputError
-from rlportable.ops.checks import require_matrix, shape_of
+from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
 MAX_GRID = 65535
@@ -53,3 +53,62 @@ def rmsnorm_heads(backend, x, weight, eps: float):
     tokens, heads, head_dim = shape
     y = rmsnorm(backend, x.reshape(tokens * heads, head_dim), weight, eps)
     return y.reshape(tokens, heads, head_dim)
+
+
+GRAD_COLUMNS = 256  # threads of the dweight kernels: one column each, consecutive columns for coalescing
+GRAD_ROWS_PER_CHUNK = 256  # rows one dweight thread folds into one global atomic per column
+
+
+def _check_backward(op: str, x, weight, eps, dy) -> tuple[int, int, float]:
+    rows, h = require_matrix(f"{op}: x", x)
+    if shape_of(dy) != (rows, h) or np.dtype(dy.dtype) != np.float32:
+        raise InputError(f"{op}: dy must be float32 of shape {(rows, h)} to match x, "
+                         f"got {np.dtype(dy.dtype).name} of shape {shape_of(dy)}")
+    require_contiguous(f"{op}: dy", dy)
+    if shape_of(weight) != (h,) or np.dtype(weight.dtype) != np.float32:
+        raise InputError(f"{op}: weight must be float32 of shape ({h},) to match x {(rows, h)}, "
+                         f"got {np.dtype(weight.dtype).name} of shape {shape_of(weight)}")
+    if h > reference.MAX_ROW:
+        raise InputError(f"{op}: row length {h} exceeds the contract's limit {reference.MAX_ROW}")
+    if rows > reference.MAX_GRAD_ROWS:
+        raise InputError(f"{op}: {rows} rows exceed the contract's limit {reference.MAX_GRAD_ROWS} "
+                         f"(dweight's exact int64 sum over rows)")
+    return rows, h, check_eps(eps)
+
+
+def rmsnorm_backward(backend, x, weight, eps: float, dy):
+    """(dx [rows, H], dweight [H]) float32: the gradient of rmsnorm(x, weight, eps) for the upstream dy,
+    under contracts/norm.toml rmsnorm_backward (exact fixed-point sums over H and over rows)."""
+    rows, h, eps = _check_backward("rmsnorm_backward", x, weight, eps, dy)
+    if backend.kernel_vendor is None:
+        return reference.rmsnorm_backward(backend.to_numpy(x), backend.to_numpy(weight), eps, backend.to_numpy(dy))
+    dx = backend.empty((rows, h), np.float32)
+    dweight = backend.zeros((h,), np.float32)  # rows = 0: the empty sums are +0
+    if rows == 0 or h == 0:
+        return dx, dweight
+    row_scale = backend.empty((rows,), np.float64)
+    backend.launch("norm", "norm_rmsnorm_backward", (min(rows, MAX_GRID),), (NORM_THREADS,),
+                   (x, weight, dy, np.int64(rows), np.int32(h), np.float64(eps), dx, row_scale))
+    largest = backend.zeros((h,), np.uint64)
+    total = backend.zeros((h,), np.int64)
+    grid = (min(-(-h // GRAD_COLUMNS), MAX_GRID), min(-(-rows // GRAD_ROWS_PER_CHUNK), MAX_GRID))
+    args = (dy, x, row_scale, np.int64(rows), np.int32(h), np.int32(GRAD_ROWS_PER_CHUNK))
+    backend.launch("norm", "norm_rmsnorm_dweight_largest", grid, (GRAD_COLUMNS,), args + (largest,))
+    backend.launch("norm", "norm_rmsnorm_dweight_sum", grid, (GRAD_COLUMNS,), args + (largest, total))
+    backend.launch("norm", "norm_rmsnorm_dweight_round", (min(-(-h // GRAD_COLUMNS), MAX_GRID),), (GRAD_COLUMNS,),
+                   (largest, total, np.int32(h), dweight))
+    return dx, dweight
+
+
+def rmsnorm_heads_backward(backend, x, weight, eps: float, dy):
+    """QK-norm's gradient: x, dy [tokens, heads, head_dim]; dx like x, dweight [head_dim] summed over
+    tokens and heads (rows = tokens * heads of rmsnorm_backward)."""
+    shape = shape_of(x)
+    if len(shape) != 3:
+        raise InputError(f"rmsnorm_heads_backward: x must be [tokens, heads, head_dim], got shape {shape}")
+    if shape_of(dy) != shape:
+        raise InputError(f"rmsnorm_heads_backward: dy must have x's shape {shape}, got {shape_of(dy)}")
+    tokens, heads, head_dim = shape
+    dx, dweight = rmsnorm_backward(backend, x.reshape(tokens * heads, head_dim), weight, eps,
+                                   dy.reshape(tokens * heads, head_dim))
+    return dx.reshape(tokens, heads, head_dim), dweight

@@ -1,4 +1,5 @@
-"""Op family "residual": float32 additions for residual streams and biases (contracts/residual.toml).
+"""Op family "residual": float32 additions for residual streams and biases, and the matrix
+transpose the backward needs (W^T, X^T as rows for the exact GEMM) (contracts/residual.toml).
 
 Our own kernels, not CuPy's `+`: CuPy compiles its elementwise kernels with
 flush-to-zero, and NaN payloads differ between vendors.
@@ -10,7 +11,7 @@ import numpy as np
 
 from rlportable.contract import fixedpoint as fp
 from rlportable.errors import InputError
-from rlportable.ops.checks import shape_of
+from rlportable.ops.checks import require_matrix, shape_of
 
 THREADS = 256
 
@@ -56,4 +57,27 @@ def add_bias(backend, x, b):
     if rows * n:
         backend.launch("residual", "residual_add_bias_f32", _grid(rows * n), (THREADS,),
                        (x, b, y, np.int64(rows), np.int64(n)))
+    return y
+
+
+TRANSPOSE_TILE = 32  # the kernel's square tile (RLP_TRANSPOSE_TILE): blockDim.x must equal it
+TRANSPOSE_TILE_ROWS = 8  # blockDim.y: each thread moves TILE / TILE_ROWS elements of a tile
+MAX_GRID_Y = 65535
+
+
+def transpose_reference(x: np.ndarray) -> np.ndarray:
+    """Contiguous x.T, a bit copy: moved as uint32, so NaN payloads and signed zeros are kept."""
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32).view(np.uint32).T).view(np.float32)
+
+
+def transpose(backend, x):
+    """y [cols, rows] float32 = x.T for a C-contiguous float32 matrix x [rows, cols] (any size, 0 included)."""
+    rows, cols = require_matrix("transpose: x", x)
+    if backend.kernel_vendor is None:
+        return transpose_reference(backend.to_numpy(x))
+    y = backend.empty((cols, rows), np.float32)
+    if rows and cols:
+        grid = (min(-(-cols // TRANSPOSE_TILE), MAX_GRID_Y), min(-(-rows // TRANSPOSE_TILE), MAX_GRID_Y))
+        backend.launch("residual", "residual_transpose_f32", grid, (TRANSPOSE_TILE, TRANSPOSE_TILE_ROWS),
+                       (x, y, np.int64(rows), np.int64(cols)))
     return y

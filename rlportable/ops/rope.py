@@ -1,7 +1,7 @@
 """Op family "rope": rotary position embedding with host-made tables.
 
 Contract: contracts/rope.toml; reference: rlportable/contract/rope.py (inverse_frequencies,
-tables, apply); kernels: backends/{cuda,hip}/rope.*.
+tables, apply, apply_backward); kernels: backends/{cuda,hip}/rope.*.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from rlportable.contract import rope as reference
 from rlportable.errors import InputError
-from rlportable.ops.checks import shape_of
+from rlportable.ops.checks import require_contiguous, shape_of
 
 ROPE_THREADS = 256
 MAX_GRID = 4096
@@ -28,24 +28,32 @@ def tables(backend, max_positions: int, head_dim: int, theta: float, scaling: re
     return backend.asarray(cos), backend.asarray(sin)
 
 
-def _check(x, positions, cos, sin) -> tuple[int, int, int, int]:
+def _check(x, positions, cos, sin, op: str = "rope", name: str = "x") -> tuple[int, int, int, int]:
     shape = shape_of(x)
     if len(shape) != 3 or np.dtype(x.dtype) != np.float32:
-        raise InputError(f"rope: x must be float32 [tokens, heads, head_dim], got {np.dtype(x.dtype).name} of shape {shape}")
+        raise InputError(f"{op}: {name} must be float32 [tokens, heads, head_dim], got {np.dtype(x.dtype).name} of shape {shape}")
     tokens, heads, head_dim = shape
     if head_dim % 2:
-        raise InputError(f"rope: head_dim must be even, got x of shape {shape}")
+        raise InputError(f"{op}: head_dim must be even, got {name} of shape {shape}")
     if shape_of(positions) != (tokens,) or np.dtype(positions.dtype) != np.int32:
-        raise InputError(f"rope: positions must be int32 of shape ({tokens},), got "
+        raise InputError(f"{op}: positions must be int32 of shape ({tokens},), got "
                          f"{np.dtype(positions.dtype).name} of shape {shape_of(positions)}")
-    for name, table in (("cos", cos), ("sin", sin)):
+    for table_name, table in (("cos", cos), ("sin", sin)):
         table_shape = shape_of(table)
         if len(table_shape) != 2 or table_shape[1] != head_dim // 2 or np.dtype(table.dtype) != np.float32:
-            raise InputError(f"rope: {name} must be float32 [positions, {head_dim // 2}], got "
+            raise InputError(f"{op}: {table_name} must be float32 [positions, {head_dim // 2}], got "
                              f"{np.dtype(table.dtype).name} of shape {table_shape}")
     if shape_of(cos) != shape_of(sin):
-        raise InputError(f"rope: cos {shape_of(cos)} and sin {shape_of(sin)} differ in shape")
+        raise InputError(f"{op}: cos {shape_of(cos)} and sin {shape_of(sin)} differ in shape")
     return tokens, heads, head_dim // 2, shape_of(cos)[0]
+
+
+def _check_positions(backend, positions, host_positions, table_rows: int) -> np.ndarray:
+    host_positions = np.asarray(backend.to_numpy(positions) if host_positions is None else host_positions)
+    if host_positions.size and (host_positions.min() < 0 or host_positions.max() >= table_rows):
+        bad = host_positions[(host_positions < 0) | (host_positions >= table_rows)][0]
+        raise InputError(f"rope: position {int(bad)} is outside the tables' [0, {table_rows})")
+    return host_positions
 
 
 def apply(backend, x, positions, cos, sin, host_positions=None):
@@ -54,10 +62,7 @@ def apply(backend, x, positions, cos, sin, host_positions=None):
     host_positions: the same positions as a NumPy array, when the caller has them; they are
     checked instead of copying `positions` back from the device (the model's per-layer calls)."""
     tokens, heads, half, table_rows = _check(x, positions, cos, sin)
-    host_positions = np.asarray(backend.to_numpy(positions) if host_positions is None else host_positions)
-    if host_positions.size and (host_positions.min() < 0 or host_positions.max() >= table_rows):
-        bad = host_positions[(host_positions < 0) | (host_positions >= table_rows)][0]
-        raise InputError(f"rope: position {int(bad)} is outside the tables' [0, {table_rows})")
+    host_positions = _check_positions(backend, positions, host_positions, table_rows)
     if backend.kernel_vendor is None:
         cos, sin = backend.to_numpy(cos), backend.to_numpy(sin)
         return reference.apply(backend.to_numpy(x), cos[host_positions], sin[host_positions])
@@ -67,3 +72,20 @@ def apply(backend, x, positions, cos, sin, host_positions=None):
         backend.launch("rope", "rope_apply", (min(-(-n // ROPE_THREADS), MAX_GRID),), (ROPE_THREADS,),
                        (x, positions, cos, sin, np.int64(tokens), np.int32(heads), np.int32(half), y))
     return y
+
+
+def apply_backward(backend, dy, positions, cos, sin, host_positions=None):
+    """dx [tokens, heads, D] = R(position)^T dy: the gradient of apply for the upstream dy
+    (contracts/rope.toml apply_backward); arguments as for apply, with dy in x's place."""
+    tokens, heads, half, table_rows = _check(dy, positions, cos, sin, "rope.apply_backward", "dy")
+    require_contiguous("rope.apply_backward: dy", dy)
+    host_positions = _check_positions(backend, positions, host_positions, table_rows)
+    if backend.kernel_vendor is None:
+        cos, sin = backend.to_numpy(cos), backend.to_numpy(sin)
+        return reference.apply_backward(backend.to_numpy(dy), cos[host_positions], sin[host_positions])
+    dx = backend.empty((tokens, heads, 2 * half), np.float32)
+    n = tokens * heads * half
+    if n:
+        backend.launch("rope", "rope_apply_backward", (min(-(-n // ROPE_THREADS), MAX_GRID),), (ROPE_THREADS,),
+                       (dy, positions, cos, sin, np.int64(tokens), np.int32(heads), np.int32(half), dx))
+    return dx

@@ -247,3 +247,403 @@ extern "C" __global__ void attention_write_kv(
         __syncthreads();
     }
 }
+
+// ---------------------------------------------------------------------------
+// Backward (contracts/attention.toml, op "attention_backward"; reference: attention_backward in
+// rlportable/contract/attention.py), the line-by-line port of backends/cuda/attention.cu's backward; no
+// warp-width assumption (block-wide results through shared-memory atomics and __syncthreads only).
+// Packed sequences: key j of token t's sequence is token j, stored in slot j of a block-size-1 cache
+// (attention_write_kv), so cache row = j * hkv + g.
+// For query row r = token * hq + h (position t, kv head g) and key j <= t, wherever needed (the same
+// bits every time): s_j and p_j = exp_f32(s_j - m) exactly as attention_paged;
+//   P_j = (p_j 2^21) / L,  dP_j = (sum_d qdo_d qv_jd) 2^(edo + ev_j - 34),  dS_j = (P_j (dP_j - delta)) c.
+// Each gradient element is an exact weighted sum of encoded rows: coefficients u_i (dS or P times the
+// power of two of the row's exponent) are quantized to 32 bits below their largest exponent field E
+// (an integer max), U_i = RNE(u_i 2^(30 - E)); the products U_i r_id (|.| < 2^53) are added into two
+// integer sums, lo (each product's low 32 bits) and hi (the rest), so any order, tiling or thread
+// count gives the same pair; (hi, lo) is rounded once at the end (rlp_attb_round_wide).
+// Scratch (written by attention_backward_rows, read by the other two), per query row r:
+//   q_int, do_int [rows, d] int32: the 23-bit q and do rows (0 for a non-finite row)
+//   row_info [rows, 3] int32: eq, edo, poisoned (1: the forward's row is NaN, or do or o is non-finite)
+//   row_stats [rows, 3] float64: m, L (exact values) and delta = do . o: the exact products
+//   w_d = qdo_d o_d quantized to 53 bits below their largest exponent field E_w, summed exactly in
+//   int64, delta = float64(sum) 2^(E_w - 51 + edo - 21) (reference: delta_of)
+#define RLP_ATTB_DO_BITS 23
+#define RLP_ATTB_DELTA_BITS 53
+#define RLP_ATTB_COEF_BITS 32
+#define RLP_ATTB_DP_SHIFT 34     // (DO_BITS - 2) + (KV_BITS - 2)
+#define RLP_ATTB_ROW_SHIFT 21    // a 23-bit row (q, do) counts in units of 2^(e - 21)
+#define RLP_ATTB_LOW_BITS 32
+
+// P_j and dS_j of one (query row, key) pair from its two exact dot products; stats: the row's
+// (m, L, delta). Reference: _head_gradient_terms (float64 IEEE steps, one rounding each).
+__device__ __forceinline__ void rlp_attb_terms(long long s_int, long long dp_int, int eq, int ek, int edo, int ev,
+                                               const double* stats, double scale, double* prob, double* ds) {
+    const float s = rlp_att_score(s_int, eq, ek, scale);
+    const double p = (double)rlp_exp_f32(s - rlp_double2float_rn(stats[0]));
+    const double big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / stats[1];
+    const double dp = rlp_ll2double_rn(dp_int) * rlp_pow2_f64(edo + ev - RLP_ATTB_DP_SHIFT);
+    *prob = big_p;
+    *ds = (big_p * (dp - stats[2])) * scale;
+}
+
+// The biased exponent field of a float64 (0 for zero): the integer key of the coefficients' max.
+// Reference: exponent_fields.
+__device__ __forceinline__ unsigned int rlp_attb_field(double u) {
+    return (unsigned int)((__double_as_longlong(u) >> 52) & 0x7ffLL);
+}
+
+// E from the largest field, 0 for an all-zero sum; U = RNE(u 2^(30 - E)), |U| <= 2^31.
+// Reference: quantize_coefficients.
+__device__ __forceinline__ int rlp_attb_exponent(unsigned int field) { return field ? (int)field - 1023 : 0; }
+
+__device__ __forceinline__ long long rlp_attb_quantize(double u, int e) {
+    return rlp_double2ll_rn(u * rlp_pow2_f64(RLP_ATTB_COEF_BITS - 2 - e));
+}
+
+// (lo, hi) += prod: lo takes prod mod 2^32 (in [0, 2^32)), hi takes floor(prod / 2^32).
+__device__ __forceinline__ void rlp_attb_add(unsigned long long& lo, long long& hi, long long prod) {
+    lo += (unsigned long long)(prod & 0xffffffffLL);
+    hi += prod >> RLP_ATTB_LOW_BITS;
+}
+
+// RNE_f32((hi 2^32 + lo) 2^e) with one rounding. Normalised to H 2^32 + l (0 <= l < 2^32, |H| < 2^53),
+// H 2^32 and l are exact float64; their sum rounded to odd (TwoSum's exact error decides: a nonzero
+// error with an even nearest moves one step toward the exact sum), scaled exactly, converted once.
+// Reference: round_wide.
+__device__ __forceinline__ float rlp_attb_round_wide(unsigned long long lo, unsigned long long hi, int e) {
+    const long long high = (long long)hi + (long long)(lo >> RLP_ATTB_LOW_BITS);
+    const double a = rlp_ll2double_rn(high) * rlp_pow2_f64(RLP_ATTB_LOW_BITS);
+    const double b = rlp_ll2double_rn((long long)(lo & 0xffffffffull));
+    const double s = a + b;
+    const double bb = s - a;
+    const double err = (a - (s - bb)) + (b - bb);
+    long long raw = __double_as_longlong(s);
+    if (err != 0.0 && (raw & 1LL) == 0LL) raw += ((err > 0.0) == (s > 0.0)) ? 1LL : -1LL;
+    return rlp_double2float_rn(__longlong_as_double(raw) * rlp_pow2_f64(e));
+}
+
+// sum_i a[i] b[i] of two integer rows, exact in int64.
+__device__ __forceinline__ long long rlp_attb_dot_rows(const int* a, const int* __restrict__ b, int d) {
+    long long s = 0;
+    for (int i = 0; i < d; ++i) s += (long long)a[i] * b[i];
+    return s;
+}
+
+// One block per (token, q head), grid-stride: the q, do and o row exponents (integer maxima), the
+// 23-bit q and do rows (to q_int, do_int), delta (E_w an integer max, then an exact int64 sum), then
+// m and L over keys start..token in two passes exactly as attention_paged, and the row's info and stats.
+// q, dout, o: [tokens, hq, d] float32; token_seq [tokens] int32; cu_seqlens [num_seqs + 1] int64.
+extern "C" __global__ void attention_backward_rows(
+    const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ o,
+    const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens, long long tokens, int hq, int hkv,
+    int d, int dp, double scale, const signed char* __restrict__ k_digits, const int* __restrict__ k_exponents,
+    const int* __restrict__ v_exponents, int* __restrict__ q_int, int* __restrict__ do_int,
+    int* __restrict__ row_info, double* __restrict__ row_stats) {
+    __shared__ int qq[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ unsigned int largest[3];
+    __shared__ unsigned int max_key;
+    __shared__ unsigned int flags;
+    __shared__ unsigned int delta_field;
+    __shared__ unsigned long long delta_sum;
+    __shared__ unsigned long long total;
+    const int group = hq / hkv;
+    const long long items = tokens * hq;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long token = item / hq;
+        const int g = (int)(item - token * hq) / group;
+        const long long start = cu_seqlens[token_seq[token]];
+        const float* qr = q + item * (long long)d;
+        const float* dr = dout + item * (long long)d;
+        const float* orow = o + item * (long long)d;
+        if (threadIdx.x == 0) {
+            largest[0] = 0u; largest[1] = 0u; largest[2] = 0u;
+            max_key = 0u; flags = 0u; delta_field = 0u; delta_sum = 0ull; total = 0ull;
+        }
+        __syncthreads();
+        unsigned int local_q = 0u, local_do = 0u, local_o = 0u;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            local_q = rlp_max_u32(local_q, rlp_magnitude_bits(qr[i]));
+            local_do = rlp_max_u32(local_do, rlp_magnitude_bits(dr[i]));
+            local_o = rlp_max_u32(local_o, rlp_magnitude_bits(orow[i]));
+        }
+        atomicMax(&largest[0], local_q);
+        atomicMax(&largest[1], local_do);
+        atomicMax(&largest[2], local_o);
+        __syncthreads();
+        const int eq = rlp_row_exponent(largest[0]);
+        const int edo = rlp_row_exponent(largest[1]);
+        const int eo = rlp_row_exponent(largest[2]);
+        // block-uniform: a non-finite q, do or o row (o is NaN wherever the forward poisons the row)
+        const bool bad_rows = eq == RLP_NONFINITE_EXPONENT || edo == RLP_NONFINITE_EXPONENT ||
+                              eo == RLP_NONFINITE_EXPONENT;
+        unsigned int local_field = 0u;
+        for (int i = threadIdx.x; i < dp; i += blockDim.x) {
+            const int a = (i < d && eq != RLP_NONFINITE_EXPONENT) ? (int)rlp_quantize(qr[i], RLP_ATT_Q_BITS, eq) : 0;
+            qq[i] = a;
+            if (i < d) {
+                const int b = edo != RLP_NONFINITE_EXPONENT ? (int)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo) : 0;
+                q_int[item * d + i] = a;
+                do_int[item * d + i] = b;
+                if (!bad_rows) local_field = rlp_max_u32(local_field, rlp_attb_field((double)b * (double)orow[i]));
+            }
+        }
+        atomicMax(&delta_field, local_field);
+        __syncthreads();
+        // delta: W_d = RNE(w_d 2^(51 - E_w)) of the exact products w_d = qdo_d o_d, an exact int64 sum
+        const int e_delta = rlp_attb_exponent(delta_field);
+        if (!bad_rows) {  // block-uniform
+            long long local_delta = 0;
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                const double w = (double)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo) * (double)orow[i];
+                local_delta += rlp_double2ll_rn(w * rlp_pow2_f64(RLP_ATTB_DELTA_BITS - 2 - e_delta));
+            }
+            if (local_delta != 0) atomicAdd(&delta_sum, (unsigned long long)local_delta);
+            __syncthreads();
+        }
+        float m = 0.0f;
+        if (!bad_rows) {
+            // ---- pass 1: m and the flags (a non-finite key or value row among 0..t)
+            unsigned int local_key = 0u;
+            unsigned int local_flags = 0u;
+            for (long long j = start + threadIdx.x; j <= token; j += blockDim.x) {
+                const long long row = j * hkv + g;
+                const int ek = k_exponents[row];
+                if (ek == RLP_NONFINITE_EXPONENT || v_exponents[row] == RLP_NONFINITE_EXPONENT) { local_flags = 1u; continue; }
+                const float s = rlp_att_score(rlp_att_dot(qq, k_digits + row * (2LL * dp), d, dp), eq, ek, scale);
+                local_key = rlp_max_u32(local_key, rlp_att_order_key(s));
+            }
+            atomicMax(&max_key, local_key);
+            atomicOr(&flags, local_flags);
+            __syncthreads();
+            m = rlp_att_from_order_key(max_key);
+            if (flags == 0u && rlp_magnitude_bits(m) < 0x7f800000u) {  // block-uniform
+                // ---- pass 2: L = sum_j RNE(p_j 2^21)
+                long long local_total = 0;
+                for (long long j = start + threadIdx.x; j <= token; j += blockDim.x) {
+                    const long long row = j * hkv + g;
+                    const float s = rlp_att_score(rlp_att_dot(qq, k_digits + row * (2LL * dp), d, dp), eq,
+                                                  k_exponents[row], scale);
+                    local_total += rlp_double2ll_rn((double)rlp_exp_f32(s - m) * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                }
+                atomicAdd(&total, (unsigned long long)local_total);
+                __syncthreads();
+            }
+        }
+        if (threadIdx.x == 0) {
+            const bool poisoned = bad_rows || flags != 0u || rlp_magnitude_bits(m) >= 0x7f800000u;
+            int* info = row_info + 3 * item;
+            double* stats = row_stats + 3 * item;
+            info[0] = poisoned ? 0 : eq;
+            info[1] = poisoned ? 0 : edo;
+            info[2] = poisoned ? 1 : 0;
+            stats[0] = poisoned ? 0.0 : (double)m;
+            stats[1] = poisoned ? 0.0 : rlp_ll2double_rn((long long)total);  // exact: L < 2^53
+            stats[2] = poisoned ? 0.0 : rlp_ll2double_rn((long long)delta_sum)  // |sum| <= 2^61: one rounding
+                                            * rlp_pow2_f64(e_delta - (RLP_ATTB_DELTA_BITS - 2) + edo - RLP_ATTB_ROW_SHIFT);
+        }
+        __syncthreads();
+    }
+}
+
+// One block per (token, q head), grid-stride: dq_t = sum_{j<=t} dS_j k_j. Pass 1 (threads over keys):
+// E, the largest exponent field of u_j = dS_j 2^ek_j. Pass 2 (keys in chunks of blockDim): U_j in
+// shared memory, then threads over (key part, d) add U_j qk_jd into the two-word sums.
+// dq = RNE_f32(sum 2^(E - 30 - 13)). A poisoned row gives the canonical NaN.
+extern "C" __global__ void attention_backward_dq(
+    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ row_info,
+    const double* __restrict__ row_stats, const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens,
+    long long tokens, int hq, int hkv, int d, int dp, double scale, const signed char* __restrict__ k_digits,
+    const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
+    const int* __restrict__ v_exponents, float* __restrict__ dq) {
+    __shared__ int qq[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ int qdo[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ unsigned long long acc_lo[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ unsigned long long acc_hi[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ long long weights[RLP_ATT_MAX_THREADS];
+    __shared__ long long key_rows[RLP_ATT_MAX_THREADS];
+    __shared__ unsigned int max_field;
+    const int group = hq / hkv;
+    const long long items = tokens * hq;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long token = item / hq;
+        const int g = (int)(item - token * hq) / group;
+        const long long start = cu_seqlens[token_seq[token]];
+        const int* info = row_info + 3 * item;
+        const double* stats = row_stats + 3 * item;
+        float* out = dq + item * (long long)d;
+        if (info[2] == 0) {  // block-uniform
+            const int eq = info[0];
+            const int edo = info[1];
+            for (int i = threadIdx.x; i < dp; i += blockDim.x) {
+                qq[i] = i < d ? q_int[item * d + i] : 0;
+                qdo[i] = i < d ? do_int[item * d + i] : 0;
+                if (i < d) { acc_lo[i] = 0ull; acc_hi[i] = 0ull; }
+            }
+            if (threadIdx.x == 0) max_field = 0u;
+            __syncthreads();
+            // ---- pass 1: E
+            unsigned int local = 0u;
+            for (long long j = start + threadIdx.x; j <= token; j += blockDim.x) {
+                const long long row = j * hkv + g;
+                const int ek = k_exponents[row];
+                double big_p, ds;
+                rlp_attb_terms(rlp_att_dot(qq, k_digits + row * (2LL * dp), d, dp),
+                               rlp_att_dot(qdo, v_digits + row * (2LL * dp), d, dp), eq, ek, edo, v_exponents[row],
+                               stats, scale, &big_p, &ds);
+                local = rlp_max_u32(local, rlp_attb_field(ds * rlp_pow2_f64(ek)));
+            }
+            atomicMax(&max_field, local);
+            __syncthreads();
+            const int e = rlp_attb_exponent(max_field);
+            // ---- pass 2: the exact sums
+            const int parts = (int)blockDim.x >= d ? (int)blockDim.x / d : 1;
+            for (long long base = start; base <= token; base += blockDim.x) {
+                const long long j = base + threadIdx.x;
+                const int count = token + 1 - base < (long long)blockDim.x ? (int)(token + 1 - base) : (int)blockDim.x;
+                if (j <= token) {
+                    const long long row = j * hkv + g;
+                    const int ek = k_exponents[row];
+                    double big_p, ds;
+                    rlp_attb_terms(rlp_att_dot(qq, k_digits + row * (2LL * dp), d, dp),
+                                   rlp_att_dot(qdo, v_digits + row * (2LL * dp), d, dp), eq, ek, edo,
+                                   v_exponents[row], stats, scale, &big_p, &ds);
+                    weights[threadIdx.x] = rlp_attb_quantize(ds * rlp_pow2_f64(ek), e);
+                    key_rows[threadIdx.x] = row * (2LL * dp);
+                }
+                __syncthreads();
+                for (int work = threadIdx.x; work < parts * d; work += blockDim.x) {
+                    const int part = work / d;
+                    const int i = work - part * d;
+                    unsigned long long lo = 0ull;
+                    long long hi = 0;
+                    for (int c = part; c < count; c += parts) {
+                        const signed char* kr = k_digits + key_rows[c];
+                        rlp_attb_add(lo, hi, weights[c] * ((int)kr[i] + 256 * (int)kr[dp + i]));
+                    }
+                    if (lo != 0ull || hi != 0) {
+                        atomicAdd(&acc_lo[i], lo);
+                        atomicAdd(&acc_hi[i], (unsigned long long)hi);
+                    }
+                }
+                __syncthreads();
+            }
+            const int unit = e - (RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2);
+            for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = rlp_attb_round_wide(acc_lo[i], acc_hi[i], unit);
+        } else {
+            for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = rlp_canonical_nan();
+        }
+        __syncthreads();
+    }
+}
+
+// One block per (key token j, kv head g), grid-stride: dk_j = sum dS_tj q_t and dv_j = sum P_tj do_t
+// over the n = (end - j) * group pairs (t >= j of j's sequence, h in g's heads), pair w -> t = j + w / group,
+// h = g * group + w % group. Pass 1 (threads over pairs): any poisoned pair (then dk_j and dv_j are the
+// canonical NaN), else the largest exponent fields of dS 2^eq and P 2^edo. Pass 2 (pairs in chunks of
+// blockDim): U in shared memory, then threads over (pair part, d) add U_k q_td and U_v do_td.
+extern "C" __global__ void attention_backward_dkv(
+    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ row_info,
+    const double* __restrict__ row_stats, const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens,
+    long long tokens, int hq, int hkv, int d, int dp, double scale, const signed char* __restrict__ k_digits,
+    const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
+    const int* __restrict__ v_exponents, float* __restrict__ dk, float* __restrict__ dv) {
+    __shared__ int key_row[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ int value_row[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ unsigned long long acc[4][RLP_ATT_MAX_HEAD_DIM];  // dk lo, dk hi, dv lo, dv hi
+    __shared__ long long key_weights[RLP_ATT_MAX_THREADS];
+    __shared__ long long value_weights[RLP_ATT_MAX_THREADS];
+    __shared__ long long pair_rows[RLP_ATT_MAX_THREADS];
+    __shared__ unsigned int max_field[2];
+    __shared__ unsigned int poisoned;
+    const int group = hq / hkv;
+    const long long items = tokens * hkv;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long j = item / hkv;
+        const int g = (int)(item - j * hkv);
+        const long long n = (cu_seqlens[token_seq[j] + 1] - j) * group;
+        const signed char* kr = k_digits + item * (2LL * dp);  // cache row j * hkv + g
+        const signed char* vr = v_digits + item * (2LL * dp);
+        const int ek = k_exponents[item];
+        const int ev = v_exponents[item];
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            key_row[i] = (int)kr[i] + 256 * (int)kr[dp + i];
+            value_row[i] = (int)vr[i] + 256 * (int)vr[dp + i];
+            acc[0][i] = 0ull; acc[1][i] = 0ull; acc[2][i] = 0ull; acc[3][i] = 0ull;
+        }
+        if (threadIdx.x == 0) { max_field[0] = 0u; max_field[1] = 0u; poisoned = 0u; }
+        __syncthreads();
+        // ---- pass 1: poisoned pairs, the maxima E_k and E_v
+        unsigned int local_k = 0u, local_v = 0u, local_bad = 0u;
+        for (long long w = threadIdx.x; w < n; w += blockDim.x) {
+            const long long r = (j + w / group) * hq + (long long)g * group + w % group;
+            const int* info = row_info + 3 * r;
+            if (info[2] != 0) { local_bad = 1u; continue; }
+            double big_p, ds;
+            rlp_attb_terms(rlp_attb_dot_rows(key_row, q_int + r * d, d), rlp_attb_dot_rows(value_row, do_int + r * d, d),
+                           info[0], ek, info[1], ev, row_stats + 3 * r, scale, &big_p, &ds);
+            local_k = rlp_max_u32(local_k, rlp_attb_field(ds * rlp_pow2_f64(info[0])));
+            local_v = rlp_max_u32(local_v, rlp_attb_field(big_p * rlp_pow2_f64(info[1])));
+        }
+        atomicMax(&max_field[0], local_k);
+        atomicMax(&max_field[1], local_v);
+        atomicOr(&poisoned, local_bad);
+        __syncthreads();
+        float* dk_row = dk + item * (long long)d;
+        float* dv_row = dv + item * (long long)d;
+        if (poisoned == 0u) {  // block-uniform
+            const int e_k = rlp_attb_exponent(max_field[0]);
+            const int e_v = rlp_attb_exponent(max_field[1]);
+            // ---- pass 2: the exact sums
+            const int parts = (int)blockDim.x >= d ? (int)blockDim.x / d : 1;
+            for (long long base = 0; base < n; base += blockDim.x) {
+                const long long w = base + threadIdx.x;
+                const int count = n - base < (long long)blockDim.x ? (int)(n - base) : (int)blockDim.x;
+                if (w < n) {
+                    const long long r = (j + w / group) * hq + (long long)g * group + w % group;
+                    const int* info = row_info + 3 * r;
+                    double big_p, ds;
+                    rlp_attb_terms(rlp_attb_dot_rows(key_row, q_int + r * d, d),
+                                   rlp_attb_dot_rows(value_row, do_int + r * d, d), info[0], ek, info[1], ev,
+                                   row_stats + 3 * r, scale, &big_p, &ds);
+                    key_weights[threadIdx.x] = rlp_attb_quantize(ds * rlp_pow2_f64(info[0]), e_k);
+                    value_weights[threadIdx.x] = rlp_attb_quantize(big_p * rlp_pow2_f64(info[1]), e_v);
+                    pair_rows[threadIdx.x] = r * d;
+                }
+                __syncthreads();
+                for (int work = threadIdx.x; work < parts * d; work += blockDim.x) {
+                    const int part = work / d;
+                    const int i = work - part * d;
+                    unsigned long long lo_k = 0ull, lo_v = 0ull;
+                    long long hi_k = 0, hi_v = 0;
+                    for (int c = part; c < count; c += parts) {
+                        const long long at = pair_rows[c] + i;
+                        rlp_attb_add(lo_k, hi_k, key_weights[c] * q_int[at]);
+                        rlp_attb_add(lo_v, hi_v, value_weights[c] * do_int[at]);
+                    }
+                    if (lo_k != 0ull || hi_k != 0) {
+                        atomicAdd(&acc[0][i], lo_k);
+                        atomicAdd(&acc[1][i], (unsigned long long)hi_k);
+                    }
+                    if (lo_v != 0ull || hi_v != 0) {
+                        atomicAdd(&acc[2][i], lo_v);
+                        atomicAdd(&acc[3][i], (unsigned long long)hi_v);
+                    }
+                }
+                __syncthreads();
+            }
+            const int unit_k = e_k - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+            const int unit_v = e_v - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                dk_row[i] = rlp_attb_round_wide(acc[0][i], acc[1][i], unit_k);
+                dv_row[i] = rlp_attb_round_wide(acc[2][i], acc[3][i], unit_v);
+            }
+        } else {
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                dk_row[i] = rlp_canonical_nan();
+                dv_row[i] = rlp_canonical_nan();
+            }
+        }
+        __syncthreads();
+    }
+}

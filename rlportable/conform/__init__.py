@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from rlportable.conform.attention import ATTENTION_CHECKS
+from rlportable.conform.attention import ATTENTION_BACKWARD_CHECKS, ATTENTION_CHECKS
 from rlportable.conform.backward_ops import BACKWARD_OP_CHECKS
 from rlportable.conform.backward_vocab import BACKWARD_VOCAB_CHECKS
 from rlportable.conform.forward_ops import FORWARD_OP_CHECKS
@@ -25,7 +25,8 @@ from rlportable.conform.tally import CheckResult, Tally, bit_mismatches
 from rlportable.runtime.base import Backend
 
 CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
-                                      + SAMPLING_CHECKS + OPTIM_CHECKS + BACKWARD_OP_CHECKS + BACKWARD_VOCAB_CHECKS)
+                                      + SAMPLING_CHECKS + OPTIM_CHECKS + BACKWARD_OP_CHECKS + BACKWARD_VOCAB_CHECKS
+                                      + ATTENTION_BACKWARD_CHECKS)
 
 __all__ = ["CHECKS", "CheckResult", "EXHAUSTIVE_REPORTS", "Tally", "bit_mismatches", "report", "run"]
 

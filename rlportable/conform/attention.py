@@ -255,3 +255,111 @@ ATTENTION_CHECKS = [
     ("attention.paged", check_attention_paged),
     ("attention.invariance", check_attention_invariance),
 ]
+
+
+# ---- backward (contracts/attention.toml, op "attention_backward")
+
+# (Hq, Hkv, D): GQA 4:1 and 2:1, plain multi-head, ragged head_dims, wide ones
+BACKWARD_HEADS_QUICK = ((4, 1, 64), (4, 2, 40), (3, 3, 20))
+BACKWARD_HEADS_FULL = ((8, 2, 64), (8, 4, 128), (4, 4, 40), (16, 2, 128), (6, 3, 7), (2, 1, 512))
+BACKWARD_LENGTHS_QUICK = (1, 7, 33, 70)
+BACKWARD_LENGTHS_FULL = (1, 7, 33, 200, 300, 3)
+
+
+def _backward_inputs(rng, tokens: int, hq: int, hkv: int, d: int, kind: str = "normal"):
+    q, k, v = _attention_qkv(rng, tokens, hq, hkv, d, kind)
+    return q, k, v, random_rows(rng, tokens * hq, d, kind).reshape(tokens, hq, d)
+
+
+def _attention_backward(backend: Backend, q, k, v, do, cu, o=None,
+                        threads: int = attention_op.BACKWARD_THREADS) -> tuple[np.ndarray, ...]:
+    b = backend
+    grads = attention_op.attention_packed_backward(b, b.asarray(q), b.asarray(k), b.asarray(v), b.asarray(do), cu,
+                                                   o=None if o is None else b.asarray(o), threads=threads)
+    return tuple(b.to_numpy(g) for g in grads)
+
+
+def _add_grads(tally: Tally, got, expected) -> None:
+    for actual, want in zip(got, expected):
+        tally.add(actual, want)
+
+
+def check_attention_backward_packed(backend: Backend, rng, quick: bool) -> Tally:
+    """dq, dk, dv of packed ragged sequences against the reference (one sequence at a time), every
+    head layout; every input kind on the first layout, massive rows (ordinary channels plus one
+    25,000x channel) on the others."""
+    tally = Tally()
+    lengths = BACKWARD_LENGTHS_QUICK if quick else BACKWARD_LENGTHS_FULL
+    cu = _cu([lengths[i] for i in rng.permutation(len(lengths))])
+    for index, (hq, hkv, d) in enumerate(BACKWARD_HEADS_QUICK if quick else BACKWARD_HEADS_FULL):
+        for kind in ATTENTION_KINDS if index == 0 else ("massive",):
+            q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, kind)
+            expected = attention_ref.attention_packed_backward(q, k, v, do, cu)
+            _add_grads(tally, _attention_backward(backend, q, k, v, do, cu), expected)
+    return tally
+
+
+def check_attention_backward_nonfinite(backend: Backend, rng, quick: bool) -> Tally:
+    """A NaN q row, an inf k row, a NaN v row and an inf do row: the canonical NaN exactly where the
+    contract says (dq of the poisoned rows, dk and dv of their kv head at j <= t), nothing else touched."""
+    tally = Tally()
+    lengths = [33, 40, 7, 20]
+    cu = _cu(lengths)
+    hq, hkv, d = 8, 2, 64
+    q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, "massive")
+    q[5, 3, 17] = np.nan  # sequence 0, position 5, head 3 (kv head 0)
+    k[cu[1] + 20, 1, 2] = np.inf  # sequence 1, positions >= 20, heads 4..7
+    v[cu[2] + 3, 0, 0] = -np.nan  # sequence 2, positions >= 3, heads 0..3
+    do[cu[3] + 9, 6, 5] = -np.inf  # sequence 3, position 9, head 6 (kv head 1)
+    expected = attention_ref.attention_packed_backward(q, k, v, do, cu)
+    nan_q = np.isnan(expected[0]).all(axis=2)
+    nan_kv = np.isnan(expected[1]).all(axis=2)
+    assert nan_q.sum() == 1 + 20 * 4 + 4 * 4 + 1 and not np.isnan(expected[0][~nan_q]).any()
+    assert nan_kv.sum() == 6 + 40 + 7 + 10 and np.array_equal(nan_kv, np.isnan(expected[2]).all(axis=2))
+    _add_grads(tally, _attention_backward(backend, q, k, v, do, cu), expected)
+    return tally
+
+
+def check_attention_backward_invariance(backend: Backend, rng, quick: bool) -> Tally:
+    """position_in_batch and launch_shape: a sequence alone, packed among others at several offsets,
+    with any thread count, and with the forward's o passed in, gives the reference's bits."""
+    tally = Tally()
+    hq, hkv, d = 8, 2, 64
+    target = 70 if quick else 300
+    q, k, v, do = _backward_inputs(rng, target, hq, hkv, d, "massive")
+    expected = attention_ref.attention_packed_backward(q, k, v, do, _cu([target]))
+    _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target])), expected)
+    for before, after in (([7], [50, 1]), ([50, 1, 33], []), ([], [7, 33])):
+        lengths = before + [target] + after
+        pq, pk, pv, pdo = _backward_inputs(rng, sum(lengths), hq, hkv, d)
+        at = sum(before)
+        for packed, alone in zip((pq, pk, pv, pdo), (q, k, v, do)):
+            packed[at:at + target] = alone
+        got = _attention_backward(backend, pq, pk, pv, pdo, _cu(lengths))
+        _add_grads(tally, (g[at:at + target] for g in got), expected)
+    for threads in (1, 32, 100, 1024) if not quick else (32, 1024):
+        _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), threads=threads), expected)
+    o = _attention_packed(backend, q, k, v, _cu([target]))
+    _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), o=o), expected)
+    return tally
+
+
+def check_attention_backward_long(backend: Backend, rng, quick: bool) -> Tally:
+    """A long sequence (more keys than any block has threads: pass 2 runs in many chunks, the dk/dv
+    blocks loop over thousands of (t, h) pairs), beside a short one."""
+    tally = Tally()
+    lengths = [300, 5] if quick else [2100, 5]
+    hq, hkv, d = 4, 2, 64
+    cu = _cu(lengths)
+    q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, "normal")
+    _add_grads(tally, _attention_backward(backend, q, k, v, do, cu),
+               attention_ref.attention_packed_backward(q, k, v, do, cu))
+    return tally
+
+
+ATTENTION_BACKWARD_CHECKS = [
+    ("attention.backward_packed", check_attention_backward_packed),
+    ("attention.backward_nonfinite_rows", check_attention_backward_nonfinite),
+    ("attention.backward_invariance", check_attention_backward_invariance),
+    ("attention.backward_long", check_attention_backward_long),
+]

@@ -16,6 +16,12 @@ and values k_j, v_j at positions j = 0..t (rows of D values, kv head g):
   N_d    = sum_j RNE(p_j * 2^(ev_j - E + 21)) * qv_jd           exact
   o_d    = RNE_f32((float64(N_d) * 2^(E - 13)) / float64(L))   IEEE float64 divide, then one conversion
 A non-finite q row, or a non-finite k_j or v_j row among j <= t, gives the canonical NaN.
+
+attention_backward (op "attention_backward") differentiates these values: with do the gradient
+of o, P_j = p_j 2^21 / L, dP_j = do . v_j and delta = do . o (exact fixed-point sums),
+dS_j = P_j (dP_j - delta) / sqrt(D) in float64; dq, dk and dv are exact weighted sums of encoded
+rows (coefficients quantized to 32 bits below their largest, int64 products summed exactly in a
+two-word form, one rounding): see the comment above attention_backward.
 """
 
 from __future__ import annotations
@@ -82,12 +88,9 @@ def attention_encoded(qq, eq, qk, ek, qv, ev, q_positions) -> np.ndarray:
     return out
 
 
-def _one_head(qq, eq, qk, ek, qv, ev, allowed, scale) -> np.ndarray:
-    bad_q = eq == fp.NONFINITE_EXPONENT
-    bad_kv = (ek == fp.NONFINITE_EXPONENT) | (ev == fp.NONFINITE_EXPONENT)
-    eq_s = np.where(bad_q, 0, eq)
-    ek_s = np.where(bad_kv, 0, ek)
-    ev_s = np.where(bad_kv, fp.ZERO_ROW_EXPONENT, ev)
+def _softmax_weights(qq, eq_s, qk, ek_s, allowed, scale):
+    """(p float64 [Tq, L], m float32 [Tq, 1], L float64 [Tq]) of one head: p_j = exp_f32(s_j - m)
+    (0 outside `allowed`), m = max_j s_j, L = sum_j RNE(p_j 2^21). eq_s, ek_s: finite exponents."""
     sums = qq @ qk.T  # exact: every partial sum < 2^53
     shift = eq_s[:, None] + ek_s[None, :] - (Q_BITS - 2) - (K_BITS - 2)
     scores = ((sums * fp.pow2_f64(shift)) * scale).astype(np.float32)
@@ -96,6 +99,16 @@ def _one_head(qq, eq, qk, ek, qv, ev, allowed, scale) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         p = np.where(allowed, exp_f32(scores - m), np.float32(0)).astype(np.float64)
     total = np.rint(p * 2.0 ** (P_BITS - 2)).sum(axis=1)  # exact integer sum (< 2^53)
+    return p, m, total
+
+
+def _one_head(qq, eq, qk, ek, qv, ev, allowed, scale) -> np.ndarray:
+    bad_q = eq == fp.NONFINITE_EXPONENT
+    bad_kv = (ek == fp.NONFINITE_EXPONENT) | (ev == fp.NONFINITE_EXPONENT)
+    eq_s = np.where(bad_q, 0, eq)
+    ek_s = np.where(bad_kv, 0, ek)
+    ev_s = np.where(bad_kv, fp.ZERO_ROW_EXPONENT, ev)
+    p, _, total = _softmax_weights(qq, eq_s, qk, ek_s, allowed, scale)
     e_max = np.where(allowed, ev_s[None, :], np.iinfo(np.int64).min).max(axis=1)
     weights = np.rint(p * fp.pow2_f64(np.where(allowed, ev_s[None, :] - e_max[:, None] + P_BITS - 2, 0)))
     weights = np.where(allowed, weights, 0.0)
@@ -104,3 +117,185 @@ def _one_head(qq, eq, qk, ek, qv, ev, allowed, scale) -> np.ndarray:
     poisoned = bad_q | (allowed & bad_kv[None, :]).any(axis=1)
     out[poisoned] = fp.CANONICAL_NAN
     return out
+
+
+# ---- backward (contracts/attention.toml, op "attention_backward")
+#
+# For query row t (head h, kv head g) and key j <= t, with the forward's values s_j, m, p_j, L
+# (the same bits as above) and o the forward's float32 output:
+#   qdo, edo = encode(do, 23 bits)
+#   P_j     = (float64(p_j) * 2^21) / float64(L)                          IEEE float64 divide
+#   dP_j    = float64(sum_d qdo_d qv_jd) * 2^(edo + ev_j - 34)            exact
+#   delta   = do . o from the exact products qdo_d o_d, summed at 53 bits below the largest (delta_of)
+#   dS_j    = (P_j * (dP_j - delta)) * c                                  three float64 roundings, c = 1/sqrt(D)
+# and the three gradients are exact weighted sums of encoded rows (exact_weighted_sum):
+#   dq_t = sum_{j<=t} dS_j k_j         coefficients dS_j 2^ek_j,  rows qk_j (15 bits)
+#   dk_j = sum_{t>=j, h in g} dS_tj q_t    coefficients dS_tj 2^eq_t, rows qq_t (23 bits)
+#   dv_j = sum_{t>=j, h in g} P_tj do_t    coefficients P_tj 2^edo_t, rows qdo_t (23 bits)
+
+DO_BITS = 23  # the incoming gradient's rows (3 int8 digits, as activations)
+DELTA_BITS = 53  # delta's products, relative to the largest of the row (512 terms stay below 2^62)
+COEF_BITS = 32  # coefficients of the weighted sums, relative to the largest of each sum
+WIDE_LOW_BITS = 32  # a wide sum is H 2^32 + l with 0 <= l < 2^32
+_LOW_MASK = (1 << WIDE_LOW_BITS) - 1
+_DIGIT_BITS = 11  # the reference's BLAS digits of the coefficients (3 digits hold 32 bits)
+#: Hq / Hkv limit: a sum of dk or dv has at most MAX_KEYS * group < 2^31 terms, which keeps the
+#: kernels' two-word accumulators and the float64 conversion of H exact (contract: "wide sums").
+MAX_GROUP = 2**14
+
+
+def exponent_fields(u: np.ndarray) -> np.ndarray:
+    """The biased exponent field (0..2047) of float64 values: an exact integer key for the max."""
+    return ((np.ascontiguousarray(u, dtype=np.float64).view(np.uint64) >> np.uint64(52))
+            & np.uint64(0x7FF)).astype(np.int64)
+
+
+def quantize_coefficients(blocks: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Coefficient blocks u [N, n_b] (float64) -> (U blocks int64 [N, n_b], E int64 [N]).
+
+    E = (largest exponent field over a row of every block) - 1023, 0 for an all-zero row;
+    U = RNE(u * 2^(COEF_BITS - 2 - E)), |U| <= 2^(COEF_BITS - 1). Exact but for the one rounding:
+    the contract bounds every nonzero |u| to [2^-661, 2^394], so the scaling stays in range."""
+    fields = np.max([exponent_fields(u).max(axis=1, initial=0) for u in blocks], axis=0)
+    e = np.where(fields > 0, fields - 1023, 0)
+    unit = fp.pow2_f64(COEF_BITS - 2 - e)[:, None]
+    return [np.rint(u * unit).astype(np.int64) for u in blocks], e
+
+
+def wide_add(high: np.ndarray, low: np.ndarray, x: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """(H, l) + x 2^shift, exactly: x int64, 0 <= shift < 32; the result is normalised (0 <= l < 2^32)."""
+    x = np.asarray(x, dtype=np.int64)
+    low = low + ((x << np.int64(shift)) & _LOW_MASK)  # the low 32 bits of x 2^shift (wrapping shift)
+    high = high + (x >> np.int64(WIDE_LOW_BITS - shift)) + (low >> np.int64(WIDE_LOW_BITS))
+    return high, low & _LOW_MASK
+
+
+def round_wide(high: np.ndarray, low: np.ndarray, scale_exponent: np.ndarray) -> np.ndarray:
+    """RNE_f32((H 2^32 + l) 2^s), one rounding: H 2^32 and l are exact float64 (|H| < 2^53), their
+    sum is rounded to odd with an exact TwoSum (round to nearest, then one step toward the error
+    when it is nonzero and the nearest is even), scaled exactly and converted once."""
+    a = np.asarray(high, dtype=np.int64).astype(np.float64) * 2.0**WIDE_LOW_BITS
+    b = np.asarray(low, dtype=np.int64).astype(np.float64)
+    s = a + b
+    bb = s - a
+    err = (a - (s - bb)) + (b - bb)
+    raw = s.view(np.int64).copy()
+    step = (err != 0) & ((raw & 1) == 0)
+    away = (err > 0) == (s > 0)  # the exact sum is larger in magnitude than s
+    raw = np.where(step, raw + np.where(away, 1, -1), raw)
+    with np.errstate(over="ignore"):
+        return (raw.view(np.float64) * fp.pow2_f64(scale_exponent)).astype(np.float32)
+
+
+def exact_weighted_sum(terms: list[tuple[np.ndarray, np.ndarray]], row_bits: int) -> np.ndarray:
+    """sum_b u_b @ (r_b 2^-(row_bits-2)) with one rounding to float32, exactly as the kernels do.
+
+    terms: blocks (u [N, n_b] float64, r [n_b, D] integers of row_bits bits). The coefficients
+    of all blocks are quantized together (quantize_coefficients), the products summed exactly:
+    U splits into 3 digits of 11 bits, each digit product is a float64 BLAS product whose partial
+    sums stay below 2^11 2^22 2^17 = 2^50 (exact), and the digits meet in the wide (H, l) form."""
+    blocks, e = quantize_coefficients([u for u, _ in terms])
+    width = terms[0][1].shape[1]
+    high = np.zeros((e.size, width), dtype=np.int64)
+    low = np.zeros((e.size, width), dtype=np.int64)
+    for big_u, (_, rows) in zip(blocks, terms):
+        rows = np.asarray(rows, dtype=np.float64)
+        rest = big_u
+        for digit_index in range(3):
+            digit = rest & ((1 << _DIGIT_BITS) - 1) if digit_index < 2 else rest
+            rest = rest >> np.int64(_DIGIT_BITS)
+            product = (digit.astype(np.float64) @ rows).astype(np.int64)
+            high, low = wide_add(high, low, product, _DIGIT_BITS * digit_index)
+    return round_wide(high, low, (e - (COEF_BITS - 2) - (row_bits - 2))[:, None])
+
+
+def delta_of(qdo: np.ndarray, edo: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """delta [Tq] = do . o of finite rows: w_d = float64(qdo_d) float64(o_d) (exact, 22 x 24 bits),
+    E = (largest exponent field of the row's w) - 1023 (0 if all are 0), W_d = RNE(w_d 2^(51 - E)),
+    delta = float64(sum_d W_d) 2^(E - 51 + edo - 21): an exact int64 sum (|W_d| <= 2^52, D <= 512),
+    one rounding to float64, an exact scaling."""
+    w = qdo * np.asarray(o, dtype=np.float64)
+    fields = exponent_fields(w).max(axis=1, initial=0)
+    e = np.where(fields > 0, fields - 1023, 0)
+    total = np.rint(w * fp.pow2_f64(DELTA_BITS - 2 - e)[:, None]).astype(np.int64).sum(axis=1)
+    return total.astype(np.float64) * fp.pow2_f64(e - (DELTA_BITS - 2) + edo - (DO_BITS - 2))
+
+
+def _head_gradient_terms(enc, h: int, g: int, allowed: np.ndarray, scale: float):
+    """(P, dS float64 [Tq, L], poisoned bool [Tq]) of query head h against kv head g. P and dS are
+    0 outside `allowed` and on poisoned rows (their gradients are the canonical NaN instead)."""
+    nonfinite = fp.NONFINITE_EXPONENT
+    eq, ek, ev, edo = enc["eq"][:, h], enc["ek"][:, g], enc["ev"][:, g], enc["edo"][:, h]
+    bad_kv = (ek == nonfinite) | (ev == nonfinite)
+    bad_o = ~np.isfinite(enc["o"][:, h]).all(axis=1)
+    eq_s, edo_s = (np.where(e == nonfinite, 0, e) for e in (eq, edo))
+    ek_s = np.where(bad_kv, 0, ek)
+    ev_s = np.where(bad_kv, fp.ZERO_ROW_EXPONENT, ev)
+    qdo = enc["qdo"][:, h]
+    with np.errstate(all="ignore"):  # poisoned rows compute NaN or garbage, replaced below
+        p, m, total = _softmax_weights(enc["qq"][:, h], eq_s, enc["qk"][:, g], ek_s, allowed, scale)
+        big_p = (p * 2.0 ** (P_BITS - 2)) / total[:, None]
+        d_p = (qdo @ enc["qv"][:, g].T) * fp.pow2_f64(edo_s[:, None] + ev_s[None, :] - (DO_BITS - 2) - (V_BITS - 2))
+        delta = delta_of(qdo, edo_s, np.where(bad_o[:, None], 0.0, enc["o"][:, h]))
+        d_s = (big_p * (d_p - delta[:, None])) * scale
+    poisoned = ((eq == nonfinite) | (edo == nonfinite) | bad_o | ~np.isfinite(m[:, 0])
+                | (allowed & bad_kv[None, :]).any(axis=1))
+    keep = allowed & ~poisoned[:, None]
+    return np.where(keep, big_p, 0.0), np.where(keep, d_s, 0.0), poisoned
+
+
+def attention_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, q_positions: np.ndarray,
+                       o: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of attention() for one sequence: q, do float32 [Tq, Hq, D] at q_positions [Tq];
+    k, v float32 [L, Hkv, D]; o the forward's output (None: recomputed by attention()).
+    Returns (dq [Tq, Hq, D], dk [L, Hkv, D], dv [L, Hkv, D]) float32; keys no query reaches get +0.
+
+    A poisoned query row (its forward output is NaN, or its do or o row is non-finite) gives the
+    canonical NaN in its dq row and in dk, dv of its kv head at every position j <= t."""
+    tq, hq, dim = q.shape
+    length, hkv, _ = k.shape
+    positions = np.asarray(q_positions, dtype=np.int64)
+    _check_lengths(tq, length, positions)
+    if o is None:
+        o = attention(q, k, v, positions)
+    enc = {"o": np.asarray(o, dtype=np.float32)}  # and integers "qq", "qk", "qv", "qdo", exponents "eq", ...
+    for name, x, bits in (("q", q, Q_BITS), ("k", k, K_BITS), ("v", v, V_BITS), ("do", do, DO_BITS)):
+        enc["q" + name], enc["e" + name] = encode_heads(np.asarray(x, np.float32), bits)
+    allowed = np.arange(length)[None, :] <= positions[:, None]  # [Tq, L]
+    scale = 1.0 / np.sqrt(np.float64(dim))
+    dq = np.empty((tq, hq, dim), dtype=np.float32)
+    dk = np.empty((length, hkv, dim), dtype=np.float32)
+    dv = np.empty((length, hkv, dim), dtype=np.float32)
+    group = hq // hkv
+    for g in range(hkv):
+        key_terms, value_terms, last_poisoned = [], [], -1
+        ek_s = np.where(enc["ek"][:, g] == fp.NONFINITE_EXPONENT, 0, enc["ek"][:, g])
+        for h in range(g * group, (g + 1) * group):
+            big_p, d_s, poisoned = _head_gradient_terms(enc, h, g, allowed, scale)
+            dq[:, h] = exact_weighted_sum([(d_s * fp.pow2_f64(ek_s)[None, :], enc["qk"][:, g])], K_BITS)
+            dq[poisoned, h] = fp.CANONICAL_NAN
+            eq_s = np.where(poisoned, 0, enc["eq"][:, h])
+            edo_s = np.where(poisoned, 0, enc["edo"][:, h])
+            key_terms.append((d_s.T * fp.pow2_f64(eq_s)[None, :], enc["qq"][:, h]))
+            value_terms.append((big_p.T * fp.pow2_f64(edo_s)[None, :], enc["qdo"][:, h]))
+            if poisoned.any():
+                last_poisoned = max(last_poisoned, int(positions[poisoned].max()))
+        dk[:, g] = exact_weighted_sum(key_terms, Q_BITS)
+        dv[:, g] = exact_weighted_sum(value_terms, DO_BITS)
+        dk[:last_poisoned + 1, g] = fp.CANONICAL_NAN
+        dv[:last_poisoned + 1, g] = fp.CANONICAL_NAN
+    return dq, dk, dv
+
+
+def attention_packed_backward(q, k, v, do, cu_seqlens, o=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """attention_backward for packed sequences (sequence i: tokens cu_seqlens[i]..cu_seqlens[i+1]-1 at
+    positions 0, 1, ...), one sequence at a time: q, do, o [T, Hq, D]; k, v [T, Hkv, D]."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    dq = np.empty(q.shape, dtype=np.float32)
+    dk = np.empty(k.shape, dtype=np.float32)
+    dv = np.empty(v.shape, dtype=np.float32)
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b > a:
+            dq[a:b], dk[a:b], dv[a:b] = attention_backward(q[a:b], k[a:b], v[a:b], do[a:b], np.arange(b - a),
+                                                           None if o is None else o[a:b])
+    return dq, dk, dv

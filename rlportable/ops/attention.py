@@ -16,6 +16,10 @@ keys 0..t of its sequence, however the calls are cut.
 On cpu the same encoded cache is kept in NumPy arrays; attention_paged decodes the
 sequence's rows exactly (fixedpoint.join_digits) and runs the reference's
 attention_encoded; attention_packed runs the reference per sequence.
+
+attention_packed_backward (op "attention_backward"): dq, dk, dv of attention_packed for an
+incoming gradient do, from three kernels (attention_backward_rows, _dq, _dkv) over a block-size-1
+encoded cache; every sum is exact, so the bits match the reference's for any block size.
 """
 
 from __future__ import annotations
@@ -275,18 +279,34 @@ def _attention_paged_reference(q: np.ndarray, q_seq: np.ndarray, q_pos: np.ndarr
     return out
 
 
-def _check_cu_seqlens(cu_seqlens, tokens: int) -> np.ndarray:
+def _check_cu_seqlens(cu_seqlens, tokens: int, name: str = "attention_packed") -> np.ndarray:
     cu = np.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
-        raise InputError(f"attention_packed: cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
+        raise InputError(f"{name}: cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
                          f"{cu.dtype.name} of shape {cu.shape}")
     cu = cu.astype(np.int64)
     lengths = np.diff(cu)
     if cu[0] != 0 or cu[-1] != tokens or (lengths < 0).any():
-        raise InputError(f"attention_packed: cu_seqlens must rise from 0 to the {tokens} packed tokens, got {cu.tolist()}")
+        raise InputError(f"{name}: cu_seqlens must rise from 0 to the {tokens} packed tokens, got {cu.tolist()}")
     if lengths.size and lengths.max() > MAX_KEYS:
-        raise InputError(f"attention_packed: a sequence of {lengths.max()} tokens exceeds the contract's limit {MAX_KEYS}")
+        raise InputError(f"{name}: a sequence of {lengths.max()} tokens exceeds the contract's limit {MAX_KEYS}")
     return cu
+
+
+def _check_packed(name: str, q, k, v) -> tuple[int, int, int, int]:
+    """(T, Hq, Hkv, D) of packed q [T, Hq, D], k, v [T, Hkv, D] float32; InputError naming `name` otherwise."""
+    tokens, hq, dim = _require("q", q, 3, np.float32)
+    kshape = _require("k", k, 3, np.float32)
+    if kshape[0] != tokens or kshape[2] != dim:
+        raise InputError(f"{name}: k must have shape [T={tokens}, Hkv, D={dim}], got {kshape}")
+    if _require("v", v, 3, np.float32) != kshape:
+        raise InputError(f"{name}: v must have the shape of k {kshape}, got {shape_of(v)}")
+    hkv = kshape[1]
+    if hkv < 1 or hq % hkv:
+        raise InputError(f"{name}: q's {hq} heads are not a multiple of k's {hkv} kv heads")
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise InputError(f"{name}: head_dim {dim} outside the contract's [1, {MAX_HEAD_DIM}]")
+    return tokens, hq, hkv, dim
 
 
 def packed_layout(cu_seqlens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -304,17 +324,7 @@ def packed_layout(cu_seqlens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREADS, method: str = "auto"):
     """Packed variable-length causal prefill: q [T, Hq, D], k, v [T, Hkv, D] float32; sequence i
     holds tokens cu_seqlens[i]..cu_seqlens[i+1]-1 at positions 0, 1, ... Returns o [T, Hq, D]."""
-    tokens, hq, dim = _require("q", q, 3, np.float32)
-    kshape = _require("k", k, 3, np.float32)
-    if kshape[0] != tokens or kshape[2] != dim:
-        raise InputError(f"attention_packed: k must have shape [T={tokens}, Hkv, D={dim}], got {kshape}")
-    if _require("v", v, 3, np.float32) != kshape:
-        raise InputError(f"attention_packed: v must have the shape of k {kshape}, got {shape_of(v)}")
-    hkv = kshape[1]
-    if hkv < 1 or hq % hkv:
-        raise InputError(f"attention_packed: q's {hq} heads are not a multiple of k's {hkv} kv heads")
-    if not 1 <= dim <= MAX_HEAD_DIM:
-        raise InputError(f"attention_packed: head_dim {dim} outside the contract's [1, {MAX_HEAD_DIM}]")
+    tokens, hq, hkv, dim = _check_packed("attention_packed", q, k, v)
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens)
     if backend.kernel_vendor is None:
@@ -331,3 +341,72 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     q_seq, q_pos, tables = packed_layout(cu)
     return attention_paged(backend, q, q_seq, q_pos, cache, tables, threads=threads, method=method)
+
+
+# ---- backward (contracts/attention.toml, op "attention_backward")
+#
+# Three portable kernels, none of them holding a [T, T] matrix:
+#   attention_backward_rows  one block per (token, q head): encodes the q and do rows (23 bits, int32
+#                            rows in q_int / do_int), m and L of the forward (two passes over the keys),
+#                            delta = do . o (exact), the poisoned flag: row_info [rows, 3] int32
+#                            (eq, edo, poisoned), row_stats [rows, 3] float64 (m, L, delta);
+#   attention_backward_dq    one block per (token, q head): dq over keys j <= t (P and dS recomputed);
+#   attention_backward_dkv   one block per (key token, kv head): dk and dv over t >= j and the group's heads.
+
+BACKWARD_THREADS = 256
+
+
+def _check_backward_extra(name: str, array, shape: tuple[int, ...]) -> None:
+    if _require(name, array, 3, np.float32) != shape:
+        raise InputError(f"attention_packed_backward: {name} must have the shape of q {shape}, got {shape_of(array)}")
+
+
+def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None, threads: int = BACKWARD_THREADS):
+    """Gradients of attention_packed(q, k, v, cu_seqlens) for the incoming gradient do [T, Hq, D]:
+    (dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, D]) float32, under the contract's "attention_backward".
+
+    o: the forward's output attention_packed(q, k, v, cu_seqlens) if the caller kept it (the contract's
+    delta = do . o reads it; passing it saves one forward), else None and it is recomputed here.
+    threads: the kernels' block size (any value in [1, MAX_THREADS] gives the same bits)."""
+    name = "attention_packed_backward"
+    tokens, hq, hkv, dim = _check_packed(name, q, k, v)
+    _check_backward_extra("do", do, (tokens, hq, dim))
+    if o is not None:
+        _check_backward_extra("o", o, (tokens, hq, dim))
+    if hq // hkv > reference.MAX_GROUP:
+        raise InputError(f"{name}: {hq} q heads over {hkv} kv heads exceed the contract's group limit "
+                         f"{reference.MAX_GROUP}")
+    if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
+        raise InputError(f"{name}: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
+    cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
+                           tokens, name)
+    if backend.kernel_vendor is None:
+        return reference.attention_packed_backward(*(backend.to_numpy(x) for x in (q, k, v, do)), cu,
+                                                   None if o is None else backend.to_numpy(o))
+    dq = backend.empty((tokens, hq, dim), np.float32)
+    dk = backend.empty((tokens, hkv, dim), np.float32)
+    dv = backend.empty((tokens, hkv, dim), np.float32)
+    if tokens == 0:
+        return dq, dk, dv
+    if o is None:
+        o = attention_packed(backend, q, k, v, cu)
+    cache = KVCache.allocate(backend, tokens, hkv, dim, block_size=1, zero=False)
+    write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
+    rows = tokens * hq
+    q_int, do_int = backend.empty((rows, dim), np.int32), backend.empty((rows, dim), np.int32)
+    row_info, row_stats = backend.empty((rows, 3), np.int32), backend.empty((rows, 3), np.float64)
+    token_seq = backend.asarray(np.repeat(np.arange(cu.size - 1), np.diff(cu)).astype(np.int32))
+    device_cu = backend.asarray(cu)
+    scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the forward's float64 1/sqrt(D)
+    shape_args = (token_seq, device_cu, np.int64(tokens), np.int32(hq), np.int32(hkv), np.int32(dim),
+                  np.int32(cache.head_dim_padded), scale)
+    block = (int(threads),)
+    backend.launch("attention", "attention_backward_rows", (min(rows, GRID_LIMIT),), block,
+                   (q, do, o) + shape_args + (cache.k_digits, cache.k_exponents, cache.v_exponents, q_int, do_int,
+                                              row_info, row_stats))
+    encoded = (q_int, do_int, row_info, row_stats) + shape_args + (cache.k_digits, cache.k_exponents,
+                                                                   cache.v_digits, cache.v_exponents)
+    backend.launch("attention", "attention_backward_dq", (min(rows, GRID_LIMIT),), block, encoded + (dq,))
+    backend.launch("attention", "attention_backward_dkv", (min(tokens * hkv, GRID_LIMIT),), block,
+                   encoded + (dk, dv))
+    return dq, dk, dv

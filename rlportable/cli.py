@@ -160,10 +160,13 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
 @click.option("--max-batch", default=64, show_default=True, type=int, help="Sequences decoded together at most.")
 @click.option("--block-size", default=16, show_default=True, type=int, help="KV cache block size (tokens).")
 @click.option("--prefix-caching", is_flag=True, help="Share cached prompt blocks across requests.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Decode through CUDA / HIP graphs per batch-size bucket (default: on cuda and hip; on cpu "
+                   "--cuda-graphs runs the same padded buckets eagerly). Same tokens and log-probs either way.")
 @DEVICE_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Per sample: token ids, text and log-probs, as JSON.")
 def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_k, min_p, ignore_eos, seed,
-             max_batch, block_size, prefix_caching, device, as_json):
+             max_batch, block_size, prefix_caching, cuda_graphs, device, as_json):
     """Sample completions with the rollout engine (paged KV cache, continuous batching)."""
     from rlportable.engine.llm import LLM
     from rlportable.engine.sequence import SamplingParams
@@ -175,7 +178,7 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed)
         llm = LLM(model_spec, device=backend, block_size=block_size, max_num_seqs=max_batch,
-                  enable_prefix_caching=prefix_caching)
+                  enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
         with click.progressbar(length=len(texts) * n * max_tokens, label="generating", file=sys.stderr) as bar:
             done = [0]
 
@@ -200,6 +203,124 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
                 click.echo(f"[{r.request_id}.{c.index}] {r.prompt!r} -> {c.text!r} ({c.finish_reason}, "
                            f"sum logprob {sum(c.logprobs):.4f})")
     click.echo(summary, err=True)
+
+
+def _run_options(f):
+    """Options SFT and GRPO share."""
+    options = [
+        click.option("--task", default=None, help="A built-in task, e.g. 'arithmetic:digits=1,ops=+' or 'countdown' "
+                                                  "(default: the embedded default task, unless --data is given)."),
+        click.option("--data", type=click.Path(dir_okay=False), default=None, help="A JSONL dataset."),
+        click.option("--steps", default=None, type=int, help="Optimiser steps (default: the embedded default's)."),
+        click.option("--out", default=None, type=click.Path(file_okay=False), help="Checkpoint folder."),
+        click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint."),
+        click.option("--save-every", default=10, show_default=True, type=int, help="Checkpoint every N steps."),
+        click.option("--log-jsonl", default=None, type=click.Path(dir_okay=False), help="Per-step metrics as JSONL."),
+        click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Draw the curve to this PNG."),
+        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--lr", default=None, type=float, help="Peak learning rate."),
+        click.option("--warmup-steps", default=0, show_default=True, type=int),
+        click.option("--weight-decay", default=0.0, show_default=True, type=float),
+        click.option("--max-grad-norm", default=1.0, show_default=True, type=float, help="0 = no clipping."),
+        click.option("--micro-batch-tokens", default=16384, show_default=True, type=int,
+                     help="Tokens per forward/backward pass (memory, not the result's definition)."),
+        DEVICE_OPTION,
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _train(kind: str, run, keys: list[str], steps: int):
+    """Run with a progress bar and one printed line per step; errors are one line."""
+    from rlportable.train.metrics import format_line
+
+    try:
+        with click.progressbar(length=steps, label=kind, file=sys.stderr) as bar:
+            def on_step(record):
+                bar.update(1)
+                click.echo("\n" + format_line(record, keys), err=True)
+
+            records = run(on_step)
+    except RlpError as error:
+        _fail(error)
+    if records:
+        click.echo(format_line(records[-1], keys))
+
+
+@main.command()
+@click.option("--model", "model_spec", default="tiny", show_default=True, help="'tiny', 'tiny-sft' or a directory.")
+@_run_options
+@click.option("--batch-size", default=32, show_default=True, type=int, help="Examples per optimiser step.")
+@click.option("--max-length", default=1024, show_default=True, type=int, help="Longest prompt + completion.")
+def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
+        weight_decay, max_grad_norm, micro_batch_tokens, device, batch_size, max_length):
+    """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
+    from rlportable.train import launch
+    from rlportable.train.sft import SFTConfig
+
+    backend = _backend(device)
+    try:
+        config = SFTConfig(steps=steps or launch.DEFAULT_SFT_STEPS, batch_size=batch_size,
+                           learning_rate=lr or launch.DEFAULT_SFT_LR, warmup_steps=warmup_steps,
+                           weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
+                           micro_batch_tokens=micro_batch_tokens, max_length=max_length, seed=seed)
+        options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
+                                    task if task or data else launch.DEFAULT_TASK, data)
+    except RlpError as error:
+        _fail(error)
+    _train("sft", lambda on_step: launch.run_sft(backend, options, config, on_step),
+           ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps)
+
+
+@main.command()
+@click.option("--model", "model_spec", default="tiny-sft", show_default=True,
+              help="'tiny', 'tiny-sft' (the embedded SFT result) or a directory.")
+@_run_options
+@click.option("--reward", "rewards", multiple=True, help="A reward function 'module:function' or 'file.py:function' "
+                                                        "(repeatable; default: the task's exact-answer reward).")
+@click.option("--reward-weight", "reward_weights", multiple=True, type=float, help="One weight per --reward.")
+@click.option("--prompts-per-step", default=16, show_default=True, type=int)
+@click.option("--num-generations", "-G", default=8, show_default=True, type=int, help="Samples per prompt.")
+@click.option("--max-completion-length", default=8, show_default=True, type=int)
+@click.option("--temperature", default=1.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--min-p", default=0.0, show_default=True, type=float)
+@click.option("--epsilon", default=0.2, show_default=True, type=float)
+@click.option("--epsilon-high", default=None, type=float, help="Upper clip (default: --epsilon).")
+@click.option("--beta", default=0.0, show_default=True, type=float, help="k3 KL to the starting model.")
+@click.option("--loss-type", default="dapo", show_default=True, type=click.Choice(["grpo", "bnpo", "dr_grpo", "dapo"]))
+@click.option("--scale-rewards", default="group", show_default=True, type=click.Choice(["group", "batch", "none"]))
+@click.option("--num-iterations", default=1, show_default=True, type=int, help="Passes over each rollout.")
+@click.option("--mini-batches", default=1, show_default=True, type=int, help="Optimiser steps per pass.")
+def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
+         weight_decay, max_grad_norm, micro_batch_tokens, device, rewards, reward_weights, prompts_per_step,
+         num_generations, max_completion_length, temperature, top_p, top_k, min_p, epsilon, epsilon_high, beta,
+         loss_type, scale_rewards, num_iterations, mini_batches):
+    """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
+    from rlportable.train import launch
+    from rlportable.train.grpo import GRPOConfig
+
+    backend = _backend(device)
+    try:
+        if reward_weights and len(reward_weights) != len(rewards):
+            raise RlpError(f"{len(reward_weights)} --reward-weight values for {len(rewards)} --reward functions")
+        config = GRPOConfig(
+            steps=steps or launch.DEFAULT_GRPO_STEPS, prompts_per_step=prompts_per_step,
+            num_generations=num_generations, max_completion_length=max_completion_length, temperature=temperature,
+            top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=lr or launch.DEFAULT_GRPO_LR,
+            warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
+            epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
+            num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, seed=seed)
+        options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
+                                    task if task or data else launch.DEFAULT_TASK, data)
+        specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
+    except RlpError as error:
+        _fail(error)
+    _train("grpo", lambda on_step: launch.run_grpo(backend, options, config, specs, on_step),
+           ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches", "max_abs_dlogp",
+            "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"], config.steps)
 
 
 @main.group()
@@ -272,7 +393,10 @@ def bench_forward(device, json_path, sequences, length, layers):
               help="Seconds of generation after which a side is stopped (its decode steps still count); 0 = none.")
 @click.option("--sampler", default="auto", show_default=True, type=click.Choice(["auto", "host", "device"]),
               help="The engine's sampler; auto: the device sampler on cuda when the engine has one.")
-def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler):
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay the engine's decode steps as CUDA graphs.")
+def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler,
+                 cuda_graphs):
     """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound."""
     _check_json_path(json_path)
     from rlportable.bench import decode as decode_bench
@@ -280,7 +404,8 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
     backend = _backend(device)
     try:
         result = decode_bench.run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit or None,
-                                  sampler, progress=lambda text: click.echo(f"  {text}", err=True))
+                                  sampler, progress=lambda text: click.echo(f"  {text}", err=True),
+                                  cuda_graphs=cuda_graphs)
     except RlpError as error:
         _fail(error)
 
@@ -301,9 +426,13 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
                f"bytes per decode step (mid-decode) {result['step_bytes_at_mid_decode']['ours']['total'] / 1e6:.1f} MB")
     if ours.get("decode_execute_s_median") is not None:
         parts = [f"{key[7:-9].replace('_', ' ')} {ours[key] * 1e3:.2f} ms" for key in
-                 ("decode_execute_s_median", "decode_host_sampler_s_median", "decode_device_sampler_s_median")
+                 ("decode_execute_s_median", "decode_runner_host_s_median", "decode_runner_wait_s_median",
+                  "decode_runner_finish_s_median", "decode_host_sampler_s_median")
                  if ours.get(key) is not None]
-        click.echo(f"ours per decode step ({ours['engine']['sampler']} sampler): " + ", ".join(parts))
+        engine = ours["engine"]
+        graphs = f"CUDA graphs ({engine['graphs']} captured in {engine['graph_capture_s']:.2f} s)" \
+            if engine.get("graphs") else "no graphs"
+        click.echo(f"ours per decode step ({engine['sampler']} sampler, {graphs}): " + ", ".join(parts))
     if ratios:
         click.echo(f"throughput ratio {number(ratios.get('throughput_ratio'), 1.0, '{:.3f}')} (target >= 10), "
                    f"decode step ratio {number(ratios.get('decode_step_ratio'), 1.0, '{:.3f}')} "
@@ -317,6 +446,45 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
     _write_json(json_path, result)
     if result["peer_error"]:
         click.echo(f"error: the HF transformers peer failed: {result['peer_error']}", err=True)
+        sys.exit(1)
+
+
+@bench.command("grpo")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--layers", default=None, type=int, help="Fewer layers than Qwen3-0.6B's 28 (quick runs).")
+@click.option("--steps", default=3, show_default=True, type=int, help="Timed steps, after one warm-up step.")
+@click.option("--peer", default="trl", show_default=True, type=click.Choice(["trl", "none"]),
+              help="none: skip TRL's GRPOTrainer.")
+def bench_grpo(device, json_path, layers, steps, peer):
+    """Wall time per GRPO step (rollout, training, total) against TRL's GRPOTrainer (HF generate, bf16)."""
+    _check_json_path(json_path)
+    from rlportable.bench import grpo as grpo_bench
+
+    backend = _backend(device)
+    try:
+        result = grpo_bench.run(backend, layers, steps, peer, progress=lambda text: click.echo(f"  {text}", err=True))
+    except RlpError as error:
+        _fail(error)
+    sides = [("rlportable GRPOTrainer", result["ours"])]
+    if result["trl"] is not None:
+        sides.append((f"TRL {result['trl']['trl']['version']} GRPOTrainer", result["trl"]))
+    rows = [[name, *(f"{side[f'{key}_s_median']:.3f}" for key in ("rollout", "train", "total")),
+             "{}-{}".format(*side["completion_lengths"])] for name, side in sides]
+    settings = result["settings"]
+    click.echo(f"{settings['prompts_per_step']} prompts x {settings['num_generations']} samples, "
+               f"{settings['prompt_len']} + {settings['completion_len']} tokens, {result['layers']} layers; "
+               f"medians of {settings['steps']} steps after {settings['warmup']} warm-up")
+    click.echo(tabulate(rows, headers=["GRPO step", "rollout s", "train s", "total s", "completion tokens"]))
+    mismatches = sum(step["logp_mismatches"] for step in result["ours"]["steps"])
+    click.echo(f"ours: log-prob mismatches {mismatches} over {len(result['ours']['steps'])} steps")
+    ratios = result["ratios"]
+    if ratios:
+        click.echo(f"step time ratio ours/TRL {ratios['step_time_ratio']:.3f} (target <= 0.2); rollout "
+                   f"{ratios['rollout_ratio']:.3f}, train {ratios['train_ratio']:.3f}")
+    _write_json(json_path, result)
+    if result["peer_error"]:
+        click.echo(f"error: the TRL peer failed: {result['peer_error']}", err=True)
         sys.exit(1)
 
 

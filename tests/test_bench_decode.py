@@ -79,6 +79,24 @@ def test_engine_measurement_on_cpu():
     assert result["hf_bf16"] is None and result["ratios"] == {}
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_pure_decode_steps_after_a_staggered_chunked_prefill(cuda_graphs):
+    """A token budget below the prompts' total admits sequences over several steps, so they hold
+    different output counts; the engine's own plans still tell the pure decode steps (the bug: none
+    were found at 256 sequences, and no ms per decode step was reported)."""
+    config = tiny_config()
+    prompts = decode.random_prompts(config, 4, 6)
+    ours = decode.measure_engine(get_backend("cpu"), config, tiny_weights(config), prompts, 9,
+                                 max_num_batched_tokens=8, cuda_graphs=cuda_graphs)
+    outputs = ours["step_log"]["outputs"]
+    assert ours["complete"] and decode.pure_decode_indices(outputs, 4) == []  # counts alone find none
+    assert ours["decode_steps"] >= 3 and ours["decode_step_s_median"] > 0
+    assert ours["decode_execute_s_median"] > 0 and ours["decode_runner_wait_s_median"] is not None
+    assert ours["engine"]["cuda_graphs"] is cuda_graphs and ours["engine"]["graphs"] == 0  # cpu: no graphs
+    pure = ours["step_log"]["pure_decode"]
+    assert all(outputs[i] - outputs[i - 1] == 4 for i in pure)
+
+
 def test_engine_time_limit_stops_and_reports():
     config = tiny_config()
     prompts = decode.random_prompts(config, 2, 4)
@@ -113,15 +131,18 @@ def test_cli_bench_decode_prints_and_writes_json(tmp_path, monkeypatch):
 
     config = tiny_config()
 
-    def fake_run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler, progress=None):
+    def fake_run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler, progress=None,
+                 cuda_graphs=True):
         assert (sequences, prompt_len, new_tokens, layers, peer, sampler) == (2, 4, 3, 1, "hf", "auto")
+        assert cuda_graphs is False  # --no-cuda-graphs
         return decode.measure(get_backend("cpu"), config, tiny_weights(config), sequences, prompt_len, new_tokens,
                               peer, time_limit, sampler, progress)
 
     monkeypatch.setattr(decode, "run", fake_run)
     out = tmp_path / "decode.json"
     result = CliRunner().invoke(main, ["bench", "decode", "--device", "cpu", "--sequences", "2", "--prompt-len", "4",
-                                       "--new-tokens", "3", "--layers", "1", "--json", str(out)])
+                                       "--new-tokens", "3", "--layers", "1", "--json", str(out),
+                                       "--no-cuda-graphs"])
     assert result.exit_code == 0, result.output
     assert "rlportable engine" in result.output and "HF transformers bf16 sdpa" in result.output
     assert "throughput ratio" in result.output and "bound fraction" in result.output

@@ -286,6 +286,7 @@ def _fake_blas_backend(accepts: str):
     backend = hip_runtime.HipBackend.__new__(hip_runtime.HipBackend)
     backend.hip, backend.hipblas = hip, hipblas
     backend._blas_handle, backend._gemm_form = object(), None
+    backend.stream = backend._blas_stream = None  # kernels on the null stream: no hipblasSetStream
     return backend, calls, (OldType, NewType, Compute, Op)
 
 

@@ -9,8 +9,10 @@ Weights are random (no download): throughput does not depend on their values.
 
 Reported for both: end-to-end output tokens/s (prefill included, the whole generate call),
 the time of every decode step (each side records a timestamp after every step; a step is
-"pure decode" when every sequence fed exactly its last sampled token), peak memory, and the
-fraction of the memory-bandwidth bound reached in the pure decode steps:
+"pure decode" when every sequence fed exactly its last sampled token: for ours, read from the
+scheduler's plan of the step, since chunked prefill leaves sequences a few tokens apart; for HF,
+every step after the first), peak memory, and the fraction of the memory-bandwidth bound reached
+in the pure decode steps:
 
     bound time of a step = bytes it must read / measured device-to-device copy bandwidth
     bytes of a step      = weights as the kernels read them + the KV cache rows it attends to
@@ -30,11 +32,15 @@ decode_step_ratio = HF's decode time / ours over the same step indices (> 1: our
 memory_ratio = our peak / HF's peak.
 
 A slow side is stopped after `time_limit` seconds of generation (then "complete" is false and
-the end-to-end numbers cover what ran); decode steps are compared at the same step indices, so
-a truncated run still gives a fair per-step ratio. The engine samples on the device when it has
-a device sampler (`sampler="auto"` on cuda), else with the contract's NumPy sampler on the host;
-the time each decode step spends in `execute` and in the sampler is reported. If the peer fails
-(say, out of memory), our numbers are kept and the failure is recorded as `peer_error`.
+the end-to-end numbers cover what ran); decode steps are compared at the same step indices (ours:
+the mean output tokens per sequence after the step, rounded down), so a truncated run still gives
+a fair per-step ratio. The engine samples on the device when it has a device sampler
+(`sampler="auto"` on cuda), else with the contract's NumPy sampler on the host, and replays decode
+steps as CUDA graphs unless `cuda_graphs` is False (all buckets are captured before the timed run;
+`graph_capture_s`). Per decode step the medians of: `execute` (the runner's whole step), its host
+part (planning, the upload and every launch), its wait for the device (the step's one download),
+its host post-processing, and the host sampler. If the peer fails (say, out of memory), our
+numbers are kept and the failure is recorded as `peer_error`.
 """
 
 from __future__ import annotations
@@ -188,6 +194,9 @@ class StepLog:
     times: list[float] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)  # total output tokens after each step
     stopped: bool = False
+    #: where the engine tells (ours): {step index: the KV length of each sequence of a pure decode
+    #: step}; None: tell pure decode steps from the output counts alone (HF)
+    decode_kv: dict[int, list[int]] | None = None
 
     def begin(self) -> None:
         self.start = time.perf_counter()
@@ -199,14 +208,27 @@ class StepLog:
         self.outputs.append(int(total_outputs))
         return self.time_limit is not None and now - self.start > self.time_limit
 
+    def decode_indices(self) -> list[int]:
+        """Indices of the pure decode steps (never the first step: its time has no start)."""
+        if self.decode_kv is None:
+            return pure_decode_indices(self.outputs, self.sequences)
+        return [i for i in sorted(self.decode_kv) if 0 < i < len(self.times)]
+
     def decode_steps(self) -> dict[int, float]:
-        """{k: seconds} of the pure decode steps (`pure_decode_indices`), k the outputs per sequence after it."""
-        return {self.outputs[i] // self.sequences: self.times[i] - self.times[i - 1]
-                for i in pure_decode_indices(self.outputs, self.sequences)}
+        """{k: seconds} of the pure decode steps, k the output tokens per sequence after it (the mean,
+        rounded down: sequences a few tokens apart after chunked prefill still give one k per step)."""
+        return {self.outputs[i] // self.sequences: self.times[i] - self.times[i - 1] for i in self.decode_indices()}
+
+    def kv_lengths(self, prompt_len: int, index: int) -> list[int]:
+        """The KV length of every sequence in pure decode step `index` (as recorded, or from k)."""
+        if self.decode_kv is not None:
+            return self.decode_kv[index]
+        return decode_kv_lengths(prompt_len, self.outputs[index] // self.sequences, self.sequences)
 
     def summary(self, config, prompt_len: int, scheme: str, bandwidth: float | None) -> dict:
         seconds = (self.times[-1] - self.start) if self.times else 0.0
         produced = self.outputs[-1] if self.outputs else 0
+        indices = self.decode_indices()
         decode = self.decode_steps()
         out = {
             "complete": produced == self.sequences * self.new_tokens and not self.stopped,
@@ -214,17 +236,19 @@ class StepLog:
             "steps": len(self.times), "output_tokens": produced, "seconds": seconds,
             "tokens_per_s": produced / seconds if seconds else None,
             "first_step_s": (self.times[0] - self.start) if self.times else None,
-            "decode_steps": len(decode),
+            "decode_steps": len(indices),
             "decode_step_indices": [min(decode), max(decode)] if decode else None,
             "step_log": {"times_s": [t - self.start for t in self.times], "outputs": list(self.outputs)},
         }
-        if decode:
-            times = list(decode.values())
+        if self.decode_kv is not None:
+            out["step_log"]["pure_decode"] = indices
+        if indices:
+            times = [self.times[i] - self.times[i - 1] for i in indices]
             total = sum(times)
             out.update({"decode_step_s_median": statistics.median(times), "decode_step_s_mean": total / len(times),
                         "decode_tokens_per_s": self.sequences * len(times) / total})
-            byte_parts = [step_bytes(config, decode_kv_lengths(prompt_len, k, self.sequences), scheme)
-                          for k in decode]
+            byte_parts = [step_bytes(config, self.kv_lengths(prompt_len, i), scheme)
+                          for i in indices]
             read = sum(parts["total"] for parts in byte_parts)
             out["decode_bytes_per_step_mean"] = read / len(times)
             out["decode_bytes_parts_mean"] = {key: sum(p[key] for p in byte_parts) / len(times)
@@ -245,7 +269,9 @@ def pure_decode_indices(outputs: list[int], sequences: int) -> list[int]:
 
 
 #: the runner's sampling functions (where they exist) and the timing key of each
-SAMPLER_FUNCTIONS = {"sample_tokens": "host_sampler_s", "sample_tokens_on_device": "device_sampler_s"}
+SAMPLER_FUNCTIONS = {"sample_tokens": "host_sampler_s"}
+#: the runner's own breakdown of a step (ModelRunner.last_step) and the timing key of each
+RUNNER_PARTS = {"host_s": "runner_host_s", "wait_s": "runner_wait_s", "finish_s": "runner_finish_s"}
 
 
 def engine_sampler(backend_name: str, sampler: str = "auto") -> tuple[dict, str]:
@@ -264,13 +290,14 @@ class _TimeLimit(Exception):
 
 @contextlib.contextmanager
 def _timed_runner(llm, log: StepLog, timings: dict):
-    """Times the runner's execute (device forward, logits to host, sampling) and the host sampler
-    of every step (keyed by the step's index in `log`), on this LLM only, while the benchmark
-    runs; restores both afterwards."""
+    """Times the runner's execute (its parts from ModelRunner.last_step) and the host sampler of
+    every step (keyed by the step's index in `log`), and records which steps are pure decodes with
+    their KV lengths, on this LLM only, while the benchmark runs; restores everything afterwards."""
     from rlportable.engine import runner as runner_module
 
     execute = llm.runner.execute
     samplers = {name: getattr(runner_module, name) for name in SAMPLER_FUNCTIONS}
+    log.decode_kv = {}
 
     def timed(function, key):
         def call(*args, **kwargs):
@@ -281,7 +308,17 @@ def _timed_runner(llm, log: StepLog, timings: dict):
 
         return call
 
-    llm.runner.execute = timed(execute, "execute_s")
+    def execute_and_record(out):
+        index = len(log.times)
+        if len(out.scheduled) == log.sequences and all(e.is_decode for e in out.scheduled):
+            log.decode_kv[index] = [e.end for e in out.scheduled]  # positions 0..start: start + 1 = end
+        result = execute(out)
+        for part, key in RUNNER_PARTS.items():
+            if part in llm.runner.last_step:
+                timings.setdefault(key, {})[index] = llm.runner.last_step[part]
+        return result
+
+    llm.runner.execute = timed(execute_and_record, "execute_s")
     for name, function in samplers.items():
         setattr(runner_module, name, timed(function, SAMPLER_FUNCTIONS[name]))
     try:
@@ -316,8 +353,10 @@ def random_prompts(config, sequences: int, prompt_len: int, seed: int = 1) -> np
 
 def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: int, block_size: int = 16,
                    max_num_batched_tokens: int = 4096, time_limit: float | None = None,
-                   bandwidth: float | None = None, sampler: str = "auto", progress=None) -> dict:
-    """Our engine on `backend`: warm-up, then generate `new_tokens` tokens for every prompt."""
+                   bandwidth: float | None = None, sampler: str = "auto", progress=None,
+                   cuda_graphs: bool | None = None) -> dict:
+    """Our engine on `backend`: warm-up (and every decode graph captured), then generate
+    `new_tokens` tokens for every prompt. cuda_graphs: the engine's option (None: its default)."""
     from rlportable.engine.llm import LLM
     from rlportable.engine.sequence import SamplingParams
 
@@ -337,13 +376,17 @@ def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: in
         llm = LLM(device=backend, block_size=block_size,
                   num_blocks=sequences * -(-max_len // block_size), max_num_seqs=sequences,
                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
-                  loaded=(config, weights, IdsOnlyTokenizer()), **sampler_kwargs)
+                  loaded=(config, weights, IdsOnlyTokenizer()), cuda_graphs=cuda_graphs, **sampler_kwargs)
         if progress:
             progress("ours: warm-up")
         warm = min(sequences, 4)
         llm.generate([row.tolist() for row in prompts[:warm]],
                      SamplingParams(temperature=1.0, max_tokens=min(new_tokens, 2), ignore_eos=True, seed=1))
         backend.synchronize()
+        start = time.perf_counter()
+        graphs = llm.runner.capture_graphs()
+        backend.synchronize()
+        capture_s = time.perf_counter() - start
         if progress:
             progress(f"ours: {sequences} sequences x {new_tokens} tokens"
                      + (f" (time limit {time_limit:.0f} s)" if time_limit else ""))
@@ -364,12 +407,13 @@ def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: in
     result["peak_bytes"] = tracker.peak if backend.name == "cuda" else None
     result["engine"] = {"sampler": sampler, "block_size": block_size, "num_blocks": llm.num_blocks,
                         "max_num_seqs": sequences, "max_num_batched_tokens": llm.max_num_batched_tokens,
-                        "max_model_len": max_len}
+                        "max_model_len": max_len, "cuda_graphs": llm.runner.cuda_graphs,
+                        "graphs": graphs, "graph_capture_s": capture_s}
     result["preemptions"] = llm.stats.preemptions if outputs is not None else None
     if outputs is not None:
         result["all_lengths_equal_new_tokens"] = all(len(c.token_ids) == new_tokens for r in outputs
                                                      for c in r.outputs)
-    decode = pure_decode_indices(log.outputs, sequences)
+    decode = log.decode_indices()
     for name, values in timings.items():  # where a pure decode step's time goes
         picked = [values[i] for i in decode if i in values]
         result[f"decode_{name}_median"] = statistics.median(picked) if picked else None
@@ -479,11 +523,15 @@ def compare(ours: dict, hf: dict | None) -> dict:
 def _decode_by_index(result: dict) -> dict[int, float]:
     times, outputs = result["step_log"]["times_s"], result["step_log"]["outputs"]
     n = result["sequences"]
-    return {outputs[i] // n: times[i] - times[i - 1] for i in pure_decode_indices(outputs, n)}
+    indices = result["step_log"].get("pure_decode")
+    if indices is None:
+        indices = pure_decode_indices(outputs, n)
+    return {outputs[i] // n: times[i] - times[i - 1] for i in indices}
 
 
 def measure(backend, config, weights, sequences: int, prompt_len: int, new_tokens: int, peer: str = "hf",
-            time_limit: float | None = None, sampler: str = "auto", progress=None) -> dict:
+            time_limit: float | None = None, sampler: str = "auto", progress=None,
+            cuda_graphs: bool | None = None) -> dict:
     """The whole benchmark on any backend (the CLI's run() checks for cuda): copy bandwidth, ours,
     then the peer (HF on the same device kind) unless peer is "none"."""
     if peer not in ("hf", "none"):
@@ -493,7 +541,8 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
         progress("copy bandwidth")
     bandwidth = copy_bandwidth(backend)
     ours = measure_engine(backend, config, weights, prompts, new_tokens, time_limit=time_limit,
-                          bandwidth=bandwidth["bytes_per_s"], sampler=sampler, progress=progress)
+                          bandwidth=bandwidth["bytes_per_s"], sampler=sampler, progress=progress,
+                          cuda_graphs=cuda_graphs)
     hf, peer_error = None, None
     if peer == "hf":
         try:
@@ -525,7 +574,8 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
 
 
 def run(backend, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 512, layers: int | None = None,
-        peer: str = "hf", time_limit: float | None = 240.0, sampler: str = "auto", progress=None) -> dict:
+        peer: str = "hf", time_limit: float | None = 240.0, sampler: str = "auto", progress=None,
+        cuda_graphs: bool = True) -> dict:
     """`rlportable bench decode`: the Qwen3-0.6B-shaped model on cuda."""
     if backend.name != "cuda":
         raise RlpError(f"bench decode runs on the cuda backend (peer: HF transformers on CUDA); got {backend.label}")
@@ -533,4 +583,5 @@ def run(backend, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 
     if progress:
         progress("random weights")
     weights = random_weights(config)
-    return measure(backend, config, weights, sequences, prompt_len, new_tokens, peer, time_limit, sampler, progress)
+    return measure(backend, config, weights, sequences, prompt_len, new_tokens, peer, time_limit, sampler, progress,
+                   cuda_graphs=cuda_graphs)

@@ -84,7 +84,10 @@ def check_engine_tiny(backend, rng, quick: bool):
                      for r in outputs for c in r.outputs], outputs
 
     _, expected, _ = run("cpu", max_num_seqs=64, block_size=16)
-    for engine in (dict(max_num_seqs=64, block_size=16), dict(max_num_seqs=2, block_size=32, max_num_batched_tokens=8)):
+    # decode graphs (cuda, hip) or padded decode buckets (cpu) on and off, odd batch sizes included
+    for engine in (dict(max_num_seqs=64, block_size=16), dict(max_num_seqs=2, block_size=32, max_num_batched_tokens=8),
+                   dict(max_num_seqs=5, block_size=16, cuda_graphs=True),
+                   dict(max_num_seqs=5, block_size=16, cuda_graphs=False)):
         llm, got, outputs = run(backend.name, **engine)
         for (tokens, lp), (tokens_ref, lp_ref) in zip(got, expected):
             tally.add(tokens, tokens_ref)

@@ -70,10 +70,14 @@ def _check_engine_sizes(**sizes) -> None:
 class LLM:
     def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = False, loaded=None, sampler: str = "host"):
+                 enable_prefix_caching: bool = False, loaded=None, sampler: str = "host",
+                 cuda_graphs: bool | None = None):
         """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer.
         `sampler`: "host" (the contract's NumPy sampler) or "device" (the sampling kernel for rows
-        without top-k/top-p/min-p, the host for the others); the same tokens and log-probs either way."""
+        without top-k/top-p/min-p, the host for the others); the same tokens and log-probs either way.
+        `cuda_graphs`: decode steps padded to batch-size buckets and replayed as CUDA / HIP graphs
+        (engine/runner.py); None = on where the backend has graphs (cuda, hip), off on cpu, where
+        True runs the same padded steps eagerly. The same tokens and log-probs either way."""
         _check_engine_sizes(block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                             num_blocks=num_blocks)
@@ -90,8 +94,16 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.enable_prefix_caching = enable_prefix_caching
-        self.runner = ModelRunner(self.model, self.num_blocks, block_size, sampler=sampler)
+        self.runner = ModelRunner(self.model, self.num_blocks, block_size, sampler=sampler, cuda_graphs=cuda_graphs,
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         self.stats = GenerationStats()
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache between rollouts (GRPO trains in that memory); generate() needs it back."""
+        self.runner.release_caches()
+
+    def restore_kv_cache(self) -> None:
+        self.runner.restore_caches()
 
     def _scheduler(self, stop_checker) -> Scheduler:
         manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
@@ -128,6 +140,8 @@ class LLM:
         for index, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise InputError(f"sampling params {index} must be a SamplingParams, got {type(p).__name__}")
+        if self.runner.caches is None:
+            raise InputError("generate: the KV cache is released; call restore_kv_cache() first")
         scheduler = self._scheduler(self._stop_checker)
         requests, groups = [], []
         for index, (prompt, p) in enumerate(zip(prompts, params)):

@@ -6,9 +6,30 @@ token gives float32 logits (the exact gemm), and the sampler's contract draws
 the tokens and records their log-probs. Because every op is a contract op, a
 sequence's tokens and log-probs do not depend on the batch it ran in, on the
 chunking, the block size, sharing or preemption, nor on the device.
+
+Speed (issue 4, section 4):
+  * One host-to-device copy per step: the step's metadata, copy-on-write slots and sampler
+    parameters are packed into one upload (step_inputs.StepUploader); the ops' range checks
+    run on the host arrays the runner already has.
+  * One wait for the device per step: the sampled tokens, their log-probs and any logits rows
+    the host needs come back in one download at the end of the step.
+  * Decode steps (every entry one token of a sequence that draws one sample) are padded to a
+    bucket size (step_inputs.decode_buckets) when `cuda_graphs` is on; on cuda and hip each
+    bucket's forward + LM head is captured once as a graph and replayed with the step's
+    metadata in fixed device buffers. On cpu the same padded steps run eagerly (CI checks the
+    padding: tokens and log-prob bits equal those of unpadded steps).
+  * Graphs read the weights, the KV cache, the RoPE tables and the upload buffer at the
+    addresses they had at capture. Whenever one of those arrays is replaced (release_caches /
+    restore_caches, Model.reencode after a training step, a larger upload buffer), the graphs
+    are dropped and captured again at the next decode of each bucket: every replay first
+    checks, by identity, that the arrays are the captured ones.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import operator
+import time
 
 import numpy as np
 
@@ -16,38 +37,81 @@ from rlportable.contract import sampling
 from rlportable.engine.block_manager import BlockCopy
 from rlportable.engine.scheduler import SchedulerOutput
 from rlportable.engine.sequence import Sequence
+from rlportable.engine.step_inputs import (StepPlan, StepUploader, check_decode_plan, decode_buckets, plan_decode,
+                                           plan_step)
 from rlportable.errors import InputError, RlpError
-from rlportable.model.forward import Model
-from rlportable.ops import embedding
+from rlportable.model.forward import Model, StepInputs
+from rlportable.ops import attention, embedding, gemm
 from rlportable.ops import sampling as sampling_op
 
 #: where tokens are sampled: "host" (the contract's NumPy reference on the logits copied to the
 #: host) or "device" (the sampling kernel for rows without filters, the host for filtered rows).
 #: Both give the same tokens and log-probs, bit for bit, by contract.
 SAMPLERS = ("host", "device")
+#: Graphs only for buckets below this: larger ones would take the vendor-BLAS GEMM, which CuPy
+#: refuses inside a capture (they run padded but eagerly).
+GRAPH_MAX_ROWS = gemm.BLAS_FROM_M
 
 
 class ModelRunner:
-    def __init__(self, model: Model, num_blocks: int, block_size: int, sampler: str = "host"):
+    def __init__(self, model: Model, num_blocks: int, block_size: int, sampler: str = "host",
+                 cuda_graphs: bool | None = None, max_num_seqs: int = 256, max_model_len: int | None = None):
+        """cuda_graphs: pad decode steps to buckets and, where the backend has graphs (cuda, hip),
+        replay them as captured graphs; None = on where the backend has graphs. max_num_seqs: the
+        largest decode bucket; max_model_len: the longest sequence (the block tables' width)."""
         if sampler not in SAMPLERS:
             raise InputError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise InputError(f"cuda_graphs must be True, False or None (the backend's default), got {cuda_graphs!r}")
         self.sampler = sampler
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.caches = model.allocate_caches(num_blocks, block_size)
+        self.cuda_graphs = self.backend.supports_graphs if cuda_graphs is None else cuda_graphs
+        self.buckets = decode_buckets(max_num_seqs)
+        self.max_model_len = max_model_len or num_blocks * block_size
+        self.table_width = min(-(-self.max_model_len // block_size), num_blocks)
+        rows = self.buckets[-1]
+        self.uploader = StepUploader(self.backend, {
+            "tokens": ((rows,), np.int32), "positions": ((rows,), np.int32), "q_seq": ((rows,), np.int32),
+            "slots": ((rows,), np.int32), "block_tables": ((rows, self.table_width), np.int32)})
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits output [bucket, V])
+        self._graph_arrays: list = []  # the device arrays the graphs read, as captured
+        self._device_sampling = None  # the last step's DeviceSampling (reused for the same sequences)
+        #: where the last step's time went: bucket, graph (replayed one), host_s (planning, the
+        #: upload and every launch), wait_s (the download: the device finishing the step), finish_s
+        self.last_step: dict = {}
 
     # ---- KV cache maintenance
-    def apply_copies(self, copies: list[BlockCopy]) -> None:
-        """Copy-on-write: the valid slots of each source block into its destination block, every layer."""
+    def release_caches(self) -> None:
+        """Free the KV cache (the trainer needs the memory); restore_caches() allocates it again.
+        The decode graphs read the cache, so they go with it (captured again after restore)."""
+        self.caches = None
+        self._device_sampling = None  # it holds the last step's logits
+        self.drop_graphs()
+
+    def restore_caches(self) -> None:
+        if self.caches is None:
+            self.caches = self.model.allocate_caches(self.num_blocks, self.block_size)
+
+    def _copy_uploads(self, copies: list[BlockCopy]) -> dict[str, np.ndarray]:
         if not copies:
-            return
+            return {}
         if self.backend.name == "hip":
             raise RlpError("copy-on-write of KV blocks is not implemented on the hip backend yet "
                            "(it needs indexed copies of HipArray); run n=1 requests or the cuda/cpu backends")
         pairs = [c.slot_pairs(self.block_size) for c in copies]
-        src = self.backend.asarray(np.concatenate([p[0] for p in pairs]).astype(np.int64))
-        dst = self.backend.asarray(np.concatenate([p[1] for p in pairs]).astype(np.int64))
+        return {"copy.src": np.concatenate([p[0] for p in pairs]).astype(np.int32),
+                "copy.dst": np.concatenate([p[1] for p in pairs]).astype(np.int32)}
+
+    def _apply_copies(self, views: dict) -> None:
+        """Copy-on-write: the valid slots of each source block into its destination block, every
+        layer, in list order (`array[dst] = array[src]` gathers every source first)."""
+        if "copy.src" not in views:
+            return
+        src, dst = views["copy.src"], views["copy.dst"]
         for cache in self.caches:
             for array in (cache.k_digits, cache.k_exponents, cache.v_digits, cache.v_exponents):
                 array[dst] = array[src]  # a bit copy (int8 / int32), no arithmetic
@@ -55,38 +119,151 @@ class ModelRunner:
     # ---- one step
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[float], list | None]:
         """Run a scheduled step; returns (token, log-prob, top alternatives or None) per out.samples."""
-        self.apply_copies(out.copies)
+        if self.caches is None:
+            raise InputError("runner: the KV cache is released; call restore_caches() first")
+        start = time.perf_counter()
         entries = out.scheduled
-        tokens = np.concatenate([np.asarray(e.token_ids(), dtype=np.int32) for e in entries])
-        positions = np.concatenate([np.arange(e.start, e.end, dtype=np.int64) for e in entries])
-        slots = np.concatenate([np.asarray(e.slots(self.block_size), dtype=np.int32) for e in entries])
-        q_seq = np.repeat(np.arange(len(entries), dtype=np.int32), [e.num_new_tokens for e in entries])
-        tables = _block_tables([e.seq for e in entries])
-        hidden = self.model.step(tokens, positions, q_seq, tables, slots, self.caches)
-        ends = np.cumsum([e.num_new_tokens for e in entries]) - 1
-        rows = [int(end) for end, e in zip(ends, entries) if e.needs_sample]
-        if not rows:
-            return [], [], None
-        rows = np.asarray(rows, dtype=np.int32)
-        picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows), host_ids=rows)
-        per_sample_rows = [i for i, e in enumerate(e for e in entries if e.needs_sample) for _ in e.sample_seqs]
-        if self.sampler == "device":
-            logits = self.model.logits(picked)
-            if per_sample_rows != list(range(len(rows))):
-                logits = embedding.gather(self.backend, logits,
-                                          self.backend.asarray(np.asarray(per_sample_rows, dtype=np.int32)))
-            return sample_tokens_on_device(self.backend, logits, out.samples)
-        logits = self.backend.to_numpy(self.model.logits(picked))
-        return sample_tokens(logits[per_sample_rows], out.samples)
+        bucket = self._bucket(entries)
+        graph = bucket is not None and self._graphs_on(bucket)
+        with self.backend.engine_stream():
+            if bucket is None:
+                plan = plan_step(entries, self.block_size)
+                fixed, extra = {}, {f"step.{name}": a for name, a in plan.graph_inputs().items()}
+                extra["step.sample_rows"] = plan.sample_rows
+            else:
+                plan = plan_decode(entries, bucket, self.table_width, self.block_size)
+                fixed, extra = plan.graph_inputs(), {}
+            sampler = self._sampling(out.samples) if plan.sample_rows.size else None
+            extra.update(self._copy_uploads(out.copies))
+            extra.update(sampler.uploads() if sampler else {})
+            if graph:
+                self.uploader.reserve(self.uploader.size_of(fixed, extra))  # before capturing on the buffer
+                replay = self._graph(bucket)
+                check_decode_plan(plan, len(entries), self.model.config.vocab_size, self.num_blocks,
+                                  self.block_size, self.model.rope_tables(self.max_model_len)[0].shape[0])
+            views = self.uploader.upload(fixed, extra)
+            self._apply_copies(views)
+            if graph:
+                replay[0].replay()
+                logits = replay[1][: len(entries)]
+            elif bucket is not None:
+                logits = self._decode_logits(plan, views)[: len(entries)]
+            else:
+                logits = self._step_logits(plan, views)
+            if sampler is None:
+                self.last_step = {"bucket": bucket, "graph": graph, "host_s": time.perf_counter() - start,
+                                  "wait_s": 0.0, "finish_s": 0.0}
+                return [], [], None
+            pending = sampler.launch(self.backend, logits, views)
+            launched = time.perf_counter()
+            host = self.backend.download(pending)  # the step's one wait for the device
+        waited = time.perf_counter()
+        result = sampler.finish(self.backend, host)
+        self.last_step = {"bucket": bucket, "graph": graph, "host_s": launched - start, "wait_s": waited - launched,
+                          "finish_s": time.perf_counter() - waited}
+        return result
+
+    def _bucket(self, entries) -> int | None:
+        """The padded size of a decode step (cuda_graphs on), or None for an exact-size step."""
+        if not self.cuda_graphs or not entries or len(entries) > self.buckets[-1]:
+            return None
+        if not all(e.is_decode and len(e.sample_seqs) == 1 for e in entries):
+            return None
+        return next(size for size in self.buckets if size >= len(entries))
+
+    def _graphs_on(self, bucket: int) -> bool:
+        return self.backend.supports_graphs and bucket < GRAPH_MAX_ROWS
+
+    def _sampling(self, samples: list[Sequence]):
+        if self.sampler == "host":
+            return HostSampling(samples)
+        key = tuple(s.seq_id for s in samples)  # consecutive decode steps mostly sample the same sequences
+        if self._device_sampling is None or self._device_sampling.key != key:
+            self._device_sampling = DeviceSampling(samples, self.model.config.vocab_size)
+        return self._device_sampling.for_step(samples)
+
+    def _step_logits(self, plan: StepPlan, views: dict):
+        """An exact-size step: the forward, then the LM head on each sample's row."""
+        device = StepInputs(*(views[f"step.{name}"] for name in StepInputs._fields))
+        hidden = self.model.step(plan.tokens, plan.positions, plan.q_seq, plan.block_tables, plan.slots, self.caches,
+                                 device=device)
+        if not plan.sample_rows.size:
+            return None
+        picked = embedding.gather(self.backend, hidden, views["step.sample_rows"], host_ids=plan.sample_rows)
+        return self.model.logits(picked)
+
+    def _decode_logits(self, plan: StepPlan, views: dict):
+        """A padded decode step: the forward and the LM head on every row [bucket, V] (a graph's body)."""
+        device = StepInputs(*(views[name] for name in StepInputs._fields))
+        hidden = self.model.step(plan.tokens, plan.positions, plan.q_seq, plan.block_tables, plan.slots, self.caches,
+                                 device=device)
+        return self.model.logits(hidden)
+
+    # ---- graphs
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and give back its memory."""
+        self.graphs.clear()
+        self._graph_arrays = []
+        self.backend.release_graph_memory()
+
+    def _arrays_read_by_graphs(self) -> list:
+        model = self.model
+        cos, sin = model.rope_tables(self.max_model_len)  # grown once to every position a step can use
+        return [self.uploader.buffer, cos, sin] + _device_arrays(model.embed, model.final_norm, model.lm_head,
+                                                               *model.layers, *self.caches)
+
+    def _graph(self, bucket: int) -> tuple:
+        """The bucket's (graph, logits), captured now if missing or if an array it reads was replaced."""
+        arrays = self._arrays_read_by_graphs()
+        if len(arrays) != len(self._graph_arrays) or not all(map(operator.is_, arrays, self._graph_arrays)):
+            self.drop_graphs()
+            self._graph_arrays = arrays
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        return self.graphs[bucket]
+
+    def _capture(self, bucket: int) -> tuple:
+        """Capture the padded decode of `bucket` rows, reading its inputs from the uploader's fixed
+        region. Its inputs while capturing are all padding rows (they write no K/V); one eager run
+        first loads every kernel and sets its attributes outside the capture."""
+        plan = plan_decode([], bucket, self.table_width, self.block_size)
+        views = self.uploader.upload(plan.graph_inputs(), {})
+        self._decode_logits(plan, views)
+        return self.backend.capture_graph(lambda: self._decode_logits(plan, views))
+
+    def capture_graphs(self) -> int:
+        """Capture every decode bucket's graph now (else each is captured at its first use);
+        returns how many graphs exist. A no-op unless cuda_graphs is on and the backend has graphs."""
+        if self.caches is None:
+            raise InputError("runner: the KV cache is released; call restore_caches() first")
+        with self.backend.engine_stream():
+            for bucket in self.buckets:
+                if self.cuda_graphs and self._graphs_on(bucket):
+                    self.uploader.reserve(0)
+                    self._graph(bucket)
+        return len(self.graphs)
 
 
-def _block_tables(seqs: list[Sequence]) -> np.ndarray:
-    width = max(1, max(len(s.block_table) for s in seqs))
-    tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        tables[i, : len(seq.block_table)] = seq.block_table
-    return tables
+def _device_arrays(*objects, found: list | None = None) -> list:
+    """Every array held by these model or cache objects (GemmWeight, KVCache, DeviceLayer and
+    other dataclasses, arrays). Runs at every graph replay, hence the plain type tests."""
+    found = [] if found is None else found
+    for obj in objects:
+        kind = type(obj)
+        if kind is gemm.GemmWeight:
+            found += (obj.encoded.digits, obj.encoded.exponents)
+        elif kind is attention.KVCache:
+            found += (obj.k_digits, obj.k_exponents, obj.v_digits, obj.v_exponents)
+        elif obj is None:
+            continue
+        elif dataclasses.is_dataclass(obj):
+            _device_arrays(*vars(obj).values(), found=found)
+        else:
+            found.append(obj)
+    return found
 
+
+# ---------------------------------------------------------------- sampling
 
 def _sampling_arrays(samples: list[Sequence]) -> dict:
     """Per-row sampling parameters and the sampler's counters (the token being generated sits at
@@ -102,13 +279,20 @@ def _sampling_arrays(samples: list[Sequence]) -> dict:
         position=np.array([s.num_tokens for s in samples]))
 
 
-def _top_logprobs(host_logits: np.ndarray, samples: list[Sequence], temperature: np.ndarray) -> list | None:
+def _top_logprobs(host_logits: np.ndarray, samples: list[Sequence], temperature: np.ndarray,
+                  rows: np.ndarray | None = None) -> list | None:
+    """The top alternatives of every sample ([] where none were asked), None if no sample asks.
+    host_logits holds the logits rows `rows` (default: every sample's)."""
     wanted = max(s.params.logprobs for s in samples)
     if not wanted:
         return None
-    ids, values = sampling.top_logprobs(host_logits, temperature, wanted)
-    return [list(zip(ids[i, : s.params.logprobs].tolist(), values[i, : s.params.logprobs].tolist()))
-            for i, s in enumerate(samples)]
+    rows = np.arange(len(samples)) if rows is None else rows
+    ids, values = sampling.top_logprobs(host_logits, temperature[rows], wanted)
+    top: list = [[] for _ in samples]
+    for i, row in enumerate(rows):
+        count = samples[row].params.logprobs
+        top[row] = list(zip(ids[i, :count].tolist(), values[i, :count].tolist()))
+    return top
 
 
 def sample_tokens(logits: np.ndarray, samples: list[Sequence]) -> tuple[list[int], list[float], list | None]:
@@ -121,29 +305,111 @@ def sample_tokens(logits: np.ndarray, samples: list[Sequence]) -> tuple[list[int
     return [int(t) for t in tokens], [float(v) for v in logprobs], _top_logprobs(logits, samples, temperature)
 
 
-def sample_tokens_on_device(backend, logits, samples: list[Sequence]) -> tuple[list[int], list[float], list | None]:
-    """`sample_tokens` with the logits left on the device (a backend array [len(samples), V]): rows
-    without filters go through the sampling kernel, filtered rows through the contract on the host,
-    log-probs through the logprob kernel. The same tokens and log-probs as `sample_tokens`, bit for bit."""
-    vocab = int(logits.shape[1])
-    arrays = _sampling_arrays(samples)
-    temperature, top_k, top_p, min_p = (arrays[k] for k in ("temperature", "top_k", "top_p", "min_p"))
-    seed, request, sample_index, position = (arrays[k] for k in ("seed", "request", "sample_index", "position"))
-    on_device = sampling_op.device_rows(vocab, temperature, top_k, top_p, min_p)
-    tokens = np.zeros(len(samples), dtype=np.int32)
-    groups = [(np.flatnonzero(on_device), True), (np.flatnonzero(~on_device), False)]
-    for rows, device in groups:
-        if rows.size == 0:
-            continue
-        z = logits if rows.size == len(samples) else embedding.gather(
-            backend, logits, backend.asarray(rows.astype(np.int32)))
-        counters = dict(seed=seed[rows], request=request[rows], sample_index=sample_index[rows],
-                        position=position[rows])
-        if device:
-            tokens[rows] = backend.to_numpy(sampling_op.sample(backend, z, temperature[rows], **counters))
-        else:
-            tokens[rows] = sampling.sample(backend.to_numpy(z), temperature[rows], top_k=top_k[rows],
-                                           top_p=top_p[rows], min_p=min_p[rows], **counters)
-    logprobs = backend.to_numpy(sampling_op.sampled_logprobs(backend, logits, backend.asarray(tokens), temperature))
-    top = _top_logprobs(backend.to_numpy(logits), samples, temperature) if max(s.params.logprobs for s in samples) else None
-    return [int(t) for t in tokens], [float(v) for v in logprobs], top
+class HostSampling:
+    """sampler="host": the logits [samples, V] come back to the host, where the contract samples."""
+
+    def __init__(self, samples: list[Sequence]):
+        self.samples = samples
+
+    def uploads(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def launch(self, backend, logits, views) -> list:
+        return [logits]
+
+    def finish(self, backend, host: list[np.ndarray]) -> tuple[list[int], list[float], list | None]:
+        return sample_tokens(host[0], self.samples)
+
+
+_KERNEL_PARAMETERS = ("temperature", "seed", "request", "sample_index", "position")
+
+
+class DeviceSampling:
+    """sampler="device": rows without filters are sampled by the sampling kernel and scored by the
+    logprob kernel on the device, one group per record temperature (the logprob kernel takes one T);
+    rows with top-k / top-p / min-p, and rows that want top alternatives, have their logits copied
+    back and go through the contract on the host. The same tokens and log-probs as HostSampling, bit
+    for bit. Parameters go up with the step's upload; results come back with its one download.
+
+    Built for one list of sequences and reused while the same sequences sample (their parameters
+    never change); `for_step` refreshes the one that does, the position."""
+
+    def __init__(self, samples: list[Sequence], vocab: int):
+        self.key = tuple(s.seq_id for s in samples)
+        self.samples = samples
+        arrays = self.arrays = _sampling_arrays(samples)
+        self.temperature = arrays["temperature"]
+        self.on_device = sampling_op.device_rows(vocab, self.temperature, arrays["top_k"], arrays["top_p"],
+                                                 arrays["min_p"])
+        wants_top = np.array([s.params.logprobs > 0 for s in samples])
+        self.host_rows = np.flatnonzero(~self.on_device | wants_top).astype(np.int32)
+        device = np.flatnonzero(self.on_device).astype(np.int32)
+        record = sampling.record_temperature(self.temperature[device])
+        self.groups = [(device[record == value], float(value)) for value in np.unique(record)]
+        self.order = np.concatenate([rows for rows, _ in self.groups] + [np.zeros(0, np.int32)])
+        parameters = sampling_op.kernel_row_parameters(
+            self.order.size, self.temperature[self.order], arrays["seed"][self.order], arrays["request"][self.order],
+            arrays["sample_index"][self.order], arrays["position"][self.order])
+        self._static = {f"sampler.{name}": array for name, array in zip(_KERNEL_PARAMETERS, parameters)}
+        for k, (rows, _) in enumerate(self.groups):
+            if rows.size != len(samples):
+                self._static[f"sampler.rows{k}"] = rows
+        if 0 < self.host_rows.size < len(samples):
+            self._static["sampler.host_rows"] = self.host_rows
+        self._uploads = self._static
+        self._sampled_from: list = []
+
+    def for_step(self, samples: list[Sequence]) -> "DeviceSampling":
+        """This sampler for a step of the same sequences: their positions now."""
+        positions = np.fromiter((s.num_tokens for s in samples), dtype=np.int64, count=len(samples))
+        if positions.size and positions.max() >= 1 << 32:
+            raise InputError(f"sampling: position must lie in [0, 2^32), got {positions.max()}")
+        self.samples = samples
+        self.arrays["position"] = positions
+        self._uploads = {**self._static, "sampler.position": positions[self.order].astype(np.uint32)}
+        self._sampled_from = []
+        return self
+
+    def uploads(self) -> dict[str, np.ndarray]:
+        return self._uploads
+
+    def launch(self, backend, logits, views) -> list:
+        """Queue the kernels; returns the device arrays to download: (tokens, log-probs) per group,
+        then the host rows' logits if any."""
+        everything = len(self.samples)
+        pending, start = [], 0
+        for k, (rows, value) in enumerate(self.groups):
+            z = logits if rows.size == everything else embedding.gather(backend, logits, views[f"sampler.rows{k}"],
+                                                                        host_ids=rows)
+            part = slice(start, start + rows.size)
+            start += rows.size
+            tokens = sampling_op.sample_on_device(backend, z, *(views[f"sampler.{name}"][part]
+                                                                for name in _KERNEL_PARAMETERS))
+            pending += [tokens, sampling_op.sampled_logprobs_on_device(backend, z, tokens, value)]
+            self._sampled_from.append(z)
+        if self.host_rows.size:
+            pending.append(logits if self.host_rows.size == everything else
+                           embedding.gather(backend, logits, views["sampler.host_rows"], host_ids=self.host_rows))
+        return pending
+
+    def finish(self, backend, host: list[np.ndarray]) -> tuple[list[int], list[float], list | None]:
+        tokens = np.zeros(len(self.samples), dtype=np.int64)
+        logprobs = np.zeros(len(self.samples), dtype=np.float32)
+        for k, (rows, _) in enumerate(self.groups):
+            group_tokens, group_logprobs = host[2 * k], host[2 * k + 1]
+            if (group_tokens == sampling_op.REFUSED).any():
+                sampling_op.raise_refused(backend, self._sampled_from[k], group_tokens, self.temperature[rows])
+            tokens[rows], logprobs[rows] = group_tokens, group_logprobs
+        top = None
+        if self.host_rows.size:
+            host_logits = host[-1]
+            filtered = ~self.on_device[self.host_rows]
+            rows, z = self.host_rows[filtered], host_logits[filtered]
+            if rows.size:
+                a, t = self.arrays, self.temperature[rows]
+                tokens[rows] = sampling.sample(z, t, top_k=a["top_k"][rows], top_p=a["top_p"][rows],
+                                               min_p=a["min_p"][rows], seed=a["seed"][rows], request=a["request"][rows],
+                                               sample_index=a["sample_index"][rows], position=a["position"][rows])
+                logprobs[rows] = sampling.sampled_logprobs(z, tokens[rows], t)
+            top = _top_logprobs(host_logits, self.samples, self.temperature, self.host_rows)
+        return [int(t) for t in tokens], [float(v) for v in logprobs], top

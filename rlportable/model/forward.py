@@ -13,6 +13,7 @@ bits on any backend, whichever other sequences share the pack and at any offset.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,37 +43,65 @@ class DeviceLayer:
     down: gemm.GemmWeight
 
 
+class StepInputs(NamedTuple):
+    """A step's token ids, positions, query rows, block tables and slots (int32), already on the
+    device (the engine's packed upload), as `Model.step` would put its host arguments there."""
+
+    tokens: object
+    positions: object
+    q_seq: object
+    block_tables: object
+    slots: object
+
+
 class Model:
     """A model's weights on one backend, ready for the forward pass."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, weights: ModelWeights):
+    def __init__(self, backend: Backend, config: ModelConfig, weights: ModelWeights, trainable: bool = False):
+        """trainable: also keep the float32 weights on the device (`params`, the trainer's master
+        weights, updated in place by the optimiser; `reencode()` refreshes the GEMM encodings)."""
         self.backend = backend
         self.config = config
-        put = backend.asarray
-        self.embed = put(weights.embed)
-        self.layers = [self._device_layer(layer) for layer in weights.layers]
-        self.final_norm = put(weights.final_norm)
-        self.lm_head = gemm.encode_weight(backend, put(weights.lm_head))
+        self.trainable = trainable
+        self.params = to_device(backend, weights) if trainable else None
+        source = self.params if trainable else to_device(backend, weights, projections=False)
+        self.embed = source.embed
+        self.final_norm = source.final_norm
+        self._source = source
+        self.layers = self._encode_layers(source if trainable else weights)
+        self.lm_head = gemm.encode_weight(backend, backend.asarray(weights.lm_head) if source.lm_head is None
+                                         else source.lm_head)
         scaling = config.rope_scaling
         self.rope_scaling = None if scaling is None else rope_ref.Llama3Scaling(
             scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
             scaling.original_max_position_embeddings)
         self._rope_tables = None
+        self._transposed: dict = {}
 
-    def _device_layer(self, w: LayerWeights) -> DeviceLayer:
-        put, backend = self.backend.asarray, self.backend
+    def _encode_layers(self, weights: ModelWeights) -> list[DeviceLayer]:
+        return [self._device_layer(layer, self._source.layers[index]) for index, layer in enumerate(weights.layers)]
 
-        def optional(array):
-            return None if array is None else put(array)
+    def _device_layer(self, w: LayerWeights, small: LayerWeights) -> DeviceLayer:
+        """Encode w's projections (host or device arrays); norms and biases come from `small` (device)."""
+        backend = self.backend
+
+        def encode(array):
+            return gemm.encode_weight(backend, backend.asarray(array) if isinstance(array, np.ndarray) else array)
 
         return DeviceLayer(
-            attn_norm=put(w.attn_norm), q=gemm.encode_weight(backend, put(w.q)), k=gemm.encode_weight(backend, put(w.k)),
-            v=gemm.encode_weight(backend, put(w.v)), o=gemm.encode_weight(backend, put(w.o)),
-            q_bias=optional(w.q_bias), k_bias=optional(w.k_bias), v_bias=optional(w.v_bias),
-            q_norm=optional(w.q_norm), k_norm=optional(w.k_norm), mlp_norm=put(w.mlp_norm),
-            gate=gemm.encode_weight(backend, put(w.gate)), up=gemm.encode_weight(backend, put(w.up)),
-            down=gemm.encode_weight(backend, put(w.down)),
+            attn_norm=small.attn_norm, q=encode(w.q), k=encode(w.k), v=encode(w.v), o=encode(w.o),
+            q_bias=small.q_bias, k_bias=small.k_bias, v_bias=small.v_bias,
+            q_norm=small.q_norm, k_norm=small.k_norm, mlp_norm=small.mlp_norm,
+            gate=encode(w.gate), up=encode(w.up), down=encode(w.down),
         )
+
+    def reencode(self) -> None:
+        """Refresh every GEMM encoding from `params` after the optimiser changed them in place."""
+        if not self.trainable:
+            raise InputError("reencode: the model was not built with trainable=True")
+        self.layers = self._encode_layers(self.params)
+        self.lm_head = gemm.encode_weight(self.backend, self.params.lm_head)
+        self._transposed.clear()
 
     # ---- positions and RoPE tables
     def rope_tables(self, length: int):
@@ -91,42 +120,56 @@ class Model:
         return self._forward(tokens, packed_positions(cu_seqlens),
                              lambda q, k, v, _index: attention.attention_packed(self.backend, q, k, v, cu_seqlens))
 
-    def step(self, tokens, positions, q_seq, block_tables, slots, caches: list):
+    def step(self, tokens, positions, q_seq, block_tables, slots, caches: list, device: StepInputs | None = None):
         """One engine step over a paged KV cache: final-norm hidden states [T, H].
 
         Token i (id tokens[i], position positions[i]) belongs to row q_seq[i] of
         block_tables and writes its K and V to cache slot slots[i] of every
         layer's cache (caches[layer], ops.attention.KVCache) before attending to
-        positions 0..positions[i] of its sequence. Prefill, chunked prefill and
-        decode are all this call; the attention contract makes their bits equal
-        to the packed forward's.
+        positions 0..positions[i] of its sequence (a negative slot writes nothing:
+        the engine's padding rows). Prefill, chunked prefill and decode are all this
+        call; the attention contract makes their bits equal to the packed forward's.
+
+        `device`: the same arrays already on the device. Then nothing is copied (the
+        host arrays are only checked), so the call can be captured in a graph that
+        reads its inputs from those device buffers.
         """
         backend = self.backend
         positions = np.asarray(positions, dtype=np.int32)
-        device_positions = backend.asarray(positions)
-        q_seq, slots = backend.asarray(np.asarray(q_seq, np.int32)), backend.asarray(np.asarray(slots, np.int32))
-        tables = backend.asarray(np.asarray(block_tables, np.int32))
+        tokens = np.asarray(tokens, np.int32)
+        if device is None:
+            device = StepInputs(*(backend.asarray(np.asarray(a, np.int32))
+                                  for a in (tokens, positions, q_seq, block_tables, slots)))
 
         def paged(q, k, v, index):
-            attention.write_kv(backend, caches[index], k, v, slots)
-            return attention.attention_paged(backend, q, q_seq, device_positions, caches[index], tables)
+            attention.write_kv(backend, caches[index], k, v, device.slots)
+            return attention.attention_paged(backend, q, device.q_seq, device.positions, caches[index],
+                                             device.block_tables)
 
-        return self._forward(np.asarray(tokens, np.int32), positions, paged, device_positions)
+        return self._forward(tokens, positions, paged, device.positions, device_tokens=device.tokens)
 
-    def _forward(self, tokens: np.ndarray, positions: np.ndarray, attend, device_positions=None):
+    def _forward(self, tokens: np.ndarray, positions: np.ndarray, attend, device_positions=None, saved=None,
+                 device_tokens=None):
         """Embedding, the layers (attention by attend(q, k, v, layer_index)), final norm.
 
         tokens and positions are host arrays: their ranges are checked here once, not by
-        every op on the device."""
+        every op on the device. `saved`, a list, receives each layer's input and the final
+        norm's input (the trainer's activation checkpoints)."""
         cfg, backend = self.config, self.backend
         positions = np.asarray(positions, dtype=np.int32)
         cos, sin = self.rope_tables(int(positions.max()) + 1 if positions.size else 1)
         if device_positions is None:
             device_positions = backend.asarray(positions)
-        x = embedding.gather(backend, self.embed, backend.asarray(tokens), host_ids=tokens)
+        if device_tokens is None:
+            device_tokens = backend.asarray(tokens)
+        x = embedding.gather(backend, self.embed, device_tokens, host_ids=tokens)
         for index, layer in enumerate(self.layers):
+            if saved is not None:
+                saved.append(x)
             x = self._layer(layer, x, (device_positions, positions), cos, sin,
                             lambda q, k, v, i=index: attend(q, k, v, i))
+        if saved is not None:
+            saved.append(x)
         return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> list:
@@ -150,22 +193,35 @@ class Model:
             x = norm.rmsnorm_heads(self.backend, x, head_norm, cfg.rms_norm_eps)
         return x
 
-    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend):
-        """One decoder layer; positions = (device array, the same on the host)."""
+    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None):
+        """One decoder layer; positions = (device array, the same on the host). `record`, a dict,
+        receives the intermediate values (the trainer's backward recomputes a layer this way)."""
         cfg, backend = self.config, self.backend
         t = x.shape[0]
-        h = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
-        q = self._heads(self._projection(h, layer.q, layer.q_bias), cfg.num_attention_heads, layer.q_norm)
-        k = self._heads(self._projection(h, layer.k, layer.k_bias), cfg.num_key_value_heads, layer.k_norm)
-        v = self._projection(h, layer.v, layer.v_bias).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
+        q_lin = self._projection(h1, layer.q, layer.q_bias)
+        k_lin = self._projection(h1, layer.k, layer.k_bias)
+        v = self._projection(h1, layer.v, layer.v_bias).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         device_positions, host_positions = positions
-        q = rope.apply(backend, q, device_positions, cos, sin, host_positions)
-        k = rope.apply(backend, k, device_positions, cos, sin, host_positions)
+        q = rope.apply(backend, self._heads(q_lin, cfg.num_attention_heads, layer.q_norm), device_positions, cos, sin,
+                       host_positions)
+        k = rope.apply(backend, self._heads(k_lin, cfg.num_key_value_heads, layer.k_norm), device_positions, cos, sin,
+                       host_positions)
         a = attend(q, k, v)
-        x = residual.add(backend, x, gemm.gemm(backend, a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
-        h = norm.rmsnorm(backend, x, layer.mlp_norm, cfg.rms_norm_eps)
-        mlp = activation.swiglu(backend, gemm.gemm(backend, h, layer.gate), gemm.gemm(backend, h, layer.up))
-        return residual.add(backend, x, gemm.gemm(backend, mlp, layer.down))
+        x2 = residual.add(backend, x, gemm.gemm(backend, a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
+        h2 = norm.rmsnorm(backend, x2, layer.mlp_norm, cfg.rms_norm_eps)
+        gate, up = gemm.gemm(backend, h2, layer.gate), gemm.gemm(backend, h2, layer.up)
+        mlp = activation.swiglu(backend, gate, up)
+        if record is not None:
+            record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)
+        return residual.add(backend, x2, gemm.gemm(backend, mlp, layer.down))
+
+    def transposed_weight(self, w, start: int, stop: int) -> gemm.GemmWeight:
+        """(w[start:stop]).T encoded as a GEMM weight, for the backward's dX = dY W; cached until reencode()."""
+        key = (id(w), start, stop)
+        if key not in self._transposed:
+            self._transposed[key] = gemm.encode_weight(self.backend, residual.transpose(self.backend, w[start:stop]))
+        return self._transposed[key]
 
     def logprobs(self, tokens: np.ndarray, cu_seqlens: np.ndarray, temperature: float = 1.0,
                  with_entropy: bool = False):
@@ -186,6 +242,27 @@ class Model:
         if with_entropy:
             return per_sequence, np.split(self.backend.to_numpy(ent), splits)
         return per_sequence
+
+
+def to_device(backend: Backend, weights: ModelWeights, projections: bool = True) -> ModelWeights:
+    """The weights as backend arrays (tied lm_head stays the embedding's array). Without
+    projections, the layers' matrices are left None (inference keeps only their encodings)."""
+    put = backend.asarray
+
+    def optional(array):
+        return None if array is None else put(array)
+
+    def layer(w: LayerWeights) -> LayerWeights:
+        matrices = {name: (put(getattr(w, name)) if projections else None)
+                    for name in ("q", "k", "v", "o", "gate", "up", "down")}
+        return LayerWeights(attn_norm=put(w.attn_norm), mlp_norm=put(w.mlp_norm), q_bias=optional(w.q_bias),
+                            k_bias=optional(w.k_bias), v_bias=optional(w.v_bias), q_norm=optional(w.q_norm),
+                            k_norm=optional(w.k_norm), **matrices)
+
+    embed = put(weights.embed)
+    lm_head = embed if weights.tied else (put(weights.lm_head) if projections else None)
+    return ModelWeights(embed=embed, layers=[layer(w) for w in weights.layers], final_norm=put(weights.final_norm),
+                        lm_head=lm_head)
 
 
 def check_packing(tokens: np.ndarray, cu_seqlens, vocab_size: int) -> np.ndarray:

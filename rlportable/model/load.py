@@ -1,4 +1,4 @@
-"""load_model("tiny" | directory) -> (ModelConfig, ModelWeights, Tokenizer), and save_model."""
+"""load_model("tiny" | "tiny-sft" | directory) -> (ModelConfig, ModelWeights, Tokenizer), and save_model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from rlportable.model.tokenizer import TOKENIZER_FILE, Tokenizer, check_vocab, l
 from rlportable.model.weights import ModelWeights, check_weights, load_weights, save_safetensors
 
 TINY = "tiny"
+TINY_SFT = "tiny-sft"  # the tiny model after rlportable's own SFT run (docs/training.md), shipped in the package
+TINY_SFT_DIR = os.path.join(os.path.dirname(__file__), "data", TINY_SFT)
 
 
 def load_model(spec: str | os.PathLike) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
@@ -18,6 +20,10 @@ def load_model(spec: str | os.PathLike) -> tuple[ModelConfig, ModelWeights, Toke
         from rlportable.model.tiny import tiny_model
 
         return tiny_model()
+    if isinstance(spec, str) and spec == TINY_SFT:
+        if not os.path.isdir(TINY_SFT_DIR):
+            raise ModelError(f"model 'tiny-sft': its weights are missing from this installation ({TINY_SFT_DIR})")
+        spec = TINY_SFT_DIR
     directory = os.fspath(spec)
     if not os.path.exists(directory):
         raise ModelError(f"model {directory!r}: no such directory (give a Hugging Face model directory or 'tiny')")

@@ -114,6 +114,69 @@ def sampled_logprobs(backend, logits, tokens, temperature):
     return out if backend.kernel_vendor is None else backend.asarray(out)
 
 
+# ---- the engine's step loop: parameters already on the device, nothing read back
+
+
+def kernel_row_parameters(rows: int, temperature, seed, request, sample_index, position) -> list[np.ndarray]:
+    """The sampling kernel's per-row arrays on the host, checked as `sample` checks them:
+    temperature float64, seed uint64, request / sample_index / position uint32, each [rows]."""
+    temperature = np.ascontiguousarray(reference._row_param("temperature", temperature, rows, np.float64))
+    if not np.all(np.isfinite(temperature) & (temperature >= 0)):
+        raise InputError(f"sampling: temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    return [temperature] + _row_counters(rows, seed, request, sample_index, position)
+
+
+def sample_on_device(backend, logits, temperature, seed, request, sample_index, position, threads: int = THREADS):
+    """`sample` for rows whose parameters are already backend arrays [rows] (kernel_row_parameters'
+    dtypes; the caller checked its host copies and that every row is unfiltered, `device_rows`).
+    Returns tokens int32 [rows] without copying anything back: a row the contract refuses gets
+    REFUSED (-1), and the caller raises with `raise_refused` once it has its host copy of the tokens.
+    On cpu this is the reference, which raises at once."""
+    rows, vocab = require_matrix("logits", logits)
+    if not 1 <= vocab <= reference.MAX_VOCAB:
+        raise InputError(f"sampling: the vocabulary size must lie in [1, 2^25], got {vocab}")
+    for name, array, dtype in (("temperature", temperature, np.float64), ("seed", seed, np.uint64),
+                               ("request", request, np.uint32), ("sample_index", sample_index, np.uint32),
+                               ("position", position, np.uint32)):
+        if shape_of(array) != (rows,) or np.dtype(array.dtype) != np.dtype(dtype):
+            raise InputError(f"sampling: {name} must be {np.dtype(dtype).name} of shape ({rows},), got "
+                             f"{np.dtype(array.dtype).name} of shape {shape_of(array)}")
+    if backend.kernel_vendor is None:
+        return np.asarray(reference.sample(np.asarray(logits), np.asarray(temperature), seed=np.asarray(seed),
+                                           request=np.asarray(request), sample_index=np.asarray(sample_index),
+                                           position=np.asarray(position)), dtype=np.int32)
+    tokens = backend.empty((rows,), np.int32)
+    if rows:
+        backend.launch("sampling", "sampling_rows", (min(rows, MAX_GRID),), (int(threads),),
+                       (logits, np.int64(rows), np.int32(vocab), temperature, seed, request, sample_index, position,
+                        tokens))
+    return tokens
+
+
+def sampled_logprobs_on_device(backend, logits, tokens, temperature: float):
+    """float32 [rows] (a backend array): the logprob op at one record temperature for tokens that
+    `sample_on_device` drew from these logits at that temperature, without copying them back to check
+    them. Safe because the logprob kernel reads a row's target only when the row has no NaN and a
+    finite maximum of RNE(z / T), exactly the rows the sampler accepts; it writes REFUSED (-1) for the
+    others, which are never read. On cpu: logprob.logprobs."""
+    rows, vocab = require_matrix("logits", logits)
+    if shape_of(tokens) != (rows,) or np.dtype(tokens.dtype) != np.int32:
+        raise InputError(f"sampling: tokens must be int32 of shape ({rows},), got "
+                         f"{np.dtype(tokens.dtype).name} of shape {shape_of(tokens)}")
+    temperature = logprob_op.check_temperature(temperature)
+    if backend.kernel_vendor is None:
+        return logprob_op.logprobs(backend, logits, tokens, temperature)
+    logp = backend.empty((rows,), np.float32)
+    logprob_op._launch(backend, logits, tokens, temperature, logp, None)
+    return logp
+
+
+def raise_refused(backend, logits, host_tokens: np.ndarray, temperature) -> None:
+    """Raise the reference's InputError for the first row whose token is REFUSED (no-op if none).
+    logits: the backend array the tokens were drawn from; temperature: host [rows]."""
+    _refuse(backend, logits, np.asarray(host_tokens), np.asarray(temperature, dtype=np.float64))
+
+
 def sample_and_logprobs(backend, logits, temperature, *, seed, request, sample_index, position):
     """(tokens int32 [rows], log-probs float32 [rows]): `sample` then `sampled_logprobs`."""
     tokens = sample(backend, logits, temperature, seed=seed, request=request, sample_index=sample_index,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -71,6 +73,37 @@ class Backend(ABC):
 
     def info(self) -> dict:
         return {"backend": self.name}
+
+    # ---- the engine's step loop (rlportable/engine/runner.py): transfers, stream, graphs
+    #: whether capture_graph works here (cuda: CUDA graphs; hip: HIP graphs). Elsewhere the engine
+    #: runs the same padded decode buckets eagerly.
+    supports_graphs: bool = False
+
+    def engine_stream(self):
+        """A context manager that runs the enclosed work on the engine's stream (graph capture needs a
+        stream other than the legacy default one); nothing to do on cpu."""
+        return contextlib.nullcontext()
+
+    def capture_graph(self, function):
+        """(graph, function()) with function's device work captured, not run; graph.replay() runs it."""
+        raise NotImplementedError(f"the {self.label} backend has no graphs")
+
+    def release_graph_memory(self) -> None:
+        """Give back to the device the memory that dropped graphs' captured work allocated."""
+
+    def upload(self, buffer, host: np.ndarray) -> None:
+        """Copy the bytes of `host` (uint8 [n]) into the first n bytes of `buffer` (a uint8 backend
+        array) in stream order, without waiting for the device where the backend can."""
+        buffer[: host.size] = host
+
+    def download(self, arrays: list) -> list[np.ndarray]:
+        """Host copies of backend arrays (C-contiguous), with one wait for the device where the backend can."""
+        return [np.array(self.to_numpy(array)) for array in arrays]
+
+    def typed_view(self, buffer, offset: int, shape: tuple[int, ...], dtype):
+        """`shape` elements of `dtype` at byte `offset` of a uint8 backend array (offset aligned to the item size)."""
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        return buffer[offset: offset + nbytes].view(dtype).reshape(shape)
 
     @property
     def label(self) -> str:

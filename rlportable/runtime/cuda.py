@@ -3,9 +3,17 @@
 With kernel_source="hip" it compiles backends/hip instead, behind the
 prelude backends/hip/hip_on_cuda.h that maps HIP names to CUDA ones: the HIP
 kernels' logic then runs on NVIDIA hardware (with a warp of 32).
+
+The engine's step loop (engine/runner.py) runs on one non-default stream (graph
+capture cannot use the legacy default stream), copies its metadata to the device
+through pinned staging buffers (asynchronous copies), and replays decode steps as
+CUDA graphs captured with CuPy's stream capture (native CUDA sources only: the
+graph must use the fused GEMM, and CuPy refuses cuBLAS calls inside a capture).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -53,6 +61,12 @@ class CudaBackend(Backend):
         self.compute_capability = self.device.compute_capability  # e.g. "90"
         self._modules: dict[str, object] = {}
         self._functions: dict[tuple[str, str], object] = {}
+        self._shared_limits: dict[int, int] = {}  # function pointer -> dynamic shared memory it opted in to
+        self.supports_graphs = kernel_source == "cuda"
+        self._stream = None  # the engine's stream
+        self._graph_pool = None  # memory of captured work (see capture_graph)
+        self._uploads: list[list] = []  # [pinned host buffer, event after the last copy from it]
+        self._download = None  # pinned host buffer
 
     @property
     def label(self):
@@ -105,9 +119,96 @@ class CudaBackend(Backend):
 
     def launch(self, family, kernel, grid, block, args, shared_mem=0):
         function = self.function(family, kernel)
-        if shared_mem > 48 * 1024:  # above the default limit a kernel must opt in
-            self.cupy.cuda.driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+        if shared_mem > max(48 * 1024, self._shared_limits.get(function.ptr, 0)):
+            # above the default limit a kernel must opt in (once per size, not at every launch)
+            self.cupy.cuda.driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                   shared_mem)
+            self._shared_limits[function.ptr] = shared_mem
         function(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+
+    # ---- the engine's step loop: stream, transfers, graphs
+    def engine_stream(self):
+        """The engine's stream (a CuPy Stream is the context manager that makes it current). It is a
+        blocking stream, so it stays ordered with work on the legacy default stream."""
+        if self._stream is None:
+            self._stream = self.cupy.cuda.Stream(non_blocking=False)
+        return self._stream
+
+    @staticmethod
+    def _pinned(nbytes: int, previous: np.ndarray | None) -> np.ndarray:
+        """A pinned host buffer of at least nbytes (at least twice the one it replaces)."""
+        import cupyx
+
+        size = max(nbytes, 1 << 16, 2 * (previous.size if previous is not None else 0))
+        return cupyx.empty_pinned((size,), dtype=np.uint8)
+
+    def upload(self, buffer, host):
+        """One asynchronous host-to-device copy on the current stream, from a pinned staging buffer
+        that no pending copy still reads: the first of a small ring whose event has completed (a
+        non-blocking query), or a new one. So the host never waits for the device here."""
+        cupy = self.cupy
+        nbytes = int(host.nbytes)
+        if nbytes == 0:
+            return
+        slot = next((slot for slot in self._uploads if slot[1].done), None)
+        if slot is None:
+            slot = [None, cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)]
+            self._uploads.append(slot)
+        if slot[0] is None or slot[0].size < nbytes:
+            slot[0] = self._pinned(nbytes, slot[0])
+        slot[0][:nbytes] = host
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(buffer.data.ptr, slot[0].ctypes.data, nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        slot[1].record(stream)
+
+    def download(self, arrays):
+        """Asynchronous device-to-host copies of every array into one pinned buffer, then one wait
+        for the current stream: the step loop's only synchronisation."""
+        cupy = self.cupy
+        arrays = [a if a.flags.c_contiguous else cupy.ascontiguousarray(a) for a in arrays]
+        offsets, total = [], 0
+        for array in arrays:
+            offsets.append(total)
+            total += -(-int(array.nbytes) // 16) * 16
+        if self._download is None or self._download.size < total:
+            self._download = self._pinned(total, self._download)
+        staging = self._download
+        stream = cupy.cuda.get_current_stream()
+        for array, offset in zip(arrays, offsets):
+            if array.nbytes:
+                cupy.cuda.runtime.memcpyAsync(staging.ctypes.data + offset, array.data.ptr, int(array.nbytes),
+                                              cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        stream.synchronize()
+        return [staging[offset: offset + array.nbytes].view(array.dtype).reshape(array.shape).copy()
+                for array, offset in zip(arrays, offsets)]
+
+    def capture_graph(self, function):
+        """(CudaGraph, function()) with function's kernels captured on the engine stream, not run.
+
+        Arrays the captured work allocates come from a private memory pool (only captures use it):
+        a buffer freed after the capture goes back to that pool, never to the eager code, so no
+        eager array can ever alias memory a replay writes. Later captures reuse those buffers,
+        which is safe because graphs replay one at a time on the engine stream; what `function`
+        returns (the graph's outputs) stays alive with the caller, so no other capture reuses it."""
+        cupy = self.cupy
+        if self._graph_pool is None:
+            self._graph_pool = cupy.cuda.MemoryPool()
+        stream = self.engine_stream()
+        with stream, cupy.cuda.using_allocator(self._graph_pool.malloc):
+            stream.begin_capture()
+            try:
+                result = function()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    stream.end_capture()
+                raise
+            graph = stream.end_capture()
+        return CudaGraph(graph, stream), result
+
+    def release_graph_memory(self):
+        if self._graph_pool is not None:
+            self._graph_pool.free_all_blocks()
 
     # ---- vendor integer GEMM
     def gemm_s8_s32(self, m, n, k, a, a_offset, lda, b, b_offset, ldb, c, c_offset, ldc):
@@ -146,6 +247,17 @@ class CudaBackend(Backend):
             "nvrtc": _nvrtc_version(),
             "cublas": cupy.cuda.cublas.getVersion(self.device.cublas_handle),
         }
+
+
+class CudaGraph:
+    """A captured CUDA graph (cupy.cuda.Graph), replayed on the engine stream."""
+
+    def __init__(self, graph, stream):
+        self.graph = graph
+        self.stream = stream
+
+    def replay(self) -> None:
+        self.graph.launch(self.stream)
 
 
 def _nvrtc_version() -> str:

@@ -13,10 +13,17 @@ hip.hiprtc, hip.hipblas):
   * hipModuleLaunchKernel's `extra` takes a pointer (an int) to the standard
     HIP_LAUNCH_PARAM_BUFFER_POINTER / _SIZE / _END array; the argument buffer is
     packed here by `pack_kernel_args` (natural alignment, the kernarg ABI).
+
+Decode steps replay HIP graphs (hipStreamBeginCapture / EndCapture / GraphInstantiateWithFlags /
+GraphLaunch), the same design as the cuda backend's CUDA graphs: kernels launch on the engine's
+stream while it is current, and memory freed during a capture is kept until its graph is dropped
+(a replay still uses it). This path has never run on an AMD GPU (none was available); like
+everything else here, `rlportable conform --device hip` is what checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import struct
 
@@ -139,6 +146,40 @@ def launch_dims(dims, what: str) -> tuple[int, int, int]:
     return dims + (1,) * (3 - len(dims))
 
 
+class GraphMemory(HipMemory):
+    """HipMemory whose frees are held back while a graph is captured: memory that captured work
+    used must stay allocated for every replay, so it is freed only when its graph is dropped."""
+
+    def __init__(self, hip_module=None):
+        super().__init__(hip_module)
+        self.held: list[int] | None = None  # a list while a capture is open
+
+    def free(self, ptr: int) -> None:
+        if self.held is not None and ptr:
+            self.held.append(ptr)
+            return
+        super().free(ptr)
+
+
+class HipGraph:
+    """An instantiated HIP graph, replayed on the engine stream; owns the memory its capture freed."""
+
+    def __init__(self, hip, graph, graph_exec, stream, held: list[int], memory: HipMemory):
+        self.hip, self.graph, self.graph_exec, self.stream = hip, graph, graph_exec, stream
+        self.held, self.memory = held, memory
+
+    def replay(self) -> None:
+        check_hip(self.hip.hipGraphLaunch(self.graph_exec, self.stream), "hipGraphLaunch")
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # interpreter shutdown or a lost device
+            self.hip.hipGraphExecDestroy(self.graph_exec)
+            self.hip.hipGraphDestroy(self.graph)
+        for ptr in self.held:  # hipFree waits for the device, so no replay still uses them
+            with contextlib.suppress(Exception):
+                HipMemory.free(self.memory, ptr)
+
+
 def _text(value) -> str:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).split(b"\0", 1)[0].decode(errors="replace")
@@ -163,11 +204,15 @@ class HipBackend(Backend):
         check_hip(hip.hipGetDeviceProperties(properties, self.device_id), "hipGetDeviceProperties")
         self.gcn_arch = _text(properties.gcnArchName)  # e.g. "gfx942:sramecc+:xnack-"
         self.device_name = _text(properties.name)
-        self.memory = HipMemory(hip)
+        self.memory = GraphMemory(hip)
+        self.stream = None  # where kernels launch: None (the null stream), or the engine stream while current
+        self._engine_stream = None
+        self.supports_graphs = True
         self._modules: dict[str, object] = {}
         self._images: dict[str, bytearray] = {}
         self._functions: dict[tuple[str, str], object] = {}
         self._blas_handle = None
+        self._blas_stream = None  # the stream the hipBLAS handle was last set to
         self._gemm_form = None  # which hipblasGemmEx enum form this hip-python takes
 
     @property
@@ -233,10 +278,61 @@ class HipBackend(Backend):
         bx, by, bz = launch_dims(block, "block")
         extra, keep_alive = launch_extra(pack_kernel_args(args))
         check_hip(
-            self.hip.hipModuleLaunchKernel(function, gx, gy, gz, bx, by, bz, int(shared_mem), None, None, extra),
+            self.hip.hipModuleLaunchKernel(function, gx, gy, gz, bx, by, bz, int(shared_mem), self.stream, None, extra),
             f"hipModuleLaunchKernel('{kernel}', grid={grid}, block={block}, shared_mem={shared_mem})",
         )
         del keep_alive
+
+    # ---- the engine's step loop: stream, transfers, graphs
+    @contextlib.contextmanager
+    def engine_stream(self):
+        """Kernels launch on the engine's stream inside this block. It is a blocking stream, so the
+        synchronous copies of HipArray (null stream) stay ordered with it."""
+        if self._engine_stream is None:
+            self._engine_stream = check_hip(self.hip.hipStreamCreate(), "hipStreamCreate")
+        previous, self.stream = self.stream, self._engine_stream
+        try:
+            yield self._engine_stream
+        finally:
+            self.stream = previous
+
+    def upload(self, buffer, host):
+        """A synchronous hipMemcpy (HipArray has no pinned staging yet)."""
+        self.memory.host_to_device(buffer.ptr, np.ascontiguousarray(host).ctypes.data, int(host.nbytes))
+
+    def typed_view(self, buffer, offset, shape, dtype):
+        return HipArray(shape, dtype, memory=buffer.memory, _allocation=buffer._allocation,
+                        _ptr=buffer.ptr + int(offset))
+
+    def capture_graph(self, function):
+        """(HipGraph, function()) with function's kernels captured on the engine stream, not run.
+        Captured code may allocate (hipMalloc, relaxed capture mode) but not copy or memset: HipArray
+        does those synchronously on the null stream, which a capture refuses (a loud error)."""
+        hip = self.hip
+        with self.engine_stream() as stream:
+            self.memory.held = []
+            graph = graph_exec = None
+            try:
+                mode = hip.hipStreamCaptureMode.hipStreamCaptureModeRelaxed
+                check_hip(hip.hipStreamBeginCapture(stream, mode), "hipStreamBeginCapture")
+                try:
+                    result = function()
+                except BaseException:
+                    with contextlib.suppress(Exception):  # end the capture; the error that matters is this one
+                        graph = check_hip(hip.hipStreamEndCapture(stream), "hipStreamEndCapture")
+                    raise
+                graph = check_hip(hip.hipStreamEndCapture(stream), "hipStreamEndCapture")
+                graph_exec = check_hip(hip.hipGraphInstantiateWithFlags(graph, 0), "hipGraphInstantiateWithFlags")
+            except BaseException:
+                held, self.memory.held = self.memory.held, None
+                if graph is not None:
+                    with contextlib.suppress(Exception):
+                        hip.hipGraphDestroy(graph)
+                for ptr in held:
+                    self.memory.free(ptr)
+                raise
+            held, self.memory.held = self.memory.held, None
+        return HipGraph(hip, graph, graph_exec, stream, held, self.memory), result
 
     def _hiprtc_compile(self, source: str, family: str, options: tuple[str, ...]) -> bytes:
         hiprtc = self.hiprtc
@@ -299,6 +395,9 @@ class HipBackend(Backend):
         row of A and a row of B. Offsets are in elements.
         """
         hipblas = self.hipblas
+        if self._blas_stream is not self.stream:  # hipBLAS runs on the stream kernels launch on (the engine's)
+            check_hip(hipblas.hipblasSetStream(self.blas_handle(), self.stream), "hipblasSetStream")
+            self._blas_stream = self.stream
         one = np.array(1, dtype=np.int32)
         zero = np.array(0, dtype=np.int32)
         a_ptr, b_ptr, c_ptr = a.ptr + int(a_offset), b.ptr + int(b_offset), c.ptr + 4 * int(c_offset)

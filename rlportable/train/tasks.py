@@ -237,15 +237,24 @@ def get_task(name: str, **options: Any) -> Task:
         raise InputError(f"task {name!r}: {exc}") from None
 
 
+def parse_task_spec(spec: str) -> Task:
+    """A task from "name" or "name:key=value,key=value" (integers where the value is all digits),
+    e.g. "arithmetic:digits=1,ops=+"."""
+    name, _, rest = spec.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"task {spec!r}: options must be key=value, got {item!r}")
+        options[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return get_task(name.strip(), **options)
+
+
 # ---------------------------------------------------------------- JSONL datasets
 
 
-def load_jsonl_dataset(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Records of a JSONL file: one JSON object a line (blank lines skipped), each with a "prompt" string.
-
-    Every record must carry the same columns as the first (they reach reward
-    functions as lists, one value per completion). Errors name ``file:line``.
-    """
+def read_jsonl_objects(path: str | os.PathLike):
+    """(where "file:line", object) for each non-blank line of a JSONL file; one-line errors."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -254,8 +263,6 @@ def load_jsonl_dataset(path: str | os.PathLike) -> list[dict[str, Any]]:
         raise InputError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
-    records: list[dict[str, Any]] = []
-    keys: set[str] | None = None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -266,6 +273,18 @@ def load_jsonl_dataset(path: str | os.PathLike) -> list[dict[str, Any]]:
             raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(record, dict):
             raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield where, record
+
+
+def load_jsonl_dataset(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a JSONL file: one JSON object a line (blank lines skipped), each with a "prompt" string.
+
+    Every record must carry the same columns as the first (they reach reward
+    functions as lists, one value per completion). Errors name ``file:line``.
+    """
+    records: list[dict[str, Any]] = []
+    keys: set[str] | None = None
+    for where, record in read_jsonl_objects(path):
         if not isinstance(record.get("prompt"), str):
             problem = "missing" if "prompt" not in record else f"a {type(record['prompt']).__name__}, not a string"
             raise InputError(f"{where}: the \"prompt\" column is {problem}")
@@ -275,5 +294,5 @@ def load_jsonl_dataset(path: str | os.PathLike) -> list[dict[str, Any]]:
             raise InputError(f"{where}: columns {sorted(record)} differ from the first record's {sorted(keys)}")
         records.append(record)
     if not records:
-        raise InputError(f"{path}: no records")
+        raise InputError(f"{os.fspath(path)}: no records")
     return records

@@ -1,0 +1,236 @@
+"""The trainer's forward and backward through the model, under the contracts.
+
+`forward` runs the packed forward exactly as `Model.logprobs` does (so the
+log-prob of every next token is bitwise the engine's), keeping each layer's
+input as an activation checkpoint. `backward` takes the loss's gradient with
+respect to those log-probs and returns the gradient of every weight.
+
+How gradients are computed (docs/decisions.md, "Issue 5: gradients"):
+  * every matrix product is the exact GEMM (ops.gemm): dX = dY W uses W's
+    transpose encoded as a weight (15 bits); dW = dY^T X encodes dY^T rows at
+    23 bits and X^T rows at 15 bits; K is cut into fixed chunks of GEMM_K_CHUNK
+    whose float32 partial results are added in chunk order (ops.residual.add);
+  * each op's backward is its family's backward kernel (norm, rope, attention,
+    activation, logprob, embedding), exact sums inside, under its contract;
+  * several contributions to one gradient are added in a fixed order.
+So the same batch gives the same gradient bits on every backend and vendor,
+and the same run twice gives the same weights.
+
+Per-layer activation checkpointing: only each layer's input is kept; the
+backward recomputes the layer's forward (the same bits) before going through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from rlportable.errors import InputError
+from rlportable.model.forward import Model, check_packing, next_token_rows, packed_positions
+from rlportable.model.weights import LayerWeights, ModelWeights
+from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope, rowsum
+from rlportable.ops.checks import shape_of
+
+GEMM_K_CHUNK = 32768   # < gemm_max_k(23, 15) = 65535; a fixed power of two so the chunking never depends on data
+LM_HEAD_ROW_CHUNK = 1024  # next-token rows per LM-head backward pass: the [rows, V] gradient never exists whole
+WEIGHT_GRAD_BITS = 15
+
+
+@dataclass
+class TrainingForward:
+    """What the backward needs from the forward (host arrays, and the device checkpoints)."""
+
+    tokens: np.ndarray         # int32 [T]
+    cu_seqlens: np.ndarray     # int64 [S+1]
+    positions: np.ndarray      # int32 [T]
+    rows: np.ndarray           # int32 [R]: token rows whose next token is predicted
+    targets: np.ndarray        # int32 [R]: that next token
+    checkpoints: list          # device [T, H]: each layer's input, then the final norm's input
+    picked: object             # device [R, H]: final-norm hidden states of `rows`
+    logp: object               # device float32 [R]
+    temperature: float
+
+
+def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=None) -> TrainingForward:
+    """Packed forward keeping activation checkpoints; logp[r] = log P(tokens[rows[r] + 1] | tokens up to
+    rows[r]). rows (token indices, each followed by a token of its own sequence) defaults to every
+    next-token row; a trainer passes only the completion tokens' rows."""
+    backend = model.backend
+    tokens = np.asarray(tokens, dtype=np.int32)
+    cu_seqlens = check_packing(tokens, cu_seqlens, model.config.vocab_size)
+    temperature = logprob.check_temperature(temperature)
+    positions = packed_positions(cu_seqlens).astype(np.int32)
+    checkpoints: list = []
+    hidden = model._forward(tokens, positions, _packed_attention(model, cu_seqlens), saved=checkpoints)
+    rows, targets = next_token_rows(tokens, cu_seqlens) if rows is None else _check_rows(rows, cu_seqlens, tokens)
+    rows = rows.astype(np.int32)
+    picked = embedding.gather(backend, hidden, backend.asarray(rows), host_ids=rows)
+    logp = logprob.lm_head_logprobs(backend, picked, model.lm_head, backend.asarray(targets), temperature)
+    return TrainingForward(tokens, cu_seqlens, positions, rows, targets, checkpoints, picked, logp, temperature)
+
+
+def _check_rows(rows, cu_seqlens: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.ndim != 1:
+        raise InputError(f"forward: rows must be one-dimensional, got shape {rows.shape}")
+    inside = rows.size == 0 or (rows.min() >= 0 and rows.max() < tokens.size)
+    if not inside or (rows.size and np.any(rows + 1 >= cu_seqlens[np.searchsorted(cu_seqlens, rows, side="right")])):
+        raise InputError("forward: every row must be a token followed by another token of its own sequence")
+    return rows, tokens[rows + 1].astype(np.int32)
+
+
+def _packed_attention(model: Model, cu_seqlens: np.ndarray):
+    return lambda q, k, v, _index: attention.attention_packed(model.backend, q, k, v, cu_seqlens)
+
+
+def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray) -> ModelWeights:
+    """Gradients of sum_r grad_logp[r] * logp[r] with respect to every weight (device float32,
+    shaped like model.params; a tied lm_head's gradient is the embedding's, summed)."""
+    if not model.trainable:
+        raise InputError("backward: build the Model with trainable=True (the trainer needs its float32 weights)")
+    grad_logp = np.asarray(grad_logp, dtype=np.float32)
+    if grad_logp.shape != fwd.rows.shape:
+        raise InputError(f"backward: grad_logp has shape {grad_logp.shape}, expected {fwd.rows.shape} "
+                         "(one value per predicted token)")
+    backend, cfg, params = model.backend, model.config, model.params
+    d_picked_full, d_lm_head = _lm_head_backward(model, fwd, grad_logp)
+    x_final = fwd.checkpoints[-1]
+    dx, d_final_norm = norm.rmsnorm_backward(backend, x_final, params.final_norm, cfg.rms_norm_eps, d_picked_full)
+    layer_grads: list[LayerWeights] = [None] * len(model.layers)  # type: ignore[list-item]
+    for index in reversed(range(len(model.layers))):
+        dx, layer_grads[index] = _layer_backward(model, index, fwd, dx)
+    d_embed = embedding.gather_backward(backend, backend.asarray(fwd.tokens), fwd.tokens, dx, cfg.vocab_size)
+    if params.tied:
+        d_embed = residual.add(backend, d_embed, d_lm_head)
+        d_lm_head = d_embed
+    return ModelWeights(embed=d_embed, layers=layer_grads, final_norm=d_final_norm, lm_head=d_lm_head)
+
+
+# ----------------------------------------------------------------------------- LM head and log-prob
+
+
+def _lm_head_backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray):
+    """(d final hidden [T, H], d lm_head [V, H]) from the log-prob gradients, LM_HEAD_ROW_CHUNK rows at a time."""
+    backend = model.backend
+    tokens, hidden_size = shape_of(fwd.checkpoints[-1])
+    d_hidden = d_weight = None
+    for start in range(0, fwd.rows.size, LM_HEAD_ROW_CHUNK):
+        stop = min(start + LM_HEAD_ROW_CHUNK, fwd.rows.size)
+        picked = fwd.picked[start:stop]
+        logits = gemm.gemm(backend, picked, model.lm_head)
+        d_logits = logprob.logprobs_backward(backend, logits, backend.asarray(fwd.targets[start:stop]),
+                                             fwd.temperature, backend.asarray(grad_logp[start:stop]))
+        d_picked = input_grad(model, d_logits, model.params.lm_head)
+        rows = fwd.rows[start:stop]
+        d_rows = embedding.gather_backward(backend, backend.asarray(rows), rows, d_picked, tokens)  # scatter
+        d_hidden = _accumulate(backend, d_hidden, d_rows)
+        d_weight = _accumulate(backend, d_weight, weight_grad(backend, d_logits, picked))
+    if d_hidden is None:  # no predicted token at all: zero gradients
+        d_hidden = backend.zeros((tokens, hidden_size), np.float32)
+        d_weight = backend.zeros(shape_of(model.params.lm_head), np.float32)
+    return d_hidden, d_weight
+
+
+def _accumulate(backend, total, part):
+    return part if total is None else residual.add(backend, total, part)
+
+
+# ----------------------------------------------------------------------------- matrix products
+
+
+def input_grad(model: Model, dy, w):
+    """dX = dY W for y = x W^T: dY [M, N] against W^T's rows, K = N cut into GEMM_K_CHUNK columns."""
+    backend = model.backend
+    n = shape_of(dy)[1]
+    if n <= GEMM_K_CHUNK:
+        return gemm.gemm(backend, dy, model.transposed_weight(w, 0, n))
+    dy_t = residual.transpose(backend, dy)
+    total = None
+    for start in range(0, n, GEMM_K_CHUNK):
+        stop = min(start + GEMM_K_CHUNK, n)
+        part = gemm.gemm(backend, residual.transpose(backend, dy_t[start:stop]),
+                         model.transposed_weight(w, start, stop))
+        total = _accumulate(backend, total, part)
+    return total
+
+
+def weight_grad(backend, dy, x):
+    """dW = dY^T X [N, K] for y = x W^T over M tokens: dY^T rows at 23 bits, X^T rows at 15 bits,
+    the token axis cut into GEMM_K_CHUNK chunks whose products are added in order."""
+    (m, n), k = shape_of(dy), shape_of(x)[1]
+    if m == 0:
+        return backend.zeros((n, k), np.float32)
+    total = None
+    for start in range(0, m, GEMM_K_CHUNK):
+        stop = min(start + GEMM_K_CHUNK, m)
+        dy_t = residual.transpose(backend, dy[start:stop])
+        x_t = gemm.encode_weight(backend, residual.transpose(backend, x[start:stop]), bits=WEIGHT_GRAD_BITS)
+        total = _accumulate(backend, total, gemm.gemm(backend, dy_t, x_t))
+    return total
+
+
+def bias_grad(backend, dy):
+    """d bias [N] = sum over tokens of dY [M, N]: the exact row sum of dY^T."""
+    return rowsum.rowsum(backend, residual.transpose(backend, dy))
+
+
+# ----------------------------------------------------------------------------- one decoder layer
+
+
+def _recompute(model: Model, index: int, fwd: TrainingForward, x) -> dict:
+    """The layer's forward again from its checkpointed input (the same ops, so the same bits),
+    with its intermediate values."""
+    cos, sin = model.rope_tables(int(fwd.positions.max()) + 1 if fwd.positions.size else 1)
+    positions = (model.backend.asarray(fwd.positions), fwd.positions)
+    record: dict = {}
+    model._layer(model.layers[index], x, positions, cos, sin,
+                 lambda q, k, v: attention.attention_packed(model.backend, q, k, v, fwd.cu_seqlens), record)
+    return record
+
+
+def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
+    """(d layer input, the layer's weight gradients) from d layer output."""
+    cfg, backend = model.config, model.backend
+    w = model.params.layers[index]
+    x = fwd.checkpoints[index]
+    t = shape_of(x)[0]
+    f = SimpleNamespace(**_recompute(model, index, fwd, x))
+    grads: dict = {}
+    # MLP: out = x2 + swiglu(h2 Wg^T, h2 Wu^T) Wd^T
+    grads["down"] = weight_grad(backend, d_out, f.mlp)
+    d_gate, d_up = activation.swiglu_backward(backend, f.gate, f.up, input_grad(model, d_out, w.down))
+    grads["gate"], grads["up"] = weight_grad(backend, d_gate, f.h2), weight_grad(backend, d_up, f.h2)
+    d_h2 = residual.add(backend, input_grad(model, d_gate, w.gate), input_grad(model, d_up, w.up))
+    d_x2, grads["mlp_norm"] = norm.rmsnorm_backward(backend, f.x2, w.mlp_norm, cfg.rms_norm_eps, d_h2)
+    d_x2 = residual.add(backend, d_out, d_x2)
+    # attention: x2 = x + attn(rope(norm(h1 Wq^T)), rope(norm(h1 Wk^T)), h1 Wv^T) Wo^T
+    a_flat = f.a.reshape(t, cfg.num_attention_heads * cfg.head_dim)
+    grads["o"] = weight_grad(backend, d_x2, a_flat)
+    d_a = input_grad(model, d_x2, w.o).reshape(t, cfg.num_attention_heads, cfg.head_dim)
+    d_q, d_k, d_v = attention.attention_packed_backward(backend, f.q, f.k, f.v, d_a, fwd.cu_seqlens)
+    d_q_lin = _head_backward(model, f.q_lin, w.q_norm, d_q, fwd, grads, "q_norm")
+    d_k_lin = _head_backward(model, f.k_lin, w.k_norm, d_k, fwd, grads, "k_norm")
+    d_v_lin = d_v.reshape(t, cfg.num_key_value_heads * cfg.head_dim)
+    d_h1 = None
+    for name, d_lin in (("q", d_q_lin), ("k", d_k_lin), ("v", d_v_lin)):
+        grads[name] = weight_grad(backend, d_lin, f.h1)
+        if getattr(w, f"{name}_bias") is not None:
+            grads[f"{name}_bias"] = bias_grad(backend, d_lin)
+        d_h1 = _accumulate(backend, d_h1, input_grad(model, d_lin, getattr(w, name)))
+    d_x, grads["attn_norm"] = norm.rmsnorm_backward(backend, x, w.attn_norm, cfg.rms_norm_eps, d_h1)
+    return residual.add(backend, d_x2, d_x), LayerWeights(**grads)
+
+
+def _head_backward(model: Model, lin, head_norm, d_rotated, fwd: TrainingForward, grads: dict, norm_name: str):
+    """Through RoPE and (Qwen3) the per-head QK-norm back to the projection's output [T, heads * D]."""
+    cfg, backend = model.config, model.backend
+    t, heads, dim = shape_of(d_rotated)
+    cos, sin = model.rope_tables(int(fwd.positions.max()) + 1 if fwd.positions.size else 1)
+    d_normed = rope.apply_backward(backend, d_rotated, backend.asarray(fwd.positions), cos, sin, fwd.positions)
+    if head_norm is None:
+        return d_normed.reshape(t, heads * dim)
+    d_lin, grads[norm_name] = norm.rmsnorm_heads_backward(backend, lin.reshape(t, heads, dim), head_norm,
+                                                          cfg.rms_norm_eps, d_normed)
+    return d_lin.reshape(t, heads * dim)

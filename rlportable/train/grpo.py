@@ -1,0 +1,247 @@
+"""GRPO: the engine samples G completions per prompt, rewards rank them inside their group, and the
+trainer follows the clipped surrogate (TRL's GRPOTrainer semantics, train/objectives.py).
+
+Engine and trainer share one Model: its float32 `params` are the weights the
+optimiser updates in place and the engine samples from (never copied). The KV
+cache is released for training and allocated again for the next rollout.
+
+The old log-probs are the engine's. Before the first optimiser step of a
+rollout the trainer recomputes every completion token's log-prob, and the
+contracts make them bitwise equal: each step logs the mismatch count and the
+max |dlogp| (0 and 0) and the ratio's range on the first pass (1 and 1), and a
+single differing bit stops the run with LogprobMismatchError.
+
+Data order: epoch e visits the dataset in the permutation of PCG64([seed, e]);
+step s takes the next `prompts_per_step` records. The engine's sampling seed of
+step s is derived from (seed, s). So a run's result is a function of its
+settings, and `--resume` continues it bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from rlportable.contract.adamw import Hyper
+from rlportable.engine.llm import LLM
+from rlportable.engine.sequence import SamplingParams
+from rlportable.errors import InputError, RlpError
+from rlportable.model.forward import Model
+from rlportable.train import objectives
+from rlportable.train.optimizer import Optimizer, Schedule
+from rlportable.train.rewards import RewardSet, batch_from_records
+from rlportable.train.trainer import Sample, completion_logprobs, pack, train_micro_batch
+
+
+class LogprobMismatchError(RlpError):
+    """The trainer's recomputed log-probs differ from the engine's: the contract is broken."""
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    steps: int = 20
+    prompts_per_step: int = 8
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    ignore_eos: bool = False   # every completion runs to max_completion_length (the eos does not stop it)
+    sampler: str = "host"      # the engine's: "host" or "device" (the same tokens and log-probs either way)
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_eps: float = 1e-8
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    num_iterations: int = 1
+    mini_batches: int = 1
+    micro_batch_tokens: int = 16384
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length", "num_iterations",
+                     "mini_batches", "micro_batch_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"grpo: {name} must be a positive integer, got {value!r}")
+        if (self.prompts_per_step * self.num_generations) % self.mini_batches:
+            raise InputError(f"grpo: {self.prompts_per_step} x {self.num_generations} samples do not split into "
+                             f"{self.mini_batches} mini-batches")
+
+    def settings(self) -> objectives.GRPOSettings:
+        return objectives.GRPOSettings(self.epsilon, self.epsilon_high, self.beta, self.loss_type,
+                                       self.max_completion_length)
+
+    def hyper(self) -> Hyper:
+        return Hyper(self.learning_rate, self.adam_beta1, self.adam_beta2, self.adam_eps, self.weight_decay,
+                     self.max_grad_norm)
+
+
+def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+def records_for_step(dataset: list[dict], seed: int, step: int, count: int) -> list[dict]:
+    """The `count` records of step `step` (0-based) in the seeded epoch order."""
+    if not dataset:
+        raise InputError("the training dataset is empty")
+    out = []
+    for position in range(step * count, (step + 1) * count):
+        epoch, index = divmod(position, len(dataset))
+        out.append(dataset[int(epoch_order(seed, epoch, len(dataset))[index])])
+    return out
+
+
+@dataclass
+class GRPOTrainer:
+    model: Model
+    tokenizer: object
+    dataset: list[dict]
+    rewards: RewardSet
+    config: GRPOConfig
+    reference: Model | None = None   # frozen initial weights, for beta > 0
+    optimizer: Optimizer = field(init=False)
+    engine: LLM = field(init=False)
+
+    def __post_init__(self):
+        cfg = self.config
+        if cfg.beta > 0 and self.reference is None:
+            raise InputError("grpo: beta > 0 needs a reference model")
+        schedule = Schedule(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.min_lr)
+        self.optimizer = Optimizer(self.model, cfg.hyper(), schedule)
+        longest_prompt = max(prompt_length(self.tokenizer, r["prompt"]) for r in self.dataset)
+        samples = cfg.prompts_per_step * cfg.num_generations
+        self.engine = LLM(device=self.model.backend, loaded=(self.model, self.tokenizer),
+                          block_size=cfg.block_size, max_num_seqs=samples,
+                          max_model_len=longest_prompt + cfg.max_completion_length,
+                          max_num_batched_tokens=max(4096, samples), sampler=cfg.sampler)
+
+    def step(self, step: int) -> dict:
+        """One GRPO step (0-based index): rollout, rewards, training; returns the step's metrics."""
+        cfg = self.config
+        started = time.perf_counter()
+        records = records_for_step(self.dataset, cfg.seed, step, cfg.prompts_per_step)
+        samples, texts = self._rollout(records, step)
+        rollout_s = time.perf_counter() - started
+        grouped = [r for r in records for _ in range(cfg.num_generations)]
+        total, columns = self.rewards.score(batch_from_records(grouped, texts, [s.completion_ids for s in samples]))
+        advantages = objectives.group_advantages(total, cfg.num_generations, cfg.scale_rewards)
+        for sample, advantage in zip(samples, advantages):
+            sample.advantage = float(advantage)
+        self.engine.release_kv_cache()
+        try:
+            metrics = self._train(samples)
+        finally:
+            self.engine.restore_kv_cache()
+        seconds = time.perf_counter() - started
+        tokens = sum(len(s.completion_ids) for s in samples)
+        metrics.update({
+            "step": step + 1, "reward_mean": float(total.mean()), "reward_std": float(total.std()),
+            **{f"reward/{name}": float(np.nanmean(values)) for name, values in columns.items()},
+            "completion_length": tokens / len(samples), "rollout_s": rollout_s, "train_s": seconds - rollout_s,
+            "step_s": seconds, "rollout_tokens_per_s": tokens / rollout_s if rollout_s else 0.0,
+        })
+        return metrics
+
+    def _rollout(self, records: list[dict], step: int) -> tuple[list[Sample], list[str]]:
+        cfg = self.config
+        params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_k=cfg.top_k,
+                                top_p=cfg.top_p, min_p=cfg.min_p, max_tokens=cfg.max_completion_length,
+                                ignore_eos=cfg.ignore_eos, seed=sampling_seed(cfg.seed, step))
+        outputs = self.engine.generate([r["prompt"] for r in records], params)
+        samples, texts = [], []
+        for request in outputs:
+            for completion in request.outputs:
+                samples.append(Sample(list(request.prompt_token_ids), list(completion.token_ids),
+                                      np.asarray(completion.logprobs, dtype=np.float32)))
+                texts.append(completion.text)
+        return samples, texts
+
+    def _train(self, samples: list[Sample]) -> dict:
+        cfg, settings = self.config, self.config.settings()
+        size = len(samples) // cfg.mini_batches
+        minis = [samples[i:i + size] for i in range(0, len(samples), size)]
+        check = self._check_before_update(minis[1:])
+        losses, kls, clips, ratio_min, ratio_max, infos = [], [], [], [], [], []
+        for iteration in range(cfg.num_iterations):
+            for index, mini in enumerate(minis):
+                counts = (len(mini), sum(len(s.completion_ids) for s in mini))
+                for batch in pack(mini, cfg.micro_batch_tokens):
+                    reference = self._reference_logp(batch) if cfg.beta > 0 else None
+
+                    def objective(logp, batch=batch, reference=reference):
+                        return objectives.grpo_token_loss(logp, [s.logp for s in batch.samples],
+                                                          np.array([s.advantage for s in batch.samples]),
+                                                          settings, reference, counts)
+
+                    loss, logp = train_micro_batch(self.model, self.optimizer, batch, cfg.temperature, objective)
+                    if iteration == 0 and index == 0:
+                        check.append(objectives.logp_mismatch(logp, [s.logp for s in batch.samples]))
+                        _raise_on_mismatch(check[-1])
+                    losses.append(loss.loss)
+                    kls.append(loss.metrics["kl"])
+                    clips.append(loss.metrics["clip_fraction"])
+                    if iteration == 0:
+                        ratio_min.append(loss.metrics["ratio_min"])
+                        ratio_max.append(loss.metrics["ratio_max"])
+                infos.append(self.optimizer.step())
+        return {
+            "loss": float(np.mean(losses)), "kl": float(np.mean(kls)), "clip_fraction": float(np.mean(clips)),
+            "logp_mismatches": sum(c["mismatches"] for c in check),
+            "logp_compared": sum(c["compared"] for c in check),
+            "max_abs_dlogp": max(c["max_abs_dlogp"] for c in check),
+            "ratio_min": min(ratio_min), "ratio_max": max(ratio_max),
+            "grad_norm": infos[0].norm, "lr": infos[-1].lr,
+        }
+
+    def _check_before_update(self, later_minis: list[list[Sample]]) -> list[dict]:
+        """The log-probs of mini-batches trained after the first update, recomputed before it."""
+        out = []
+        for mini in later_minis:
+            for batch in pack(mini, self.config.micro_batch_tokens):
+                _, logp = completion_logprobs(self.model, batch, self.config.temperature)
+                out.append(objectives.logp_mismatch(logp, [s.logp for s in batch.samples]))
+                _raise_on_mismatch(out[-1])
+        return out
+
+    def _reference_logp(self, batch) -> list[np.ndarray]:
+        _, logp = completion_logprobs(self.reference, batch, self.config.temperature)
+        return logp
+
+
+def _raise_on_mismatch(check: dict) -> None:
+    if check["mismatches"]:
+        raise LogprobMismatchError(
+            f"the trainer's log-probs differ from the engine's on {check['mismatches']} of {check['compared']} "
+            f"completion tokens (max |dlogp| {check['max_abs_dlogp']:.3g}): the rollout/trainer contract is "
+            "broken; please report it with `rlportable conform` output")
+
+
+def prompt_length(tokenizer, prompt) -> int:
+    """Tokens of a record's prompt: a text (encoded) or a list of token ids (as the engine takes them)."""
+    return len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The engine's sampling key of one step: distinct per (run seed, step), in [0, 2^64)."""
+    return (int(seed) * 0x9E3779B97F4A7C15 + int(step) + 1) % (1 << 64)
+
+
+def config_dict(config: GRPOConfig) -> dict:
+    return asdict(config)
+
+
+Progress = Callable[[int, dict], None]

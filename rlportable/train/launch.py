@@ -1,0 +1,116 @@
+"""Setting up an SFT or GRPO run from command-line choices: model, data, rewards, resume.
+
+The embedded default (no download, a 2-core CPU): `rlportable sft` fine-tunes
+the tiny built-in model on the answers of DEFAULT_TASK; `rlportable grpo`
+starts from `tiny-sft`, weights that run produced and that ship inside the
+package (rlportable/model/data/tiny-sft), and raises the task's reward.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from rlportable.errors import InputError
+from rlportable.model.forward import Model
+from rlportable.model.load import load_model
+from rlportable.train import tasks
+from rlportable.train.grpo import GRPOConfig, GRPOTrainer
+from rlportable.train.metrics import MetricsLog, plot_curve
+from rlportable.train.rewards import RewardSet
+from rlportable.train.run import resume_state, run_steps
+from rlportable.train.sft import SFTConfig, SFTTrainer, load_sft_jsonl, task_sft_records
+
+DATASET_SIZE = 10000  # records generated for a built-in task (the epoch length)
+DEFAULT_TASK = "arithmetic:digits=1,ops=+"
+DEFAULT_GRPO_MODEL = "tiny-sft"
+DEFAULT_SFT_STEPS, DEFAULT_SFT_LR = 300, 3e-3
+DEFAULT_GRPO_STEPS, DEFAULT_GRPO_LR = 30, 1e-3
+
+
+@dataclass
+class RunOptions:
+    model: str
+    out: str | None
+    resume: bool
+    save_every: int
+    log_jsonl: str | None
+    plot: str | None
+    task: str | None
+    data: str | None
+
+
+def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict) -> tuple:
+    """(model, tokenizer, first step, checkpoint or None): from --resume's checkpoint or --model."""
+    ckpt = None
+    if options.resume:
+        if options.out is None:
+            raise InputError("--resume needs --out (the run's checkpoint folder)")
+        ckpt = resume_state(options.out, kind, settings)
+    if ckpt is not None:
+        config, weights, tokenizer = ckpt.config, ckpt.weights, ckpt.tokenizer
+    else:
+        config, weights, tokenizer = load_model(spec)
+    model = Model(backend, config, weights, trainable=True)
+    return model, tokenizer, (ckpt.trainer_state["next_step"] if ckpt else 0), ckpt
+
+
+def settings_dict(config, options: RunOptions, rewards: list | None = None) -> dict:
+    """Everything that defines a run (compared on --resume): the config, model, data and rewards."""
+    return {**asdict(config), "model": options.model, "task": options.task, "data": options.data,
+            "rewards": [[item if isinstance(item, str) else getattr(item, "name", repr(item)), weight]
+                        for item, weight in (rewards or [])]}
+
+
+def task_records(task: str | None, data: str | None, seed: int) -> tuple[list[dict], object | None]:
+    """(records, the task object or None) from --task or --data (exactly one)."""
+    if (task is None) == (data is None):
+        raise InputError("give exactly one of --task and --data")
+    if data is not None:
+        return tasks.load_jsonl_dataset(data), None
+    chosen = tasks.parse_task_spec(task)
+    return chosen.dataset(seed, DATASET_SIZE), chosen
+
+
+def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: list[tuple[str, float]],
+             on_step: Callable[[dict], None]) -> list[dict]:
+    records, task = task_records(options.task, options.data, config.seed)
+    items = [(spec, weight) for spec, weight in reward_specs] or ([(task, 1.0)] if task is not None else [])
+    if not items:
+        raise InputError("--data needs at least one --reward module:function")
+    rewards = RewardSet(items)
+    settings = settings_dict(config, options, items)
+    model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings)
+    trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config))
+    return _run(trainer, "grpo", settings, tokenizer, start, ckpt, options, config.steps, on_step,
+                "reward_mean", "GRPO reward")
+
+
+def _reference(backend, options: RunOptions, config: GRPOConfig):
+    """The frozen reference for the KL term: the starting model's weights (beta > 0 only)."""
+    if config.beta <= 0:
+        return None
+    model_config, weights, _ = load_model(options.model)
+    return Model(backend, model_config, weights)
+
+
+def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None]) -> list[dict]:
+    if options.data is not None and options.task is None:
+        records = load_sft_jsonl(options.data)
+    else:
+        records = task_sft_records(task_records(options.task, options.data, config.seed)[0])
+    settings = settings_dict(config, options)
+    model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings)
+    trainer = SFTTrainer(model, tokenizer, records, config)
+    return _run(trainer, "sft", settings, tokenizer, start, ckpt, options, config.steps, on_step, "loss", "SFT loss")
+
+
+def _run(trainer, kind, settings, tokenizer, start, ckpt, options: RunOptions, steps, on_step, curve, title):
+    if ckpt is not None:
+        trainer.optimizer.load_state(ckpt.optimizer_state, ckpt.trainer_state["optimizer_steps"])
+    log = MetricsLog(options.log_jsonl, resume_from_step=start if ckpt is not None else None)
+    run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step)
+    if options.plot:
+        plot_curve(log.records, curve, os.fspath(options.plot), title)
+    return log.records

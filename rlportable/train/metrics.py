@@ -1,0 +1,89 @@
+"""Per-step training metrics: printed lines, a JSONL log, and a curve drawn to a PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from rlportable.errors import InputError
+
+
+class MetricsLog:
+    """Appends one JSON object per step to `path` (flushed and fsynced, so a crash loses no step).
+
+    On resume the log is cut back to the steps before the resumed one, so it never holds a step
+    twice."""
+
+    def __init__(self, path: str | None, resume_from_step: int | None = None):
+        self.path = path
+        self.records: list[dict] = []
+        if path is None:
+            return
+        if resume_from_step is not None and os.path.exists(path):
+            self.records = [r for r in _read(path) if r.get("step", 0) <= resume_from_step]
+        _rewrite(path, self.records)
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def _read(path: str) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a torn last line from a crash
+    return out
+
+
+def _rewrite(path: str, records: list[dict]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def format_line(record: dict, keys: list[str]) -> str:
+    """'step 3 | reward 0.250 | loss -0.012 ...' for the keys present."""
+    parts = [f"step {record['step']}"]
+    for key in keys:
+        if key in record:
+            value = record[key]
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    return " | ".join(parts)
+
+
+def plot_curve(records: list[dict], key: str, path: str, title: str) -> None:
+    """Draw record[key] against the step to a PNG (matplotlib, the `plot` extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("drawing the curve needs matplotlib: pip install 'rlportable[plot]'") from None
+    points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+    axes.set_xlabel("step")
+    axes.set_ylabel(key)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    tmp = path + ".tmp.png"
+    figure.savefig(tmp)
+    plt.close(figure)
+    os.replace(tmp, path)

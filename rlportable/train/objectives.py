@@ -1,0 +1,164 @@
+"""The training objectives as functions of per-token log-probs: SFT and GRPO (TRL's semantics).
+
+Everything here runs on the host in float64 over small per-token vectors (one
+value per completion token), so it is the same on every backend; the result
+handed to the model's backward is the float32 gradient of the loss with
+respect to each token's log-prob.
+
+GRPO, per completion token t of sample i (TRL's GRPOTrainer):
+  ratio      = exp(logp - old_logp)
+  surrogate  = min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i)
+  k3         = exp(ref_logp - logp) - (ref_logp - logp) - 1         (beta > 0 only)
+  token loss = -surrogate + beta * k3
+aggregated by `loss_type` over one optimiser step's mini-batch (which the trainer may
+process in several micro-batches; TRL's per-device batch is our micro-batch):
+  grpo     mean over each sample's tokens, then mean over the mini-batch's samples
+  bnpo     sum over the micro-batch's tokens / its token count (TRL: per device batch)
+  dr_grpo  sum over the tokens / (mini-batch samples * max_completion_length)
+  dapo     sum over the tokens / the mini-batch's token count (TRL: the global batch)
+Gradients: d surrogate / d logp = ratio * A where the unclipped term is the
+minimum (ties and ratios inside the clip range included: clip passes its
+gradient there), else 0; d k3 / d logp = 1 - exp(ref_logp - logp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlportable.errors import InputError
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4  # TRL adds 1e-4 to the std before dividing
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str = "group") -> np.ndarray:
+    """A_i = r_i - mean of its group, divided by the (unbiased) std of the group, of the batch, or not."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if scale_rewards not in SCALE_REWARDS:
+        raise InputError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}")
+    if group_size < 1 or rewards.size % group_size:
+        raise InputError(f"{rewards.size} rewards do not split into groups of {group_size}")
+    grouped = rewards.reshape(-1, group_size)
+    centred = (grouped - grouped.mean(axis=1, keepdims=True)).reshape(-1)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "group":
+        std = np.repeat(_std(grouped, axis=1), group_size)
+    else:
+        std = np.full(rewards.size, _std(rewards, axis=None))
+    return centred / (std + STD_EPS)
+
+
+def _std(values: np.ndarray, axis):
+    """torch.std's default: the unbiased estimate; 0 for a single value (torch gives NaN: nothing to scale)."""
+    count = values.shape[axis] if axis is not None else values.size
+    if count < 2:
+        return np.zeros(values.shape[0]) if axis is not None else 0.0
+    return values.std(axis=axis, ddof=1)
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon (symmetric clip)
+    beta: float = 0.0
+    loss_type: str = "dapo"
+    max_completion_length: int = 256
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise InputError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise InputError(f"clip range needs 0 <= epsilon < 1 and epsilon_high >= 0, got "
+                             f"{self.epsilon}, {self.epsilon_high}")
+        if self.beta < 0:
+            raise InputError(f"beta must be >= 0, got {self.beta}")
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass
+class TokenLoss:
+    """A mini-batch's loss, its gradient per token log-prob (float32), and its metrics."""
+
+    loss: float
+    grad: np.ndarray
+    metrics: dict
+
+
+def grpo_token_loss(logp: list[np.ndarray], old_logp: list[np.ndarray], advantages: np.ndarray,
+                    settings: GRPOSettings, ref_logp: list[np.ndarray] | None = None,
+                    mini_batch: tuple[int, int] | None = None) -> TokenLoss:
+    """GRPO over the samples of one micro-batch (one array of completion-token log-probs each);
+    mini_batch = (samples, completion tokens) of the optimiser step's mini-batch (default: this one)."""
+    if len(logp) != len(old_logp) or len(logp) != len(advantages):
+        raise InputError("grpo loss: logp, old_logp and advantages must have one entry per sample")
+    lengths = np.array([x.size for x in logp])
+    new, old = _flat(logp), _flat(old_logp)
+    adv = np.repeat(np.asarray(advantages, dtype=np.float64), lengths)
+    log_ratio = new - old
+    ratio = np.exp(log_ratio)
+    low, high = 1.0 - settings.epsilon, 1.0 + settings.high
+    clipped = np.clip(ratio, low, high)
+    unclipped_wins = ratio * adv <= clipped * adv
+    surrogate = np.minimum(ratio * adv, clipped * adv)
+    d_surrogate = np.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), ratio * adv, 0.0)
+    token_loss, d_token = -surrogate, -d_surrogate
+    kl = np.zeros_like(new)
+    if settings.beta > 0:
+        if ref_logp is None:
+            raise InputError("grpo loss: beta > 0 needs the reference model's log-probs")
+        delta = _flat(ref_logp) - new
+        kl = np.exp(delta) - delta - 1.0
+        token_loss = token_loss + settings.beta * kl
+        d_token = d_token + settings.beta * (1.0 - np.exp(delta))
+    weights = _token_weights(lengths, settings, mini_batch or (lengths.size, int(lengths.sum())))
+    region = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+    metrics = {
+        "kl": float(kl.mean()) if kl.size else 0.0,
+        "clip_fraction": float(region.mean()) if region.size else 0.0,
+        "ratio_min": float(ratio.min()) if ratio.size else 1.0,
+        "ratio_max": float(ratio.max()) if ratio.size else 1.0,
+    }
+    return TokenLoss(float((weights * token_loss).sum()), (weights * d_token).astype(np.float32), metrics)
+
+
+def _token_weights(lengths: np.ndarray, settings: GRPOSettings, mini_batch: tuple[int, int]) -> np.ndarray:
+    """Each token's weight in the aggregated loss (loss = sum_t weight_t * token_loss_t)."""
+    samples, tokens = mini_batch
+    if settings.loss_type == "grpo":
+        per_sample = np.divide(1.0, lengths, out=np.zeros(lengths.size), where=lengths > 0) / max(samples, 1)
+        return np.repeat(per_sample, lengths)
+    denominator = {"bnpo": int(lengths.sum()), "dr_grpo": samples * settings.max_completion_length,
+                   "dapo": tokens}[settings.loss_type]
+    return np.full(int(lengths.sum()), 1.0 / max(denominator, 1))
+
+
+def sft_token_loss(logp: list[np.ndarray], batch_tokens: int | None = None) -> TokenLoss:
+    """Negative log-likelihood of the completion tokens, divided by the optimiser step's token count."""
+    flat = _flat(logp)
+    weight = 1.0 / max(batch_tokens if batch_tokens is not None else flat.size, 1)
+    return TokenLoss(float(-flat.sum() * weight), np.full(flat.size, -weight, dtype=np.float32),
+                     {"tokens": int(flat.size)})
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.asarray(a, dtype=np.float64) for a in arrays]) if arrays else np.zeros(0)
+
+
+def logp_mismatch(recomputed: list[np.ndarray], recorded: list[np.ndarray]) -> dict:
+    """Bitwise comparison of the trainer's log-probs with the engine's: count, max |dlogp|."""
+    new = np.concatenate([np.asarray(a, np.float32) for a in recomputed]) if recomputed else np.zeros(0, np.float32)
+    old = np.concatenate([np.asarray(a, np.float32) for a in recorded]) if recorded else np.zeros(0, np.float32)
+    if new.shape != old.shape:
+        raise InputError(f"log-prob mismatch check: {new.size} recomputed against {old.size} recorded tokens")
+    differ = new.view(np.uint32) != old.view(np.uint32)
+    with np.errstate(invalid="ignore"):
+        gap = np.abs(new.astype(np.float64) - old.astype(np.float64))
+    return {"mismatches": int(differ.sum()), "compared": int(new.size),
+            "max_abs_dlogp": float(np.nanmax(gap)) if gap.size else 0.0}

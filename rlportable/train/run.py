@@ -1,0 +1,67 @@
+"""The step loop SFT and GRPO share: metrics, atomic checkpoints, and resuming bitwise.
+
+A checkpoint (train/checkpoint.py) holds the float32 master weights (they load
+back with `--model DIR`), AdamW's m and v, and the trainer state: the next step,
+the optimiser's step count and the run's settings. The data order and the
+sampling keys are functions of (seed, step), so nothing else is needed to
+continue exactly as if the run had never stopped; a resume with different
+settings is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlportable.errors import InputError
+from rlportable.model.forward import Model
+from rlportable.model.weights import LayerWeights, ModelWeights
+from rlportable.train import checkpoint
+from rlportable.train.metrics import MetricsLog
+
+
+def host_weights(model: Model) -> ModelWeights:
+    """The model's float32 master weights copied to the host (tied lm_head stays the embedding)."""
+    get = model.backend.to_numpy
+    params = model.params
+
+    def optional(array):
+        return None if array is None else get(array)
+
+    layers = [LayerWeights(**{name: optional(getattr(layer, name)) for name in LayerWeights.__dataclass_fields__})
+              for layer in params.layers]
+    embed = get(params.embed)
+    return ModelWeights(embed=embed, layers=layers, final_norm=get(params.final_norm),
+                        lm_head=embed if params.tied else get(params.lm_head))
+
+
+def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoint | None:
+    """The latest checkpoint in out_dir (None if there is none), refused if it is another run's."""
+    path = checkpoint.latest_checkpoint(out_dir)
+    if path is None:
+        return None
+    ckpt = checkpoint.load_checkpoint(path)
+    state = ckpt.trainer_state
+    if state.get("kind") != kind:
+        raise InputError(f"{path}: a {state.get('kind')} checkpoint cannot resume a {kind} run")
+    saved = {k: v for k, v in state.get("settings", {}).items() if k != "steps"}
+    wanted = {k: v for k, v in settings.items() if k != "steps"}
+    if saved != wanted:
+        changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+        raise InputError(f"{path}: --resume with different settings ({', '.join(changed)}); "
+                         "use the run's own settings or a new --out")
+    return ckpt
+
+
+def run_steps(trainer, kind: str, settings: dict, tokenizer, start_step: int, steps: int, out_dir: str | None,
+              save_every: int, log: MetricsLog, on_step: Callable[[dict], None], keep_last: int | None = 3) -> None:
+    """Steps start_step..steps-1; a checkpoint every save_every steps and after the last."""
+    model = trainer.model
+    for step in range(start_step, steps):
+        record = trainer.step(step)
+        log.write(record)
+        on_step(record)
+        if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
+            state = {"kind": kind, "next_step": step + 1, "optimizer_steps": trainer.optimizer.step_count,
+                     "settings": settings}
+            checkpoint.save_checkpoint(out_dir, step + 1, model.config, host_weights(model), tokenizer,
+                                       trainer.optimizer.state(), state, keep_last=keep_last)

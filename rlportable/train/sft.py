@@ -1,0 +1,130 @@
+"""Supervised fine-tuning: the loss is the mean negative log-likelihood of completion tokens only.
+
+Data: JSONL lines {"prompt": ..., "completion": ...} or {"messages": [{"role", "content"}, ...]}
+(the last message is the assistant's completion; the ones before it, through the
+tokenizer's chat template with the generation prompt, are the prompt), or a
+built-in task's generated records (completion = the task's answer). Every
+completion ends with the tokenizer's end-of-sequence token, so the model learns
+to stop. Samples are packed into micro-batches (train/trainer.py); each step
+takes `batch_size` examples in the seeded epoch order (the same order rule as
+GRPO), so a run resumes bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlportable.contract.adamw import Hyper
+from rlportable.errors import InputError
+from rlportable.model.forward import Model
+from rlportable.train import objectives
+from rlportable.train.grpo import records_for_step
+from rlportable.train.optimizer import Optimizer, Schedule
+from rlportable.train.tasks import read_jsonl_objects
+from rlportable.train.trainer import Sample, pack, train_micro_batch
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 100
+    batch_size: int = 32
+    learning_rate: float = 1e-4
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    micro_batch_tokens: int = 16384
+    max_length: int = 1024
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "micro_batch_tokens", "max_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"sft: {name} must be a positive integer, got {value!r}")
+
+    def hyper(self) -> Hyper:
+        return Hyper(self.learning_rate, self.adam_beta1, self.adam_beta2, self.adam_eps, self.weight_decay,
+                     self.max_grad_norm)
+
+
+def load_sft_jsonl(path) -> list[dict]:
+    """Records {"prompt", "completion"} or {"messages"}; errors name file:line and the field."""
+    records = []
+    for where, record in read_jsonl_objects(path):
+        if "messages" in record:
+            messages = record["messages"]
+            if not isinstance(messages, list) or len(messages) < 2 or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise InputError(f"{where}: \"messages\" must be a list of at least two "
+                                 "{\"role\": str, \"content\": str} objects")
+            if messages[-1]["role"] != "assistant":
+                raise InputError(f"{where}: the last message must be the assistant's (the completion)")
+        elif not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
+            raise InputError(f"{where}: expected string fields \"prompt\" and \"completion\", or \"messages\"")
+        records.append(record)
+    if not records:
+        raise InputError(f"{path}: no records")
+    return records
+
+
+def task_sft_records(records: list[dict]) -> list[dict]:
+    """A built-in task's records as SFT pairs: the prompt and its exact answer."""
+    answer = "answer" if "answer" in records[0] else "solution"
+    return [{"prompt": r["prompt"], "completion": str(r[answer])} for r in records]
+
+
+def to_sample(record: dict, tokenizer, max_length: int) -> Sample:
+    """Token ids of one record; the completion ends with EOS. Too long: a one-line error."""
+    if "messages" in record:
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(record["messages"][:-1],
+                                                                    add_generation_prompt=True))
+        completion_text = record["messages"][-1]["content"]
+    else:
+        prompt_ids, completion_text = tokenizer.encode(record["prompt"]), record["completion"]
+    eos = tokenizer.eos_token_id
+    completion_ids = tokenizer.encode(completion_text) + ([] if eos is None else [eos])
+    if not prompt_ids:
+        raise InputError(f"sft record {record!r:.80}: the prompt has no tokens")
+    if len(prompt_ids) + len(completion_ids) > max_length:
+        raise InputError(f"sft record {record!r:.80}: {len(prompt_ids) + len(completion_ids)} tokens exceed "
+                         f"max_length {max_length}")
+    return Sample(prompt_ids, completion_ids)
+
+
+@dataclass
+class SFTTrainer:
+    model: Model
+    tokenizer: object
+    records: list[dict]
+    config: SFTConfig
+    optimizer: Optimizer = field(init=False)
+
+    def __post_init__(self):
+        cfg = self.config
+        self.optimizer = Optimizer(self.model, cfg.hyper(), Schedule(cfg.learning_rate, cfg.warmup_steps,
+                                                                     cfg.steps, cfg.min_lr))
+
+    def step(self, step: int) -> dict:
+        cfg = self.config
+        started = time.perf_counter()
+        records = records_for_step(self.records, cfg.seed, step, cfg.batch_size)
+        samples = [to_sample(r, self.tokenizer, cfg.max_length) for r in records]
+        tokens = sum(len(s.completion_ids) for s in samples)
+        losses = []
+        for batch in pack(samples, cfg.micro_batch_tokens):
+            loss, _ = train_micro_batch(self.model, self.optimizer, batch, 1.0,
+                                        lambda logp: objectives.sft_token_loss(logp, tokens))
+            losses.append(loss.loss)
+        info = self.optimizer.step()
+        seconds = time.perf_counter() - started
+        trained = sum(s.length for s in samples)
+        return {"step": step + 1, "loss": float(np.sum(losses)), "grad_norm": info.norm, "lr": info.lr,
+                "completion_tokens": tokens, "step_s": seconds, "tokens_per_s": trained / seconds}

@@ -1,0 +1,85 @@
+"""What SFT and GRPO share: samples packed into micro-batches, the completion tokens' log-probs,
+and one backward per micro-batch into the optimiser's accumulated gradient.
+
+A sample is a prompt and a completion (token ids); only completion tokens are
+scored (their log-probs) and trained on. Micro-batches pack whole samples, in
+order, up to `max_tokens` tokens each (a longer sample goes alone), so the
+packing is a function of the sample list and the budget only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlportable.errors import InputError
+from rlportable.model import backward
+from rlportable.model.forward import Model
+from rlportable.train.objectives import TokenLoss
+from rlportable.train.optimizer import Optimizer
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logp: np.ndarray | None = None       # the engine's log-prob of each completion token (GRPO)
+    advantage: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise InputError("a training sample needs at least one prompt token")
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class MicroBatch:
+    samples: list[Sample]
+    tokens: np.ndarray        # int32 [T], the samples one after another
+    cu_seqlens: np.ndarray    # int64 [S + 1]
+    rows: np.ndarray          # int64 [R]: the rows predicting completion tokens, sample by sample
+    splits: np.ndarray        # where each sample's completion rows end in `rows`
+
+
+def pack(samples: list[Sample], max_tokens: int) -> list[MicroBatch]:
+    """Consecutive samples into micro-batches of at most max_tokens tokens (a longer sample goes alone)."""
+    if max_tokens < 1:
+        raise InputError(f"micro-batch token budget must be positive, got {max_tokens}")
+    groups: list[list[Sample]] = []
+    used = 0
+    for sample in samples:
+        if not groups or used + sample.length > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(sample)
+        used += sample.length
+    return [_micro_batch(group) for group in groups]
+
+
+def _micro_batch(samples: list[Sample]) -> MicroBatch:
+    tokens = np.array([t for s in samples for t in s.prompt_ids + s.completion_ids], dtype=np.int32)
+    cu = np.concatenate([[0], np.cumsum([s.length for s in samples])]).astype(np.int64)
+    rows = [np.arange(start + len(s.prompt_ids) - 1, start + s.length - 1) for start, s in zip(cu[:-1], samples)]
+    splits = np.cumsum([r.size for r in rows])[:-1]
+    return MicroBatch(samples, tokens, cu, np.concatenate(rows).astype(np.int64), splits)
+
+
+def completion_logprobs(model: Model, batch: MicroBatch, temperature: float):
+    """(forward state, per-sample completion-token log-probs on the host)."""
+    fwd = backward.forward(model, batch.tokens, batch.cu_seqlens, temperature, rows=batch.rows)
+    return fwd, np.split(model.backend.to_numpy(fwd.logp), batch.splits)
+
+
+def train_micro_batch(model: Model, optimizer: Optimizer, batch: MicroBatch, temperature: float,
+                      objective: Callable[[list[np.ndarray]], TokenLoss]) -> tuple[TokenLoss, list[np.ndarray]]:
+    """Forward, the objective on the host, backward, accumulate. Returns (loss, per-sample log-probs)."""
+    fwd, logp = completion_logprobs(model, batch, temperature)
+    loss = objective(logp)
+    optimizer.accumulate(backward.backward(model, fwd, loss.grad))
+    return loss, logp

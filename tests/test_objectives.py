@@ -1,0 +1,86 @@
+"""SFT and GRPO objectives (train/objectives.py): TRL's formulas and their per-token gradients."""
+
+import numpy as np
+import pytest
+
+from rlportable.errors import InputError
+from rlportable.train import objectives
+
+
+def test_group_advantages_follow_trl():
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    a = objectives.group_advantages(rewards, 4, "group")
+    first = (rewards[:4] - 0.5) / (np.std(rewards[:4], ddof=1) + 1e-4)
+    assert np.allclose(a[:4], first, rtol=0, atol=1e-15)
+    assert np.array_equal(a[4:], np.zeros(4))  # equal rewards: no signal
+    batch = objectives.group_advantages(rewards, 4, "batch")
+    assert np.allclose(batch[:4], (rewards[:4] - 0.5) / (np.std(rewards, ddof=1) + 1e-4), rtol=0, atol=1e-15)
+    assert np.array_equal(objectives.group_advantages(rewards, 4, "none")[:4], rewards[:4] - 0.5)
+    with pytest.raises(InputError, match="groups of 3"):
+        objectives.group_advantages(rewards, 3)
+    with pytest.raises(InputError, match="scale_rewards"):
+        objectives.group_advantages(rewards, 4, "sample")
+
+
+def _samples(rng, lengths):
+    logp = [rng.normal(-2, 0.5, n) for n in lengths]
+    old = [x + rng.normal(0, 0.3, x.size) for x in logp]  # ratios on both sides of the clip range
+    ref = [x + rng.normal(0, 0.2, x.size) for x in logp]
+    return logp, old, ref
+
+
+@pytest.mark.parametrize("loss_type", objectives.LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_gradient_matches_finite_differences(loss_type, beta):
+    rng = np.random.default_rng(0)
+    lengths = [3, 5, 1, 4]
+    logp, old, ref = _samples(rng, lengths)
+    adv = rng.normal(size=len(lengths))
+    settings = objectives.GRPOSettings(epsilon=0.2, epsilon_high=0.28, beta=beta, loss_type=loss_type,
+                                       max_completion_length=6)
+    counts = (8, 30)  # this micro-batch is part of a larger mini-batch
+    result = objectives.grpo_token_loss(logp, old, adv, settings, ref, counts)
+    flat = np.concatenate(logp)
+    splits = np.cumsum(lengths)[:-1]
+    h = 1e-6
+    for t in range(flat.size):
+        up, down = flat.copy(), flat.copy()
+        up[t] += h
+        down[t] -= h
+        f_up = objectives.grpo_token_loss(np.split(up, splits), old, adv, settings, ref, counts).loss
+        f_down = objectives.grpo_token_loss(np.split(down, splits), old, adv, settings, ref, counts).loss
+        # central differences of a smooth piece (no token sits on a clip boundary here): O(h^2) + rounding
+        assert abs((f_up - f_down) / (2 * h) - result.grad[t]) < 1e-6 * max(1.0, abs(result.grad[t])), t
+
+
+def test_grpo_at_ratio_one_is_the_policy_gradient():
+    logp = [np.array([-1.0, -2.0]), np.array([-0.5])]
+    adv = np.array([1.0, -2.0])
+    result = objectives.grpo_token_loss(logp, logp, adv, objectives.GRPOSettings(loss_type="grpo"))
+    assert result.metrics["ratio_min"] == result.metrics["ratio_max"] == 1.0
+    assert result.metrics["clip_fraction"] == 0.0
+    # grpo: each sample's tokens averaged, then the samples: -A_i / (len_i * samples)
+    assert np.array_equal(result.grad, np.array([-0.25, -0.25, 1.0], dtype=np.float32))
+
+
+def test_loss_type_normalisers():
+    logp = [np.zeros(2), np.zeros(4)]
+    adv = np.array([1.0, 1.0])
+    grads = {t: objectives.grpo_token_loss(logp, logp, adv, objectives.GRPOSettings(
+        loss_type=t, max_completion_length=10), mini_batch=(4, 12)).grad for t in objectives.LOSS_TYPES}
+    assert np.allclose(grads["bnpo"], -1 / 6)           # this micro-batch's 6 tokens
+    assert np.allclose(grads["dapo"], -1 / 12)          # the mini-batch's 12 tokens
+    assert np.allclose(grads["dr_grpo"], -1 / 40)       # 4 samples x max_completion_length 10
+    assert np.allclose(grads["grpo"], [-1 / 8] * 2 + [-1 / 16] * 4)
+
+
+def test_sft_loss_and_mismatch_check():
+    loss = objectives.sft_token_loss([np.array([-1.0, -3.0])], batch_tokens=4)
+    assert loss.loss == 1.0 and np.array_equal(loss.grad, np.full(2, -0.25, np.float32))
+    a = [np.array([-1.0, -2.0], np.float32)]
+    b = [np.array([-1.0, np.nextafter(np.float32(-2.0), np.float32(0))], np.float32)]
+    assert objectives.logp_mismatch(a, a)["mismatches"] == 0
+    check = objectives.logp_mismatch(a, b)
+    assert check["mismatches"] == 1 and 0 < check["max_abs_dlogp"] < 1e-6
+    zero = [np.array([0.0], np.float32)]
+    assert objectives.logp_mismatch(zero, [np.array([-0.0], np.float32)])["mismatches"] == 1  # bits, not values

@@ -1,0 +1,93 @@
+"""SFT and GRPO runs on the cpu backend: mismatch 0 every step, learning, atomic resume bitwise."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rlportable.errors import InputError
+from rlportable.runtime import get_backend
+from rlportable.train import checkpoint, launch
+from rlportable.train.grpo import GRPOConfig, LogprobMismatchError
+from rlportable.train.sft import SFTConfig
+
+CPU = get_backend("cpu")
+TASK = "arithmetic:digits=1,ops=+"
+
+
+def _options(tmp_path, name="run", resume=False, **kw):
+    return launch.RunOptions(model=kw.get("model", "tiny"), out=str(tmp_path / name), resume=resume, save_every=1,
+                             log_jsonl=str(tmp_path / f"{name}.jsonl"), plot=kw.get("plot"), task=TASK, data=None)
+
+
+def _grpo_config(**kw):
+    base = dict(steps=3, prompts_per_step=3, num_generations=4, max_completion_length=4, learning_rate=3e-3,
+                seed=5)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def _final_weights(folder) -> dict:
+    ckpt = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(folder))
+    return {k: v.view(np.uint32) for k, v in ckpt.weights.named_tensors(ckpt.config).items()}
+
+
+def test_grpo_logs_zero_mismatch_and_ratio_one_every_step(tmp_path):
+    config = _grpo_config(beta=0.04, num_iterations=2, mini_batches=2, loss_type="grpo")
+    records = launch.run_grpo(CPU, _options(tmp_path), config, [], lambda r: None)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["logp_mismatches"] == 0 and r["max_abs_dlogp"] == 0.0
+        assert r["logp_compared"] == round(r["completion_length"] * 12) > 0  # every completion token
+        assert r["ratio_min"] == 1.0 and r["ratio_max"] == 1.0
+    logged = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+
+
+def test_grpo_resume_after_a_crash_continues_bitwise(tmp_path):
+    config = _grpo_config()
+    launch.run_grpo(CPU, _options(tmp_path, "straight"), config, [], lambda r: None)
+
+    def crash_after_two(record):
+        if record["step"] == 2:
+            raise KeyboardInterrupt  # before step 2's checkpoint is written
+
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_grpo(CPU, _options(tmp_path, "crashed"), config, [], crash_after_two)
+    # the crash hit before step 2's checkpoint: the latest is step 1, and resume redoes step 2
+    assert checkpoint.list_checkpoints(tmp_path / "crashed") == [1]
+    records = launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), config, [], lambda r: None)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    straight, resumed = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "crashed")
+    for name in straight:
+        assert np.array_equal(straight[name], resumed[name]), name
+    with pytest.raises(InputError, match="different settings"):
+        launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _grpo_config(learning_rate=1e-3), [],
+                        lambda r: None)
+
+
+def test_a_broken_rollout_logprob_stops_the_run(tmp_path, monkeypatch):
+    from rlportable.train import grpo
+
+    original = grpo.GRPOTrainer._rollout
+
+    def perturbed(self, records, step):
+        samples, texts = original(self, records, step)
+        samples[0].logp = samples[0].logp.copy()
+        samples[0].logp[0] = np.nextafter(samples[0].logp[0], np.float32(0))  # one ulp
+        return samples, texts
+
+    monkeypatch.setattr(grpo.GRPOTrainer, "_rollout", perturbed)
+    with pytest.raises(LogprobMismatchError, match="1 of"):
+        launch.run_grpo(CPU, _options(tmp_path), _grpo_config(steps=1), [], lambda r: None)
+
+
+def test_sft_learns_and_its_checkpoint_loads_as_a_model(tmp_path):
+    from rlportable.model.load import load_model
+
+    config = SFTConfig(steps=8, batch_size=16, learning_rate=3e-3)
+    records = launch.run_sft(CPU, _options(tmp_path, "sft"), config, lambda r: None)
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] * 0.8, losses
+    model_config, weights, _ = load_model(checkpoint.latest_checkpoint(tmp_path / "sft"))
+    assert model_config.vocab_size == weights.embed.shape[0]

@@ -466,9 +466,8 @@ def bench_grpo(device, json_path, layers, steps, peer):
         result = grpo_bench.run(backend, layers, steps, peer, progress=lambda text: click.echo(f"  {text}", err=True))
     except RlpError as error:
         _fail(error)
-    sides = [("rlportable GRPOTrainer", result["ours"])]
-    if result["trl"] is not None:
-        sides.append((f"TRL {result['trl']['trl']['version']} GRPOTrainer", result["trl"]))
+    sides = [(name, side) for name, side in (("rlportable GRPOTrainer", result["ours"]),
+                                             ("TRL GRPOTrainer", result["trl"])) if side is not None]
     rows = [[name, *(f"{side[f'{key}_s_median']:.3f}" for key in ("rollout", "train", "total")),
              "{}-{}".format(*side["completion_lengths"])] for name, side in sides]
     settings = result["settings"]
@@ -476,15 +475,21 @@ def bench_grpo(device, json_path, layers, steps, peer):
                f"{settings['prompt_len']} + {settings['completion_len']} tokens, {result['layers']} layers; "
                f"medians of {settings['steps']} steps after {settings['warmup']} warm-up")
     click.echo(tabulate(rows, headers=["GRPO step", "rollout s", "train s", "total s", "completion tokens"]))
-    mismatches = sum(step["logp_mismatches"] for step in result["ours"]["steps"])
-    click.echo(f"ours: log-prob mismatches {mismatches} over {len(result['ours']['steps'])} steps")
+    if result["ours"] is not None:
+        mismatches = sum(step["logp_mismatches"] for step in result["ours"]["steps"])
+        click.echo(f"ours: log-prob mismatches {mismatches} over {len(result['ours']['steps'])} steps")
+    if result["trl"] is not None:
+        click.echo(f"TRL {result['trl']['trl']['version']}, transformers {result['trl']['transformers']}, "
+                   f"torch {result['trl']['torch']}")
     ratios = result["ratios"]
     if ratios:
         click.echo(f"step time ratio ours/TRL {ratios['step_time_ratio']:.3f} (target <= 0.2); rollout "
                    f"{ratios['rollout_ratio']:.3f}, train {ratios['train_ratio']:.3f}")
     _write_json(json_path, result)
-    if result["peer_error"]:
-        click.echo(f"error: the TRL peer failed: {result['peer_error']}", err=True)
+    for side, key in (("ours", "ours_error"), ("the TRL peer", "peer_error")):
+        if result[key]:
+            click.echo(f"error: {side} failed: {result[key]}", err=True)
+    if result["ours_error"] or result["peer_error"]:
         sys.exit(1)
 
 

@@ -86,7 +86,9 @@ def test_sft_learns_and_its_checkpoint_loads_as_a_model(tmp_path):
     from rlportable.model.load import load_model
 
     config = SFTConfig(steps=8, batch_size=16, learning_rate=3e-3)
-    records = launch.run_sft(CPU, _options(tmp_path, "sft"), config, lambda r: None)
+    plot = tmp_path / "loss.png"
+    records = launch.run_sft(CPU, _options(tmp_path, "sft", plot=str(plot)), config, lambda r: None)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] * 0.8, losses
     model_config, weights, _ = load_model(checkpoint.latest_checkpoint(tmp_path / "sft"))

@@ -1,0 +1,78 @@
+"""Where a training step's time goes: exclusive device time per op (synchronising after each call).
+
+    PYTHONPATH=. python3 scripts/profile_train.py [sequences] [length] [layers]
+One forward + backward of packed sequences (all next-token rows scored), Qwen3-0.6B shape, random
+weights. Synchronising after every op makes the total a little larger than the real run's.
+"""
+
+import collections
+import json
+import sys
+import time
+
+import numpy as np
+
+from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.model import backward, forward
+from rlportable.ops import (activation, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope,
+                            rowsum)
+from rlportable.runtime import get_backend
+
+sequences, length = int(sys.argv[1]), int(sys.argv[2])
+layers = int(sys.argv[3]) if len(sys.argv) > 3 else None
+backend = get_backend("cuda")
+config = qwen3_06b_config(layers)
+model = forward.Model(backend, config, random_weights(config), trainable=True)
+tokens = np.random.default_rng(1).integers(0, config.vocab_size, sequences * length).astype(np.int32)
+cu = np.arange(0, sequences * length + 1, length)
+totals, calls, stack = collections.Counter(), collections.Counter(), []
+
+
+def timed(name, function):
+    def wrapper(*args, **kwargs):
+        backend.synchronize()
+        start = time.perf_counter()
+        stack.append(0.0)
+        result = function(*args, **kwargs)
+        backend.synchronize()
+        elapsed = time.perf_counter() - start
+        inner = stack.pop()
+        totals[name] += elapsed - inner
+        calls[name] += 1
+        if stack:
+            stack[-1] += elapsed
+        return result
+    return wrapper
+
+
+PATCHES = ((gemm, ["gemm", "encode_weight"]), (fixedpoint, ["encode_rows"]),
+           (attention, ["attention_packed", "attention_packed_backward"]),
+           (norm, ["rmsnorm", "rmsnorm_heads", "rmsnorm_backward", "rmsnorm_heads_backward"]),
+           (rope, ["apply", "apply_backward"]), (activation, ["swiglu", "swiglu_backward"]),
+           (residual, ["add", "add_bias", "transpose"]), (rowsum, ["rowsum"]),
+           (embedding, ["gather", "gather_backward"]),
+           (logprob, ["lm_head_logprobs", "logprobs_backward"]))
+for module, names in PATCHES:
+    for name in names:
+        setattr(module, name, timed(f"{module.__name__.split('.')[-1]}.{name}", getattr(module, name)))
+for name in ("input_grad", "weight_grad", "_layer_backward", "_recompute", "_lm_head_backward"):
+    setattr(backward, name, timed(f"backward.{name}", getattr(backward, name)))
+
+
+def step():
+    fwd = backward.forward(model, tokens, cu)
+    grads = backward.backward(model, fwd, np.full(fwd.rows.size, -1.0 / fwd.rows.size, np.float32))
+    return grads
+
+
+step()  # warm-up (compiles)
+totals.clear()
+calls.clear()
+backend.synchronize()
+start = time.perf_counter()
+step()
+backend.synchronize()
+wall = time.perf_counter() - start
+rows = sorted(totals.items(), key=lambda kv: -kv[1])
+print(json.dumps({"sequences": sequences, "length": length, "layers": config.num_hidden_layers, "wall_s": wall,
+                  "exclusive_s": dict(rows), "calls": dict(calls)}, indent=1))

@@ -4,7 +4,6 @@
 Synchronising after every op makes the total a little larger than the real run's.
 """
 
-import collections
 import json
 import sys
 import time
@@ -15,6 +14,7 @@ from rlportable.bench.forward import qwen3_06b_config, random_weights
 from rlportable.model import forward
 from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
 from rlportable.runtime import get_backend
+from profiling import op_timer
 
 sequences, length = int(sys.argv[1]), int(sys.argv[2])
 layers = int(sys.argv[3]) if len(sys.argv) > 3 else None
@@ -24,23 +24,7 @@ model = forward.Model(backend, config, random_weights(config))
 tokens = np.random.default_rng(1).integers(0, config.vocab_size, sequences * length).astype(np.int32)
 cu = np.arange(0, sequences * length + 1, length)
 
-totals, stack = collections.Counter(), []
-
-
-def timed(name, function):
-    def wrapper(*args, **kwargs):
-        backend.synchronize()
-        start = time.perf_counter()
-        stack.append(0.0)
-        result = function(*args, **kwargs)
-        backend.synchronize()
-        elapsed = time.perf_counter() - start
-        inner = stack.pop()
-        totals[name] += elapsed - inner
-        if stack:
-            stack[-1] += elapsed
-        return result
-    return wrapper
+totals, _, timed = op_timer(backend)
 
 
 for module, names in ((gemm, ["gemm"]), (attention, ["attention_packed"]), (norm, ["rmsnorm", "rmsnorm_heads"]),

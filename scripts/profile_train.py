@@ -5,7 +5,6 @@ One forward + backward of packed sequences (all next-token rows scored), Qwen3-0
 weights. Synchronising after every op makes the total a little larger than the real run's.
 """
 
-import collections
 import json
 import sys
 import time
@@ -17,6 +16,7 @@ from rlportable.model import backward, forward
 from rlportable.ops import (activation, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope,
                             rowsum)
 from rlportable.runtime import get_backend
+from profiling import op_timer
 
 sequences, length = int(sys.argv[1]), int(sys.argv[2])
 layers = int(sys.argv[3]) if len(sys.argv) > 3 else None
@@ -25,24 +25,7 @@ config = qwen3_06b_config(layers)
 model = forward.Model(backend, config, random_weights(config), trainable=True)
 tokens = np.random.default_rng(1).integers(0, config.vocab_size, sequences * length).astype(np.int32)
 cu = np.arange(0, sequences * length + 1, length)
-totals, calls, stack = collections.Counter(), collections.Counter(), []
-
-
-def timed(name, function):
-    def wrapper(*args, **kwargs):
-        backend.synchronize()
-        start = time.perf_counter()
-        stack.append(0.0)
-        result = function(*args, **kwargs)
-        backend.synchronize()
-        elapsed = time.perf_counter() - start
-        inner = stack.pop()
-        totals[name] += elapsed - inner
-        calls[name] += 1
-        if stack:
-            stack[-1] += elapsed
-        return result
-    return wrapper
+totals, calls, timed = op_timer(backend)
 
 
 PATCHES = ((gemm, ["gemm", "encode_weight"]), (fixedpoint, ["encode_rows"]),

@@ -7,7 +7,7 @@ from rlportable.model import backward
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
 from rlportable.runtime import get_backend
-from test_model_forward import _hf_models, write_test_tokenizer
+from test_model_forward import hf_model_and_ours
 
 CPU = get_backend("cpu")
 
@@ -45,13 +45,9 @@ def _rel_error(ours: np.ndarray, reference: np.ndarray) -> float:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_gradients_match_torch_autograd(arch, tmp_path):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = _hf_models()[arch]
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    write_test_tokenizer(tmp_path, config.vocab_size)
-    rl_config, weights, _ = load_model(str(tmp_path))
+    pytest.importorskip("transformers")
+    hf, (rl_config, weights, _) = hf_model_and_ours(arch, tmp_path)
+    config = hf.config
     model = Model(CPU, rl_config, weights, trainable=True)
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, config.vocab_size, 40).astype(np.int32)

@@ -84,6 +84,19 @@ def _hf_models():
     }
 
 
+def hf_model_and_ours(arch: str, folder):
+    """A seeded random HF model of `arch`, saved to folder, and load_model's view of that folder."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = _hf_models()[arch]
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    write_test_tokenizer(folder, config.vocab_size)
+    return hf, load_model(str(folder))
+
+
 def write_test_tokenizer(folder, vocab_size):
     """A word-level tokenizer.json of vocab_size entries: the HF directory needs one to load."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -107,13 +120,9 @@ def _hf_logprobs(model, tokens, dtype):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_logprobs_match_hf_transformers(arch, tmp_path):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = _hf_models()[arch]
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    write_test_tokenizer(tmp_path, config.vocab_size)
-    rl_config, weights, _ = load_model(str(tmp_path))
+    pytest.importorskip("transformers")
+    hf, (rl_config, weights, _) = hf_model_and_ours(arch, tmp_path)
+    config = hf.config
     model = Model(CPU, rl_config, weights)
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, 96).astype(np.int32)
     (ours,) = model.logprobs(tokens, np.array([0, tokens.size]))

@@ -61,31 +61,26 @@ def apply(backend, x, positions, cos, sin, host_positions=None):
 
     host_positions: the same positions as a NumPy array, when the caller has them; they are
     checked instead of copying `positions` back from the device (the model's per-layer calls)."""
-    tokens, heads, half, table_rows = _check(x, positions, cos, sin)
-    host_positions = _check_positions(backend, positions, host_positions, table_rows)
-    if backend.kernel_vendor is None:
-        cos, sin = backend.to_numpy(cos), backend.to_numpy(sin)
-        return reference.apply(backend.to_numpy(x), cos[host_positions], sin[host_positions])
-    y = backend.empty((tokens, heads, 2 * half), np.float32)
-    n = tokens * heads * half
-    if n:
-        backend.launch("rope", "rope_apply", (min(-(-n // ROPE_THREADS), MAX_GRID),), (ROPE_THREADS,),
-                       (x, positions, cos, sin, np.int64(tokens), np.int32(heads), np.int32(half), y))
-    return y
+    return _rotate(backend, x, positions, cos, sin, host_positions, "rope", "x", "rope_apply", reference.apply)
 
 
 def apply_backward(backend, dy, positions, cos, sin, host_positions=None):
     """dx [tokens, heads, D] = R(position)^T dy: the gradient of apply for the upstream dy
     (contracts/rope.toml apply_backward); arguments as for apply, with dy in x's place."""
-    tokens, heads, half, table_rows = _check(dy, positions, cos, sin, "rope.apply_backward", "dy")
     require_contiguous("rope.apply_backward: dy", dy)
+    return _rotate(backend, dy, positions, cos, sin, host_positions, "rope.apply_backward", "dy",
+                   "rope_apply_backward", reference.apply_backward)
+
+
+def _rotate(backend, x, positions, cos, sin, host_positions, op: str, name: str, kernel: str, reference_fn):
+    tokens, heads, half, table_rows = _check(x, positions, cos, sin, op, name)
     host_positions = _check_positions(backend, positions, host_positions, table_rows)
     if backend.kernel_vendor is None:
         cos, sin = backend.to_numpy(cos), backend.to_numpy(sin)
-        return reference.apply_backward(backend.to_numpy(dy), cos[host_positions], sin[host_positions])
-    dx = backend.empty((tokens, heads, 2 * half), np.float32)
+        return reference_fn(backend.to_numpy(x), cos[host_positions], sin[host_positions])
+    y = backend.empty((tokens, heads, 2 * half), np.float32)
     n = tokens * heads * half
     if n:
-        backend.launch("rope", "rope_apply_backward", (min(-(-n // ROPE_THREADS), MAX_GRID),), (ROPE_THREADS,),
-                       (dy, positions, cos, sin, np.int64(tokens), np.int32(heads), np.int32(half), dx))
-    return dx
+        backend.launch("rope", kernel, (min(-(-n // ROPE_THREADS), MAX_GRID),), (ROPE_THREADS,),
+                       (x, positions, cos, sin, np.int64(tokens), np.int32(heads), np.int32(half), y))
+    return y

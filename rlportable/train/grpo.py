@@ -25,13 +25,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from rlportable.contract.adamw import Hyper
 from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.errors import InputError, RlpError
 from rlportable.model.forward import Model
 from rlportable.train import objectives
-from rlportable.train.optimizer import Optimizer, Schedule
+from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.rewards import RewardSet, batch_from_records
 from rlportable.train.trainer import Sample, completion_logprobs, pack, train_micro_batch
 
@@ -41,7 +40,7 @@ class LogprobMismatchError(RlpError):
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(OptimiserSettings):
     steps: int = 20
     prompts_per_step: int = 8
     num_generations: int = 8
@@ -53,13 +52,7 @@ class GRPOConfig:
     ignore_eos: bool = False   # every completion runs to max_completion_length (the eos does not stop it)
     sampler: str = "host"      # the engine's: "host" or "device" (the same tokens and log-probs either way)
     learning_rate: float = 1e-6
-    warmup_steps: int = 0
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    adam_beta1: float = 0.9
     adam_beta2: float = 0.99
-    adam_eps: float = 1e-8
     epsilon: float = 0.2
     epsilon_high: float | None = None
     beta: float = 0.0
@@ -67,16 +60,11 @@ class GRPOConfig:
     scale_rewards: str = "group"
     num_iterations: int = 1
     mini_batches: int = 1
-    micro_batch_tokens: int = 16384
     block_size: int = 16
-    seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length", "num_iterations",
-                     "mini_batches", "micro_batch_tokens", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"grpo: {name} must be a positive integer, got {value!r}")
+        self.check_positive("grpo", ("steps", "prompts_per_step", "num_generations", "max_completion_length",
+                                     "num_iterations", "mini_batches", "block_size"))
         if (self.prompts_per_step * self.num_generations) % self.mini_batches:
             raise InputError(f"grpo: {self.prompts_per_step} x {self.num_generations} samples do not split into "
                              f"{self.mini_batches} mini-batches")
@@ -84,10 +72,6 @@ class GRPOConfig:
     def settings(self) -> objectives.GRPOSettings:
         return objectives.GRPOSettings(self.epsilon, self.epsilon_high, self.beta, self.loss_type,
                                        self.max_completion_length)
-
-    def hyper(self) -> Hyper:
-        return Hyper(self.learning_rate, self.adam_beta1, self.adam_beta2, self.adam_eps, self.weight_decay,
-                     self.max_grad_norm)
 
 
 def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
@@ -120,8 +104,7 @@ class GRPOTrainer:
         cfg = self.config
         if cfg.beta > 0 and self.reference is None:
             raise InputError("grpo: beta > 0 needs a reference model")
-        schedule = Schedule(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.min_lr)
-        self.optimizer = Optimizer(self.model, cfg.hyper(), schedule)
+        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps))
         longest_prompt = max(prompt_length(self.tokenizer, r["prompt"]) for r in self.dataset)
         samples = cfg.prompts_per_step * cfg.num_generations
         self.engine = LLM(device=self.model.backend, loaded=(self.model, self.tokenizer),

@@ -33,6 +33,35 @@ class Schedule:
         return lr_at(step, self.peak_lr, self.warmup_steps, max(self.total_steps, 1), self.min_lr)
 
 
+@dataclass(frozen=True)
+class OptimiserSettings:
+    """What SFT and GRPO runs share: AdamW, the schedule, the micro-batch budget, the seed."""
+
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    micro_batch_tokens: int = 16384
+    seed: int = 0
+
+    def hyper(self) -> Hyper:
+        return Hyper(self.learning_rate, self.adam_beta1, self.adam_beta2, self.adam_eps, self.weight_decay,
+                     self.max_grad_norm)
+
+    def schedule(self, steps: int) -> Schedule:
+        return Schedule(self.learning_rate, self.warmup_steps, steps, self.min_lr)
+
+    def check_positive(self, kind: str, names: tuple[str, ...]) -> None:
+        for name in names + ("micro_batch_tokens",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{kind}: {name} must be a positive integer, got {value!r}")
+
+
 class Optimizer:
     """AdamW state (m, v per tensor, by Hugging Face name) and the gradient being accumulated."""
 

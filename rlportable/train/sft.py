@@ -17,41 +17,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlportable.contract.adamw import Hyper
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.train import objectives
 from rlportable.train.grpo import records_for_step
-from rlportable.train.optimizer import Optimizer, Schedule
+from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.tasks import read_jsonl_objects
 from rlportable.train.trainer import Sample, pack, train_micro_batch
 
 
 @dataclass(frozen=True)
-class SFTConfig:
+class SFTConfig(OptimiserSettings):
     steps: int = 100
     batch_size: int = 32
     learning_rate: float = 1e-4
-    warmup_steps: int = 0
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    micro_batch_tokens: int = 16384
     max_length: int = 1024
-    seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "micro_batch_tokens", "max_length"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"sft: {name} must be a positive integer, got {value!r}")
-
-    def hyper(self) -> Hyper:
-        return Hyper(self.learning_rate, self.adam_beta1, self.adam_beta2, self.adam_eps, self.weight_decay,
-                     self.max_grad_norm)
+        self.check_positive("sft", ("steps", "batch_size", "max_length"))
 
 
 def load_sft_jsonl(path) -> list[dict]:
@@ -109,8 +92,7 @@ class SFTTrainer:
 
     def __post_init__(self):
         cfg = self.config
-        self.optimizer = Optimizer(self.model, cfg.hyper(), Schedule(cfg.learning_rate, cfg.warmup_steps,
-                                                                     cfg.steps, cfg.min_lr))
+        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps))
 
     def step(self, step: int) -> dict:
         cfg = self.config

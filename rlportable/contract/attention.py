@@ -22,6 +22,10 @@ of o, P_j = p_j 2^21 / L, dP_j = do . v_j and delta = do . o (exact fixed-point 
 dS_j = P_j (dP_j - delta) / sqrt(D) in float64; dq, dk and dv are exact weighted sums of encoded
 rows (coefficients quantized to 32 bits below their largest, int64 products summed exactly in a
 two-word form, one rounding): see the comment above attention_backward.
+
+The per-sequence, per-head functions are the definition; attention_packed_batched,
+attention_encoded_batched and attention_packed_backward_batched compute the same bits for many
+padded sequences and all heads per NumPy call (the cpu backend's path; see "batched evaluation").
 """
 
 from __future__ import annotations
@@ -298,4 +302,317 @@ def attention_packed_backward(q, k, v, do, cu_seqlens, o=None) -> tuple[np.ndarr
         if b > a:
             dq[a:b], dk[a:b], dv[a:b] = attention_backward(q[a:b], k[a:b], v[a:b], do[a:b], np.arange(b - a),
                                                            None if o is None else o[a:b])
+    return dq, dk, dv
+
+
+# ---- batched evaluation: the functions above for many sequences and all heads at once
+#
+# The per-sequence functions above are the definition; these evaluate them over a padded chunk of
+# sequences, heads laid out [S, Hkv, G, Tq, ...] (G = Hq / Hkv, the q heads of one kv head). A padded
+# query row has position -1 and so sees no key; a padded key sits beyond every query position of its
+# sequence: the causal mask excludes both exactly as it excludes later keys, and padded rows are never
+# poisoned. Each step is the same elementwise IEEE operation on the same operands, an exact integer sum
+# (float64 with every partial sum below 2^53, or int64; any order gives the same value) or a max, so
+# every bit equals the per-sequence functions' (tests/test_attention_batched_reference.py checks it).
+# exp_f32 runs on the allowed entries only. Sequences are sorted by length and cut into chunks whose
+# padded [S, Hq, Tq, max(L, D)] arrays (scores and weights; the wide sums of dq) hold at most
+# BATCH_ELEMENTS entries; heads are split further when one sequence alone exceeds it (down to one q head
+# in the forward, one kv head's group in the backward, whose dk and dv sum over the group: the
+# per-sequence backward holds that group's coefficient blocks too). Small chunks are the fast ones:
+# their temporaries stay in the cpu caches (a few hundred NumPy calls per chunk).
+
+BATCH_ELEMENTS = 2**15  # entries per chunk: 256 KB per float64 [S, Hq, Tq, max(L, D)] array
+
+
+def batch_chunks(query_counts, key_counts, heads: int, width: int = 0,
+                 budget: int = BATCH_ELEMENTS) -> list[np.ndarray]:
+    """Indices of the sequences with queries, most keys first, cut so that count x heads x (most
+    queries) x max(most keys, width) of a chunk stays within budget (a lone sequence may exceed it)."""
+    queries = np.asarray(query_counts, dtype=np.int64)
+    keys = np.asarray(key_counts, dtype=np.int64)
+    order = np.lexsort((-queries, -keys))
+    order = order[queries[order] > 0]
+    chunks, start = [], 0
+    while start < order.size:
+        rest = order[start:]  # the chunk's first sequence has its most keys
+        cost = (np.arange(1, rest.size + 1) * float(heads) * np.maximum.accumulate(queries[rest])
+                * float(max(keys[rest[0]], width)))  # non-decreasing in the count
+        count = max(1, int(np.searchsorted(cost, budget, side="right")))
+        chunks.append(rest[:count])
+        start += count
+    return chunks
+
+
+def _head_slices(qq: np.ndarray, qk: np.ndarray, budget: int, whole_groups: bool) -> list[tuple[slice, slice]]:
+    """(q heads, kv heads) pieces of a chunk (qq [S, Tq, Hq, D], qk [S, L, Hkv, D]) whose
+    [S, heads, Tq, max(L, D)] arrays stay within budget: whole kv groups where they fit, else (when not
+    whole_groups: the forward, whose q heads are independent) part of one group's q heads, at least one."""
+    s, tq, hq, dim = qq.shape
+    length, hkv = qk.shape[1], qk.shape[2]
+    group = hq // hkv
+    heads = max(1, budget // max(s * tq * max(length, dim), 1))  # q heads per piece
+    if heads >= group or whole_groups:
+        step = max(1, min(hkv, heads // group))
+        return [(slice(g * group, min(g + step, hkv) * group), slice(g, min(g + step, hkv)))
+                for g in range(0, hkv, step)]
+    return [(slice(h, min(h + heads, (h // group + 1) * group)), slice(h // group, h // group + 1))
+            for g in range(hkv) for h in range(g * group, (g + 1) * group, heads)]
+
+
+def padded_rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[S, max count] row indices starts[s] + t for t < counts[s], -1 beyond (padding)."""
+    width = int(counts.max()) if counts.size else 0
+    t = np.arange(width, dtype=np.int64)[None, :]
+    return np.where(t < counts[:, None], starts[:, None] + t, -1)
+
+
+def gather_rows(x: np.ndarray, rows: np.ndarray, fill=0) -> np.ndarray:
+    """x[rows] for an index array with -1 padding: padded entries hold `fill` (0: a zero row, exponent 0)."""
+    out = x[np.maximum(rows, 0)]
+    out[rows < 0] = fill
+    return out
+
+
+def _by_group(x: np.ndarray, hkv: int) -> np.ndarray:
+    """[S, T, Hq, ...] -> [S, Hkv, G, T, ...] (q head h = g G + i)."""
+    s, t, hq = x.shape[:3]
+    return np.moveaxis(x.reshape((s, t, hkv, hq // hkv) + x.shape[3:]), 1, 3)
+
+
+def _from_group(x: np.ndarray) -> np.ndarray:
+    """[S, Hkv, G, T, ...] -> [S, T, Hq, ...]."""
+    s, hkv, group, t = x.shape[:4]
+    return np.moveaxis(x, 3, 1).reshape((s, t, hkv * group) + x.shape[4:])
+
+
+def _by_head(x: np.ndarray) -> np.ndarray:
+    """[S, L, Hkv, ...] -> [S, Hkv, L, ...]."""
+    return np.moveaxis(x, 1, 2)
+
+
+def _grouped_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [S, Hkv, G, T, n] @ b [S, Hkv, n, m] -> [S, Hkv, G, T, m]: the G heads' rows in one product."""
+    s, hkv, group, t, n = a.shape
+    return (np.ascontiguousarray(a).reshape(s, hkv, group * t, n) @ b).reshape(s, hkv, group, t, b.shape[-1])
+
+
+def _softmax_weights_batched(qq, eq_s, qk, ek_s, allowed, scale):
+    """_softmax_weights of a chunk: qq [S, Hkv, G, Tq, D], eq_s [S, Hkv, G, Tq]; qk [S, Hkv, L, D],
+    ek_s [S, Hkv, L]; allowed [S, 1, 1, Tq, L]. Returns p [S, Hkv, G, Tq, L], m [..., Tq, 1], L [..., Tq]."""
+    sums = _grouped_matmul(qq, np.swapaxes(qk, -1, -2))  # exact: every partial sum < 2^53
+    shift = eq_s[..., None] + ek_s[:, :, None, None, :] - (Q_BITS - 2) - (K_BITS - 2)
+    scores = ((sums * fp.pow2_f64(shift)) * scale).astype(np.float32)
+    mask = np.broadcast_to(allowed, scores.shape)
+    scores[~mask] = -np.inf
+    m = scores.max(axis=-1, keepdims=True)
+    p = np.zeros(scores.shape, dtype=np.float64)
+    p[mask] = exp_f32(scores[mask] - np.broadcast_to(m, scores.shape)[mask])
+    total = np.rint(p * 2.0 ** (P_BITS - 2)).sum(axis=-1)  # exact integer sum (< 2^53)
+    return p, m, total
+
+
+def _chunk_mask(positions: np.ndarray, length: int) -> np.ndarray:
+    """allowed [S, 1, 1, Tq, L]: key j <= the query's position (-1: a padded row sees nothing)."""
+    return (np.arange(length)[None, None, :] <= positions[:, :, None])[:, None, None]
+
+
+def _forward_chunk(qq, eq, qk, ek, qv, ev, positions) -> np.ndarray:
+    """_one_head for every head of a padded chunk: qq [S, Tq, Hq, D], eq [S, Tq, Hq]; qk, qv
+    [S, L, Hkv, D], ek, ev [S, L, Hkv]; positions [S, Tq]. Returns [S, Tq, Hq, D] (padded rows: garbage)."""
+    hkv, length, dim = qk.shape[2], qk.shape[1], qk.shape[3]
+    qq, eq = _by_group(qq, hkv), _by_group(eq, hkv)
+    qk, ek, qv, ev = _by_head(qk), _by_head(ek), _by_head(qv), _by_head(ev)
+    allowed = _chunk_mask(positions, length)
+    scale = 1.0 / np.sqrt(np.float64(dim))
+    bad_q = eq == fp.NONFINITE_EXPONENT
+    bad_kv = (ek == fp.NONFINITE_EXPONENT) | (ev == fp.NONFINITE_EXPONENT)
+    eq_s = np.where(bad_q, 0, eq)
+    ek_s = np.where(bad_kv, 0, ek)
+    ev_s = np.where(bad_kv, fp.ZERO_ROW_EXPONENT, ev)[:, :, None, None, :]  # [S, Hkv, 1, 1, L]
+    with np.errstate(all="ignore"):  # overflowing scores (contract: nan_inf); padded rows divide 0 by 0
+        p, _, total = _softmax_weights_batched(qq, eq_s, qk, ek_s, allowed, scale)
+        e_max = np.where(allowed, ev_s, np.iinfo(np.int64).min).max(axis=-1)  # [S, Hkv, 1, Tq]
+        weights = np.rint(p * fp.pow2_f64(np.where(allowed, ev_s - e_max[..., None] + P_BITS - 2, 0)))
+        weights = np.where(allowed, weights, 0.0)
+        numerator = _grouped_matmul(weights, qv)  # exact
+        out = ((numerator * fp.pow2_f64(e_max - (V_BITS - 2))[..., None]) / total[..., None]).astype(np.float32)
+    poisoned = bad_q | (allowed & bad_kv[:, :, None, None, :]).any(axis=-1)
+    out[poisoned] = fp.CANONICAL_NAN
+    return _from_group(out)
+
+
+def attention_encoded_batched(qq, eq, qk, ek, qv, ev, positions, budget: int = BATCH_ELEMENTS) -> np.ndarray:
+    """attention_encoded of S padded sequences at once, the same bits: qq [S, Tq, Hq, D], eq [S, Tq, Hq];
+    qk, qv [S, L, Hkv, D], ek, ev [S, L, Hkv] (the keys of sequence s at positions 0..L-1; rows beyond
+    its own keys are padding); positions int64 [S, Tq], -1 on padded query rows (their output is garbage).
+    A position must have its key in sequence s (as attention_encoded requires)."""
+    qq, qk, qv = (np.asarray(x, dtype=np.float64) for x in (qq, qk, qv))
+    eq, ek, ev = (np.asarray(e, dtype=np.int64) for e in (eq, ek, ev))  # int32 would clip the int64 sentinels
+    positions = np.asarray(positions, dtype=np.int64)
+    s, tq, hq, dim = qq.shape
+    length = qk.shape[1]
+    if length > MAX_KEYS:
+        raise ValueError(f"attention: {length} keys exceed the contract's limit {MAX_KEYS}")
+    out = np.empty((s, tq, hq, dim), dtype=np.float32)
+    for h, g in _head_slices(qq, qk, budget, whole_groups=False):
+        out[:, :, h] = _forward_chunk(qq[:, :, h], eq[:, :, h], qk[:, :, g], ek[:, :, g], qv[:, :, g], ev[:, :, g],
+                                      positions)
+    return out
+
+
+def _packed_chunks(cu: np.ndarray, heads: int, dim: int, budget: int):
+    """(rows [S, Tmax] token indices with -1 padding, positions [S, Tmax]) of each chunk of a packed batch."""
+    lengths = np.diff(cu)
+    if lengths.size and lengths.max() > MAX_KEYS:
+        raise ValueError(f"attention: {lengths.max()} keys exceed the contract's limit {MAX_KEYS}")
+    for seqs in batch_chunks(lengths, lengths, heads, dim, budget):
+        rows = padded_rows(cu[:-1][seqs], lengths[seqs])
+        yield rows, np.where(rows >= 0, np.arange(rows.shape[1])[None, :], -1)
+
+
+def attention_packed_batched(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens,
+                             budget: int = BATCH_ELEMENTS) -> np.ndarray:
+    """attention() of every sequence of a packed batch (sequence i: tokens cu_seqlens[i]..cu_seqlens[i+1]-1
+    at positions 0, 1, ...), many sequences per NumPy call: q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D],
+    the bits of attention() one sequence at a time."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    qq, eq = encode_heads(np.asarray(q, np.float32), Q_BITS)
+    qk, ek = encode_heads(np.asarray(k, np.float32), K_BITS)
+    qv, ev = encode_heads(np.asarray(v, np.float32), V_BITS)
+    out = np.empty(q.shape, dtype=np.float32)
+    for rows, positions in _packed_chunks(cu, q.shape[1], q.shape[2], budget):
+        valid = rows >= 0
+        chunk = attention_encoded_batched(*(gather_rows(x, rows) for x in (qq, eq, qk, ek, qv, ev)), positions,
+                                          budget)
+        out[rows[valid]] = chunk[valid]
+    return out
+
+
+def _exact_weighted_sum_batched(terms: list[tuple[np.ndarray, np.ndarray]], row_bits: int) -> np.ndarray:
+    """exact_weighted_sum for B independent sums at once, the same bits for each: blocks (u [B, N, n_b]
+    float64, r [B, n_b, D]); every block has n_b <= MAX_KEYS terms, so the digit products stay exact
+    (partial sums below 2^11 2^22 2^17 = 2^50) and every digit of every block meets the others in the
+    exact wide form."""
+    batch, rows_out = terms[0][0].shape[:2]
+    blocks, e = quantize_coefficients([u.reshape(batch * rows_out, u.shape[2]) for u, _ in terms])
+    width = terms[0][1].shape[2]
+    high = np.zeros((batch, rows_out, width), dtype=np.int64)
+    low = np.zeros((batch, rows_out, width), dtype=np.int64)
+    for big_u, (u, rows) in zip(blocks, terms):
+        rows = np.asarray(rows, dtype=np.float64)
+        rest = big_u.reshape(u.shape)
+        for digit_index in range(3):
+            digit = rest & ((1 << _DIGIT_BITS) - 1) if digit_index < 2 else rest
+            rest = rest >> np.int64(_DIGIT_BITS)
+            product = (digit.astype(np.float64) @ rows).astype(np.int64)
+            high, low = wide_add(high, low, product, _DIGIT_BITS * digit_index)
+    return round_wide(high, low, (e.reshape(batch, rows_out) - (COEF_BITS - 2) - (row_bits - 2))[..., None])
+
+
+def _head_blocks(u: np.ndarray, rows: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """dk / dv terms of a kv head's G q heads: u [S, Hkv, G, Tq, L], rows [S, Hkv, G, Tq, D] ->
+    blocks (u [S Hkv, L, n], r [S Hkv, n, D]) of whole heads, n <= MAX_KEYS terms each."""
+    s, hkv, group, tq, length = u.shape
+    per_block = max(1, MAX_KEYS // max(tq, 1))
+    blocks = []
+    for h in range(0, group, per_block):
+        heads = slice(h, min(h + per_block, group))
+        n = (heads.stop - heads.start) * tq
+        blocks.append((np.moveaxis(u[:, :, heads], -1, 2).reshape(s * hkv, length, n),
+                       rows[:, :, heads].reshape(s * hkv, n, rows.shape[-1])))
+    return blocks
+
+
+def _backward_chunk(qq, eq, qk, ek, qv, ev, qdo, edo, o, positions):
+    """attention_backward for every head of a padded chunk: qq, qdo, o [S, Tq, Hq, D], eq, edo [S, Tq, Hq];
+    qk, qv [S, L, Hkv, D], ek, ev [S, L, Hkv]; positions [S, Tq] (-1: padding).
+    Returns (dq [S, Tq, Hq, D], dk, dv [S, L, Hkv, D]); padded rows hold garbage."""
+    nonfinite = fp.NONFINITE_EXPONENT
+    s, tq, hq, dim = qq.shape
+    length, hkv = qk.shape[1], qk.shape[2]
+    qq, eq, qdo, edo, o = (_by_group(x, hkv) for x in (qq, eq, qdo, edo, o))
+    qk, ek, qv, ev = _by_head(qk), _by_head(ek), _by_head(qv), _by_head(ev)
+    allowed = _chunk_mask(positions, length)
+    scale = 1.0 / np.sqrt(np.float64(dim))
+    # _head_gradient_terms
+    bad_kv = (ek == nonfinite) | (ev == nonfinite)
+    bad_o = ~np.isfinite(o).all(axis=-1)
+    eq_s, edo_s = (np.where(e == nonfinite, 0, e) for e in (eq, edo))
+    ek_s = np.where(bad_kv, 0, ek)
+    ev_s = np.where(bad_kv, fp.ZERO_ROW_EXPONENT, ev)
+    with np.errstate(all="ignore"):  # poisoned and padded rows compute NaN or garbage, replaced below
+        p, m, total = _softmax_weights_batched(qq, eq_s, qk, ek_s, allowed, scale)
+        big_p = (p * 2.0 ** (P_BITS - 2)) / total[..., None]
+        d_p = _grouped_matmul(qdo, np.swapaxes(qv, -1, -2)) * fp.pow2_f64(
+            edo_s[..., None] + ev_s[:, :, None, None, :] - (DO_BITS - 2) - (V_BITS - 2))
+        delta = delta_of(qdo.reshape(-1, dim), edo_s.reshape(-1),
+                         np.where(bad_o[..., None], 0.0, o).reshape(-1, dim)).reshape(edo_s.shape)
+        d_s = (big_p * (d_p - delta[..., None])) * scale
+    valid = (positions >= 0)[:, None, None, :]
+    poisoned = ((eq == nonfinite) | (edo == nonfinite) | bad_o | ~np.isfinite(m[..., 0])
+                | (allowed & bad_kv[:, :, None, None, :]).any(axis=-1)) & valid
+    keep = allowed & ~poisoned[..., None]
+    big_p, d_s = np.where(keep, big_p, 0.0), np.where(keep, d_s, 0.0)
+    # attention_backward: the three exact weighted sums and the poisoned rows' NaN
+    group = hq // hkv
+    ek_dq = np.where(ek == nonfinite, 0, ek)[:, :, None, None, :]
+    u_dq = (d_s * fp.pow2_f64(ek_dq)).reshape(s * hkv, group * tq, length)
+    dq = _exact_weighted_sum_batched([(u_dq, qk.reshape(s * hkv, length, dim))], K_BITS)
+    dq = dq.reshape(s, hkv, group, tq, dim)
+    dq[poisoned] = fp.CANONICAL_NAN
+    eq_s, edo_s = np.where(poisoned, 0, eq), np.where(poisoned, 0, edo)
+    dk = _exact_weighted_sum_batched(_head_blocks(d_s * fp.pow2_f64(eq_s)[..., None], qq), Q_BITS)
+    dv = _exact_weighted_sum_batched(_head_blocks(big_p * fp.pow2_f64(edo_s)[..., None], qdo), DO_BITS)
+    last_poisoned = np.where(poisoned, np.broadcast_to(positions[:, None, None, :], poisoned.shape), -1)
+    reached = np.arange(length)[None, None, :] <= last_poisoned.max(axis=(2, 3))[..., None]  # [S, Hkv, L]
+    dk, dv = dk.reshape(s, hkv, length, dim), dv.reshape(s, hkv, length, dim)
+    dk[reached] = fp.CANONICAL_NAN
+    dv[reached] = fp.CANONICAL_NAN
+    return _from_group(dq), _by_head(dk), _by_head(dv)
+
+
+def attention_backward_encoded_batched(qq, eq, qk, ek, qv, ev, qdo, edo, o, positions,
+                                       budget: int = BATCH_ELEMENTS):
+    """attention_backward of S padded sequences from encoded rows, the same bits: qq, qdo [S, Tq, Hq, D]
+    (23 bits) with eq, edo [S, Tq, Hq]; o [S, Tq, Hq, D] the forward's output; qk, qv [S, L, Hkv, D]
+    (15 bits) with ek, ev [S, L, Hkv]; positions int64 [S, Tq], -1 on padded query rows.
+    Returns (dq [S, Tq, Hq, D], dk [S, L, Hkv, D], dv [S, L, Hkv, D]); padded rows hold garbage."""
+    qq, qk, qv, qdo = (np.asarray(x, dtype=np.float64) for x in (qq, qk, qv, qdo))
+    eq, ek, ev, edo = (np.asarray(e, dtype=np.int64) for e in (eq, ek, ev, edo))
+    positions = np.asarray(positions, dtype=np.int64)
+    o = np.asarray(o, dtype=np.float32)
+    s, tq, hq, dim = qq.shape
+    length, hkv = qk.shape[1], qk.shape[2]
+    if length > MAX_KEYS:
+        raise ValueError(f"attention: {length} keys exceed the contract's limit {MAX_KEYS}")
+    dq = np.empty((s, tq, hq, dim), dtype=np.float32)
+    dk = np.empty((s, length, hkv, dim), dtype=np.float32)
+    dv = np.empty((s, length, hkv, dim), dtype=np.float32)
+    for h, g in _head_slices(qq, qk, budget, whole_groups=True):  # dk, dv sum over a whole group
+        dq[:, :, h], dk[:, :, g], dv[:, :, g] = _backward_chunk(
+            qq[:, :, h], eq[:, :, h], qk[:, :, g], ek[:, :, g], qv[:, :, g], ev[:, :, g], qdo[:, :, h],
+            edo[:, :, h], o[:, :, h], positions)
+    return dq, dk, dv
+
+
+def attention_packed_backward_batched(q, k, v, do, cu_seqlens, o=None,
+                                      budget: int = BATCH_ELEMENTS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """attention_packed_backward with many sequences and all heads per NumPy call, the same bits:
+    q, do, o [T, Hq, D]; k, v [T, Hkv, D] float32; o None: recomputed (attention_packed_batched)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    q, k, v, do = (np.asarray(x, dtype=np.float32) for x in (q, k, v, do))
+    o = attention_packed_batched(q, k, v, cu, budget) if o is None else np.asarray(o, dtype=np.float32)
+    qq, eq = encode_heads(q, Q_BITS)
+    qk, ek = encode_heads(k, K_BITS)
+    qv, ev = encode_heads(v, V_BITS)
+    qdo, edo = encode_heads(do, DO_BITS)
+    dq = np.empty(q.shape, dtype=np.float32)
+    dk = np.empty(k.shape, dtype=np.float32)
+    dv = np.empty(v.shape, dtype=np.float32)
+    for rows, positions in _packed_chunks(cu, q.shape[1], q.shape[2], budget):
+        valid = rows >= 0
+        grads = attention_backward_encoded_batched(
+            *(gather_rows(x, rows) for x in (qq, eq, qk, ek, qv, ev, qdo, edo, o)), positions, budget)
+        for out, chunk in zip((dq, dk, dv), grads):
+            out[rows[valid]] = chunk[valid]
     return dq, dk, dv

@@ -14,8 +14,9 @@ every reduction of the contract is exact, each query's bits depend only on its o
 keys 0..t of its sequence, however the calls are cut.
 
 On cpu the same encoded cache is kept in NumPy arrays; attention_paged decodes the
-sequence's rows exactly (fixedpoint.join_digits) and runs the reference's
-attention_encoded; attention_packed runs the reference per sequence.
+sequences' rows exactly (fixedpoint.join_digits) and runs the reference's
+attention_encoded_batched; attention_packed and attention_packed_backward run the reference's
+batched forms (many sequences and all heads per NumPy call, the per-sequence bits).
 
 attention_packed_backward (op "attention_backward"): dq, dk, dv of attention_packed for an
 incoming gradient do, from three kernels (attention_backward_rows, _dq, _dkv) over a block-size-1
@@ -264,18 +265,49 @@ def _decode_rows(digits: np.ndarray, dim: int) -> np.ndarray:
     return fp.join_digits(np.moveaxis(digits[..., :dim], 2, 0))
 
 
+def _chunk_key_slots(block_tables: np.ndarray, seqs: np.ndarray, lengths: np.ndarray, cache: KVCache) -> np.ndarray:
+    """[S, max length] slots of positions 0..lengths[s]-1 of sequences seqs (-1 beyond): _key_slots of
+    every sequence at once; InputError (from _key_slots, naming the sequence) if a table lacks a block."""
+    positions = np.arange(int(lengths.max()), dtype=np.int64)[None, :]
+    used = positions < lengths[:, None]
+    columns = positions // cache.block_size
+    tables = block_tables[seqs]
+    if tables.shape[1] == 0:
+        _key_slots(tables[0], int(lengths[0]), cache.block_size, cache.num_slots, int(seqs[0]))  # raises
+    blocks = tables[np.arange(seqs.size)[:, None], np.minimum(columns, tables.shape[1] - 1)].astype(np.int64)
+    slots = blocks * cache.block_size + positions % cache.block_size
+    bad = used & ((columns >= tables.shape[1]) | (blocks < 0) | (slots >= cache.num_slots))
+    for row in np.nonzero(bad.any(axis=1))[0]:
+        _key_slots(block_tables[seqs[row]], int(lengths[row]), cache.block_size, cache.num_slots, int(seqs[row]))
+    return np.where(used, slots, -1)
+
+
 def _attention_paged_reference(q: np.ndarray, q_seq: np.ndarray, q_pos: np.ndarray, cache: KVCache,
                                block_tables: np.ndarray) -> np.ndarray:
+    """The reference's attention_encoded for every sequence of the call, batched over sequences
+    (reference.attention_encoded_batched: the same bits as one sequence at a time)."""
     qq, eq = reference.encode_heads(q, Q_BITS)
     out = np.empty(q.shape, dtype=np.float32)
-    for seq in np.unique(q_seq):
-        rows = np.nonzero(q_seq == seq)[0]
-        length = int(q_pos[rows].max()) + 1
-        slots = _key_slots(block_tables[seq], length, cache.block_size, cache.num_slots, int(seq))
-        qk = _decode_rows(np.asarray(cache.k_digits)[slots], cache.head_dim)
-        qv = _decode_rows(np.asarray(cache.v_digits)[slots], cache.head_dim)
-        out[rows] = reference.attention_encoded(qq[rows], eq[rows], qk, np.asarray(cache.k_exponents)[slots], qv,
-                                                np.asarray(cache.v_exponents)[slots], q_pos[rows])
+    seqs, inverse = np.unique(q_seq, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")  # each sequence's query rows, in row order
+    counts = np.bincount(inverse, minlength=seqs.size)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    lengths = np.zeros(seqs.size, dtype=np.int64)
+    np.maximum.at(lengths, inverse, q_pos.astype(np.int64) + 1)
+    k_digits, v_digits = np.asarray(cache.k_digits), np.asarray(cache.v_digits)
+    k_exponents, v_exponents = np.asarray(cache.k_exponents), np.asarray(cache.v_exponents)
+    for chunk in reference.batch_chunks(counts, lengths, q.shape[1], cache.head_dim):
+        index = reference.padded_rows(starts[chunk], counts[chunk])
+        rows = np.where(index >= 0, order[np.maximum(index, 0)], -1)  # [S, Tq] query rows, -1 padding
+        key_slots = _chunk_key_slots(block_tables, seqs[chunk], lengths[chunk], cache)
+        keys = [reference.gather_rows(x, key_slots) for x in (k_digits, k_exponents, v_digits, v_exponents)]
+        qk, qv = (_decode_rows(d.reshape((-1,) + d.shape[2:]), cache.head_dim).reshape(key_slots.shape + (
+            cache.num_kv_heads, cache.head_dim)) for d in (keys[0], keys[2]))
+        positions = reference.gather_rows(q_pos.astype(np.int64), rows, fill=-1)
+        valid = rows >= 0
+        result = reference.attention_encoded_batched(reference.gather_rows(qq, rows), reference.gather_rows(eq, rows),
+                                                     qk, keys[1], qv, keys[3], positions)
+        out[rows[valid]] = result[valid]
     return out
 
 
@@ -328,13 +360,7 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens)
     if backend.kernel_vendor is None:
-        q, k, v = backend.to_numpy(q), backend.to_numpy(k), backend.to_numpy(v)
-        out = np.empty((tokens, hq, dim), dtype=np.float32)
-        for start, stop in zip(cu[:-1], cu[1:]):
-            if stop > start:
-                out[start:stop] = reference.attention(q[start:stop], k[start:stop], v[start:stop],
-                                                      np.arange(stop - start))
-        return out
+        return reference.attention_packed_batched(backend.to_numpy(q), backend.to_numpy(k), backend.to_numpy(v), cu)
     if tokens == 0:
         return backend.empty((0, hq, dim), np.float32)
     cache = KVCache.allocate(backend, tokens, hkv, dim, block_size=1, zero=False)
@@ -381,8 +407,8 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens, name)
     if backend.kernel_vendor is None:
-        return reference.attention_packed_backward(*(backend.to_numpy(x) for x in (q, k, v, do)), cu,
-                                                   None if o is None else backend.to_numpy(o))
+        return reference.attention_packed_backward_batched(*(backend.to_numpy(x) for x in (q, k, v, do)), cu,
+                                                           None if o is None else backend.to_numpy(o))
     dq = backend.empty((tokens, hq, dim), np.float32)
     dk = backend.empty((tokens, hkv, dim), np.float32)
     dv = backend.empty((tokens, hkv, dim), np.float32)

@@ -77,7 +77,13 @@ def plot_curve(records: list[dict], key: str, path: str, title: str) -> None:
         raise InputError("drawing the curve needs matplotlib: pip install 'rlportable[plot]'") from None
     points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
     figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+    steps, values = [p[0] for p in points], [p[1] for p in points]
+    axes.plot(steps, values, marker="o", markersize=3, alpha=0.5, label=key)
+    window = min(10, len(values))
+    if window > 1:  # the trend through the per-step noise: the mean of the last `window` steps
+        means = [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+        axes.plot(steps, means, linewidth=2, label=f"mean of the last {window} steps")
+        axes.legend(loc="best", fontsize=8)
     axes.set_xlabel("step")
     axes.set_ylabel(key)
     axes.set_title(title)

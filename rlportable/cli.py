@@ -219,7 +219,7 @@ def _run_options(f):
         click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Draw the curve to this PNG."),
         click.option("--seed", default=0, show_default=True, type=int),
         click.option("--lr", default=None, type=float, help="Peak learning rate."),
-        click.option("--warmup-steps", default=0, show_default=True, type=int),
+        click.option("--warmup-steps", default=None, type=int, help="Linear warmup (default: the embedded default's)."),
         click.option("--weight-decay", default=0.0, show_default=True, type=float),
         click.option("--max-grad-norm", default=1.0, show_default=True, type=float, help="0 = no clipping."),
         click.option("--micro-batch-tokens", default=16384, show_default=True, type=int,
@@ -262,7 +262,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
     backend = _backend(device)
     try:
         config = SFTConfig(steps=steps or launch.DEFAULT_SFT_STEPS, batch_size=batch_size,
-                           learning_rate=lr or launch.DEFAULT_SFT_LR, warmup_steps=warmup_steps,
+                           learning_rate=lr or launch.DEFAULT_SFT_LR,
+                           warmup_steps=launch.DEFAULT_SFT_WARMUP if warmup_steps is None else warmup_steps,
                            weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
                            micro_batch_tokens=micro_batch_tokens, max_length=max_length, seed=seed)
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
@@ -280,7 +281,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--reward", "rewards", multiple=True, help="A reward function 'module:function' or 'file.py:function' "
                                                         "(repeatable; default: the task's exact-answer reward).")
 @click.option("--reward-weight", "reward_weights", multiple=True, type=float, help="One weight per --reward.")
-@click.option("--prompts-per-step", default=16, show_default=True, type=int)
+@click.option("--prompts-per-step", default=32, show_default=True, type=int)
 @click.option("--num-generations", "-G", default=8, show_default=True, type=int, help="Samples per prompt.")
 @click.option("--max-completion-length", default=8, show_default=True, type=int)
 @click.option("--temperature", default=1.0, show_default=True, type=float)
@@ -310,7 +311,8 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             steps=steps or launch.DEFAULT_GRPO_STEPS, prompts_per_step=prompts_per_step,
             num_generations=num_generations, max_completion_length=max_completion_length, temperature=temperature,
             top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=lr or launch.DEFAULT_GRPO_LR,
-            warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
+            warmup_steps=launch.DEFAULT_GRPO_WARMUP if warmup_steps is None else warmup_steps,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
             epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
             num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, seed=seed)
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,

@@ -366,12 +366,13 @@ def test_methods_dispatch_and_reject():
         label = "cuda"
 
     cuda = FakeCuda()
-    assert op.available_methods(cuda, 128) == ("portable", "mma")
-    assert op.available_methods(cuda, 256) == ("portable", "mma")
-    assert op.available_methods(cuda, 257) == ("portable",)
+    assert op.available_methods(cuda, 128) == ("portable", "mma", "split")
+    assert op.available_methods(cuda, 256) == ("portable", "mma", "split")
+    assert op.available_methods(cuda, 257) == ("portable", "split")
     assert op.resolve_method(cuda, 1024, 16, 128, "auto") == "mma"  # prefill
-    assert op.resolve_method(cuda, 16, 16, 128, "auto") == "portable"  # decode
+    assert op.resolve_method(cuda, 16, 16, 128, "auto") == "split"  # decode
     assert op.resolve_method(cuda, 16, 16, 128, "mma") == "mma"
+    assert op.resolve_method(cuda, 16, 16, 128, "portable") == "portable"
     assert op.mma_shared_bytes(128) == 7 * 64 * 128 + 3 * 64 * 64
 
 

@@ -246,6 +246,432 @@ extern "C" __global__ void attention_write_kv(
 }
 
 // ---------------------------------------------------------------------------
+// Split-KV path ("split" in ops/attention.py, CUDA and HIP): the SAME contract, the same bits as
+// attention_paged, for decode-shaped calls (few query rows per sequence). The keys of a query row
+// are cut into `splits` ranges of `chunk` keys (split s: keys s chunk .. min((s + 1) chunk, t + 1) - 1);
+// splits * chunk >= max_blocks * block_size, and both depend only on the launch (rows, kv heads, the
+// block tables' width), never on the lengths: a captured graph replays for any lengths. A block takes
+// one (query row, kv head, split) with ALL the q heads of the kv head's group, so every K and V row is
+// read once per group:
+//   attention_split_scores   the 23-bit q rows of the group, the scores s_j of the split's keys (to
+//                            `scores`), the split's largest order key per head, largest ev and flags;
+//   attention_split_values   m per head and E, flags over ALL splits (so p is formed only after the
+//                            maxima are global), then p_j = exp_f32(s_j - m), and over the split's keys
+//                            the partial sums of L and N_d (int64, to part_total, part_num);
+//   attention_split_combine  per (query row, q head): L and N_d as exact sums of the partials, o_d as
+//                            attention_paged (or the canonical NaN where attention_paged gives it).
+// Every sum is an exact integer sum and every max an exact max: the bits equal attention_paged's for
+// any split count, tiling or thread count. Poisoned rows are attention_paged's: a non-finite q row, an
+// invalid sequence or position, a non-finite K/V row or a missing slot among keys 0..t, m = +-inf.
+// Integer products go through int8 digit pairs (rlp_atts_dot4: c + the 4 products of signed bytes):
+//   S_j = sum_d qq_d qk_jd, qq = a0 + 2^8 a1 + 2^16 a2 (3 balanced digits, |a2| <= 64), qk = b0 + 2^8 b1
+//   (the cache's digits): S = G0 + 2^8 G1 + 2^16 G2 + 2^24 G3, G_k the sum of a_i b_j over i + j = k,
+//   |G_k| <= 2 * 512 * 2^14 = 2^24: exact in int32.
+//   N_d = sum_j w_j qv_jd, w = c0 + 2^8 c1 + 2^16 c2 (3 balanced digits of w <= 2^21) with the keys as
+//   the reduction dimension (4 keys per 32-bit word: V transposed in registers): the same four groups,
+//   |G_k| <= 2 * 2^14 * chunk <= 2^29 for chunk <= 2^14 keys (ops/attention.py SPLIT_MAX_KEYS): exact.
+// Scratch (ops/attention.py allocates it; every element read is written first):
+//   scores      float32 [tq * hkv, splits * chunk, group]  s_j of (row, kv head; key; head of the group)
+//   key_ev      int32   [tq * hkv, splits * chunk]         ev_j (written for keys with finite rows)
+//   split_keys  uint32  [tq * hq, splits]      largest order key of the split's scores (0: none)
+//   split_info  uint32  [tq * hkv, splits]     (flags << 16) | (largest ev + RLP_ATT_EV_OFFSET) (0: none)
+//   query_bad   uint32  [tq * hq]              1: a non-finite q row, or a row with no keys in the tables
+//   part_total  int64   [tq * hq, splits]      sum of RNE(p_j 2^21) over the split's keys
+//   part_num    int64   [tq * hq, splits, d]   sum of RNE(p_j 2^(ev_j - E + 21)) qv_jd over them
+#define RLP_ATTS_THREADS 128     // the kernels' block size (ops/attention.py launches exactly this)
+#define RLP_ATTS_SCORE_HEADS 8   // q heads per round of attention_split_scores (register sums)
+#define RLP_ATTS_TILE 128        // keys per round of attention_split_values
+#define RLP_ATTS_VALUE_HEADS 16  // q heads per round of attention_split_values
+#define RLP_ATTS_COLUMNS 16      // value columns per thread: one 16-byte load per digit plane and key
+
+// c + the four products of the signed bytes of a and b, exact in int32.
+__device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) { return __dp4a(a, b, c); }
+
+// Byte n of the result is byte (s >> 4n) & 7 of {b (bytes 4..7), a (bytes 0..3)}.
+__device__ __forceinline__ unsigned int rlp_atts_perm(unsigned int a, unsigned int b, unsigned int s) {
+    return __byte_perm(a, b, s);
+}
+
+__device__ __forceinline__ int rlp_atts_word(const int4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// g[k] += sum of a_i b_j over i + j = k, 4 elements: a0, a1, a2 (3 digits) and b0, b1 (2 digits).
+__device__ __forceinline__ void rlp_atts_groups4(int (&g)[4], int a0, int a1, int a2, int b0, int b1) {
+    g[0] = rlp_atts_dot4(a0, b0, g[0]);
+    g[1] = rlp_atts_dot4(a0, b1, rlp_atts_dot4(a1, b0, g[1]));
+    g[2] = rlp_atts_dot4(a1, b1, rlp_atts_dot4(a2, b0, g[2]));
+    g[3] = rlp_atts_dot4(a2, b1, g[3]);
+}
+
+// The same over 16 elements (one 16-byte piece of each digit plane).
+__device__ __forceinline__ void rlp_atts_groups16(int (&g)[4], const int4& a0, const int4& a1, const int4& a2,
+                                                  const int4& b0, const int4& b1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        rlp_atts_groups4(g, rlp_atts_word(a0, i), rlp_atts_word(a1, i), rlp_atts_word(a2, i), rlp_atts_word(b0, i),
+                         rlp_atts_word(b1, i));
+}
+
+// G0 + 2^8 G1 + 2^16 G2 + 2^24 G3, exact in int64.
+__device__ __forceinline__ long long rlp_atts_combine(const int (&g)[4]) {
+    return (((long long)g[3] * 256 + g[2]) * 256 + g[1]) * 256 + g[0];
+}
+
+// The 3 balanced int8 digits of v (|v| < 2^23, v = d0 + 2^8 d1 + 2^16 d2) to out[0], out[stride], out[2 stride].
+__device__ __forceinline__ void rlp_atts_digits3(long long v, signed char* out, int stride) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        const long long low = ((v + 128) & 255) - 128;
+        v = (v - low) >> 8;
+        out[k * stride] = (signed char)low;
+    }
+}
+
+// Four keys' words r0..r3 (4 columns each, byte = column) -> four column words c[0..3] (byte = key).
+__device__ __forceinline__ void rlp_atts_transpose(int r0, int r1, int r2, int r3, int (&c)[4]) {
+    const unsigned int t0 = rlp_atts_perm(r0, r1, 0x5140u), t1 = rlp_atts_perm(r0, r1, 0x7362u);
+    const unsigned int t2 = rlp_atts_perm(r2, r3, 0x5140u), t3 = rlp_atts_perm(r2, r3, 0x7362u);
+    c[0] = (int)rlp_atts_perm(t0, t2, 0x5410u);
+    c[1] = (int)rlp_atts_perm(t0, t2, 0x7632u);
+    c[2] = (int)rlp_atts_perm(t1, t3, 0x5410u);
+    c[3] = (int)rlp_atts_perm(t1, t3, 0x7632u);
+}
+
+// One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of
+// RLP_ATTS_SCORE_HEADS. Per round: the q rows' exponents (integer maxima) and 3 balanced digits in
+// shared memory; threads over the split's keys: slot, exponents, flags, E's candidate, the exact
+// digit-group dot products (16-byte loads of the key's two digit planes), the scores and each head's
+// largest order key. Writes split_keys, split_info, query_bad (split 0), the scores and key_ev (so the
+// value pass waits on one load per key, not on the slot and then the exponent).
+extern "C" __global__ void attention_split_scores(
+    const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
+    int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
+    int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
+    const int* __restrict__ k_exponents, const int* __restrict__ v_exponents, int splits, int chunk,
+    float* __restrict__ scores, int* __restrict__ key_ev, unsigned int* __restrict__ split_keys,
+    unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad) {
+    __shared__ int4 q_digits[RLP_ATTS_SCORE_HEADS * 3 * (RLP_ATT_MAX_HEAD_DIM / 16)];  // [head][digit][dp / 16]
+    __shared__ unsigned int largest[RLP_ATTS_SCORE_HEADS];
+    __shared__ unsigned int head_key[RLP_ATTS_SCORE_HEADS];
+    __shared__ unsigned int max_ev;
+    __shared__ unsigned int flags;
+    const int group = hq / hkv;
+    const int pieces = dp / 16;  // 16-byte pieces of a digit plane
+    const long long keys = (long long)splits * chunk;
+    const long long items = tq * hkv * splits;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long rowg = item / splits;  // token * hkv + g
+        const int split = (int)(item - rowg * splits);
+        const long long token = rowg / hkv;
+        const int g = (int)(rowg - token * hkv);
+        const int seq = q_seq[token];
+        const int t = q_pos[token];
+        const bool bad_row = seq < 0 || seq >= num_seqs || t < 0;  // block-uniform
+        const long long lo = (long long)split * chunk;
+        const long long end = bad_row ? lo : min(lo + chunk, (long long)t + 1);
+        if (threadIdx.x == 0) {
+            max_ev = 0u;
+            // keys no split covers lie beyond the tables (splits * chunk >= max_blocks * block_size)
+            flags = (!bad_row && split == splits - 1 && (long long)t >= keys) ? RLP_ATT_BAD_INDEX : 0u;
+        }
+        for (int h0 = 0; h0 < group; h0 += RLP_ATTS_SCORE_HEADS) {
+            const int nb = min(group - h0, RLP_ATTS_SCORE_HEADS);
+            const long long qrow0 = token * hq + (long long)g * group + h0;  // the round's first q row
+            if (threadIdx.x < nb) { largest[threadIdx.x] = 0u; head_key[threadIdx.x] = 0u; }
+            __syncthreads();
+            for (int hi = 0; hi < nb; ++hi) {
+                unsigned int local = 0u;
+                for (int i = threadIdx.x; i < d; i += blockDim.x)
+                    local = max(local, rlp_magnitude_bits(q[(qrow0 + hi) * d + i]));
+                atomicMax(&largest[hi], local);
+            }
+            __syncthreads();
+            signed char* digits = reinterpret_cast<signed char*>(q_digits);
+            for (int u = threadIdx.x; u < nb * dp; u += blockDim.x) {
+                const int hi = u / dp;
+                const int i = u - hi * dp;
+                const int eq = rlp_row_exponent(largest[hi]);
+                const long long v = (!bad_row && eq != RLP_NONFINITE_EXPONENT && i < d)
+                                        ? rlp_quantize(q[(qrow0 + hi) * d + i], RLP_ATT_Q_BITS, eq) : 0;
+                rlp_atts_digits3(v, digits + hi * 3 * dp + i, dp);
+            }
+            if (split == 0 && threadIdx.x < nb)
+                query_bad[qrow0 + threadIdx.x] =
+                    (bad_row || rlp_row_exponent(largest[threadIdx.x]) == RLP_NONFINITE_EXPONENT) ? 1u : 0u;
+            __syncthreads();
+            int eq[RLP_ATTS_SCORE_HEADS];  // RLP_NONFINITE_EXPONENT: no scores for this head
+            unsigned int local_key[RLP_ATTS_SCORE_HEADS];
+#pragma unroll
+            for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi) {
+                eq[hi] = hi < nb ? rlp_row_exponent(largest[hi]) : RLP_NONFINITE_EXPONENT;
+                local_key[hi] = 0u;
+            }
+            unsigned int local_ev = 0u;
+            unsigned int local_flags = 0u;
+            for (long long j = lo + threadIdx.x; j < end; j += blockDim.x) {
+                const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j);
+                if (slot < 0) { local_flags |= RLP_ATT_BAD_INDEX; continue; }
+                const long long row = slot * hkv + g;
+                const int ek = k_exponents[row];
+                const int ev = v_exponents[row];
+                if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) { local_flags |= RLP_ATT_BAD_KV; continue; }
+                local_ev = max(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
+                if (h0 == 0) key_ev[rowg * keys + j] = ev;
+                int sums[RLP_ATTS_SCORE_HEADS][4];
+#pragma unroll
+                for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) sums[hi][k] = 0;
+                const int4* kr = reinterpret_cast<const int4*>(k_digits + row * (2LL * dp));
+#pragma unroll 2
+                for (int c = 0; c < pieces; ++c) {
+                    const int4 b0 = __ldg(kr + c);
+                    const int4 b1 = __ldg(kr + pieces + c);
+#pragma unroll
+                    for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
+                        if (hi < nb)
+                            rlp_atts_groups16(sums[hi], q_digits[(hi * 3) * pieces + c], q_digits[(hi * 3 + 1) * pieces + c],
+                                              q_digits[(hi * 3 + 2) * pieces + c], b0, b1);
+                }
+                float* srow = scores + (rowg * keys + j) * group + h0;
+#pragma unroll
+                for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
+                    if (hi < nb && eq[hi] != RLP_NONFINITE_EXPONENT) {
+                        const float s = rlp_att_score(rlp_atts_combine(sums[hi]), eq[hi], ek, scale);
+                        srow[hi] = s;
+                        local_key[hi] = max(local_key[hi], rlp_att_order_key(s));
+                    }
+            }
+#pragma unroll
+            for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
+                if (hi < nb) atomicMax(&head_key[hi], local_key[hi]);
+            atomicMax(&max_ev, local_ev);
+            atomicOr(&flags, local_flags);
+            __syncthreads();
+            if (threadIdx.x < nb) split_keys[(qrow0 + threadIdx.x) * splits + split] = head_key[threadIdx.x];
+            __syncthreads();  // the next round resets largest and head_key
+        }
+        if (threadIdx.x == 0) split_info[rowg * splits + split] = (flags << 16) | max_ev;
+        __syncthreads();
+    }
+}
+
+// One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
+// RLP_ATTS_VALUE_HEADS (as many as RLP_ATTS_THREADS threads hold at 16 columns each). E and the flags
+// from every split's split_info, m per head from every split's split_keys; then the split's keys in
+// tiles of RLP_ATTS_TILE: threads over keys form p_j, RNE(p_j 2^21) and the weights' 3 digits in shared
+// memory; then each thread takes (head, 16 columns, every lanes-th quad of keys): 16-byte loads of the
+// 4 keys' two V digit planes, transposed to key-major words, and the digit-group products. The sums
+// meet in shared memory with int64 atomics (exact, any order).
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 4) attention_split_values(
+    const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
+    const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots,
+    const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
+    const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
+    const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
+    long long* __restrict__ part_total, long long* __restrict__ part_num) {
+    __shared__ int weight_words[RLP_ATTS_VALUE_HEADS * 3 * (RLP_ATTS_TILE / 4)];  // [head][digit][key / 4]
+    __shared__ int p_units[RLP_ATTS_VALUE_HEADS * RLP_ATTS_TILE];                 // [head][key]: RNE(p 2^21)
+    __shared__ long long key_rows[RLP_ATTS_TILE];                                 // cache row, -1: no key
+    __shared__ unsigned long long numerator[RLP_ATTS_COLUMNS * RLP_ATTS_THREADS];  // [head][dp]
+    __shared__ unsigned long long head_total[RLP_ATTS_VALUE_HEADS];
+    __shared__ float head_m[RLP_ATTS_VALUE_HEADS];
+    __shared__ int head_ok[RLP_ATTS_VALUE_HEADS];
+    __shared__ unsigned int max_ev;
+    __shared__ unsigned int flags;
+    __shared__ int any_ok;
+    const int group = hq / hkv;
+    const int pieces = dp / RLP_ATTS_COLUMNS;  // threads per (head, key)
+    const int round_heads = min(RLP_ATTS_VALUE_HEADS, RLP_ATTS_THREADS / pieces);
+    const int quads = RLP_ATTS_TILE / 4;
+    const long long keys = (long long)splits * chunk;
+    const long long items = tq * hkv * splits;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long rowg = item / splits;
+        const int split = (int)(item - rowg * splits);
+        const long long token = rowg / hkv;
+        const int g = (int)(rowg - token * hkv);
+        const int seq = q_seq[token];
+        const int t = q_pos[token];
+        const bool bad_row = seq < 0 || seq >= num_seqs || t < 0;
+        const long long lo = (long long)split * chunk;
+        const long long end = bad_row ? lo : min(lo + chunk, (long long)t + 1);
+        if (threadIdx.x == 0) { max_ev = 0u; flags = 0u; }
+        __syncthreads();
+        unsigned int local_ev = 0u;
+        unsigned int local_flags = 0u;
+        for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+            const unsigned int info = split_info[rowg * splits + s];
+            local_ev = max(local_ev, info & 0xffffu);
+            local_flags |= info >> 16;
+        }
+        atomicMax(&max_ev, local_ev);
+        atomicOr(&flags, local_flags);
+        __syncthreads();
+        const int e_max = (int)max_ev - RLP_ATT_EV_OFFSET;
+        const bool row_ok = !bad_row && flags == 0u;  // block-uniform
+        for (int h0 = 0; h0 < group; h0 += round_heads) {
+            const int nb = min(group - h0, round_heads);
+            const long long qrow0 = token * hq + (long long)g * group + h0;
+            if (threadIdx.x == 0) any_ok = 0;
+            __syncthreads();
+            for (int hi = threadIdx.x; hi < nb; hi += blockDim.x) {
+                unsigned int key = 0u;
+                for (int s = 0; s < splits; ++s) key = max(key, split_keys[(qrow0 + hi) * splits + s]);
+                const float m = rlp_att_from_order_key(key);
+                // as attention_paged: m = +-inf (a score overflowed) poisons the row
+                const bool ok = row_ok && query_bad[qrow0 + hi] == 0u && rlp_magnitude_bits(m) < 0x7f800000u;
+                head_m[hi] = m;
+                head_ok[hi] = ok ? 1 : 0;
+                head_total[hi] = 0ull;
+                if (ok) any_ok = 1;
+            }
+            for (int i = threadIdx.x; i < nb * dp; i += blockDim.x) numerator[i] = 0ull;
+            __syncthreads();
+            const int units = nb * pieces;  // (head, 16 columns) per key lane
+            const int lanes = (int)blockDim.x / units;
+            const int lane = (int)threadIdx.x / units;
+            const int unit = (int)threadIdx.x - lane * units;
+            const int hu = unit / pieces;
+            const int piece = unit - hu * pieces;
+            int sums[RLP_ATTS_COLUMNS][4];
+#pragma unroll
+            for (int col = 0; col < RLP_ATTS_COLUMNS; ++col)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) sums[col][k] = 0;
+            long long local_total = 0;
+            const bool work = any_ok != 0 && lo < end;  // block-uniform
+            for (long long base = lo; work && base < end; base += RLP_ATTS_TILE) {
+                signed char* weight_digits = reinterpret_cast<signed char*>(weight_words);
+                for (int k = threadIdx.x; k < RLP_ATTS_TILE; k += blockDim.x) {
+                    const long long j = base + k;
+                    long long row = -1;
+                    int ev = 0;
+                    if (j < end) {  // a valid slot: flags == 0
+                        row = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;
+                        ev = key_ev[rowg * keys + j];
+                    }
+                    key_rows[k] = row;
+                    for (int hi = 0; hi < nb; ++hi) {
+                        long long p_unit = 0;
+                        long long w = 0;
+                        if (row >= 0 && head_ok[hi]) {
+                            const float s = scores[(rowg * keys + j) * group + h0 + hi];
+                            const double p = (double)rlp_exp_f32(s - head_m[hi]);
+                            p_unit = __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                            w = __double2ll_rn(p * rlp_pow2_f64(ev - e_max + RLP_ATT_P_SHIFT));
+                        }
+                        p_units[hi * RLP_ATTS_TILE + k] = (int)p_unit;
+                        rlp_atts_digits3(w, weight_digits + hi * 3 * RLP_ATTS_TILE + k, RLP_ATTS_TILE);
+                    }
+                }
+                __syncthreads();
+                if (lane < lanes) {
+                    const int* ww = weight_words + hu * 3 * quads;
+                    for (int quad = lane; quad < quads; quad += lanes) {
+                        const int k0 = 4 * quad;
+                        if (key_rows[k0] < 0) break;  // beyond the split's last key (and so are the later quads)
+                        int4 r[2][4];
+#pragma unroll
+                        for (int kk = 0; kk < 4; ++kk) {
+                            const long long row = key_rows[k0 + kk];
+                            const int4* vr = reinterpret_cast<const int4*>(v_digits + (row >= 0 ? row : 0) * (2LL * dp));
+                            r[0][kk] = row >= 0 ? __ldg(vr + piece) : make_int4(0, 0, 0, 0);
+                            r[1][kk] = row >= 0 ? __ldg(vr + pieces + piece) : make_int4(0, 0, 0, 0);
+                        }
+                        const int w0 = ww[quad];
+                        const int w1 = ww[quads + quad];
+                        const int w2 = ww[2 * quads + quad];
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            int c0[4], c1[4];
+                            rlp_atts_transpose(rlp_atts_word(r[0][0], c), rlp_atts_word(r[0][1], c),
+                                               rlp_atts_word(r[0][2], c), rlp_atts_word(r[0][3], c), c0);
+                            rlp_atts_transpose(rlp_atts_word(r[1][0], c), rlp_atts_word(r[1][1], c),
+                                               rlp_atts_word(r[1][2], c), rlp_atts_word(r[1][3], c), c1);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) rlp_atts_groups4(sums[4 * c + e], w0, w1, w2, c0[e], c1[e]);
+                        }
+                        if (piece == 0) {
+                            const int* pu = p_units + hu * RLP_ATTS_TILE + k0;
+                            local_total += (long long)pu[0] + pu[1] + pu[2] + pu[3];
+                        }
+                    }
+                }
+                __syncthreads();  // the next tile overwrites the weights and rows
+            }
+            if (work && lane < lanes) {
+#pragma unroll
+                for (int col = 0; col < RLP_ATTS_COLUMNS; ++col) {
+                    const long long n = rlp_atts_combine(sums[col]);
+                    if (n != 0) atomicAdd(&numerator[hu * dp + RLP_ATTS_COLUMNS * piece + col], (unsigned long long)n);
+                }
+                if (piece == 0 && local_total != 0) atomicAdd(&head_total[hu], (unsigned long long)local_total);
+            }
+            __syncthreads();
+            for (int u = threadIdx.x; u < nb * d; u += blockDim.x) {
+                const int hi = u / d;
+                const int i = u - hi * d;
+                part_num[((qrow0 + hi) * splits + split) * d + i] = (long long)numerator[hi * dp + i];
+            }
+            if (threadIdx.x < nb) part_total[(qrow0 + threadIdx.x) * splits + split] = (long long)head_total[threadIdx.x];
+            __syncthreads();  // the next round resets the sums
+        }
+    }
+}
+
+// One block per (query row, q head), grid-stride: m, E and the flags over the splits, L and N_d as
+// exact sums of the splits' partials, o_d = RNE_f32((N_d 2^(E-13)) / L) as attention_paged.
+extern "C" __global__ void attention_split_combine(
+    long long tq, int hq, int hkv, int d, int splits, const unsigned int* __restrict__ split_keys,
+    const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
+    const long long* __restrict__ part_total, const long long* __restrict__ part_num, float* __restrict__ out) {
+    __shared__ unsigned int max_key;
+    __shared__ unsigned int max_ev;
+    __shared__ unsigned int flags;
+    __shared__ unsigned long long total;
+    const int group = hq / hkv;
+    const long long items = tq * hq;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long token = item / hq;
+        const long long rowg = token * hkv + (int)(item - token * hq) / group;
+        if (threadIdx.x == 0) { max_key = 0u; max_ev = 0u; flags = 0u; total = 0ull; }
+        __syncthreads();
+        unsigned int local_key = 0u;
+        unsigned int local_ev = 0u;
+        unsigned int local_flags = 0u;
+        long long local_total = 0;
+        for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+            const unsigned int info = split_info[rowg * splits + s];
+            local_key = max(local_key, split_keys[item * splits + s]);
+            local_ev = max(local_ev, info & 0xffffu);
+            local_flags |= info >> 16;
+            local_total += part_total[item * splits + s];
+        }
+        atomicMax(&max_key, local_key);
+        atomicMax(&max_ev, local_ev);
+        atomicOr(&flags, local_flags);
+        if (local_total != 0) atomicAdd(&total, (unsigned long long)local_total);
+        __syncthreads();
+        const float m = rlp_att_from_order_key(max_key);
+        float* orow = out + item * (long long)d;
+        if (query_bad[item] == 0u && flags == 0u && rlp_magnitude_bits(m) < 0x7f800000u) {  // block-uniform
+            const double denominator = __ll2double_rn((long long)total);  // exact: L < 2^53
+            const double unit = rlp_pow2_f64((int)max_ev - RLP_ATT_EV_OFFSET - RLP_ATT_V_SHIFT);
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                long long n = 0;
+                for (int s = 0; s < splits; ++s) n += part_num[(item * splits + s) * d + i];
+                orow[i] = __double2float_rn((__ll2double_rn(n) * unit) / denominator);
+            }
+        } else {
+            for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = rlp_canonical_nan();
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Tensor-core path (CUDA only, sm_80+: mma.sync m16n8k32 s8): the SAME contract, the same
 // bits as attention_paged (every sum is an exact integer sum, every max an exact max).
 //

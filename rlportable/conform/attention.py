@@ -10,6 +10,7 @@ from rlportable.conform.tally import Tally
 from rlportable.runtime.base import Backend
 
 from rlportable.contract import attention as attention_ref
+from rlportable.contract.fixedpoint import CANONICAL_NAN
 from rlportable.ops import attention as attention_op
 from rlportable.ops.fixedpoint import encode_rows_reference as _encode_rows_reference
 
@@ -82,11 +83,15 @@ class _PagedRun:
         attention_op.write_kv(self.backend, self.cache, self.backend.asarray(k), self.backend.asarray(v),
                               self.backend.asarray(slots))
 
-    def query(self, q, q_seq, q_pos, threads: int = attention_op.THREADS, method: str = "portable") -> np.ndarray:
+    def query(self, q, q_seq, q_pos, threads: int = attention_op.THREADS, method: str = "portable",
+              tables=None, keys_per_split: int | None = None) -> np.ndarray:
+        """Outputs of query rows q (sequence q_seq, position q_pos); tables: other block tables (host), else
+        the run's own."""
         b = self.backend
+        tables = self.device_tables if tables is None else b.asarray(np.asarray(tables, dtype=np.int32))
         return b.to_numpy(attention_op.attention_paged(
             b, b.asarray(q), b.asarray(np.asarray(q_seq, dtype=np.int32)), b.asarray(np.asarray(q_pos, dtype=np.int32)),
-            self.cache, self.device_tables, threads=threads, method=method))
+            self.cache, tables, threads=threads, method=method, keys_per_split=keys_per_split))
 
 
 def check_attention_packed(backend: Backend, rng, quick: bool) -> Tally:
@@ -248,12 +253,132 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
     return tally
 
 
+# ---- decode-shaped calls: the split kernels (method "split") beside every other variant
+
+# (Hq, Hkv, D, KV block size): Qwen3-0.6B's shape, GQA 4:1, plain multi-head at D 256, ragged head_dims,
+# a group of 12 q heads (more than one round of the split kernels' heads)
+SPLIT_HEADS = ((16, 8, 128, 16), (8, 2, 64, 1), (4, 4, 256, 32), (6, 2, 20, 16), (24, 2, 200, 16))
+SPLIT_HEADS_QUICK = SPLIT_HEADS[:4]
+# lengths around the split kernels' tiles (128 keys) and splits, up to 2000 keys
+SPLIT_LENGTHS = (1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, 700, 1000, 2000)
+SPLIT_LENGTHS_QUICK = (1, 2, 64, 65, 129, 300, 2000)
+
+
+def _methods_and_splits(backend: Backend, d: int):
+    """(method, keys_per_split) pairs: every variant, and the split kernels with several key ranges."""
+    pairs = [(method, None) for method in _attention_methods(backend, d)]
+    if "split" in _attention_methods(backend, d):
+        pairs += [("split", 64), ("split", 200), ("split", 1000)]
+    return pairs
+
+
+def _expected_rows(q, k, v, cu, q_seq, q_pos) -> np.ndarray:
+    """The reference for query rows (sequence q_seq[i] of the packed k, v at cu, position q_pos[i])."""
+    out = np.empty(q.shape, dtype=np.float32)
+    for seq in np.unique(q_seq):
+        rows = np.nonzero(q_seq == seq)[0]
+        start, stop = cu[seq], cu[seq + 1]
+        out[rows] = attention_ref.attention(q[rows], k[start:stop], v[start:stop], q_pos[rows])
+    return out
+
+
+def _decode_rows(rng, lengths, extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q_seq, q_pos): every sequence's last position (a decode step) and `extra` random earlier ones, shuffled."""
+    lengths = np.asarray(lengths)
+    seqs = np.concatenate([np.arange(lengths.size), rng.integers(0, lengths.size, extra)])
+    positions = np.concatenate([lengths - 1, rng.integers(0, lengths[seqs[lengths.size:]])])
+    order = rng.permutation(seqs.size)
+    return seqs[order], positions[order]
+
+
+def _graph_tables(tables: np.ndarray, padding_rows: int, width: int) -> np.ndarray:
+    """A decode graph's tables (engine/step_inputs.plan_decode): `width` columns and `padding_rows` more
+    rows, zeros wherever no block is named (a zero block 0 is a valid block no key past t reads)."""
+    wide = np.zeros((tables.shape[0] + padding_rows, max(width, tables.shape[1])), dtype=np.int32)
+    wide[: tables.shape[0], : tables.shape[1]] = np.maximum(tables, 0)
+    return wide
+
+
+def check_attention_split(backend: Backend, rng, quick: bool) -> Tally:
+    """Decode-shaped calls (one query row per sequence and a few more) over ragged lengths 1..2000, GQA,
+    MHA, D 64/128/256 and ragged D, KV block sizes 1/16/32, every kernel variant and the split kernels at
+    several key ranges, against the reference; then the same rows through a decode graph's wider tables
+    with padding rows (more splits, the same bits; the padding rows against the portable kernel)."""
+    tally = Tally()
+    lengths = list(SPLIT_LENGTHS_QUICK if quick else SPLIT_LENGTHS)
+    for hq, hkv, d, block_size in SPLIT_HEADS_QUICK if quick else SPLIT_HEADS:
+        order = rng.permutation(len(lengths))
+        seq_lengths = [lengths[i] for i in order]
+        cu = _cu(seq_lengths)
+        q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
+        run = _PagedRun(backend, rng, seq_lengths, hkv, d, block_size)
+        for seq, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
+            run.write(seq, np.arange(stop - start), k[start:stop], v[start:stop])
+        q_seq, q_pos = _decode_rows(rng, seq_lengths, extra=5)
+        rows = np.ascontiguousarray(q[cu[q_seq] + q_pos])
+        expected = _expected_rows(rows, k, v, cu, q_seq, q_pos)
+        for method, keys in _methods_and_splits(backend, d):
+            tally.add(run.query(rows, q_seq, q_pos, method=method, keys_per_split=keys), expected)
+        # a decode graph's launch: tables as wide as a 4096-token max_model_len, 3 padding rows at position 0
+        padding = 3
+        tables = _graph_tables(run.tables, padding, -(-4096 // block_size))
+        pad_seq = np.concatenate([q_seq, np.arange(len(seq_lengths), len(seq_lengths) + padding)])
+        pad_pos = np.concatenate([q_pos, np.zeros(padding, dtype=np.int64)])
+        pad_rows = np.concatenate([rows, q[:padding]])
+        padded = run.query(pad_rows, pad_seq, pad_pos, method="portable", tables=tables)
+        tally.add(padded[: rows.shape[0]], expected)
+        for method, keys in _methods_and_splits(backend, d):
+            tally.add(run.query(pad_rows, pad_seq, pad_pos, method=method, tables=tables, keys_per_split=keys), padded)
+    return tally
+
+
+def check_attention_split_nonfinite(backend: Backend, rng, quick: bool) -> Tally:
+    """Decode rows with a NaN q row, an inf k row and a NaN v row among their keys (the canonical NaN
+    exactly where the contract says), every variant. On a device also the rows the kernels poison
+    instead of raising (contract: invalid_indices): a missing block among keys 0..t, a position beyond
+    the tables, a sequence index outside them; their rows are the canonical NaN, nothing else touched."""
+    tally = Tally()
+    hq, hkv, d = 8, 2, 64
+    lengths = [300, 40, 7, 129]
+    cu = _cu(lengths)
+    q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
+    q[cu[0] + 299, 3, 17] = np.nan  # sequence 0's decode row, head 3 only
+    k[cu[1] + 20, 1, 2] = np.inf  # sequence 1, positions >= 20, kv head 1 (heads 4..7)
+    v[cu[2] + 3, 0, 0] = -np.nan  # sequence 2, positions >= 3, kv head 0 (heads 0..3)
+    run = _PagedRun(backend, rng, lengths, hkv, d, 16)
+    for seq, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
+        run.write(seq, np.arange(stop - start), k[start:stop], v[start:stop])
+    q_seq = np.array([0, 1, 1, 2, 2, 3, 0])
+    q_pos = np.array([299, 19, 39, 2, 6, 128, 200])
+    rows = np.ascontiguousarray(q[cu[q_seq] + q_pos])
+    expected = _expected_rows(rows, k, v, cu, q_seq, q_pos)
+    nan_rows = np.isnan(expected).all(axis=2)
+    assert nan_rows.sum() == 1 + 4 + 4 and not np.isnan(expected[~nan_rows]).any()
+    for method, keys in _methods_and_splits(backend, d):
+        tally.add(run.query(rows, q_seq, q_pos, method=method, keys_per_split=keys), expected)
+    if backend.kernel_vendor is None:
+        return tally  # the reference raises an input error for invalid indices (tests/test_attention_ops.py)
+    tables = run.tables.copy()
+    tables[3, 5] = -1  # sequence 3 loses its keys 80..95: rows at positions >= 80 are poisoned
+    q_seq = np.array([3, 3, 0, 2, 9, -1, 1])
+    q_pos = np.array([79, 128, tables.shape[1] * 16, 6, 0, 0, 39])  # a position beyond the tables' keys
+    rows = np.ascontiguousarray(q[:q_seq.size])
+    want = np.full(rows.shape, CANONICAL_NAN)
+    valid = np.array([0, 3, 6])
+    want[valid] = _expected_rows(rows[valid], k, v, cu, q_seq[valid], q_pos[valid])
+    for method, keys in _methods_and_splits(backend, d):
+        tally.add(run.query(rows, q_seq, q_pos, method=method, tables=tables, keys_per_split=keys), want)
+    return tally
+
+
 ATTENTION_CHECKS = [
     ("attention.packed", check_attention_packed),
     ("attention.nonfinite_rows", check_attention_nonfinite),
     ("attention.write_kv", check_attention_write_kv),
     ("attention.paged", check_attention_paged),
     ("attention.invariance", check_attention_invariance),
+    ("attention.split_decode", check_attention_split),
+    ("attention.split_nonfinite_rows", check_attention_split_nonfinite),
 ]
 
 

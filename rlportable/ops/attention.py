@@ -1,7 +1,8 @@
 """Op family "attention": exact causal GQA attention over an encoded (fixed-point) KV cache.
 
 Contract: contracts/attention.toml; reference: rlportable/contract/attention.py;
-kernels: backends/{cuda,hip}/attention.* (attention_paged, attention_write_kv).
+kernels: backends/{cuda,hip}/attention.* (attention_paged, attention_write_kv; the split-KV decode
+path attention_split_scores / _values / _combine, METHODS "split").
 
 The KV cache stores every (slot, kv head) row of K and V ENCODED, exactly as
 fixedpoint_encode_rows writes rows with 15 bits and 2 ascending digits:
@@ -49,12 +50,20 @@ GRID_LIMIT = 1 << 20  # grid-stride beyond this many blocks
 #:   "portable": attention_paged, one block per (query, head), scalar int64 arithmetic (CUDA and HIP);
 #:   "mma": attention_paged_mma_d128 / _d256, CUDA sources only (mma.sync int8 tensor cores), 64 query
 #:          rows x one head per block, padded head_dim <= 256;
-#:   "auto": "mma" where it exists and the call has enough queries per sequence (prefill), else "portable".
-METHODS = ("auto", "portable", "mma")
+#:   "split": attention_split_scores / _values / _combine (CUDA and HIP), split-KV decode: one block per
+#:          (query row, kv head, key range) with all the group's q heads, K and V read once per group;
+#:   "auto": "mma" where it exists and the call has enough queries per sequence (prefill), else "split"
+#:          where it exists (decode), else "portable".
+METHODS = ("auto", "portable", "mma", "split")
 MMA_ROWS = 64  # query rows per block of the mma kernels
 MMA_THREADS = 256
 MMA_MAX_HEAD_DIM_PADDED = 256
-MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run the portable kernel
+MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run the split kernels
+SPLIT_THREADS = 128  # RLP_ATTS_THREADS: the split kernels' block size (their shared arrays are sized for it)
+SPLIT_TARGET_BLOCKS = 1024  # (row, kv head, split) blocks wanted per pass: several per SM of the largest GPUs
+SPLIT_MIN_KEYS = 128  # keys per split at least: one whole tile (RLP_ATTS_TILE) of attention_split_values
+SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's int32 digit-group sums exact
+SPLIT_SCRATCH_BYTES = 256 << 20  # scores and key exponents per launch at most (more rows: several launches)
 
 
 @dataclass
@@ -202,9 +211,11 @@ def write_kv(backend: Backend, cache: KVCache, k, v, slots) -> None:
 
 def available_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
     """The kernel variants this backend runs for this head_dim (cpu: the reference only, "portable")."""
+    if backend.kernel_vendor is None:
+        return ("portable",)
     if backend.kernel_vendor == "cuda" and round_up(head_dim, K_ALIGN) <= MMA_MAX_HEAD_DIM_PADDED:
-        return ("portable", "mma")
-    return ("portable",)
+        return ("portable", "mma", "split")
+    return ("portable", "split")
 
 
 def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, method: str) -> str:
@@ -214,9 +225,36 @@ def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, meth
     if method == "mma" and "mma" not in available:
         raise InputError(f"attention: the mma kernel exists for CUDA sources and padded head_dim <= "
                          f"{MMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {head_dim}")
+    if method == "split" and "split" not in available:
+        raise InputError(f"attention: the split kernels exist for CUDA and HIP sources; got {backend.label}")
     if method == "auto":
-        return "mma" if "mma" in available and tq >= MMA_MIN_ROWS_PER_SEQ * max(num_seqs, 1) else "portable"
+        if tq >= MMA_MIN_ROWS_PER_SEQ * max(num_seqs, 1):  # prefill-shaped
+            return "mma" if "mma" in available else "portable"
+        return "split" if "split" in available else "portable"  # decode-shaped
     return method
+
+
+def split_plan(rows: int, num_kv_heads: int, capacity: int, keys_per_split: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split) of the split kernels for `rows` query rows over block tables that
+    address `capacity` keys (max_blocks * block_size); splits * keys >= capacity, so every key a
+    table can name lies in a split. Depends only on the launch's shapes, never on the lengths (they
+    stay in device buffers): a captured decode graph (fixed rows and table width) replays for any
+    lengths. keys_per_split None: enough splits for SPLIT_TARGET_BLOCKS blocks, whole tiles of
+    SPLIT_MIN_KEYS keys, at most SPLIT_MAX_KEYS keys per split."""
+    capacity = max(int(capacity), 1)
+    _check_keys_per_split(keys_per_split)
+    if keys_per_split is None:
+        wanted = -(-SPLIT_TARGET_BLOCKS // max(rows * num_kv_heads, 1))
+        keys_per_split = min(max(round_up(-(-capacity // wanted), SPLIT_MIN_KEYS), SPLIT_MIN_KEYS), SPLIT_MAX_KEYS)
+    keys_per_split = int(keys_per_split)
+    return -(-capacity // keys_per_split), keys_per_split
+
+
+def _check_keys_per_split(keys_per_split) -> None:
+    if keys_per_split is not None and (not isinstance(keys_per_split, (int, np.integer))
+                                       or not 1 <= int(keys_per_split) <= SPLIT_MAX_KEYS):
+        raise InputError(f"attention: keys_per_split must be None or an integer in [1, {SPLIT_MAX_KEYS}], "
+                         f"got {keys_per_split!r}")
 
 
 def mma_shared_bytes(head_dim_padded: int) -> int:
@@ -226,15 +264,17 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
 
 
 def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,
-                    method: str = "auto"):
+                    method: str = "auto", keys_per_split: int | None = None):
     """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
     0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32).
-    method: "auto", "portable" or "mma" (METHODS; all give the same bits). threads: the portable
-    kernel's block size."""
+    method: "auto", "portable", "mma" or "split" (METHODS; all give the same bits). threads: the
+    portable kernel's block size. keys_per_split: the split kernels' key range per block (None:
+    split_plan's choice; any value gives the same bits)."""
     tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
     method = resolve_method(backend, tq, shape_of(block_tables)[0], cache.head_dim, method)
+    _check_keys_per_split(keys_per_split)
     dim = cache.head_dim
     if backend.kernel_vendor is None:
         return _attention_paged_reference(backend.to_numpy(q), np.asarray(q_seq), np.asarray(q_pos), cache,
@@ -246,6 +286,9 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                                   for a in (q_seq, q_pos, block_tables))
     num_seqs, max_blocks = shape_of(block_tables)
     scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the reference's float64 1/sqrt(D)
+    if method == "split":
+        _attention_paged_split(backend, q, q_seq, q_pos, cache, block_tables, scale, keys_per_split, out)
+        return out
     if method == "mma":
         dp = cache.head_dim_padded
         kernel = "attention_paged_mma_d128" if dp <= 128 else "attention_paged_mma_d256"
@@ -258,6 +301,55 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                     np.int32(cache.block_size), np.int64(cache.num_slots), cache.k_digits, cache.k_exponents,
                     cache.v_digits, cache.v_exponents, out), shared_mem=shared)
     return out
+
+
+def _attention_paged_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, scale,
+                           keys_per_split: int | None, out) -> None:
+    """attention_paged by the split kernels (backends/*/attention.*: "Split-KV path"), in slices of
+    query rows whose scores fit SPLIT_SCRATCH_BYTES (the slicing depends on the shapes only)."""
+    tq, hq, _ = shape_of(q)
+    capacity = shape_of(block_tables)[1] * cache.block_size
+    splits, chunk = split_plan(tq, cache.num_kv_heads, capacity, keys_per_split)
+    per_row = (hq + cache.num_kv_heads) * splits * chunk * 4  # scores and key_ev of one query row
+    step = max(1, min(tq, SPLIT_SCRATCH_BYTES // per_row))
+    for start in range(0, tq, step):
+        stop = min(start + step, tq)
+        _launch_split(backend, q[start:stop], q_seq[start:stop], q_pos[start:stop], cache, block_tables, scale,
+                      keys_per_split, out[start:stop])
+
+
+def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, scale,
+                  keys_per_split: int | None, out) -> None:
+    """The three split kernels over these query rows: scores with each split's maxima, then the global
+    maxima and each split's exact partial sums, then their exact sums and o. The scratch arrays come
+    from the backend's allocator (in a graph capture, the capture's pool)."""
+    tq, hq, dim = shape_of(q)
+    hkv, dp = cache.num_kv_heads, cache.head_dim_padded
+    num_seqs, max_blocks = shape_of(block_tables)
+    splits, chunk = split_plan(tq, hkv, max_blocks * cache.block_size, keys_per_split)
+    group_rows, rows = tq * hkv, tq * hq
+    scores = backend.empty((group_rows * splits * chunk * (hq // hkv),), np.float32)
+    key_ev = backend.empty((group_rows * splits * chunk,), np.int32)
+    split_keys = backend.empty((rows * splits,), np.uint32)
+    split_info = backend.empty((group_rows * splits,), np.uint32)
+    query_bad = backend.empty((rows,), np.uint32)
+    part_total = backend.empty((rows * splits,), np.int64)
+    part_num = backend.empty((rows * splits * dim,), np.int64)
+    sizes = (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(dp))
+    table = (block_tables, np.int32(num_seqs), np.int32(max_blocks), np.int32(cache.block_size),
+             np.int64(cache.num_slots))
+    cut = (np.int32(splits), np.int32(chunk))
+    grid, block = (min(group_rows * splits, GRID_LIMIT),), (SPLIT_THREADS,)
+    backend.launch("attention", "attention_split_scores", grid, block,
+                   (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
+                                                                   cache.v_exponents) + cut +
+                   (scores, key_ev, split_keys, split_info, query_bad))
+    backend.launch("attention", "attention_split_values", grid, block,
+                   (q_seq, q_pos) + sizes + table + (cache.v_digits,) + cut +
+                   (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num))
+    backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,
+                   (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(splits), split_keys,
+                    split_info, query_bad, part_total, part_num, out))
 
 
 def _decode_rows(digits: np.ndarray, dim: int) -> np.ndarray:

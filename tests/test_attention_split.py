@@ -1,0 +1,174 @@
+"""The split-KV decode path of attention_paged (method "split"): its host logic, without a GPU.
+
+The kernels themselves (backends/{cuda,hip}/attention.*: attention_split_scores, _values, _combine)
+are checked bitwise against the reference by `rlportable conform --only attention` on a device
+(rlportable/conform/attention.py: every paged check runs every method, plus attention.split_decode
+and attention.split_nonfinite_rows); their sources compile in tests/test_kernel_sources.py. Here: the
+split plan (launch shapes that depend on nothing a captured decode graph changes), method selection,
+and the launches' arguments against the kernels' parameter lists in both sources.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from rlportable.errors import InputError
+from rlportable.ops import attention as op
+from rlportable.resources import resource_dir
+
+SPLIT_KERNELS = ("attention_split_scores", "attention_split_values", "attention_split_combine")
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+_SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
+
+
+class FakeDevice:
+    """A backend with device kernels whose launches are recorded, not run (NumPy arrays)."""
+
+    label = "fake"
+
+    def __init__(self, vendor: str = "cuda"):
+        self.kernel_vendor = vendor
+        self.launches = []
+
+    def asarray(self, array):
+        return np.array(array)
+
+    def to_numpy(self, array):
+        return np.asarray(array)
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype=dtype)
+
+    def launch(self, family, kernel, grid, block, args, shared_mem=0):
+        self.launches.append((kernel, tuple(grid), tuple(block), args))
+
+
+def kernel_parameters(vendor: str) -> dict[str, list[str]]:
+    """kernel name -> parameter types (the name stripped), from backends/<vendor>/attention.*."""
+    suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
+    text = (resource_dir("backends") / vendor / f"attention{suffix}").read_text()
+    return {name: [" ".join(p.split()).rsplit(" ", 1)[0] for p in params.split(",")]
+            for name, params in _KERNEL.findall(text)}
+
+
+def decode_call(backend, rows: int, hq: int, hkv: int, d: int, width: int, block_size: int = 16,
+                positions=None, **options):
+    """attention_paged of `rows` decode rows (one per sequence) over tables `width` blocks wide."""
+    cache = op.KVCache.allocate(backend, (width + 1) * block_size, hkv, d, block_size)
+    tables = np.tile(np.arange(width, dtype=np.int32), (rows, 1))
+    q_pos = np.full(rows, width * block_size - 1, np.int32) if positions is None else np.asarray(positions, np.int32)
+    q = np.zeros((rows, hq, d), np.float32)
+    return op.attention_paged(backend, q, np.arange(rows, dtype=np.int32), q_pos, cache, tables, method="split",
+                              **options)
+
+
+def test_split_plan_covers_the_tables_and_fills_the_device():
+    # the profiled decode step (256 sequences x 8 kv heads, 25 blocks of 16): one split, 2048 blocks
+    assert op.split_plan(256, 8, 400) == (1, 512)
+    # one sequence, a long context: enough splits for ~SPLIT_TARGET_BLOCKS blocks of whole tiles
+    splits, keys = op.split_plan(1, 8, 4096)
+    assert keys == op.SPLIT_MIN_KEYS and splits * 8 >= 256
+    for rows, hkv, capacity in ((1, 1, 1), (3, 2, 129), (16, 8, 2048), (1, 8, 2**17), (512, 8, 2**17), (7, 3, 0)):
+        splits, keys = op.split_plan(rows, hkv, capacity)
+        assert 1 <= keys <= op.SPLIT_MAX_KEYS
+        assert splits * keys >= max(capacity, 1) and (splits - 1) * keys < max(capacity, 1)
+    assert op.split_plan(16, 8, 2048) == (8, 256)  # 128 (row, kv head) pairs x 8 splits = 1024 blocks
+    assert op.split_plan(512, 8, 2**17) == (8, op.SPLIT_MAX_KEYS)  # at most 2^14 keys per split
+    assert op.split_plan(2, 2, 1000, keys_per_split=64) == (16, 64)
+    assert op.split_plan(2, 2, 1000, keys_per_split=1) == (1000, 1)
+    for bad in (0, op.SPLIT_MAX_KEYS + 1, 2.5, "64"):
+        with pytest.raises(InputError, match="keys_per_split"):
+            op.split_plan(2, 2, 1000, keys_per_split=bad)
+
+
+def test_methods_pick_split_for_decode():
+    cpu = FakeDevice(None)
+    hip = FakeDevice("hip")
+    cuda = FakeDevice("cuda")
+    assert op.available_methods(cpu, 128) == ("portable",)
+    assert op.available_methods(hip, 128) == ("portable", "split")
+    assert op.available_methods(hip, 512) == ("portable", "split")
+    assert op.resolve_method(hip, 256, 256, 128, "auto") == "split"  # decode
+    assert op.resolve_method(hip, 4096, 2, 128, "auto") == "portable"  # prefill (no mma on HIP)
+    assert op.resolve_method(cuda, 256, 256, 512, "auto") == "split"
+    assert op.resolve_method(cuda, 4096, 2, 512, "auto") == "portable"  # prefill, head_dim too wide for mma
+    assert op.resolve_method(hip, 1, 1, 64, "split") == "split"
+    with pytest.raises(InputError, match="split kernels exist for CUDA and HIP"):
+        op.resolve_method(cpu, 1, 1, 64, "split")
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_split_launches_match_the_kernel_parameters(vendor):
+    backend = FakeDevice(vendor)
+    out = decode_call(backend, rows=5, hq=6, hkv=2, d=20, width=9)
+    assert out.shape == (5, 6, 20) and out.dtype == np.float32
+    parameters = kernel_parameters(vendor)
+    assert [launch[0] for launch in backend.launches] == list(SPLIT_KERNELS)
+    for kernel, grid, block, args in backend.launches:
+        assert block == (op.SPLIT_THREADS,)
+        types = parameters[kernel]
+        assert len(args) == len(types), kernel
+        for position, (kind, arg) in enumerate(zip(types, args)):
+            if "*" in kind:
+                assert isinstance(arg, np.ndarray) and arg.flags.c_contiguous, (kernel, position, kind)
+            else:
+                assert type(arg) is _SCALARS[kind], (kernel, position, kind, type(arg))
+    # the scratch arrays the kernels index: scores [tq * hkv, splits * chunk, group], part_num [tq * hq, splits, d]
+    splits, chunk = op.split_plan(5, 2, 9 * 16)
+    scores, key_ev, split_keys, split_info, query_bad = backend.launches[0][3][-5:]
+    assert scores.size == 5 * 2 * splits * chunk * 3 and key_ev.size == 5 * 2 * splits * chunk
+    assert split_keys.dtype == np.uint32 and split_keys.size == 5 * 6 * splits and split_info.size == 5 * 2 * splits
+    part_total, part_num = backend.launches[1][3][-2:]
+    assert part_total.dtype == np.int64 and part_num.size == 5 * 6 * splits * 20 and query_bad.size == 5 * 6
+    assert backend.launches[0][1] == (5 * 2 * splits,) and backend.launches[2][1] == (5 * 6,)
+
+
+def test_split_launch_shapes_do_not_depend_on_the_lengths():
+    """A decode graph captures one launch per bucket: the same rows and table width must give the same
+    grids and scalar arguments whatever the positions (they live in device buffers)."""
+    shapes = []
+    for positions in ([0, 0, 0], [5, 300, 17], [399, 399, 399]):
+        backend = FakeDevice("cuda")
+        decode_call(backend, rows=3, hq=16, hkv=8, d=128, width=25, positions=positions)
+        shapes.append([(kernel, grid, block, tuple(a for a in args if not isinstance(a, np.ndarray)))
+                       for kernel, grid, block, args in backend.launches])
+    assert shapes[0] == shapes[1] == shapes[2]
+
+
+def test_split_scratch_is_cut_into_row_slices(monkeypatch):
+    """More rows than SPLIT_SCRATCH_BYTES of scores hold run as several launches over row slices."""
+    splits, chunk = op.split_plan(10, 2, 64 * 16)
+    per_row = (4 + 2) * splits * chunk * 4
+    monkeypatch.setattr(op, "SPLIT_SCRATCH_BYTES", 3 * per_row)
+    backend = FakeDevice("hip")
+    out = decode_call(backend, rows=10, hq=4, hkv=2, d=64, width=64)
+    kernels = [launch[0] for launch in backend.launches]
+    assert kernels == list(SPLIT_KERNELS) * 4  # rows 0-2, 3-5, 6-8, 9
+    firsts = [args[0] for kernel, _, _, args in backend.launches if kernel == "attention_split_scores"]
+    assert [q.shape[0] for q in firsts] == [3, 3, 3, 1]
+    outs = [args[-1] for kernel, _, _, args in backend.launches if kernel == "attention_split_combine"]
+    assert all(np.shares_memory(o, out) for o in outs)
+
+
+def test_keys_per_split_is_checked_on_every_backend():
+    cpu = FakeDevice(None)
+    with pytest.raises(InputError, match="keys_per_split"):
+        op.attention_paged(cpu, np.zeros((1, 2, 16), np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+                           op.KVCache.allocate(cpu, 16, 1, 16, 16), np.zeros((1, 1), np.int32), keys_per_split=0)
+
+
+@pytest.mark.parametrize("name", ["attention.split_decode", "attention.split_nonfinite_rows"])
+def test_split_conform_checks_run_on_cpu(name):
+    """The conformance checks of the split path (on cpu: the reference against itself) run clean."""
+    from rlportable.conform.attention import ATTENTION_CHECKS
+    from rlportable.runtime import get_backend
+
+    check = dict(ATTENTION_CHECKS)[name]
+    tally = check(get_backend("cpu"), np.random.default_rng(0), True)
+    assert tally.compared > 0 and tally.mismatches == 0

@@ -92,22 +92,65 @@ def info():
 @click.option("--only", default=None, help="Run the checks whose name contains this text.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--exhaustive", is_flag=True, help="Also grade exp and log on all 2^32 float32 inputs (GPU only).")
-def conform(device, json_path, quick, kernel_source, only, seed, exhaustive):
-    """Check every contract's kernels against the NumPy reference, bit for bit."""
+@click.option("--peer", default="none", show_default=True, type=click.Choice(["none", "hf"]),
+              help="hf: also run the end-to-end comparison on HF transformers (fp32, bf16) and print it beside ours.")
+@click.option("--repro-dir", default="rlportable-repro", show_default=True, type=click.Path(file_okay=False),
+              help="Where a failing end-to-end check writes its reproducer (.npz + .json).")
+@click.option("--write-golden", is_flag=True,
+              help="Recompute the golden digests with the NumPy reference and write them (--device cpu only).")
+@click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
+              help="Read (and with --write-golden write) the golden digests here, not in conformance/golden.")
+def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, peer, repro_dir, write_golden,
+            golden_dir):
+    """Check every contract's kernels against the NumPy reference, bit for bit, and the engine against the trainer."""
     _check_json_path(json_path)
     from rlportable import conform as suite
+    from rlportable.conform import end_to_end, golden
 
     backend = _backend(device, kernel_source)
+    end_to_end.SETTINGS.repro_dir, end_to_end.SETTINGS.seed = Path(repro_dir), seed
+    golden.set_directory(golden_dir)
+    if write_golden:
+        try:
+            written = golden.write_golden(backend, progress=lambda name: click.echo(f"  computing {name} ...", err=True))
+        except RlpError as error:
+            _fail(error)
+        for path in written:
+            click.echo(f"wrote {path}")
+        return
     try:
         results = suite.run(backend, quick=quick, seed=seed, only=only, exhaustive=exhaustive,
                             progress=lambda name: click.echo(f"  checking {name} ...", err=True))
     except RlpError as error:
         _fail(error)
-    table = [[r.name, r.compared, r.mismatches, "pass" if r.passed else "FAIL"] for r in results]
+    table = [[r.name, r.compared, r.mismatches, "n/a" if (r.details or {}).get("status") == "not available"
+              else "pass" if r.passed else "FAIL"] for r in results]
     click.echo(tabulate(table, headers=["check", "compared", "mismatches", "verdict"]))
+    e2e_rows, e2e_headers = end_to_end.metrics_table([r for r in results if r.name.startswith("e2e.")])
+    if e2e_rows:
+        click.echo("\nend to end: engine log-probs against the trainer's forward\n" + tabulate(e2e_rows, e2e_headers))
+    for r in results:
+        for model, part in ((r.details or {}).get("models") or {}).items():
+            if part.get("reproducer"):
+                click.echo(f"{r.name} ({model}): reproducer {' '.join(part['reproducer'])}", err=True)
     payload = suite.report(backend.label, backend.info(), results)
+    golden_failures = {r.name: golden.GOLDEN_FAILURES[r.name] for r in results if r.name in golden.GOLDEN_FAILURES}
+    for message in golden_failures.values():
+        click.echo(message, err=True)
+    if golden_failures:
+        payload["golden_failures"] = golden_failures
     if suite.EXHAUSTIVE_REPORTS:
         payload["exhaustive"] = suite.EXHAUSTIVE_REPORTS
+    if peer == "hf":
+        from rlportable.conform import peer_hf
+
+        try:
+            payload["peer"] = peer_hf.run(backend, quick=quick, seed=seed,
+                                          progress=lambda text: click.echo(f"  {text}", err=True))
+        except RlpError as error:
+            _fail(error)
+        click.echo(f"\npeer: {payload['peer']['sequences']} sequences x {payload['peer']['new_tokens']} tokens, "
+                   f"incremental decoding against the full forward\n" + tabulate(*peer_hf.peer_table(payload["peer"])))
     click.echo(f"\n{backend.label}: {payload['compared']} elements compared, {payload['mismatches']} mismatches: "
                f"{'PASS' if payload['passed'] else 'FAIL'}")
     _write_json(json_path, payload)

@@ -16,7 +16,9 @@ import numpy as np
 from rlportable.conform.attention import ATTENTION_BACKWARD_CHECKS, ATTENTION_CHECKS
 from rlportable.conform.backward_ops import BACKWARD_OP_CHECKS
 from rlportable.conform.backward_vocab import BACKWARD_VOCAB_CHECKS
+from rlportable.conform.end_to_end import E2E_CHECKS
 from rlportable.conform.forward_ops import FORWARD_OP_CHECKS
+from rlportable.conform.golden import GOLDEN_CHECKS, QUICK_SKIPPED as GOLDEN_QUICK_SKIPPED
 from rlportable.conform.model import DEVICE_ONLY, MODEL_CHECKS
 from rlportable.conform.optim import OPTIM_CHECKS
 from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, EXHAUSTIVE_REPORTS, PRIMITIVE_CHECKS
@@ -26,7 +28,8 @@ from rlportable.runtime.base import Backend
 
 CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
                                       + SAMPLING_CHECKS + OPTIM_CHECKS + BACKWARD_OP_CHECKS + BACKWARD_VOCAB_CHECKS
-                                      + ATTENTION_BACKWARD_CHECKS)
+                                      + ATTENTION_BACKWARD_CHECKS + GOLDEN_CHECKS)
+CHECKS += E2E_CHECKS  # end to end: the engine's log-probs against the trainer's forward (conform/end_to_end.py)
 
 __all__ = ["CHECKS", "CheckResult", "EXHAUSTIVE_REPORTS", "Tally", "bit_mismatches", "report", "run"]
 
@@ -35,13 +38,14 @@ def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None =
         progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> list[CheckResult]:
     results = []
     for name, check in CHECKS + (EXHAUSTIVE_CHECKS if exhaustive else []):
-        if (only and only not in name) or (backend.kernel_vendor is None and name in DEVICE_ONLY):
+        if (only and only not in name) or (backend.kernel_vendor is None and name in DEVICE_ONLY) \
+                or (quick and name in GOLDEN_QUICK_SKIPPED):
             continue
         if progress:
             progress(name)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # a check's inputs depend on its name only
         tally = check(backend, rng, quick)
-        results.append(CheckResult(name, tally.compared, tally.mismatches))
+        results.append(CheckResult(name, tally.compared, tally.mismatches, getattr(tally, "details", None)))
     return results
 
 

@@ -11,13 +11,17 @@ class CheckResult:
     name: str
     compared: int
     mismatches: int
+    details: dict | None = None  # a check's own JSON-ready report, if it has one (end to end: per model)
 
     @property
     def passed(self) -> bool:
         return self.mismatches == 0
 
     def as_json(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
+        out = {**asdict(self), "passed": self.passed}
+        if self.details is None:
+            del out["details"]
+        return out
 
 
 def bit_mismatches(actual: np.ndarray, expected: np.ndarray) -> int:

@@ -46,3 +46,22 @@ def test_transpose_of_empty_matrices(shape):
 def test_transpose_input_errors(x, message):
     with pytest.raises(InputError, match=message):
         residual.transpose(CPU, x)
+
+
+def test_copy_rows_copies_bits_and_refuses_overlapping_pairs():
+    from rlportable.errors import InputError
+    from rlportable.ops import residual
+
+    rng = np.random.default_rng(0)
+    digits = rng.integers(-128, 128, size=(10, 2, 2, 64), dtype=np.int8)
+    exponents = rng.integers(-200, 200, size=(10, 2), dtype=np.int32)
+    src, dst = np.array([1, 4], np.int32), np.array([7, 2], np.int32)
+    for array in (digits, exponents):
+        expected = array.copy()
+        expected[dst] = expected[src]
+        residual.check_copy_pairs(src, dst, array.shape[0])
+        residual.copy_rows(CPU, array, src, dst, 2)
+        assert np.array_equal(array, expected)
+    for bad_src, bad_dst in (([1, 2], [2, 3]), ([1, 4], [5, 5]), ([0], [10]), ([-1], [3])):
+        with pytest.raises(InputError, match="copy_rows"):
+            residual.check_copy_pairs(np.array(bad_src), np.array(bad_dst), 10)

@@ -53,3 +53,18 @@ extern "C" __global__ void residual_transpose_f32(const unsigned int* __restrict
         }
     }
 }
+
+// Rows of a 2-D array of 32-bit words copied from row src[i] to row dst[i], i < n (the KV cache's
+// copy-on-write; contracts/residual.toml "copy_rows"). No arithmetic: bit patterns move as unsigned
+// int. The destinations are distinct and no destination is a source (checked by the caller), so
+// the copies are independent and any order of threads gives the same result.
+extern "C" __global__ void residual_copy_rows_u32(const int* __restrict__ src, const int* __restrict__ dst,
+                                                  long long n, long long words, unsigned int* a) {
+    const long long total = n * words;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long pair = i / words;
+        const long long word = i - pair * words;
+        a[(long long)dst[pair] * words + word] = a[(long long)src[pair] * words + word];
+    }
+}

@@ -39,9 +39,10 @@ from rlportable.engine.scheduler import SchedulerOutput
 from rlportable.engine.sequence import Sequence
 from rlportable.engine.step_inputs import (StepPlan, StepUploader, check_decode_plan, decode_buckets, plan_decode,
                                            plan_step)
-from rlportable.errors import InputError, RlpError
+from rlportable.errors import InputError
 from rlportable.model.forward import Model, StepInputs
-from rlportable.ops import attention, embedding, gemm
+from rlportable.ops import attention, embedding, gemm, residual
+from rlportable.ops.checks import shape_of
 from rlportable.ops import sampling as sampling_op
 
 #: where tokens are sampled: "host" (the contract's NumPy reference on the logits copied to the
@@ -99,22 +100,22 @@ class ModelRunner:
     def _copy_uploads(self, copies: list[BlockCopy]) -> dict[str, np.ndarray]:
         if not copies:
             return {}
-        if self.backend.name == "hip":
-            raise RlpError("copy-on-write of KV blocks is not implemented on the hip backend yet "
-                           "(it needs indexed copies of HipArray); run n=1 requests or the cuda/cpu backends")
         pairs = [c.slot_pairs(self.block_size) for c in copies]
-        return {"copy.src": np.concatenate([p[0] for p in pairs]).astype(np.int32),
-                "copy.dst": np.concatenate([p[1] for p in pairs]).astype(np.int32)}
+        src = np.concatenate([p[0] for p in pairs]).astype(np.int32)
+        dst = np.concatenate([p[1] for p in pairs]).astype(np.int32)
+        residual.check_copy_pairs(src, dst, self.num_blocks * self.block_size)
+        return {"copy.src": src, "copy.dst": dst}
 
     def _apply_copies(self, views: dict) -> None:
         """Copy-on-write: the valid slots of each source block into its destination block, every
-        layer, in list order (`array[dst] = array[src]` gathers every source first)."""
+        layer (ops.residual.copy_rows: a bit copy, on every backend)."""
         if "copy.src" not in views:
             return
         src, dst = views["copy.src"], views["copy.dst"]
+        count = shape_of(src)[0]
         for cache in self.caches:
             for array in (cache.k_digits, cache.k_exponents, cache.v_digits, cache.v_exponents):
-                array[dst] = array[src]  # a bit copy (int8 / int32), no arithmetic
+                residual.copy_rows(self.backend, array, src, dst, count)
 
     # ---- one step
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[float], list | None]:

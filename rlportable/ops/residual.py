@@ -81,3 +81,35 @@ def transpose(backend, x):
         backend.launch("residual", "residual_transpose_f32", grid, (TRANSPOSE_TILE, TRANSPOSE_TILE_ROWS),
                        (x, y, np.int64(rows), np.int64(cols)))
     return y
+
+
+def copy_rows_reference(a: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    a[dst] = a[src]
+
+
+def check_copy_pairs(src: np.ndarray, dst: np.ndarray, rows: int) -> None:
+    """The pairs copy_rows accepts: in range, distinct destinations, no destination a source."""
+    src, dst = np.asarray(src), np.asarray(dst)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise InputError(f"copy_rows: src {src.shape} and dst {dst.shape} must be 1-D of one length")
+    if src.size and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= rows):
+        raise InputError(f"copy_rows: a row index is outside [0, {rows})")
+    if np.unique(dst).size != dst.size or np.intersect1d(src, dst).size:
+        raise InputError("copy_rows: destinations must be distinct and must not be sources")
+
+
+def copy_rows(backend, array, src, dst, count: int) -> None:
+    """In place: array[dst[i]] = array[src[i]] for i < count (src, dst: device int32 [>= count], pairs
+    already checked by check_copy_pairs on the host). array: C-contiguous, rows of 32-bit words."""
+    rows = shape_of(array)[0]
+    if backend.kernel_vendor is None:
+        copy_rows_reference(array, np.asarray(src)[:count], np.asarray(dst)[:count])
+        return
+    row_bytes = int(np.prod(shape_of(array)[1:], dtype=np.int64)) * np.dtype(array.dtype).itemsize
+    if row_bytes % 4:
+        raise InputError(f"copy_rows: rows of {row_bytes} bytes are not whole 32-bit words")
+    words = row_bytes // 4
+    if count and words:
+        flat = array.reshape(rows, -1).view(np.uint32)
+        backend.launch("residual", "residual_copy_rows_u32", _grid(count * words), (THREADS,),
+                       (src, dst, np.int64(count), np.int64(words), flat))

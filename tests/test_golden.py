@@ -161,3 +161,13 @@ def test_quick_skips_only_the_expensive_end_to_end_digests():
                                     "golden.qwen3-0.6b-shape.engine.generate"}
     assert run(CPU, quick=True, only="golden.qwen3") == []
     assert [r.name for r in run(CPU, quick=True, only="golden.rowsum")] == ["golden.rowsum.rowsum"]
+
+
+def test_recorded_outputs_are_copies_not_arrays_updated_later():
+    """On cpu to_numpy returns the array itself: recording it without a copy let AdamW's later steps
+    rewrite the step-1 outputs (the digest then disagreed with every device)."""
+    from rlportable.conform import golden as golden_module
+
+    case = next(c for c in golden_module.CASES if (c.group, c.name) == ("adamw", "steps"))
+    outputs = dict(case.outputs(get_backend("cpu")))
+    assert not np.array_equal(outputs["0.uniform.1.p0"], outputs["0.uniform.3.p0"])

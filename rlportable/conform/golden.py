@@ -214,7 +214,9 @@ def _case(group: str, name: str, expensive: bool = False, **recipe):
 
 
 def _host(backend: Backend, array, dtype: str | None = None) -> np.ndarray:
-    return canonical(backend.to_numpy(array), dtype)
+    """A host COPY: on cpu to_numpy returns the array itself, which a later in-place update (AdamW's
+    next step) would change after it was recorded; a device's to_numpy copies."""
+    return canonical(np.array(backend.to_numpy(array), copy=True), dtype)
 
 
 # ---- fixedpoint, gemm, rowsum, elementwise (issue 2)

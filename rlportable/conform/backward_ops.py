@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rlportable.conform.forward_ops import NORM_EPS, _permutation_invariance, _random_bits, _sizes
+from rlportable.conform.forward_ops import NORM_EPS, _permutation_invariance, _random_bits, _sizes, rope_bit_patterns
 from rlportable.conform.inputs import ROW_KINDS, random_rows
 from rlportable.conform.primitives import elementwise_inputs
 from rlportable.conform.tally import Tally
@@ -125,14 +125,7 @@ def check_rope_backward(backend: Backend, rng, quick: bool) -> Tally:
                 got = rope_op.apply_backward(backend, backend.asarray(dy), positions_dev, cos, sin,
                                              host_positions=positions)
                 tally.add(backend.to_numpy(got), expected)
-    # every float32 bit pattern class in dy (NaN payloads, inf * 0 at position 0, inf - inf)
-    cos_ref, sin_ref = rope_ref.tables(np.arange(64), rope_ref.inverse_frequencies(32, 10000.0))
-    positions = rng.integers(0, 64, size=200).astype(np.int32)
-    positions[:10] = 0
-    dy = _random_bits(rng, (200, 3, 32))
-    got = rope_op.apply_backward(backend, backend.asarray(dy), backend.asarray(positions), backend.asarray(cos_ref),
-                                 backend.asarray(sin_ref))
-    tally.add(backend.to_numpy(got), rope_ref.apply_backward(dy, cos_ref[positions], sin_ref[positions]))
+    rope_bit_patterns(backend, rng, tally, rope_op.apply_backward, rope_ref.apply_backward)
     return tally
 
 

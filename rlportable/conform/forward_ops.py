@@ -102,15 +102,20 @@ def check_rope_apply(backend: Backend, rng, quick: bool) -> Tally:
                 expected = rope_ref.apply(x, cos_ref[positions], sin_ref[positions])
                 got = rope_op.apply(backend, backend.asarray(x), positions_dev, cos, sin)
                 tally.add(backend.to_numpy(got), expected)
-    # every float32 bit pattern class in x (NaN payloads, inf * 0 at position 0, inf - inf)
+    rope_bit_patterns(backend, rng, tally, rope_op.apply, rope_ref.apply)
+    return tally
+
+
+def rope_bit_patterns(backend: Backend, rng, tally: Tally, op, reference) -> None:
+    """Every float32 bit pattern class in the rotated tensor (NaN payloads, inf * 0 at position 0,
+    inf - inf), through op (rope.apply or apply_backward) against its reference."""
     cos_ref, sin_ref = rope_ref.tables(np.arange(64), rope_ref.inverse_frequencies(32, 10000.0))
     positions = rng.integers(0, 64, size=200).astype(np.int32)
     positions[:10] = 0
     x = _random_bits(rng, (200, 3, 32))
-    got = rope_op.apply(backend, backend.asarray(x), backend.asarray(positions), backend.asarray(cos_ref),
-                        backend.asarray(sin_ref))
-    tally.add(backend.to_numpy(got), rope_ref.apply(x, cos_ref[positions], sin_ref[positions]))
-    return tally
+    got = op(backend, backend.asarray(x), backend.asarray(positions), backend.asarray(cos_ref),
+             backend.asarray(sin_ref))
+    tally.add(backend.to_numpy(got), reference(x, cos_ref[positions], sin_ref[positions]))
 
 
 ACTIVATION_SHAPES = [(1, 1), (7, 13), (33, 257), (16, 3072)]

@@ -63,7 +63,7 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
     temperature = logprob.check_temperature(temperature)
     positions = packed_positions(cu_seqlens).astype(np.int32)
     checkpoints: list = []
-    hidden = model._forward(tokens, positions, _packed_attention(model, cu_seqlens), saved=checkpoints)
+    hidden = model._forward(tokens, positions, model.packed_attention(cu_seqlens), saved=checkpoints)
     rows, targets = next_token_rows(tokens, cu_seqlens) if rows is None else _check_rows(rows, cu_seqlens, tokens)
     rows = rows.astype(np.int32)
     picked = embedding.gather(backend, hidden, backend.asarray(rows), host_ids=rows)
@@ -79,10 +79,6 @@ def _check_rows(rows, cu_seqlens: np.ndarray, tokens: np.ndarray) -> tuple[np.nd
     if not inside or (rows.size and np.any(rows + 1 >= cu_seqlens[np.searchsorted(cu_seqlens, rows, side="right")])):
         raise InputError("forward: every row must be a token followed by another token of its own sequence")
     return rows, tokens[rows + 1].astype(np.int32)
-
-
-def _packed_attention(model: Model, cu_seqlens: np.ndarray):
-    return lambda q, k, v, _index: attention.attention_packed(model.backend, q, k, v, cu_seqlens)
 
 
 def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray) -> ModelWeights:
@@ -185,8 +181,8 @@ def _recompute(model: Model, index: int, fwd: TrainingForward, x) -> dict:
     cos, sin = model.rope_tables(int(fwd.positions.max()) + 1 if fwd.positions.size else 1)
     positions = (model.backend.asarray(fwd.positions), fwd.positions)
     record: dict = {}
-    model._layer(model.layers[index], x, positions, cos, sin,
-                 lambda q, k, v: attention.attention_packed(model.backend, q, k, v, fwd.cu_seqlens), record)
+    attend = model.packed_attention(fwd.cu_seqlens)
+    model._layer(model.layers[index], x, positions, cos, sin, lambda q, k, v: attend(q, k, v, index), record)
     return record
 
 
@@ -209,7 +205,7 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     a_flat = f.a.reshape(t, cfg.num_attention_heads * cfg.head_dim)
     grads["o"] = weight_grad(backend, d_x2, a_flat)
     d_a = input_grad(model, d_x2, w.o).reshape(t, cfg.num_attention_heads, cfg.head_dim)
-    d_q, d_k, d_v = attention.attention_packed_backward(backend, f.q, f.k, f.v, d_a, fwd.cu_seqlens)
+    d_q, d_k, d_v = attention.attention_packed_backward(backend, f.q, f.k, f.v, d_a, fwd.cu_seqlens, o=f.a)
     d_q_lin = _head_backward(model, f.q_lin, w.q_norm, d_q, fwd, grads, "q_norm")
     d_k_lin = _head_backward(model, f.k_lin, w.k_norm, d_k, fwd, grads, "k_norm")
     d_v_lin = d_v.reshape(t, cfg.num_key_value_heads * cfg.head_dim)

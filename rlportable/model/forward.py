@@ -117,8 +117,11 @@ class Model:
         """Final-norm hidden states [T, H] of packed sequences."""
         tokens = np.asarray(tokens, dtype=np.int32)
         cu_seqlens = check_packing(tokens, cu_seqlens, self.config.vocab_size)
-        return self._forward(tokens, packed_positions(cu_seqlens),
-                             lambda q, k, v, _index: attention.attention_packed(self.backend, q, k, v, cu_seqlens))
+        return self._forward(tokens, packed_positions(cu_seqlens), self.packed_attention(cu_seqlens))
+
+    def packed_attention(self, cu_seqlens: np.ndarray):
+        """attend(q, k, v, layer_index) over packed sequences (the forward's and the trainer's)."""
+        return lambda q, k, v, _index: attention.attention_packed(self.backend, q, k, v, cu_seqlens)
 
     def step(self, tokens, positions, q_seq, block_tables, slots, caches: list, device: StepInputs | None = None):
         """One engine step over a paged KV cache: final-norm hidden states [T, H].

@@ -20,8 +20,7 @@ settings, and `--resume` continues it bitwise.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -221,10 +220,3 @@ def prompt_length(tokenizer, prompt) -> int:
 def sampling_seed(seed: int, step: int) -> int:
     """The engine's sampling key of one step: distinct per (run seed, step), in [0, 2^64)."""
     return (int(seed) * 0x9E3779B97F4A7C15 + int(step) + 1) % (1 << 64)
-
-
-def config_dict(config: GRPOConfig) -> dict:
-    return asdict(config)
-
-
-Progress = Callable[[int, dict], None]

@@ -16,6 +16,28 @@ DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
                              type=click.Choice(["auto", "cpu", "cuda", "hip"]), help="Backend to run on.")
 
 
+def tp_options(f):
+    """--tp / --tp-emulate: tensor parallelism (rlportable/runtime/world.py run_ranks)."""
+    f = click.option("--tp-emulate", is_flag=True,
+                     help="Run the --tp ranks as threads of this process on one device (always so on cpu).")(f)
+    return click.option("--tp", default=1, show_default=True, type=int,
+                        help="Tensor-parallel ranks: one process per GPU (or under torchrun), bitwise the same "
+                             "results as --tp 1.")(f)
+
+
+def _run_ranks(device: str, tp: int, tp_emulate: bool, work, kernel_source: str = "native"):
+    """(reports, result) of work(backend, group) on this rank; a bad option or device is a one-line error."""
+    from rlportable.runtime import resolve_device
+    from rlportable.runtime.world import run_ranks
+
+    try:
+        if device == "auto":
+            click.echo(f"device auto -> {resolve_device('auto')}", err=True)
+        return run_ranks(device, tp, tp_emulate, work, kernel_source)
+    except RlpError as error:
+        _fail(error)
+
+
 def _fail(error: RlpError):
     click.echo(f"error: {error}", err=True)
     sys.exit(error.exit_code)
@@ -89,7 +111,8 @@ def info():
 @click.option("--quick", is_flag=True, help="Small inputs only (under a minute on a 2-core CPU).")
 @click.option("--kernel-source", default="native", type=click.Choice(["native", "hip"]),
               help="hip: run the HIP sources on a cuda device through the HIP-on-CUDA prelude.")
-@click.option("--only", default=None, help="Run the checks whose name contains this text.")
+@click.option("--only", default=None, help="Run the checks whose name contains this text (or any of several, "
+                                           "comma-separated).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--exhaustive", is_flag=True, help="Also grade exp and log on all 2^32 float32 inputs (GPU only).")
 @click.option("--peer", default="none", show_default=True, type=click.Choice(["none", "hf"]),
@@ -100,13 +123,19 @@ def info():
               help="Recompute the golden digests with the NumPy reference and write them (--device cpu only).")
 @click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
               help="Read (and with --write-golden write) the golden digests here, not in conformance/golden.")
+@tp_options
 def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, peer, repro_dir, write_golden,
-            golden_dir):
-    """Check every contract's kernels against the NumPy reference, bit for bit, and the engine against the trainer."""
+            golden_dir, tp, tp_emulate):
+    """Check every contract's kernels against the NumPy reference, bit for bit, and the engine against the trainer.
+
+    With --tp N: the tensor-parallel checks instead, on N ranks, against one device (conform/tensor_parallel.py)."""
     _check_json_path(json_path)
     from rlportable import conform as suite
     from rlportable.conform import end_to_end, golden
 
+    if tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        _conform_tensor_parallel(device, kernel_source, tp, tp_emulate, quick, seed, only, json_path)
+        return
     backend = _backend(device, kernel_source)
     end_to_end.SETTINGS.repro_dir, end_to_end.SETTINGS.seed = Path(repro_dir), seed
     golden.set_directory(golden_dir)
@@ -123,7 +152,7 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, pee
                             progress=lambda name: click.echo(f"  checking {name} ...", err=True))
     except RlpError as error:
         _fail(error)
-    table = [[r.name, r.compared, r.mismatches, "n/a" if (r.details or {}).get("status") == "not available"
+    table = [[r.name, r.compared, r.mismatches, "n/a" if end_to_end.not_applicable(r)
               else "pass" if r.passed else "FAIL"] for r in results]
     click.echo(tabulate(table, headers=["check", "compared", "mismatches", "verdict"]))
     e2e_rows, e2e_headers = end_to_end.metrics_table([r for r in results if r.name.startswith("e2e.")])
@@ -153,6 +182,47 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, pee
                    f"incremental decoding against the full forward\n" + tabulate(*peer_hf.peer_table(payload["peer"])))
     click.echo(f"\n{backend.label}: {payload['compared']} elements compared, {payload['mismatches']} mismatches: "
                f"{'PASS' if payload['passed'] else 'FAIL'}")
+    _write_json(json_path, payload)
+    sys.exit(0 if payload["passed"] else 1)
+
+
+def _bench_decode_tensor_parallel(device, tp, tp_emulate, sequences, prompt_len, new_tokens, layers, sampler,
+                                  json_path):
+    from rlportable.bench import decode as decode_bench
+
+    def work(backend, group):
+        return decode_bench.run_tensor_parallel(backend, group, sequences, prompt_len, new_tokens, layers, sampler,
+                                                progress=lambda text: click.echo(f"  {text}", err=True))
+
+    reports, result = _run_ranks(device, tp, tp_emulate, work)
+    if not reports:
+        return
+    rows = [[name, result[key]["tokens_per_s"], result[key].get("decode_step_s_median")]
+            for name, key in ((f"TP={result['tp']} (eager)", "ours_tp"), ("TP=1 eager", "ours_tp1_eager"),
+                              ("TP=1 CUDA graphs", "ours_tp1_graphs"))]
+    click.echo(tabulate(rows, headers=["engine", "tokens/s", "s/decode step"], floatfmt=".4g"))
+    click.echo(f"scaling TP={result['tp']} / TP=1: {result['scaling']['tp_over_tp1_eager']:.2f}x (eager), "
+               f"{result['scaling']['tp_over_tp1_graphs']:.2f}x (against graphs)")
+    _write_json(json_path, result)
+
+
+def _conform_tensor_parallel(device, kernel_source, tp, tp_emulate, quick, seed, only, json_path):
+    from rlportable import conform as suite
+    from rlportable.conform import tensor_parallel
+
+    def work(backend, group):
+        results = tensor_parallel.run(backend, group, quick=quick, seed=seed, only=only,
+                                      progress=lambda name: click.echo(f"  checking {name} ...", err=True))
+        return backend, group.size, group.label, results
+
+    reports, (backend, size, label, results) = _run_ranks(device, tp, tp_emulate, work, kernel_source)
+    if not reports:
+        return
+    click.echo(tabulate([[r.name, r.compared, r.mismatches, "pass" if r.passed else "FAIL"] for r in results],
+                        headers=["check", "compared", "mismatches", "verdict"]))
+    payload = {**suite.report(backend.label, backend.info(), results), "tp": size, "group": label}
+    click.echo(f"\n{backend.label}, TP={size} ({label}) against one device: {payload['compared']} elements "
+               f"compared, {payload['mismatches']} mismatches: {'PASS' if payload['passed'] else 'FAIL'}")
     _write_json(json_path, payload)
     sys.exit(0 if payload["passed"] else 1)
 
@@ -207,21 +277,27 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
               help="Decode through CUDA / HIP graphs per batch-size bucket (default: on cuda and hip; on cpu "
                    "--cuda-graphs runs the same padded buckets eagerly). Same tokens and log-probs either way.")
 @DEVICE_OPTION
+@tp_options
 @click.option("--json", "as_json", is_flag=True, help="Per sample: token ids, text and log-probs, as JSON.")
 def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_k, min_p, ignore_eos, seed,
-             max_batch, block_size, prefix_caching, cuda_graphs, device, as_json):
+             max_batch, block_size, prefix_caching, cuda_graphs, device, tp, tp_emulate, as_json):
     """Sample completions with the rollout engine (paged KV cache, continuous batching)."""
     from rlportable.engine.llm import LLM
     from rlportable.engine.sequence import SamplingParams
     from rlportable.model.logp import read_prompts
 
-    backend = _backend(device)
     try:
         texts = read_prompts(list(prompts), jsonl)
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed)
+    except RlpError as error:
+        _fail(error)
+
+    def work(backend, group):
         llm = LLM(model_spec, device=backend, block_size=block_size, max_num_seqs=max_batch,
-                  enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
+                  enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, group=group)
+        if group.rank:
+            return llm, llm.generate(texts, params)
         with click.progressbar(length=len(texts) * n * max_tokens, label="generating", file=sys.stderr) as bar:
             done = [0]
 
@@ -229,9 +305,11 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
                 bar.update(tokens - done[0])
                 done[0] = tokens
 
-            outputs = llm.generate(texts, params, progress=progress)
-    except RlpError as error:
-        _fail(error)
+            return llm, llm.generate(texts, params, progress=progress)
+
+    reports, (llm, outputs) = _run_ranks(device, tp, tp_emulate, work)
+    if not reports:
+        return
     stats = llm.stats
     summary = (f"{stats.output_tokens} tokens in {stats.seconds:.2f} s ({stats.output_tokens_per_s:.1f} tokens/s), "
                f"{stats.steps} steps, {stats.preemptions} preemptions")
@@ -440,11 +518,19 @@ def bench_forward(device, json_path, sequences, length, layers):
               help="The engine's sampler; auto: the device sampler on cuda when the engine has one.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay the engine's decode steps as CUDA graphs.")
+@tp_options
 def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler,
-                 cuda_graphs):
-    """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound."""
+                 cuda_graphs, tp, tp_emulate):
+    """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound.
+
+    With --tp N: the engine at TP=N against TP=1 on the same workload (no HF peer, no time limit)."""
     _check_json_path(json_path)
     from rlportable.bench import decode as decode_bench
+
+    if tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        _bench_decode_tensor_parallel(device, tp, tp_emulate, sequences, prompt_len, new_tokens, layers, sampler,
+                                      json_path)
+        return
 
     backend = _backend(device)
     try:

@@ -87,11 +87,15 @@ def test_batch_256_runs_256_sequences_together():
     assert part["mismatches"] == 0
 
 
-def test_tensor_parallel_is_reported_not_available():
+def test_tensor_parallel_emulated_matches_and_unsplittable_shapes_are_not_applicable():
     for name in ("e2e.tp-2", "e2e.tp-4"):
         tally = run_check(name)
-        assert (tally.compared, tally.mismatches) == (0, 0)
-        assert tally.details["status"] == "not available" and "issue 7" in tally.details["reason"]
+        part = tally.details["models"]["tiny"]
+        assert tally.compared > 100 and tally.mismatches == 0
+        assert part["forward_at_tp_vs_engine"]["compared"] > 50 and part["forward_at_tp_vs_engine"]["mismatches"] == 0
+    tally = run_check("e2e.tp-8")  # tiny has 4 query heads
+    assert tally.compared == 0 and tally.details["models"]["tiny"]["status"] == "not applicable"
+    assert "num_attention_heads=4 is not divisible by the TP size 8" in tally.details["models"]["tiny"]["reason"]
 
 
 def flip_in_layer(monkeypatch, module, function: str, layer: int, layers: int, bit: int, index):
@@ -154,11 +158,11 @@ def test_cli_prints_the_table_and_writes_details(tmp_path):
                                        "--json", str(out), "--repro-dir", str(tmp_path / "repro")])
     assert result.exit_code == 0, result.output
     assert "end to end: engine log-probs against the trainer's forward" in result.output
-    assert "not available" in result.output and "n/a" in result.output
+    assert "not applicable" in result.output and "n/a" in result.output
     payload = json.loads(out.read_text())
     checks = {c["name"]: c for c in payload["checks"]}
     assert set(checks) == {"e2e.temperature-0.7", "e2e.temperature-1.0", "e2e.temperature-1.3", "e2e.tp-2",
-                           "e2e.tp-4"}
+                           "e2e.tp-4", "e2e.tp-8"}
     assert checks["e2e.temperature-0.7"]["details"]["models"]["tiny"]["metrics"]["k3_kl"] == 0.0
     assert not (tmp_path / "repro").exists()  # nothing failed, nothing written
 

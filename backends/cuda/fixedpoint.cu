@@ -2,10 +2,26 @@
 // Contract: contracts/fixedpoint.toml. Reference: rlportable/contract/fixedpoint.py.
 #include "common.cuh"
 
+// The quantize and digit-split loop of one row with exponent e, shared by the
+// encoders (fixedpoint.quantize_rows + split_digits): the block's threads take
+// strided positions; positions k..k_padded-1 and non-finite rows get q = 0.
+// descending != 0 stores the most significant digit first (slot 0).
+__device__ __forceinline__ void rlp_encode_row_digits(
+    const float* xr, int k, int k_padded, int bits, int slices, int descending, int e, signed char* out) {
+    for (int i = threadIdx.x; i < k_padded; i += blockDim.x) {
+        long long q = (i < k && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], bits, e) : 0;
+        for (int j = 0; j < slices; ++j) {
+            long long d = ((q + 128) & 255) - 128;
+            q = (q - d) >> 8;
+            int slot = descending ? slices - 1 - j : j;
+            out[(long long)slot * k_padded + i] = (signed char)d;
+        }
+    }
+}
+
 // One block per row (grid-stride over rows). The row maximum is an exact integer
 // max of magnitude bits, so its result is independent of thread count and order.
 // digits: [rows, slices, k_padded] int8; positions k..k_padded-1 are written 0.
-// descending != 0 stores the most significant digit first (slot 0).
 extern "C" __global__ void fixedpoint_encode_rows(
     const float* __restrict__ x, long long rows, int k, int k_padded, int bits, int slices,
     int descending, signed char* __restrict__ digits, int* __restrict__ exponents) {
@@ -16,16 +32,35 @@ extern "C" __global__ void fixedpoint_encode_rows(
         __syncthreads();
         const int e = rlp_block_row_exponent(xr, k, &largest);
         if (threadIdx.x == 0) exponents[row] = e;
-        signed char* out = digits + row * (long long)slices * k_padded;
-        for (int i = threadIdx.x; i < k_padded; i += blockDim.x) {
-            long long q = (i < k && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], bits, e) : 0;
-            for (int j = 0; j < slices; ++j) {
-                long long d = ((q + 128) & 255) - 128;
-                q = (q - d) >> 8;
-                int slot = descending ? slices - 1 - j : j;
-                out[(long long)slot * k_padded + i] = (signed char)d;
-            }
-        }
+        rlp_encode_row_digits(xr, k, k_padded, bits, slices, descending, e,
+                              digits + row * (long long)slices * k_padded);
+        __syncthreads();
+    }
+}
+
+// fixedpoint.quantize_rows with given exponents: a K-shard of a row encoded with
+// the whole row's exponent (all-reduced by MAX over the shards), so no row max
+// here. The caller guarantees each exponent is the sentinel or in [the row's own
+// exponent, 127] (contracts/fixedpoint.toml encode_rows_given).
+extern "C" __global__ void fixedpoint_encode_rows_given(
+    const float* __restrict__ x, long long rows, int k, int k_padded, int bits, int slices,
+    int descending, const int* __restrict__ exponents, signed char* __restrict__ digits) {
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        rlp_encode_row_digits(x + row * (long long)k, k, k_padded, bits, slices, descending, exponents[row],
+                              digits + row * (long long)slices * k_padded);
+    }
+}
+
+// fixedpoint.row_exponents: one block per row (grid-stride), the exact integer
+// max of magnitude bits (any block size, warp width or order gives the same e).
+extern "C" __global__ void fixedpoint_row_exponents(
+    const float* __restrict__ x, long long rows, int k, int* __restrict__ exponents) {
+    __shared__ unsigned int largest;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        if (threadIdx.x == 0) largest = 0u;
+        __syncthreads();
+        const int e = rlp_block_row_exponent(x + row * (long long)k, k, &largest);
+        if (threadIdx.x == 0) exponents[row] = e;
         __syncthreads();
     }
 }

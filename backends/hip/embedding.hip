@@ -40,3 +40,22 @@ extern "C" __global__ void embedding_gather_backward(const float* __restrict__ d
         dtable[k] = rounded != rounded ? rlp_canonical_nan() : rounded;
     }
 }
+
+// The vocabulary-parallel gather: this rank holds the table rows [vocab_start, vocab_start + shard_rows).
+// out[t, :] = table_shard[ids[t] - vocab_start, :] as 32-bit words when this rank owns ids[t], else +0
+// bits, so the uint32 sum over the ranks (one owner per id) is embedding_gather's output. The host
+// checked ids[t] >= 0 (global ids; the whole vocabulary is not known here). Grid-stride over
+// tokens * hidden: any grid and block size gives the same bits.
+extern "C" __global__ void embedding_gather_shard(const unsigned int* __restrict__ table_shard,
+                                                  const int* __restrict__ ids, long long tokens, int hidden,
+                                                  int vocab_start, int shard_rows, unsigned int* __restrict__ out) {
+    const long long n = tokens * (long long)hidden;
+    const long long stride = (long long)gridDim.x * (long long)blockDim.x;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        const long long token = k / hidden;
+        const long long column = k - token * (long long)hidden;
+        const long long local = (long long)ids[token] - (long long)vocab_start;
+        const bool owned = local >= 0 && local < (long long)shard_rows;
+        out[k] = owned ? table_shard[local * (long long)hidden + column] : 0u;
+    }
+}

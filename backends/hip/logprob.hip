@@ -4,7 +4,8 @@
 // Kernel family "logprob": log-probabilities and entropy of logits at a temperature, and the
 // log-probabilities' gradient with respect to the logits.
 // Contract: contracts/logprob.toml. Reference: rlportable/contract/logprob.py (logprobs,
-// entropy, quantize_f64_rows, logprobs_backward). Line-by-line port of backends/cuda/logprob.cu.
+// entropy, quantize_f64_rows, logprobs_backward, shard_max_keys, shard_sums, shard_finish).
+// Line-by-line port of backends/cuda/logprob.cu.
 #include "common.h"
 #include "contract_math.h"
 
@@ -31,6 +32,34 @@ __device__ __forceinline__ float rlp_logprob_from_key(unsigned int key) {
 // a_v = RNE_f32(double(z_v) / double(T)) (IEEE float64 division; T = 1 gives z exactly).
 __device__ __forceinline__ float rlp_logprob_scaled(float z, double temperature) {
     return rlp_double2float_rn((double)z / temperature);
+}
+
+// The NaN marker of a shard's key: above every float's key, so MAX over the ranks keeps it.
+#define RLP_LOGPROB_NAN_KEY 0xffffffffu
+
+// A shard's element key: rlp_logprob_key(a), or the NaN marker for a NaN a.
+__device__ __forceinline__ unsigned int rlp_logprob_key_or_nan(float a) {
+    return a != a ? RLP_LOGPROB_NAN_KEY : rlp_logprob_key(a);
+}
+
+// A row whose maximum m is NaN (a shard's NaN marker) or +-inf has no log-prob: the canonical NaN.
+__device__ __forceinline__ bool rlp_logprob_undefined(float m) {
+    return rlp_magnitude_bits(m) >= 0x7f800000u;
+}
+
+// S's term RNE(p_v * 2^36), p_v = exp_f32(a_v - m) in [0, 1]: exact in int64 and order-free to sum.
+__device__ __forceinline__ long long rlp_logprob_sum_term(float p) {
+    return rlp_double2ll_rn((double)p * rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2));
+}
+
+// ls = log_f32(RNE_f32(S * 2^-36)): one rounding, contract log.
+__device__ __forceinline__ float rlp_logprob_log_sum(long long s) {
+    return rlp_log_f32(rlp_round_scaled(s, -(RLP_LOGPROB_SUM_BITS - 2)));
+}
+
+// logp = d_y - ls, d_y = RNE_f32(a_y - m): one float32 subtraction.
+__device__ __forceinline__ float rlp_logprob_value(float d_target, float ls) {
+    return d_target - ls;
 }
 
 // w_v = p_v * d_v, exact in float64 (24 x 24 bits); 0 where p_v = 0 (also where d_v = -inf).
@@ -65,7 +94,6 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
     __shared__ unsigned long long total;
     __shared__ unsigned long long largest_w;
     __shared__ unsigned long long w_total;
-    const double unit = rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* zr = logits + row * (long long)vocab;
         if (threadIdx.x == 0) { largest_key = 0u; has_nan = 0u; total = 0ull; largest_w = 0ull; w_total = 0ull; }
@@ -81,7 +109,7 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
         atomicOr(&has_nan, nan);
         __syncthreads();
         const float m = rlp_logprob_from_key(largest_key);
-        if (has_nan != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) {
+        if (has_nan != 0u || rlp_logprob_undefined(m)) {
             if (threadIdx.x == 0) {
                 if (mode & RLP_LOGPROB_WANT_LOGP) logp[row] = rlp_canonical_nan();
                 if (mode & RLP_LOGPROB_WANT_ENTROPY) entropy[row] = rlp_canonical_nan();
@@ -92,7 +120,7 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
             for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
                 float d = rlp_logprob_scaled(zr[i], temperature) - m;
                 float p = rlp_exp_f32(d);
-                local_s += rlp_double2ll_rn((double)p * unit);
+                local_s += rlp_logprob_sum_term(p);
                 if (mode & RLP_LOGPROB_WANT_ENTROPY) {
                     double w = rlp_logprob_term(p, d);
                     local_w = rlp_logprob_max_u64(local_w, (unsigned long long)__double_as_longlong(w) & 0x7fffffffffffffffull);
@@ -102,10 +130,10 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
             atomicMax(&largest_w, local_w);
             __syncthreads();
             const long long s = (long long)total;
-            const float ls = rlp_log_f32(rlp_round_scaled(s, -(RLP_LOGPROB_SUM_BITS - 2)));
+            const float ls = rlp_logprob_log_sum(s);
             if ((mode & RLP_LOGPROB_WANT_LOGP) && threadIdx.x == 0) {
                 float d_target = rlp_logprob_scaled(zr[targets[row]], temperature) - m;
-                logp[row] = d_target - ls;
+                logp[row] = rlp_logprob_value(d_target, ls);
             }
             if (mode & RLP_LOGPROB_WANT_ENTROPY) {
                 const int e = rlp_logprob_exponent_f64(largest_w);
@@ -156,7 +184,6 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
     __shared__ unsigned int largest_key;
     __shared__ unsigned int has_nan;
     __shared__ unsigned long long total;
-    const double unit = rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* zr = logits + row * (long long)vocab;
         float* dz = dlogits + row * (long long)vocab;
@@ -179,13 +206,13 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
             atomicOr(&has_nan, nan);
             __syncthreads();
             const float m = rlp_logprob_from_key(largest_key);
-            if (has_nan != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) {
+            if (has_nan != 0u || rlp_logprob_undefined(m)) {
                 for (int i = threadIdx.x; i < vocab; i += blockDim.x) dz[i] = rlp_canonical_nan();
             } else {
                 long long local_s = 0;
                 for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
                     float p = rlp_exp_f32(rlp_logprob_scaled(zr[i], temperature) - m);
-                    local_s += rlp_double2ll_rn((double)p * unit);
+                    local_s += rlp_logprob_sum_term(p);
                 }
                 atomicAdd(&total, (unsigned long long)local_s);
                 __syncthreads();
@@ -199,5 +226,84 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
             }
         }
         __syncthreads();  // every thread is done with this row's shared values before the next row resets them
+    }
+}
+
+// ---- Vocabulary-parallel log-probs (tensor parallelism). A rank holds the columns
+// [vocab_start, vocab_start + width) of every row. logprob_shard_max gives each row's key;
+// the ranks all-reduce MAX of the keys; logprob_shard_sums gives each row's int64 pair; the
+// ranks all-reduce SUM of the pairs; logprob_shard_finish gives logprob_rows' bits. The
+// helpers above are logprob_rows' own, so both paths share one formula.
+
+// keys[row] = max over the shard of rlp_logprob_key_or_nan(a_v): the key of the shard's
+// maximum, or the NaN marker. One block per row (grid-stride); a shared-memory atomicMax,
+// exact and order-free at any block size or warp width. The host checked width >= 1.
+extern "C" __global__ void logprob_shard_max(const float* __restrict__ logits, long long rows, int width,
+                                             double temperature, unsigned int* __restrict__ keys) {
+    __shared__ unsigned int largest_key;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* zr = logits + row * (long long)width;
+        if (threadIdx.x == 0) largest_key = 0u;
+        __syncthreads();
+        unsigned int local_key = 0u;
+        for (int i = threadIdx.x; i < width; i += blockDim.x) {
+            local_key = rlp_max_u32(local_key, rlp_logprob_key_or_nan(rlp_logprob_scaled(zr[i], temperature)));
+        }
+        atomicMax(&largest_key, local_key);
+        __syncthreads();
+        if (threadIdx.x == 0) keys[row] = largest_key;
+        __syncthreads();  // thread 0 has read largest_key before the next row resets it
+    }
+}
+
+// sums[row] = (sum over the shard of RNE(exp_f32(a_v - m) 2^36), the bits of a_y - m zero-extended
+// when the global target y lies in [vocab_start, vocab_start + width), else 0), m = the float of
+// keys[row] (the MAX over every rank); a row whose m is NaN or +-inf writes (0, 0). One block per
+// row (grid-stride); the sum through a shared-memory atomicAdd, exact and order-free.
+extern "C" __global__ void logprob_shard_sums(const float* __restrict__ logits, const unsigned int* __restrict__ keys,
+                                              const int* __restrict__ targets, long long rows, int width,
+                                              int vocab_start, double temperature, long long* __restrict__ sums) {
+    __shared__ unsigned long long total;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* zr = logits + row * (long long)width;
+        const float m = rlp_logprob_from_key(keys[row]);  // the same for every thread: the branch is block-uniform
+        if (rlp_logprob_undefined(m)) {
+            if (threadIdx.x == 0) { sums[2 * row] = 0; sums[2 * row + 1] = 0; }
+        } else {
+            if (threadIdx.x == 0) total = 0ull;
+            __syncthreads();
+            long long local_s = 0;
+            for (int i = threadIdx.x; i < width; i += blockDim.x) {
+                local_s += rlp_logprob_sum_term(rlp_exp_f32(rlp_logprob_scaled(zr[i], temperature) - m));
+            }
+            atomicAdd(&total, (unsigned long long)local_s);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const long long local_target = (long long)targets[row] - (long long)vocab_start;
+                unsigned int d_bits = 0u;
+                if (local_target >= 0 && local_target < (long long)width) {
+                    d_bits = (unsigned int)__float_as_int(rlp_logprob_scaled(zr[local_target], temperature) - m);
+                }
+                sums[2 * row] = (long long)total;
+                sums[2 * row + 1] = (long long)d_bits;
+            }
+        }
+        __syncthreads();  // thread 0 has read total before the next row resets it
+    }
+}
+
+// logp[row] = rlp_logprob_value(d_y, rlp_logprob_log_sum(S)) from sums[row] = (S, the bits of d_y) (the SUM
+// over the ranks of logprob_shard_sums), the canonical NaN where the float of keys[row] is NaN or +-inf.
+// One thread per row (grid-stride).
+extern "C" __global__ void logprob_shard_finish(const long long* __restrict__ sums, const unsigned int* __restrict__ keys,
+                                                long long rows, float* __restrict__ logp) {
+    const long long stride = (long long)gridDim.x * (long long)blockDim.x;
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += stride) {
+        if (rlp_logprob_undefined(rlp_logprob_from_key(keys[row]))) {
+            logp[row] = rlp_canonical_nan();
+        } else {
+            const float d_target = __int_as_float((int)(unsigned int)(unsigned long long)sums[2 * row + 1]);
+            logp[row] = rlp_logprob_value(d_target, rlp_logprob_log_sum(sums[2 * row]));
+        }
     }
 }

@@ -21,6 +21,8 @@ from rlportable.conform.forward_ops import FORWARD_OP_CHECKS
 from rlportable.conform.golden import GOLDEN_CHECKS, QUICK_SKIPPED as GOLDEN_QUICK_SKIPPED
 from rlportable.conform.model import DEVICE_ONLY, MODEL_CHECKS
 from rlportable.conform.optim import OPTIM_CHECKS
+from rlportable.conform.parallel_ops import PARALLEL_OP_CHECKS
+from rlportable.conform.parallel_vocab import PARALLEL_VOCAB_CHECKS
 from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, EXHAUSTIVE_REPORTS, PRIMITIVE_CHECKS
 from rlportable.conform.sampling import SAMPLING_CHECKS
 from rlportable.conform.tally import CheckResult, Tally, bit_mismatches
@@ -28,17 +30,23 @@ from rlportable.runtime.base import Backend
 
 CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
                                       + SAMPLING_CHECKS + OPTIM_CHECKS + BACKWARD_OP_CHECKS + BACKWARD_VOCAB_CHECKS
-                                      + ATTENTION_BACKWARD_CHECKS + GOLDEN_CHECKS)
+                                      + ATTENTION_BACKWARD_CHECKS + PARALLEL_OP_CHECKS + PARALLEL_VOCAB_CHECKS
+                                      + GOLDEN_CHECKS)
 CHECKS += E2E_CHECKS  # end to end: the engine's log-probs against the trainer's forward (conform/end_to_end.py)
 
 __all__ = ["CHECKS", "CheckResult", "EXHAUSTIVE_REPORTS", "Tally", "bit_mismatches", "report", "run"]
+
+
+def selected(name: str, only: str | None) -> bool:
+    """--only: the checks whose name contains the text, or any of its comma-separated texts."""
+    return not only or any(part and part in name for part in only.split(","))
 
 
 def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None = None,
         progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> list[CheckResult]:
     results = []
     for name, check in CHECKS + (EXHAUSTIVE_CHECKS if exhaustive else []):
-        if (only and only not in name) or (backend.kernel_vendor is None and name in DEVICE_ONLY) \
+        if not selected(name, only) or (backend.kernel_vendor is None and name in DEVICE_ONLY) \
                 or (quick and name in GOLDEN_QUICK_SKIPPED):
             continue
         if progress:

@@ -11,7 +11,10 @@ One check `e2e.<configuration>` per change the contracts promise to survive:
      watch for the rollout/trainer gap (`logprob_metrics`: verl's rollout correction, slime).
 The model is the tiny built-in one everywhere; on devices a seeded Qwen3-0.6B-shaped random-weight
 model runs too, with larger workloads, so that a default run there compares over 10^6 log-probs.
-Tensor parallelism is reported "not available" until the model code can shard (issue 7).
+Tensor parallelism (`e2e.tp-N`) is emulated on one device: N ranks as threads, each with its shard of the
+model and the exact collectives done on the host (runtime/collectives.py ThreadGroup; the same per-rank
+code NCCL ranks run). The engine samples at TP=N, the trainer recomputes at TP=1, and the model's own
+log-prob forward at TP=N is compared too. A model whose shape TP=N cannot split is reported "not applicable".
 
 A mismatch is localized by conform.e2e_bisect (first diverging op, layer, token and element, found by
 replaying the engine and the trainer with every layer's intermediate values recorded) and leaves a
@@ -98,15 +101,21 @@ def metric_cells(metrics: dict) -> list[str]:
     return ["-" if metrics.get(key) is None else f"{metrics[key]:.3g}" for key, _ in METRIC_COLUMNS]
 
 
+def not_applicable(result) -> bool:
+    """An end-to-end check none of whose models could run it (e.g. TP=8 of a 4-head model)."""
+    parts = ((result.details or {}).get("models") or {}).values()
+    return bool(parts) and all(part.get("status") == "not applicable" for part in parts)
+
+
 def metrics_table(results) -> tuple[list[list], list[str]]:
     """(rows, headers) of the end-to-end checks: one row per check and model, exact counts and metrics."""
     rows = []
     for result in results:
         details = result.details or {}
-        if details.get("status") == "not available":
-            rows.append([result.name, "-", 0, 0] + ["-"] * len(METRIC_COLUMNS) + ["not available"])
-            continue
         for model, part in details.get("models", {}).items():
+            if part.get("status") == "not applicable":
+                rows.append([result.name, model, 0, 0] + ["-"] * len(METRIC_COLUMNS) + ["not applicable"])
+                continue
             where = part.get("first_divergence")
             note = ("" if where is None else
                     f"first divergence: {where['op']} layer {where['layer']} token {where['position']}")
@@ -234,21 +243,26 @@ class EngineRun:
     label: str = "run"
 
     def generate(self, loaded: Loaded, recorder=None, eager: bool = False) -> tuple[list[Completion], dict]:
-        """Sample with a fresh LLM on the loaded model; eager: no graphs (a recorder reads every op)."""
+        """Sample with a fresh LLM on the loaded model; eager: no graphs (a recorder reads every op).
+        engine["tp"] > 1: on that many emulated tensor-parallel ranks (rank 0's outputs)."""
         from rlportable.engine.llm import LLM
 
         engine = dict(self.engine)
+        tp = engine.pop("tp", 1)
         if eager and loaded.model.backend.supports_graphs:
             engine["cuda_graphs"] = False
-        llm = LLM(device=loaded.model.backend, loaded=(loaded.model, loaded.tokenizer), **engine)
-        if recorder is not None:
-            recorder.attach_engine(llm.runner)
-        try:
-            outputs = llm.generate(self.prompts, self.params)
-        finally:
+        if tp > 1:
+            outputs, llm = tensor_parallel_generate(loaded, tp, engine, self.prompts, self.params)
+        else:
+            llm = LLM(device=loaded.model.backend, loaded=(loaded.model, loaded.tokenizer), **engine)
             if recorder is not None:
-                recorder.detach_engine(llm.runner)
-        llm.release_kv_cache()
+                recorder.attach_engine(llm.runner)
+            try:
+                outputs = llm.generate(self.prompts, self.params)
+            finally:
+                if recorder is not None:
+                    recorder.detach_engine(llm.runner)
+            llm.release_kv_cache()
         completions = [Completion(r.request_id, c.index, list(r.prompt_token_ids), list(c.token_ids),
                                   np.asarray(c.logprobs, dtype=np.float32),
                                   self.params[r.request_id].temperature or 1.0)
@@ -258,6 +272,49 @@ class EngineRun:
     def describe(self) -> dict:
         return {"label": self.label, "engine": self.engine, "requests": len(self.prompts),
                 "sequences": sum(p.n for p in self.params)}
+
+
+def tensor_parallel_generate(loaded: Loaded, tp: int, engine: dict, prompts, params):
+    """(rank 0's outputs, its LLM) of generate() on `tp` emulated ranks; every rank must agree."""
+    from rlportable.engine.llm import LLM
+    from rlportable.model.forward import Model
+    from rlportable.runtime.collectives import run_threads
+
+    backend = loaded.model.backend
+
+    def rank(group):
+        model = Model(backend, loaded.model.config, loaded.weights, group=group)
+        llm = LLM(device=backend, loaded=(model, loaded.tokenizer), **engine)
+        outputs = llm.generate(prompts, params)
+        llm.release_kv_cache()
+        return outputs, llm
+
+    results = run_threads(backend, tp, rank)
+    tokens = [[[c.token_ids for c in r.outputs] for r in outputs] for outputs, _ in results]
+    if any(t != tokens[0] for t in tokens[1:]):
+        raise AssertionError(f"the {tp} emulated ranks sampled different tokens")
+    return results[0]
+
+
+def tensor_parallel_forward(loaded: Loaded, tp: int, completions: list[Completion]) -> list[np.ndarray]:
+    """Per completion, its tokens' log-probs from Model.logprobs at `tp` emulated ranks (prompt +
+    completion packed, one forward per temperature)."""
+    from rlportable.model.forward import Model
+    from rlportable.runtime.collectives import run_threads
+
+    backend = loaded.model.backend
+    out: list = [None] * len(completions)
+    for temperature in dict.fromkeys(c.temperature for c in completions):
+        indices = [i for i, c in enumerate(completions) if c.temperature == temperature and c.tokens]
+        sequences = [completions[i].prompt + completions[i].tokens for i in indices]
+        tokens = np.concatenate([np.asarray(s, np.int32) for s in sequences])
+        cu = np.concatenate([[0], np.cumsum([len(s) for s in sequences])]).astype(np.int64)
+        results = run_threads(backend, tp, lambda group: Model(backend, loaded.model.config, loaded.weights,
+                                                               group=group).logprobs(tokens, cu, temperature))
+        for i, logp in zip(indices, results[0]):
+            first = len(completions[i].prompt) - 1
+            out[i] = np.asarray(logp[first: first + len(completions[i].tokens)], np.float32)
+    return [np.zeros(0, np.float32) if o is None else o for o in out]
 
 
 def base_engine(loaded: Loaded, backend, prompts, params, scale: str) -> dict:
@@ -360,7 +417,7 @@ class Sweep:
     scale: str = "small"
     temperature: float | None = None  # None: a mix of temperatures (and greedy)
     packings: tuple = ("in-order",)
-    kind: str = "plain"  # plain, position, sharing-on, sharing-off, preemption, unavailable
+    kind: str = "plain"  # plain, position, sharing-on, sharing-off, preemption, tp
 
 
 SWEEPS = [
@@ -390,11 +447,10 @@ SWEEPS = [
     Sweep("temperature-0.7", "temperature 0.7", scale="large", temperature=0.7),
     Sweep("temperature-1.0", "temperature 1.0", scale="large", temperature=1.0),
     Sweep("temperature-1.3", "temperature 1.3", scale="large", temperature=1.3),
-    Sweep("tp-2", "tensor-parallel degree 2, emulated on one device", kind="unavailable"),
-    Sweep("tp-4", "tensor-parallel degree 4, emulated on one device", kind="unavailable"),
+    Sweep("tp-2", "tensor-parallel degree 2, emulated on one device", {"tp": 2}, kind="tp"),
+    Sweep("tp-4", "tensor-parallel degree 4, emulated on one device", {"tp": 4}, kind="tp"),
+    Sweep("tp-8", "tensor-parallel degree 8, emulated on one device", {"tp": 8}, kind="tp"),
 ]
-TP_UNAVAILABLE = ("the model code has no tensor-parallel sharding yet (issue 7 adds it); "
-                  "nothing is emulated or faked here")
 
 
 def engine_runs(sweep: Sweep, loaded: Loaded, backend, size: Size, rng) -> list[EngineRun]:
@@ -500,6 +556,8 @@ def run_model(check: str, sweep: Sweep, loaded: Loaded, backend, rng, quick: boo
             failure = failure or first_mismatch(check, run, completions, trainer)
     if sweep.kind == "position":
         part["engine_vs_engine"] = compare_probe(generated["alone"], generated["among"], tally)
+    if sweep.kind == "tp":
+        part["forward_at_tp_vs_engine"] = compare_forward_at_tp(loaded, sweep.engine["tp"], generated, tally)
     part["compared"], part["mismatches"] = tally.compared - before[0], tally.mismatches - before[1]
     part["metrics"] = logprob_metrics(engine_lp, trainer_lp)
     if sweep.kind == "preemption" and not any(r["preemptions"] for r in part["runs"]):
@@ -521,6 +579,15 @@ def compare_probe(alone: list[Completion], among: list[Completion], tally: Tally
     return {"compared": tally.compared - before[0], "mismatches": tally.mismatches - before[1]}
 
 
+def compare_forward_at_tp(loaded: Loaded, tp: int, generated: dict, tally: Tally) -> dict:
+    """Model.logprobs at TP=tp on every completion, bitwise against the engine's records."""
+    before = (tally.compared, tally.mismatches)
+    for completions in generated.values():
+        for completion, logp in zip(completions, tensor_parallel_forward(loaded, tp, completions)):
+            tally.add(logp, completion.logprobs)
+    return {"compared": tally.compared - before[0], "mismatches": tally.mismatches - before[1]}
+
+
 def reproduce_command(backend, check: str, quick: bool) -> str:
     args = ["rlportable", "conform", "--device", backend.name]
     if backend.name == "cuda" and backend.kernel_vendor == "hip":
@@ -529,18 +596,31 @@ def reproduce_command(backend, check: str, quick: bool) -> str:
     return shlex.join(args + ["--repro-dir", str(SETTINGS.repro_dir)])
 
 
+def cannot_split(loaded: Loaded, sweep: Sweep) -> str | None:
+    """Why the model's shape cannot be cut `tp` ways (None if it can, or for other sweeps)."""
+    from rlportable.errors import InputError
+    from rlportable.model.parallel import TensorParallel
+
+    if sweep.kind != "tp":
+        return None
+    try:
+        TensorParallel(0, sweep.engine["tp"]).check(loaded.model.config)
+    except InputError as error:
+        return str(error)
+    return None
+
+
 def make_check(sweep: Sweep):
     check_name = f"e2e.{sweep.name}"
 
     def check(backend, rng, quick: bool):
         tally = E2ETally()
         tally.details["what"] = sweep.what
-        if sweep.kind == "unavailable":
-            tally.details = {"what": sweep.what, "status": "not available", "reason": TP_UNAVAILABLE}
-            return tally
         for spec in models_for(backend):
             loaded = load(backend, spec, quick)
-            tally.details["models"][spec] = run_model(check_name, sweep, loaded, backend, rng, quick, tally)
+            reason = cannot_split(loaded, sweep)
+            tally.details["models"][spec] = ({"status": "not applicable", "reason": reason} if reason else
+                                             run_model(check_name, sweep, loaded, backend, rng, quick, tally))
         return tally
 
     check.__name__ = f"check_e2e_{sweep.name.replace('-', '_').replace('.', '_')}"

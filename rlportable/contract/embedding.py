@@ -6,6 +6,10 @@ a bit copy (NaN payloads, -0 and subnormals kept). Every id must lie in [0, V);
 the op checks that on the host before any launch (an id out of range is an error,
 never a wrap-around or a clamp).
 
+Vocabulary parallelism (gather_shard): a rank holding the rows [start, start + Vr) copies the
+rows it owns and writes +0 bits for the other ids, so a SUM (or OR) of the ranks' outputs as
+uint32 is the full gather, bit for bit.
+
 The gradient (gather_backward) of the table, for an upstream gradient dy [T, H]:
 
   dtable[v, h] = RNE_f32(((+0 + dy[t1, h]) + dy[t2, h]) + ...)    t1 < t2 < ... the tokens with id v
@@ -29,6 +33,21 @@ def gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
         raise ValueError(f"embedding ids must lie in [0, {table.shape[0]})")
     return table.view(np.uint32)[ids].view(np.float32)
+
+
+def gather_shard(table_shard: np.ndarray, ids: np.ndarray, vocab_start: int) -> np.ndarray:
+    """float32 [T, H]: the rows of the vocabulary shard table_shard [Vr, H] (global rows [start, start + Vr))
+    at the global ids [T], raw bits; +0 for an id another shard owns. The uint32 sum over the shards of
+    a vocabulary split is then gather(table, ids) bit for bit (exactly one shard owns each id)."""
+    table_shard = np.asarray(table_shard, dtype=np.float32)
+    ids = np.asarray(ids).astype(np.int64)
+    if ids.size and ids.min() < 0:
+        raise ValueError("embedding ids must be >= 0")
+    local = ids - int(vocab_start)
+    owned = (local >= 0) & (local < table_shard.shape[0])
+    out = np.zeros((ids.shape[0], table_shard.shape[1]), dtype=np.uint32)
+    out[owned] = table_shard.view(np.uint32)[local[owned]]
+    return out.view(np.float32)
 
 
 def token_lists(ids: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:

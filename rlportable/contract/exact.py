@@ -2,6 +2,11 @@
 
 Integer sums are exact in any order, so these functions define the value every
 backend must return, whatever its tiling, split-K, warp width or BLAS.
+
+A gemm is two steps: the exact integer sums S = qa @ qw.T (exact_int_matmul) and
+one rounding (round_sums). Tensor parallelism runs them apart: each rank sums
+its K-shard with the row exponents all-reduced by MAX, the int64 sums are
+all-reduced by SUM, and round_sums of the total is bitwise the unsharded gemm.
 """
 
 from __future__ import annotations
@@ -44,7 +49,17 @@ def gemm(x: np.ndarray, w: np.ndarray, bits_a: int, bits_w: int) -> np.ndarray:
 
 
 def gemm_from_encoded(qa, ea, bits_a, qw, ew, bits_w) -> np.ndarray:
-    sums = exact_int_matmul(qa, qw)
+    return round_sums(exact_int_matmul(qa, qw), ea, bits_a, ew, bits_w)
+
+
+def round_sums(sums, ea, bits_a, ew, bits_w) -> np.ndarray:
+    """The one rounding of every gemm: Y[m, n] = RNE_f32(S[m, n] * 2^(ea + ew - (B_a-2) - (B_w-2))).
+
+    S int64 with |S| < 2^62 (a whole row's exact sum, or the sum of its K-shards'
+    sums); the canonical NaN where ea[m] or ew[n] is the sentinel; exact zero is +0.
+    """
+    sums = np.asarray(sums, dtype=np.int64)
+    ea, ew = np.asarray(ea), np.asarray(ew)
     finite_a = ea != fp.NONFINITE_EXPONENT
     finite_w = ew != fp.NONFINITE_EXPONENT
     scale = (

@@ -16,6 +16,12 @@ Encoding a float32 row x of length K with B bits (B counts the sign):
     the only rounding is the one to an integer. |x_i| < 2^(e+1) keeps q inside
     B signed bits; the clamp only catches a round-up to 2^(B-1).
   * The row's value is q * 2^(e-B+2): the scale exponent is e - (B - 2).
+  * A row may instead be encoded with a given exponent (quantize_rows's
+    `exponents`): any e in [its own exponent, 127], or the sentinel. Tensor
+    parallelism uses it: every K-shard of a row takes the MAX over the shards'
+    exponents, which is the whole row's exponent, so each shard's q are exactly
+    the whole row's q on that shard and the shards' integer dot products add up
+    to the whole row's.
   * For int8 tensor cores q is split into n balanced base-256 digits
     d_j in [-128, 127] with q = sum_j d_j * 256^j (digit 0 least significant),
     n the fewest that reach 2^(B-1)-1 (slice_count: 15 bits -> 2, 23 bits -> 3).
@@ -33,6 +39,7 @@ import numpy as np
 
 NONFINITE_EXPONENT = np.int32(2**31 - 1)
 ZERO_ROW_EXPONENT = -149
+MAX_FINITE_EXPONENT = 127  # ilogb(FLT_MAX)
 CANONICAL_NAN_BITS = np.uint32(0x7FC00000)
 CANONICAL_NAN = CANONICAL_NAN_BITS.view(np.float32)
 MAX_BITS = 53  # q * 2^(B-2-e) must stay an exact float64 integer
@@ -76,11 +83,23 @@ def row_exponents(x: np.ndarray) -> np.ndarray:
     return e
 
 
-def quantize_rows(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(q int64 [M, K], e int32 [M]) as defined in the module docstring."""
+def quantize_rows(x: np.ndarray, bits: int, exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(q int64 [M, K], e int32 [M]) as defined in the module docstring.
+
+    With `exponents` given, row m is encoded with exponents[m] instead of its own
+    exponent (a K-shard of a longer row takes the whole row's exponent, so its q
+    are exactly that row's q restricted to the shard). Each given exponent must
+    cover its row (given_exponents_cover); a sentinel makes the row non-finite.
+    """
     check_bits(bits)
     x = np.asarray(x, dtype=np.float32)
-    e = row_exponents(x)
+    if exponents is None:
+        e = row_exponents(x)
+    else:
+        e = np.asarray(exponents, dtype=np.int32)
+        if e.shape != (x.shape[0],) or not given_exponents_cover(x, e).all():
+            raise ValueError("given exponents must be one per row, each the sentinel or in "
+                             "[the row's own exponent, 127]")
     finite = e != NONFINITE_EXPONENT
     shift = np.where(finite, bits - 2 - e.astype(np.int64), 0)
     scaled = x.astype(np.float64) * np.ldexp(1.0, shift)[:, None]
@@ -89,6 +108,20 @@ def quantize_rows(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         q = np.clip(np.rint(scaled), -limit, limit)
     q[~finite] = 0
     return q.astype(np.int64), e
+
+
+def given_exponents_cover(x: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """bool [rows]: exponents[m] is a valid encoding exponent for row m of x.
+
+    Valid means the sentinel, or an exponent in [row_exponents(x)[m], 127]: every
+    |x_i| < 2^(e+1) then keeps q inside B signed bits (the clamp only catches the
+    round-up to 2^(B-1), as without given exponents), and a non-finite row can
+    only take the sentinel. An all-reduce MAX of row_exponents over K-shards
+    always gives valid exponents for every shard.
+    """
+    e = np.asarray(exponents).astype(np.int64)
+    sentinel = e == int(NONFINITE_EXPONENT)
+    return sentinel | ((e >= row_exponents(x)) & (e <= MAX_FINITE_EXPONENT))
 
 
 def split_digits(q: np.ndarray, bits: int) -> np.ndarray:

@@ -71,6 +71,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.caches = model.allocate_caches(num_blocks, block_size)
         self.cuda_graphs = self.backend.supports_graphs if cuda_graphs is None else cuda_graphs
+        if model.tp.size > 1 and self.backend.supports_graphs:
+            # the collectives of the row-parallel layers run cuBLAS and NCCL, which are not captured here
+            if cuda_graphs:
+                raise InputError("cuda_graphs: decode graphs are not captured under tensor parallelism; "
+                                 "use cuda_graphs=False (--no-cuda-graphs)")
+            self.cuda_graphs = False
         self.buckets = decode_buckets(max_num_seqs)
         self.max_model_len = max_model_len or num_blocks * block_size
         self.table_width = min(-(-self.max_model_len // block_size), num_blocks)

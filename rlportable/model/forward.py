@@ -19,10 +19,12 @@ import numpy as np
 
 from rlportable.contract import rope as rope_ref
 from rlportable.errors import InputError
+from rlportable.model import parallel
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import LayerWeights, ModelWeights
 from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
 from rlportable.runtime.base import Backend
+from rlportable.runtime.collectives import Group, SingleGroup
 
 
 @dataclass
@@ -57,12 +59,26 @@ class StepInputs(NamedTuple):
 class Model:
     """A model's weights on one backend, ready for the forward pass."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, weights: ModelWeights, trainable: bool = False):
+    def __init__(self, backend: Backend, config: ModelConfig, weights: ModelWeights, trainable: bool = False,
+                 group: Group | None = None):
         """trainable: also keep the float32 weights on the device (`params`, the trainer's master
-        weights, updated in place by the optimiser; `reencode()` refreshes the GEMM encodings)."""
+        weights, updated in place by the optimiser; `reencode()` refreshes the GEMM encodings).
+        group: this rank's tensor-parallel group (model/parallel.py); the model keeps its shard of
+        `weights` (the whole host weights) and every result is bitwise the single-device one."""
         self.backend = backend
         self.config = config
         self.trainable = trainable
+        self.group = group or SingleGroup()
+        self.tp = parallel.TensorParallel.of(self.group)
+        #: the shapes this rank computes with (config itself without tensor parallelism)
+        self.shape = config
+        if self.tp.size > 1:
+            if trainable:
+                raise InputError("training under tensor parallelism is not implemented: the trainer runs on one "
+                                 "device (docs/decisions.md, Issue 7)")
+            weights = parallel.shard_weights(weights, config, self.tp)
+            self.shape = self.tp.local_config(config)
+        self.vocab_start = self.tp.vocab_start(config)
         self.params = to_device(backend, weights) if trainable else None
         source = self.params if trainable else to_device(backend, weights, projections=False)
         self.embed = source.embed
@@ -85,14 +101,17 @@ class Model:
         """Encode w's projections (host or device arrays); norms and biases come from `small` (device)."""
         backend = self.backend
 
-        def encode(array):
-            return gemm.encode_weight(backend, backend.asarray(array) if isinstance(array, np.ndarray) else array)
+        def encode(array, row_parallel: bool = False):
+            array = backend.asarray(array) if isinstance(array, np.ndarray) else array
+            if row_parallel and self.tp.size > 1:
+                return parallel.encode_row_parallel_weight(backend, self.group, array)
+            return gemm.encode_weight(backend, array)
 
         return DeviceLayer(
-            attn_norm=small.attn_norm, q=encode(w.q), k=encode(w.k), v=encode(w.v), o=encode(w.o),
+            attn_norm=small.attn_norm, q=encode(w.q), k=encode(w.k), v=encode(w.v), o=encode(w.o, row_parallel=True),
             q_bias=small.q_bias, k_bias=small.k_bias, v_bias=small.v_bias,
             q_norm=small.q_norm, k_norm=small.k_norm, mlp_norm=small.mlp_norm,
-            gate=encode(w.gate), up=encode(w.up), down=encode(w.down),
+            gate=encode(w.gate), up=encode(w.up), down=encode(w.down, row_parallel=True),
         )
 
     def reencode(self) -> None:
@@ -165,7 +184,7 @@ class Model:
             device_positions = backend.asarray(positions)
         if device_tokens is None:
             device_tokens = backend.asarray(tokens)
-        x = embedding.gather(backend, self.embed, device_tokens, host_ids=tokens)
+        x = self._embed(device_tokens, tokens)
         for index, layer in enumerate(self.layers):
             if saved is not None:
                 saved.append(x)
@@ -175,22 +194,34 @@ class Model:
             saved.append(x)
         return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
 
+    def _embed(self, device_tokens, tokens: np.ndarray):
+        if self.tp.size == 1:
+            return embedding.gather(self.backend, self.embed, device_tokens, host_ids=tokens)
+        return parallel.embed_tokens(self.backend, self.group, self.embed, self.vocab_start, device_tokens, tokens)
+
+    def _row_parallel(self, x, weight: gemm.GemmWeight):
+        """x @ W.T for the o and down projections: K-sharded under tensor parallelism."""
+        if self.tp.size == 1:
+            return gemm.gemm(self.backend, x, weight)
+        return parallel.row_parallel_gemm(self.backend, self.group, x, weight)
+
     def allocate_caches(self, num_blocks: int, block_size: int) -> list:
-        """One encoded KV cache per layer (ops.attention.KVCache) of num_blocks blocks."""
-        cfg = self.config
+        """One encoded KV cache per layer (ops.attention.KVCache) of num_blocks blocks (this rank's KV heads)."""
+        cfg = self.shape
         return [attention.KVCache.allocate(self.backend, num_blocks * block_size, cfg.num_key_value_heads,
                                            cfg.head_dim, block_size) for _ in self.layers]
 
     def logits(self, hidden_rows):
         """float32 logits [rows, V] of final-norm hidden rows (the exact gemm with the LM head)."""
-        return gemm.gemm(self.backend, hidden_rows, self.lm_head)
+        logits = gemm.gemm(self.backend, hidden_rows, self.lm_head)
+        return logits if self.tp.size == 1 else parallel.whole_logits(self.backend, self.group, logits)
 
     def _projection(self, h, weight, bias):
         y = gemm.gemm(self.backend, h, weight)
         return y if bias is None else residual.add_bias(self.backend, y, bias)
 
     def _heads(self, flat, heads: int, head_norm):
-        cfg = self.config
+        cfg = self.shape
         x = flat.reshape(flat.shape[0], heads, cfg.head_dim)
         if head_norm is not None:  # Qwen3's per-head QK-norm
             x = norm.rmsnorm_heads(self.backend, x, head_norm, cfg.rms_norm_eps)
@@ -199,7 +230,7 @@ class Model:
     def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None):
         """One decoder layer; positions = (device array, the same on the host). `record`, a dict,
         receives the intermediate values (the trainer's backward recomputes a layer this way)."""
-        cfg, backend = self.config, self.backend
+        cfg, backend = self.shape, self.backend
         t = x.shape[0]
         h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
         q_lin = self._projection(h1, layer.q, layer.q_bias)
@@ -211,13 +242,13 @@ class Model:
         k = rope.apply(backend, self._heads(k_lin, cfg.num_key_value_heads, layer.k_norm), device_positions, cos, sin,
                        host_positions)
         a = attend(q, k, v)
-        x2 = residual.add(backend, x, gemm.gemm(backend, a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
+        x2 = residual.add(backend, x, self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
         h2 = norm.rmsnorm(backend, x2, layer.mlp_norm, cfg.rms_norm_eps)
         gate, up = gemm.gemm(backend, h2, layer.gate), gemm.gemm(backend, h2, layer.up)
         mlp = activation.swiglu(backend, gate, up)
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)
-        return residual.add(backend, x2, gemm.gemm(backend, mlp, layer.down))
+        return residual.add(backend, x2, self._row_parallel(mlp, layer.down))
 
     def transposed_weight(self, w, start: int, stop: int) -> gemm.GemmWeight:
         """(w[start:stop]).T encoded as a GEMM weight, for the backward's dX = dY W; cached until reencode()."""
@@ -236,9 +267,15 @@ class Model:
         rows, targets = next_token_rows(np.asarray(tokens, dtype=np.int32), cu_seqlens)
         rows = rows.astype(np.int32)
         picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows), host_ids=rows)  # a row gather
-        result = logprob.lm_head_logprobs(self.backend, picked, self.lm_head, self.backend.asarray(targets),
-                                          temperature, want_entropy=with_entropy)
-        lp, ent = result if with_entropy else (result, None)
+        if self.tp.size > 1:
+            if with_entropy:
+                raise InputError("logprobs: the entropy under tensor parallelism is not implemented")
+            lp, ent = parallel.vocab_parallel_logprobs(self.backend, self.group, picked, self.lm_head, self.vocab_start,
+                                                       self.backend.asarray(targets), temperature), None
+        else:
+            result = logprob.lm_head_logprobs(self.backend, picked, self.lm_head, self.backend.asarray(targets),
+                                              temperature, want_entropy=with_entropy)
+            lp, ent = result if with_entropy else (result, None)
         lp = self.backend.to_numpy(lp)
         splits = np.cumsum([max(int(b - a) - 1, 0) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])])[:-1]
         per_sequence = np.split(lp, splits)

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from rlportable.contract import fixedpoint as fp
-from rlportable.ops.checks import require_bits, require_matrix, round_up
+from rlportable.errors import InputError
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, round_up, shape_of
 from rlportable.runtime.base import Backend
 
 #: K is padded with zero digits to a multiple of this, so integer GEMMs see aligned rows.
@@ -43,8 +44,8 @@ class EncodedRows:
         return int(self.digits.shape[2])
 
 
-def encode_rows_reference(x: np.ndarray, bits: int, descending: bool = False) -> EncodedRows:
-    q, e = fp.quantize_rows(x, bits)
+def encode_rows_reference(x: np.ndarray, bits: int, descending: bool = False, exponents=None) -> EncodedRows:
+    q, e = fp.quantize_rows(x, bits, exponents)
     rows, k = q.shape
     digits = np.zeros((rows, fp.slice_count(bits), round_up(k, K_ALIGN)), dtype=np.int8)
     slices = np.moveaxis(fp.split_digits(q, bits), 0, 1)  # [rows, slices, k]
@@ -52,14 +53,67 @@ def encode_rows_reference(x: np.ndarray, bits: int, descending: bool = False) ->
     return EncodedRows(digits, e, bits, k, descending)
 
 
-def encode_rows(backend: Backend, x, bits: int, descending: bool = False) -> EncodedRows:
-    """Encode float32 rows on the backend; on cpu this is the reference."""
+def joined_integers(encoded: EncodedRows) -> np.ndarray:
+    """The q int64 [rows, k] of host-side encoded rows (the inverse of encode_rows_reference's digit split)."""
+    digits = np.asarray(encoded.digits)[:, :, : encoded.k]
+    ascending = digits[:, ::-1] if encoded.descending else digits
+    return fp.join_digits(np.moveaxis(ascending, 1, 0))
+
+
+def row_exponents(backend: Backend, x):
+    """int32 [rows]: each row's encoding exponent (contracts/fixedpoint.toml row_exponents).
+
+    A K-shard's exponents, all-reduced by MAX over the shards, are the whole row's.
+    """
+    rows, k = require_matrix("x", x)
+    if backend.kernel_vendor is None:
+        return fp.row_exponents(backend.to_numpy(x))
+    exponents = backend.empty((rows,), np.int32)
+    if rows:
+        backend.launch("fixedpoint", "fixedpoint_row_exponents", (min(rows, 65535),), (ENCODE_THREADS,),
+                       (x, np.int64(rows), np.int32(k), exponents))
+    return exponents
+
+
+def _require_given_exponents(backend: Backend, x, rows: int, exponents) -> None:
+    """One int32 exponent per row; on cpu also that each covers its row (a device does not check:
+    it would cost the row-max pass that given exponents exist to skip)."""
+    if shape_of(exponents) != (rows,) or np.dtype(exponents.dtype) != np.int32:
+        raise InputError(f"encode_rows: exponents must be int32 [{rows}], got {np.dtype(exponents.dtype).name} "
+                         f"{list(shape_of(exponents))}")
+    require_contiguous("exponents", exponents)
+    if backend.kernel_vendor is None:
+        bad = np.flatnonzero(~fp.given_exponents_cover(backend.to_numpy(x), backend.to_numpy(exponents)))
+        if bad.size:
+            raise InputError(f"encode_rows: given exponent of row {int(bad[0])} is neither the sentinel nor in "
+                             f"[the row's own exponent, {fp.MAX_FINITE_EXPONENT}] ({bad.size} rows)")
+
+
+def encode_rows(backend: Backend, x, bits: int, descending: bool = False, exponents=None) -> EncodedRows:
+    """Encode float32 rows on the backend; on cpu this is the reference.
+
+    `exponents` (int32 [rows] on the backend, optional): encode each row with the given
+    exponent instead of its own; it must be the sentinel or in [the row's own exponent,
+    127] (an all-reduce MAX of row_exponents over K-shards guarantees it). The result's
+    exponents are then that same array.
+    """
     rows, k = require_matrix("x", x)
     bits = require_bits("bits", bits)
+    if exponents is not None:
+        _require_given_exponents(backend, x, rows, exponents)
     if backend.kernel_vendor is None:
-        return encode_rows_reference(backend.to_numpy(x), bits, descending)
+        return encode_rows_reference(backend.to_numpy(x), bits, descending,
+                                     None if exponents is None else backend.to_numpy(exponents))
     slices = fp.slice_count(bits)
     digits = backend.empty((rows, slices, round_up(k, K_ALIGN)), np.int8)
+    if exponents is not None:
+        if rows:
+            backend.launch(
+                "fixedpoint", "fixedpoint_encode_rows_given", (min(rows, 65535),), (ENCODE_THREADS,),
+                (x, np.int64(rows), np.int32(k), np.int32(digits.shape[2]), np.int32(bits),
+                 np.int32(slices), np.int32(int(descending)), exponents, digits),
+            )
+        return EncodedRows(digits, exponents, bits, k, descending)
     exponents = backend.empty((rows,), np.int32)
     if rows:
         grid = (min(rows, 65535),)

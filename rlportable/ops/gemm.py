@@ -11,6 +11,13 @@ every call. Two device methods give the same bits:
     sums 256^d * G_d in int64 and rounds once.
   * "fused": one hand-written tensor-core kernel (CUDA mma.sync) that keeps the
     G_d in registers and writes float32 directly (default bits only).
+
+Row-parallel layers (tensor parallelism) split the gemm in two around the
+all-reduce: gemm_sums gives a rank's exact int64 sums of its K-shard (the blas
+path's G_d, combined without rounding), round_sums rounds the all-reduced total
+once; with the shards encoded with the MAX of their row exponents
+(fixedpoint.row_exponents, encode_rows/encode_weight `exponents=`) the result
+is bitwise the unsharded gemm.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ import numpy as np
 
 from rlportable.contract import exact, fixedpoint as fp
 from rlportable.errors import InputError
-from rlportable.ops.checks import require_bits, require_matrix
-from rlportable.ops.fixedpoint import EncodedRows, encode_rows
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
+from rlportable.ops.fixedpoint import EncodedRows, encode_rows, joined_integers
 from rlportable.runtime.base import Backend
 
 #: Chosen by measurement (docs/decisions.md, tests/test_gemm.py): 23-bit activations (3 int8
@@ -49,9 +56,11 @@ class GemmWeight:
         return self.encoded.bits
 
 
-def encode_weight(backend: Backend, w, bits: int = DEFAULT_BITS_W) -> GemmWeight:
+def encode_weight(backend: Backend, w, bits: int = DEFAULT_BITS_W, exponents=None) -> GemmWeight:
+    """Encode W [N, K] once; `exponents` (int32 [N]) as in encode_rows: a K-shard of the weight rows
+    encoded with the whole rows' exponents (row-parallel layers)."""
     n, k = require_matrix("w", w)
-    return GemmWeight(encode_rows(backend, w, bits, descending=True), n, k)
+    return GemmWeight(encode_rows(backend, w, bits, descending=True, exponents=exponents), n, k)
 
 
 def check_gemm_shapes(m_k: tuple[int, int], weight: GemmWeight, bits_a: int) -> None:
@@ -90,9 +99,72 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
 def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarray:
     qa, ea = fp.quantize_rows(x, bits_a)
     encoded = weight.encoded
-    digits = np.moveaxis(np.asarray(encoded.digits)[:, ::-1, : weight.k], 1, 0)  # ascending
-    qw = fp.join_digits(digits)
-    return exact.gemm_from_encoded(qa, ea, bits_a, qw, np.asarray(encoded.exponents), weight.bits)
+    return exact.gemm_from_encoded(qa, ea, bits_a, joined_integers(encoded), np.asarray(encoded.exponents),
+                                   weight.bits)
+
+
+def gemm_sums(backend: Backend, x_encoded: EncodedRows, weight: GemmWeight):
+    """S [M, N] int64 = the exact sum_k qa[m, k] qw[n, k], not rounded (K padding adds 0).
+
+    The first half of a row-parallel gemm on one rank: x_encoded and weight hold the
+    rank's K-shard, encoded with the all-reduced (MAX) row exponents; the ranks' S are
+    all-reduced by SUM and round_sums rounds the total once.
+    """
+    _check_encoded_operands(x_encoded, weight)
+    m, n = x_encoded.rows, weight.n
+    if backend.kernel_vendor is None:
+        return exact.exact_int_matmul(joined_integers(x_encoded), joined_integers(weight.encoded))
+    if m == 0 or n == 0 or weight.k == 0:
+        return backend.zeros((m, n), np.int64)  # an empty sum is exactly 0
+    sums = backend.empty((m, n), np.int64)
+    rows_per_chunk = _rows_per_chunk(x_encoded, weight)
+    for start in range(0, m, rows_per_chunk):
+        rows = min(rows_per_chunk, m - start)
+        groups = _shift_groups(backend, x_encoded, weight, start, rows)
+        backend.launch(
+            "gemm", "gemm_combine_groups_sums", _combine_grid(rows, n), (COMBINE_THREADS,),
+            (groups, np.int32(groups.shape[0]), np.int64(rows), np.int64(n), sums[start:]),
+        )
+    return sums
+
+
+def round_sums(backend: Backend, sums, exponents_a, bits_a: int, weight: GemmWeight):
+    """Y [M, N] float32 = RNE_f32(S * 2^(ea + ew - (B_a-2) - (B_w-2))), the canonical NaN where
+    exponents_a[m] or the weight's exponent n is the sentinel (exact.round_sums).
+
+    The second half of a row-parallel gemm: S the all-reduced int64 sums of gemm_sums
+    (|S| < 2^62), exponents_a the all-reduced activation exponents the shards were encoded with.
+    """
+    m, n = require_matrix("sums", sums, np.int64)
+    bits_a = require_bits("bits_a", bits_a)
+    if n != weight.n:
+        raise InputError(f"round_sums: sums has N={n} columns but the weight has N={weight.n} rows")
+    if shape_of(exponents_a) != (m,) or np.dtype(exponents_a.dtype) != np.int32:
+        raise InputError(f"round_sums: exponents_a must be int32 [{m}], got {np.dtype(exponents_a.dtype).name} "
+                         f"{list(shape_of(exponents_a))}")
+    require_contiguous("exponents_a", exponents_a)
+    exponents_w = weight.encoded.exponents
+    if backend.kernel_vendor is None:
+        return exact.round_sums(backend.to_numpy(sums), backend.to_numpy(exponents_a), bits_a,
+                                backend.to_numpy(exponents_w), weight.bits)
+    y = backend.empty((m, n), np.float32)
+    if m and n:
+        backend.launch(
+            "gemm", "gemm_round_sums", _combine_grid(m, n), (COMBINE_THREADS,),
+            (sums, np.int64(m), np.int64(n), exponents_a, exponents_w, np.int32(_scale_offset(bits_a, weight.bits)),
+             y),
+        )
+    return y
+
+
+def _check_encoded_operands(a: EncodedRows, weight: GemmWeight) -> None:
+    if a.descending or not weight.encoded.descending:
+        raise InputError("gemm_sums: activations must be encoded ascending and the weight with encode_weight")
+    if a.k != weight.k:
+        raise InputError(f"gemm_sums: x_encoded has K={a.k} columns but the weight has K={weight.k}")
+    limit = exact.gemm_max_k(a.bits, weight.bits)
+    if a.k > limit:
+        raise InputError(f"gemm_sums: K={a.k} exceeds the contract's limit {limit} for {a.bits}x{weight.bits} bits")
 
 
 #: From M on, the vendor int8 GEMM + combine beats our tiled kernel (bench/results/)
@@ -117,27 +189,45 @@ def _scale_offset(bits_a: int, bits_w: int) -> int:
 
 def _gemm_blas(backend: Backend, a: EncodedRows, weight: GemmWeight, y) -> None:
     w = weight.encoded
-    n_a, n_w, kp = a.slices, w.slices, a.k_padded
-    groups = n_a + n_w - 1
     m, n = a.rows, weight.n
-    rows_per_chunk = max(1, GROUP_BYTES_LIMIT // (groups * n * 4))
+    rows_per_chunk = _rows_per_chunk(a, weight)
     for start in range(0, m, rows_per_chunk):
         rows = min(rows_per_chunk, m - start)
-        g = backend.empty((groups, rows, n), np.int32)
-        for d in range(groups):
-            i_lo, i_hi = max(0, d - (n_w - 1)), min(d, n_a - 1)
-            pairs = i_hi - i_lo + 1
-            # activation digits i_lo..i_hi meet weight digits d-i_lo..d-i_hi, which sit in
-            # ascending slots from n_w-1-(d-i_lo) in the most-significant-first layout.
-            backend.gemm_s8_s32(
-                n, rows, pairs * kp,
-                w.digits, (n_w - 1 - d + i_lo) * kp, n_w * kp,
-                a.digits, (start * n_a + i_lo) * kp, n_a * kp,
-                g, d * rows * n, n,
-            )
+        g = _shift_groups(backend, a, weight, start, rows)
         backend.launch(
-            "gemm", "gemm_combine_groups", (-(-n // COMBINE_THREADS), min(rows, 65535)), (COMBINE_THREADS,),
-            (g, np.int32(groups), np.int64(rows), np.int64(n),
+            "gemm", "gemm_combine_groups", _combine_grid(rows, n), (COMBINE_THREADS,),
+            (g, np.int32(g.shape[0]), np.int64(rows), np.int64(n),
              a.exponents[start:], w.exponents, np.int32(_scale_offset(a.bits, w.bits)), y[start:]),
         )
+
+
+def _rows_per_chunk(a: EncodedRows, weight: GemmWeight) -> int:
+    """Rows of X per vendor-GEMM round, so that the int32 G_d scratch stays under GROUP_BYTES_LIMIT."""
+    return max(1, GROUP_BYTES_LIMIT // ((a.slices + weight.encoded.slices - 1) * weight.n * 4))
+
+
+def _combine_grid(rows: int, n: int) -> tuple[int, int]:
+    return (-(-n // COMBINE_THREADS), min(rows, 65535))
+
+
+def _shift_groups(backend: Backend, a: EncodedRows, weight: GemmWeight, start: int, rows: int):
+    """int32 [groups, rows, n]: G_d = sum_{i+j=d} X_i . W_j for rows start..start+rows of X, one
+    vendor int8 GEMM per digit shift d (exact: gemm_max_k keeps every G_d inside int32)."""
+    w = weight.encoded
+    n_a, n_w, kp = a.slices, w.slices, a.k_padded
+    groups = n_a + n_w - 1
+    n = weight.n
+    g = backend.empty((groups, rows, n), np.int32)
+    for d in range(groups):
+        i_lo, i_hi = max(0, d - (n_w - 1)), min(d, n_a - 1)
+        pairs = i_hi - i_lo + 1
+        # activation digits i_lo..i_hi meet weight digits d-i_lo..d-i_hi, which sit in
+        # ascending slots from n_w-1-(d-i_lo) in the most-significant-first layout.
+        backend.gemm_s8_s32(
+            n, rows, pairs * kp,
+            w.digits, (n_w - 1 - d + i_lo) * kp, n_w * kp,
+            a.digits, (start * n_a + i_lo) * kp, n_a * kp,
+            g, d * rows * n, n,
+        )
+    return g
 

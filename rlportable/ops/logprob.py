@@ -2,7 +2,7 @@
 that produces them block by block, and the log-probabilities' gradient with respect to the logits.
 
 Contract: contracts/logprob.toml; reference: rlportable/contract/logprob.py (logprobs, entropy,
-logprobs_backward);
+logprobs_backward, and the vocabulary-parallel shard_max_keys, shard_sums, shard_finish);
 kernels: backends/{cuda,hip}/logprob.*.
 """
 
@@ -160,3 +160,101 @@ def lm_head_logprobs(backend, hidden, weight: gemm_op.GemmWeight, targets, tempe
                 ent[start:stop] if want_entropy else None)
         del logits
     return (logp, ent) if want_entropy else logp
+
+
+# --- Vocabulary-parallel log-probs (tensor parallelism): the rank holding logits[:, start:start + Vr]
+# runs shard_max_keys, the ranks all-reduce MAX of the keys, each runs shard_sums with them, the ranks
+# all-reduce SUM of the int64 pairs, and shard_finish gives logprobs' bits on the whole rows
+# (contracts/logprob.toml, ops shard_max_keys, shard_sums, shard_finish).
+
+
+def _check_shard(where: str, logits_shard) -> tuple[int, int]:
+    rows, width = require_matrix("logits_shard", logits_shard)
+    if not 1 <= width <= reference.MAX_VOCAB:
+        raise InputError(f"{where}: the shard's width must lie in [1, 2^25], got {width}")
+    return rows, width
+
+
+def _check_keys(where: str, keys, rows: int) -> None:
+    if shape_of(keys) != (rows,) or np.dtype(keys.dtype) != np.uint32:
+        raise InputError(f"{where}: keys must be uint32 of shape ({rows},) (shard_max_keys, MAX over the ranks), "
+                         f"got {np.dtype(keys.dtype).name} of shape {shape_of(keys)}")
+    require_contiguous("keys", keys)
+
+
+def _check_vocab_start(where: str, vocab_start, width: int) -> int:
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, (int, np.integer)) \
+            or not 0 <= vocab_start <= 2**31 - width:
+        raise InputError(f"{where}: vocab_start must be an integer in [0, 2^31 - {width}] (the shard's ids must "
+                         f"be int32), got {vocab_start!r}")
+    return int(vocab_start)
+
+
+def _check_global_targets(where: str, backend, targets, rows: int) -> np.ndarray:
+    """Global target ids: int32 [rows], >= 0 (the whole vocabulary is not known to a rank)."""
+    if shape_of(targets) != (rows,) or np.dtype(targets.dtype) != np.int32:
+        raise InputError(f"{where}: targets must be int32 of shape ({rows},), got "
+                         f"{np.dtype(targets.dtype).name} of shape {shape_of(targets)}")
+    require_contiguous("targets", targets)
+    host = np.asarray(backend.to_numpy(targets))
+    bad = host < 0
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        raise InputError(f"{where}: targets[{index}] = {int(host[index])} is negative")
+    return host
+
+
+def shard_max_keys(backend, logits_shard, temperature: float = 1.0):
+    """uint32 [rows]: the order key of max_v RNE_f32(z_v / T) over this rank's columns (logits_shard float32
+    [rows, Vr]), 0xFFFFFFFF where any of them is NaN. The MAX over the ranks is the whole row's key."""
+    rows, width = _check_shard("shard_max_keys", logits_shard)
+    temperature = check_temperature(temperature)
+    if backend.kernel_vendor is None:
+        return reference.shard_max_keys(backend.to_numpy(logits_shard), temperature)
+    keys = backend.empty((rows,), np.uint32)
+    if rows:
+        backend.launch("logprob", "logprob_shard_max", (min(rows, MAX_GRID),), (THREADS,),
+                       (logits_shard, np.int64(rows), np.int32(width), np.float64(temperature), keys))
+    return keys
+
+
+def shard_sums(backend, logits_shard, keys, targets, vocab_start, temperature: float = 1.0):
+    """int64 [rows, 2]: this rank's (part of S, bits of RNE_f32(a_y - m) if it owns the target y else 0).
+
+    logits_shard float32 [rows, Vr] holds the global columns [vocab_start, vocab_start + Vr); keys uint32
+    [rows] is the MAX over every rank of shard_max_keys (m = the row's maximum); targets int32 [rows] are
+    global ids (>= 0). A row whose m is not finite (a NaN or +-inf) writes (0, 0). The SUM over the ranks
+    goes to shard_finish. The whole vocabulary must be at most 2^25 (the contract's bound on S)."""
+    rows, width = _check_shard("shard_sums", logits_shard)
+    _check_keys("shard_sums", keys, rows)
+    vocab_start = _check_vocab_start("shard_sums", vocab_start, width)
+    temperature = check_temperature(temperature)
+    host_targets = _check_global_targets("shard_sums", backend, targets, rows)
+    if backend.kernel_vendor is None:
+        return reference.shard_sums(backend.to_numpy(logits_shard), backend.to_numpy(keys), host_targets,
+                                    vocab_start, temperature)
+    sums = backend.empty((rows, 2), np.int64)
+    if rows:
+        backend.launch("logprob", "logprob_shard_sums", (min(rows, MAX_GRID),), (THREADS,),
+                       (logits_shard, keys, targets, np.int64(rows), np.int32(width), np.int32(vocab_start),
+                        np.float64(temperature), sums))
+    return sums
+
+
+def shard_finish(backend, sums, keys):
+    """float32 [rows]: logprobs' bits on the whole rows from sums int64 [rows, 2] (the SUM over the ranks
+    of shard_sums) and keys uint32 [rows] (the MAX over the ranks of shard_max_keys)."""
+    shape = shape_of(sums)
+    if len(shape) != 2 or shape[1] != 2 or np.dtype(sums.dtype) != np.int64:
+        raise InputError(f"shard_finish: sums must be int64 of shape (rows, 2), got {np.dtype(sums.dtype).name} "
+                         f"of shape {shape}")
+    require_contiguous("sums", sums)
+    rows = shape[0]
+    _check_keys("shard_finish", keys, rows)
+    if backend.kernel_vendor is None:
+        return reference.shard_finish(backend.to_numpy(sums), backend.to_numpy(keys))
+    logp = backend.empty((rows,), np.float32)
+    if rows:
+        backend.launch("logprob", "logprob_shard_finish", (min(-(-rows // THREADS), MAX_GRID),), (THREADS,),
+                       (sums, keys, np.int64(rows), logp))
+    return logp

@@ -37,8 +37,10 @@ def resolve_device(device: str) -> str:
     raise AssertionError("the cpu backend is always available")
 
 
-def get_backend(device: str = "auto", kernel_source: str = "native") -> Backend:
+def get_backend(device: str = "auto", kernel_source: str = "native", device_index: int | None = None) -> Backend:
     """A backend object; raises BackendUnavailable naming what is missing.
+
+    device_index: which GPU (a tensor-parallel rank's LOCAL_RANK); None keeps the current one.
 
     kernel_source="hip" with device cuda runs the HIP sources through the
     project's HIP-on-CUDA prelude (the HIP kernels' logic checked on NVIDIA).
@@ -55,6 +57,10 @@ def get_backend(device: str = "auto", kernel_source: str = "native") -> Backend:
     if name == "cuda":
         from rlportable.runtime.cuda import CudaBackend
 
+        if device_index is not None and probe("cuda")[0]:
+            import cupy
+
+            cupy.cuda.Device(int(device_index)).use()
         return CudaBackend(kernel_source="cuda" if kernel_source == "native" else kernel_source)
     if kernel_source == "cuda":
         raise RlpError("CUDA sources cannot run on the hip backend")
@@ -63,4 +69,4 @@ def get_backend(device: str = "auto", kernel_source: str = "native") -> Backend:
         raise BackendUnavailable(f"device 'hip' is unavailable: {reason}")
     from rlportable.runtime.hip import HipBackend
 
-    return HipBackend()
+    return HipBackend(device=device_index)

@@ -1,0 +1,175 @@
+"""Tensor parallelism: how a model is cut over ranks, and the exact collectives between the cuts.
+
+Megatron's layout, one rank per GPU (docs/decisions.md, "Issue 7"):
+  * column-parallel q/k/v (whole heads), gate and up: rank r computes its own output columns. Each
+    output element depends on one activation row and one weight row, both whole on every rank:
+    the same bits as one device, with no communication.
+  * row-parallel o and down: rank r holds a K-shard of the activation row and of every weight row.
+    The gemm contract is exact in K: every rank encodes its shard with the exponent of the WHOLE
+    row (all-reduce MAX of the row exponents), computes the exact integer partial sums, and the
+    int64 sums are all-reduced (SUM) and rounded once: bitwise the single-device gemm.
+  * vocabulary-parallel embedding: a rank copies the rows of the ids it owns and +0 bits
+    elsewhere; the uint32 SUM of the bit patterns is the gather (one owner per id).
+  * vocabulary-parallel LM head: logits shards are exact (column-parallel). The engine's sampler
+    reads whole rows: the shards are all-gathered (a copy). The trainer's log-prob never builds a
+    whole row: MAX of the rows' maximum keys, SUM of the int64 fixed-point exp sums and of the
+    target's bits, then the contract's last step: bitwise logprob.logprobs of the whole row.
+Norms, RoPE, residual adds and attention are per row or per head: every rank runs them on the
+rows and heads it has, identically.
+
+What must divide: the query heads, the intermediate size and the vocabulary by the TP size; the
+key/value heads either by the TP size or the TP size by them (then ranks share a KV head, each
+keeping a copy, as vLLM does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlportable.errors import InputError
+from rlportable.model.config import ModelConfig
+from rlportable.model.weights import LayerWeights, ModelWeights
+from rlportable.ops import embedding, fixedpoint, gemm, logprob
+from rlportable.runtime.collectives import Group, SingleGroup
+
+#: rows of the LM head handled at once by the vocabulary-parallel log-prob (its [rows, V / size]
+#: logits shard is the largest buffer); any value gives the same bits
+LOGPROB_BLOCK_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Rank `rank` of `size`: which heads, columns and vocabulary rows it holds."""
+
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group: Group | None) -> "TensorParallel":
+        group = group or SingleGroup()
+        return cls(group.rank, group.size)
+
+    def check(self, config: ModelConfig) -> None:
+        size = self.size
+        problems = []
+        for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
+            if getattr(config, field) % size:
+                problems.append(f"{field}={getattr(config, field)} is not divisible by the TP size {size}")
+        kv = config.num_key_value_heads
+        if kv % size and size % kv:
+            problems.append(f"num_key_value_heads={kv} and the TP size {size}: neither divides the other")
+        if problems:
+            raise InputError(f"tensor parallelism: {'; '.join(problems)}")
+
+    # ---- what this rank holds
+    def q_heads(self, config: ModelConfig) -> range:
+        per = config.num_attention_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def kv_heads(self, config: ModelConfig) -> range:
+        kv = config.num_key_value_heads
+        if kv >= self.size:
+            per = kv // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        first = self.rank * kv // self.size  # size/kv ranks share (and each keep) one KV head
+        return range(first, first + 1)
+
+    def columns(self, total: int) -> slice:
+        per = total // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def vocab_start(self, config: ModelConfig) -> int:
+        return self.columns(config.vocab_size).start
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The shapes one rank computes with (the vocabulary stays whole: ids are global)."""
+        return dataclasses.replace(config, num_attention_heads=len(self.q_heads(config)),
+                                   num_key_value_heads=len(self.kv_heads(config)),
+                                   intermediate_size=config.intermediate_size // self.size)
+
+
+def _head_rows(heads: range, head_dim: int) -> slice:
+    return slice(heads.start * head_dim, heads.stop * head_dim)
+
+
+def shard_weights(weights: ModelWeights, config: ModelConfig, plan: TensorParallel) -> ModelWeights:
+    """This rank's host weights (views of the full arrays where possible)."""
+    if plan.size == 1:
+        return weights
+    plan.check(config)
+    d = config.head_dim
+    q_rows, kv_rows = _head_rows(plan.q_heads(config), d), _head_rows(plan.kv_heads(config), d)
+    mlp = plan.columns(config.intermediate_size)
+    vocab = plan.columns(config.vocab_size)
+
+    def optional(array, rows):
+        return None if array is None else np.ascontiguousarray(array[rows])
+
+    def layer(w: LayerWeights) -> LayerWeights:
+        return LayerWeights(
+            attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, q_norm=w.q_norm, k_norm=w.k_norm,
+            q=np.ascontiguousarray(w.q[q_rows]), k=np.ascontiguousarray(w.k[kv_rows]),
+            v=np.ascontiguousarray(w.v[kv_rows]), o=np.ascontiguousarray(w.o[:, q_rows]),
+            gate=np.ascontiguousarray(w.gate[mlp]), up=np.ascontiguousarray(w.up[mlp]),
+            down=np.ascontiguousarray(w.down[:, mlp]),
+            q_bias=optional(w.q_bias, q_rows), k_bias=optional(w.k_bias, kv_rows), v_bias=optional(w.v_bias, kv_rows))
+
+    embed = np.ascontiguousarray(weights.embed[vocab])
+    lm_head = embed if weights.tied else np.ascontiguousarray(weights.lm_head[vocab])
+    return ModelWeights(embed=embed, layers=[layer(w) for w in weights.layers], final_norm=weights.final_norm,
+                        lm_head=lm_head)
+
+
+# ---- the exact collectives of the forward
+def shared_exponents(backend, group: Group, x):
+    """Per row, the exponent of the whole row of which x [rows, K / size] is this rank's shard."""
+    return group.all_reduce(fixedpoint.row_exponents(backend, x), "max")
+
+
+def encode_row_parallel_weight(backend, group: Group, w) -> gemm.GemmWeight:
+    """A row-parallel weight's K-shard [N, K / size], encoded with its whole rows' exponents."""
+    return gemm.encode_weight(backend, w, exponents=shared_exponents(backend, group, w))
+
+
+def row_parallel_gemm(backend, group: Group, x, weight: gemm.GemmWeight, bits_a: int = gemm.DEFAULT_BITS_A):
+    """Y [M, N] = X @ W.T from K-shards of X and W, bitwise gemm.gemm of the whole operands."""
+    exponents = shared_exponents(backend, group, x)
+    encoded = fixedpoint.encode_rows(backend, x, bits_a, exponents=exponents)
+    sums = group.all_reduce(gemm.gemm_sums(backend, encoded, weight), "sum")
+    return gemm.round_sums(backend, sums, exponents, bits_a, weight)
+
+
+def embed_tokens(backend, group: Group, table_shard, vocab_start: int, device_ids, host_ids):
+    """Rows of the whole embedding table from the vocabulary shards (one owner per id)."""
+    part = embedding.gather_shard(backend, table_shard, device_ids, vocab_start, host_ids=host_ids)
+    return group.all_reduce(part.view(np.uint32), "sum").view(np.float32)
+
+
+def whole_logits(backend, group: Group, logits_shard):
+    """[rows, V] from every rank's [rows, V / size] (an all-gather and a row gather: bit copies)."""
+    rows, per = logits_shard.shape
+    size = group.size
+    parts = group.all_gather(logits_shard).reshape(size * rows, per)  # part p's row r at p * rows + r
+    order = (np.arange(rows * size) % size) * rows + np.arange(rows * size) // size  # row r, part p at r*size+p
+    order = order.astype(np.int32)
+    return embedding.gather(backend, parts, backend.asarray(order), host_ids=order).reshape(rows, size * per)
+
+
+def vocab_parallel_logprobs(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, vocab_start: int,
+                            targets, temperature: float):
+    """float32 [rows]: logprob.lm_head_logprobs of the whole vocabulary, bitwise, from the shards."""
+    rows = hidden.shape[0]
+    out = []
+    for start in range(0, rows, LOGPROB_BLOCK_ROWS):
+        stop = min(rows, start + LOGPROB_BLOCK_ROWS)
+        logits = gemm.gemm(backend, hidden[start:stop], lm_head_shard)
+        keys = group.all_reduce(logprob.shard_max_keys(backend, logits, temperature), "max")
+        sums = logprob.shard_sums(backend, logits, keys, targets[start:stop], vocab_start, temperature)
+        out.append(logprob.shard_finish(backend, group.all_reduce(sums, "sum"), keys))
+    if len(out) == 1:
+        return out[0]
+    return backend.asarray(np.concatenate([backend.to_numpy(part) for part in out])) if out else \
+        backend.empty((0,), np.float32)

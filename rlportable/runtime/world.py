@@ -1,0 +1,153 @@
+"""The processes of a tensor-parallel run: who am I, who else, and how the group is formed.
+
+Two ways to start N ranks, one per GPU:
+  * `rlportable <command> --tp N ...` starts N copies of the same command (spawn_ranks), one per
+    GPU, with the environment variables below;
+  * an external launcher (`torchrun --nproc-per-node N -m rlportable <command> ...`, or any that
+    sets the same variables) starts them itself.
+Either way a rank reads RANK, WORLD_SIZE, LOCAL_RANK (its GPU), MASTER_ADDR and MASTER_PORT.
+Rank 0 creates the NCCL/RCCL unique id and hands it to the others over a TCP socket at
+MASTER_ADDR:(MASTER_PORT + 1) (torchrun's own agent may hold MASTER_PORT itself), or at
+RLPORTABLE_RENDEZVOUS_PORT when that is set; RLPORTABLE_RENDEZVOUS_KEY (default "rlportable")
+authenticates it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Listener
+from typing import Any, Callable
+
+from rlportable.errors import InputError
+from rlportable.runtime.collectives import Group, SingleGroup, device_group_class, run_threads
+
+RENDEZVOUS_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def rendezvous(self) -> tuple[str, int]:
+        port = os.environ.get("RLPORTABLE_RENDEZVOUS_PORT")
+        return self.master_addr, int(port) if port else self.master_port + 1
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise InputError(f"environment variable {name} is not set (a tensor-parallel rank needs RANK, "
+                             "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as torchrun sets them)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def world_from_env() -> World | None:
+    """The rank's World when WORLD_SIZE > 1 is set (by `--tp` or torchrun), else None."""
+    size = _env_int("WORLD_SIZE", 1)
+    if size <= 1:
+        return None
+    rank = _env_int("RANK")
+    if not 0 <= rank < size:
+        raise InputError(f"RANK={rank} must lie in [0, WORLD_SIZE={size})")
+    return World(rank, size, _env_int("LOCAL_RANK", rank), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                 _env_int("MASTER_PORT"))
+
+
+def _authkey() -> bytes:
+    return os.environ.get("RLPORTABLE_RENDEZVOUS_KEY", "rlportable").encode()
+
+
+def share_unique_id(world: World, make_id):
+    """Rank 0 calls make_id() and sends the result to every other rank; all return it."""
+    if world.rank == 0:
+        unique_id = make_id()
+        with Listener(world.rendezvous, authkey=_authkey()) as listener:
+            for _ in range(world.size - 1):
+                with listener.accept() as connection:
+                    connection.send(unique_id)
+        return unique_id
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while True:
+        try:
+            with Client(world.rendezvous, authkey=_authkey()) as connection:
+                return connection.recv()
+        except (ConnectionRefusedError, FileNotFoundError, OSError):
+            if time.monotonic() > deadline:
+                raise InputError(f"rank {world.rank}: rank 0 did not answer at {world.rendezvous} within "
+                                 f"{RENDEZVOUS_TIMEOUT_S:.0f} s") from None
+            time.sleep(0.2)
+
+
+def connect(backend, world: World) -> Group:
+    """This process's rank of the device group (NCCL on cuda, RCCL on hip)."""
+    group_class = device_group_class(backend)
+    unique_id = share_unique_id(world, group_class.new_unique_id)
+    return group_class(backend, world.rank, world.size, unique_id)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def spawn_ranks(size: int, argv: list[str]) -> int:
+    """Run `python -m rlportable *argv` as `size` ranks (rank r on GPU r); the worst exit code.
+    Rank 0 keeps stdout; the other ranks' stdout is dropped (they compute the same results)."""
+    port, rendezvous = free_port(), free_port()
+    running = []
+    for rank in range(size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), RLPORTABLE_RENDEZVOUS_PORT=str(rendezvous))
+        stdout = None if rank == 0 else subprocess.DEVNULL
+        running.append(subprocess.Popen([sys.executable, "-m", "rlportable", *argv], env=env, stdout=stdout))
+    codes = [process.wait() for process in running]
+    return max(codes, key=abs)
+
+
+def run_ranks(device: str, tp: int, emulate: bool, work: Callable, kernel_source: str = "native") -> tuple[bool, Any]:
+    """(reports, work(backend, group)) for this process's rank of a `tp`-way tensor-parallel run.
+
+    reports: whether this process prints the results (rank 0; the others computed the same).
+      * launched as a rank (WORLD_SIZE > 1 in the environment): this GPU's rank of the NCCL/RCCL group;
+      * tp == 1: one device, no group;
+      * emulate, or device cpu: tp threads of this process on one backend (returns rank 0's result);
+      * otherwise: starts tp ranks of this same command, one per GPU, waits for them and exits
+        with their worst exit code (SystemExit).
+    """
+    from rlportable.runtime import get_backend, resolve_device
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise InputError(f"--tp must be an integer >= 1, got {tp!r}")
+    world = world_from_env()
+    if world is not None:
+        if tp not in (1, world.size):
+            raise InputError(f"--tp {tp} disagrees with WORLD_SIZE={world.size} set by the launcher")
+        backend = get_backend(device, kernel_source, device_index=world.local_rank)
+        group = connect(backend, world)
+        try:
+            return world.rank == 0, work(backend, group)
+        finally:
+            backend.synchronize()
+            group.close()
+    if tp == 1:
+        return True, work(get_backend(device, kernel_source), SingleGroup())
+    if emulate or resolve_device(device) == "cpu":
+        backend = get_backend(device, kernel_source)
+        return True, run_threads(backend, tp, lambda group: work(backend, group))[0]
+    raise SystemExit(spawn_ranks(tp, sys.argv[1:]))

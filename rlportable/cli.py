@@ -416,15 +416,18 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--scale-rewards", default="group", show_default=True, type=click.Choice(["group", "batch", "none"]))
 @click.option("--num-iterations", default=1, show_default=True, type=int, help="Passes over each rollout.")
 @click.option("--mini-batches", default=1, show_default=True, type=int, help="Optimiser steps per pass.")
+@click.option("--dp", default=1, show_default=True, type=int,
+              help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as --dp 1.")
+@click.option("--dp-emulate", is_flag=True, help="Run the --dp replicas as threads of this process on one device "
+                                                 "(always so on cpu).")
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, device, rewards, reward_weights, prompts_per_step,
          num_generations, max_completion_length, temperature, top_p, top_k, min_p, epsilon, epsilon_high, beta,
-         loss_type, scale_rewards, num_iterations, mini_batches):
+         loss_type, scale_rewards, num_iterations, mini_batches, dp, dp_emulate):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
     from rlportable.train.grpo import GRPOConfig
 
-    backend = _backend(device)
     try:
         if reward_weights and len(reward_weights) != len(rewards):
             raise RlpError(f"{len(reward_weights)} --reward-weight values for {len(rewards)} --reward functions")
@@ -441,9 +444,17 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
     except RlpError as error:
         _fail(error)
-    _train("grpo", lambda on_step: launch.run_grpo(backend, options, config, specs, on_step),
-           ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches", "max_abs_dlogp",
-            "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"], config.steps)
+    keys = ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches", "max_abs_dlogp",
+            "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"]
+
+    def work(backend, group):
+        if group.rank == 0:
+            _train("grpo", lambda on_step: launch.run_grpo(backend, options, config, specs, on_step, group), keys,
+                   config.steps)
+        else:
+            launch.run_grpo(backend, options, config, specs, lambda record: None, group)
+
+    _run_ranks(device, dp, dp_emulate, work)
 
 
 @main.group()

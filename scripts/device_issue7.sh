@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallelism on the 2 x H200 machine (kind nvidia-h200-x2). Usage there:
-#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue7.sh tp|kernels
+#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue7.sh tp|kernels|dp
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache
 # NVLink multicast stays off (the device notes: it can take the host's GPUs out of service)
@@ -21,4 +21,9 @@ kernels)  # one GPU: the new per-rank kernels against the reference (both source
     $cli conform --device cuda --only row_exponents,encode_rows_given,gemm.sums,round_sums,k_sharded,logprob.shards,gather_shard --json "$OUT/conform_cuda_parallel_ops_h200.json" 2>&1 | tail -12
     $cli conform --device cuda --kernel-source hip --only row_exponents,encode_rows_given,gemm.sums,round_sums,k_sharded,logprob.shards,gather_shard --json "$OUT/conform_cuda_hipsrc_parallel_ops_h200.json" 2>&1 | tail -4
     $cli conform --device cuda --only e2e.tp --json "$OUT/conform_cuda_e2e_tp_emulated_h200.json" 2>&1 | tail -14 ;;
+dp)  # data-parallel GRPO, one process per GPU, against one GPU: same metrics, same final weight bits
+    $cli grpo --device cuda --dp 2 --steps 3 --log-jsonl "$OUT/grpo_dp2_cuda_h200x2.jsonl" --out /tmp/dp2 2>&1 | tail -2
+    $cli grpo --device cuda --steps 3 --log-jsonl "$OUT/grpo_dp1_cuda_h200x2.jsonl" --out /tmp/dp1 2>&1 | tail -1
+    python3 scripts/compare_runs.py /tmp/dp1 /tmp/dp2 "$OUT/grpo_dp1_cuda_h200x2.jsonl" "$OUT/grpo_dp2_cuda_h200x2.jsonl" \
+        | tee "$OUT/grpo_dp2_vs_dp1_h200x2.txt" ;;
 esac

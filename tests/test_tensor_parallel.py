@@ -91,7 +91,7 @@ def test_world_from_the_launcher_environment(monkeypatch):
 
 def test_run_ranks_checks_tp(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(InputError, match="--tp must be an integer >= 1"):
+    with pytest.raises(InputError, match="must be an integer >= 1"):
         run_ranks("cpu", 0, False, lambda backend, group: None)
     reports, sizes = run_ranks("cpu", 3, False, lambda backend, group: group.size)
     assert reports and sizes == 3

@@ -67,6 +67,16 @@ def _check_engine_sizes(**sizes) -> None:
             raise InputError(f"LLM: {name} must be an integer >= 1, got {value!r}")
 
 
+def _check_request_ids(request_ids, count: int) -> list[int]:
+    if request_ids is None:
+        return list(range(count))
+    ids = list(request_ids)
+    if len(ids) != count or len(set(ids)) != count or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise InputError(f"request_ids must be {count} distinct integers >= 0, one per prompt")
+    return [int(i) for i in ids]
+
+
 class LLM:
     def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
@@ -130,10 +140,13 @@ class LLM:
         return None, [int(t) for t in ids]
 
     def generate(self, prompts: Seq, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+                 progress: Callable[[int, int], None] | None = None,
+                 request_ids: Seq[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); returns one RequestOutput per prompt, in order.
 
-        progress(done_tokens, total_budget) is called after every step."""
+        progress(done_tokens, total_budget) is called after every step. request_ids: the ids that key
+        the requests' randomness (default 0, 1, ...; distinct integers >= 0), so a share of a batch
+        (a data-parallel replica's) samples exactly what it would have in the whole batch."""
         if isinstance(prompts, (str, bytes)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -145,12 +158,13 @@ class LLM:
                 raise InputError(f"sampling params {index} must be a SamplingParams, got {type(p).__name__}")
         if self.runner.caches is None:
             raise InputError("generate: the KV cache is released; call restore_kv_cache() first")
+        request_ids = _check_request_ids(request_ids, len(prompts))
         scheduler = self._scheduler(self._stop_checker)
         requests, groups = [], []
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
+        for index, (prompt, p, request_id) in enumerate(zip(prompts, params, request_ids)):
             text, ids = self._encode(prompt, index)
-            requests.append(RequestOutput(index, text, ids))
-            groups.append(scheduler.add_request(index, ids, p))
+            requests.append(RequestOutput(request_id, text, ids))
+            groups.append(scheduler.add_request(request_id, ids, p))
         budget = sum(p.n * p.max_tokens for p in params)
         start = time.perf_counter()
         steps = 0

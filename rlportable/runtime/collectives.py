@@ -19,6 +19,7 @@ Groups:
 
 from __future__ import annotations
 
+import pickle
 import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable
@@ -30,7 +31,7 @@ from rlportable.errors import BackendUnavailable, InputError
 OPS = ("sum", "max")
 #: dtypes a collective may carry: the exact ones (and float32 for all_gather, a copy)
 REDUCE_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64))
-GATHER_DTYPES = REDUCE_DTYPES + (np.dtype(np.float32),)
+GATHER_DTYPES = REDUCE_DTYPES + (np.dtype(np.float32), np.dtype(np.uint8))
 
 
 def _check(where: str, dtype, allowed) -> np.dtype:
@@ -62,9 +63,22 @@ class Group(ABC):
     def close(self) -> None:
         """Release the communicator."""
 
+    def all_gather_object(self, value) -> list:
+        """Every rank's picklable `value`, in rank order (host data: samples, metrics, flags)."""
+        if self.size == 1:
+            return [value]
+        backend = self.backend
+        payload = np.frombuffer(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        lengths = backend.to_numpy(self.all_gather(backend.asarray(np.array([payload.size], np.int64))))
+        padded = np.zeros(int(lengths.max()), np.uint8)
+        padded[: payload.size] = payload
+        everything = backend.to_numpy(self.all_gather(backend.asarray(padded)))
+        return [pickle.loads(everything[rank, : int(lengths[rank, 0])].tobytes()) for rank in range(self.size)]
+
 
 class SingleGroup(Group):
     label = "single"
+    backend = None
 
     def all_reduce(self, array, op: str):
         if op not in OPS:
@@ -133,6 +147,9 @@ class ThreadGroup(Group):
     def barrier(self) -> None:
         self._meeting.barrier.wait()
 
+    def all_gather_object(self, value) -> list:
+        return self._meeting.exchange(self.rank, value)
+
 
 def run_threads(backend, size: int, work: Callable[[Group], Any]) -> list:
     """work(group) on `size` emulated ranks (threads); the results in rank order. An exception in
@@ -174,7 +191,8 @@ class NcclGroup(Group):
         self.backend, self.rank, self.size, self._nccl = backend, rank, size, nccl
         self._comm = nccl.NcclCommunicator(size, unique_id, rank)
         self._types = {np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.uint32): nccl.NCCL_UINT32,
-                       np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.float32): nccl.NCCL_FLOAT32}
+                       np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.float32): nccl.NCCL_FLOAT32,
+                       np.dtype(np.uint8): nccl.NCCL_UINT8}
         self._ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
 
     @staticmethod
@@ -233,7 +251,8 @@ class RcclGroup(Group):
         self._comm = check_hip(rccl.ncclCommInitRank(size, bytearray(unique_id), rank), "ncclCommInitRank")
         types = rccl.ncclDataType_t
         self._types = {np.dtype(np.int32): types.ncclInt32, np.dtype(np.uint32): types.ncclUint32,
-                       np.dtype(np.int64): types.ncclInt64, np.dtype(np.float32): types.ncclFloat32}
+                       np.dtype(np.int64): types.ncclInt64, np.dtype(np.float32): types.ncclFloat32,
+                       np.dtype(np.uint8): types.ncclUint8}
         self._ops = {"sum": rccl.ncclRedOp_t.ncclSum, "max": rccl.ncclRedOp_t.ncclMax}
 
     @staticmethod

@@ -133,11 +133,11 @@ def run_ranks(device: str, tp: int, emulate: bool, work: Callable, kernel_source
     from rlportable.runtime import get_backend, resolve_device
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise InputError(f"--tp must be an integer >= 1, got {tp!r}")
+        raise InputError(f"the number of ranks (--tp, --dp) must be an integer >= 1, got {tp!r}")
     world = world_from_env()
     if world is not None:
         if tp not in (1, world.size):
-            raise InputError(f"--tp {tp} disagrees with WORLD_SIZE={world.size} set by the launcher")
+            raise InputError(f"{tp} ranks asked for, but the launcher set WORLD_SIZE={world.size}")
         backend = get_backend(device, kernel_source, device_index=world.local_rank)
         group = connect(backend, world)
         try:

@@ -28,10 +28,12 @@ from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.errors import InputError, RlpError
 from rlportable.model.forward import Model
+from rlportable.runtime.collectives import Group
 from rlportable.train import objectives
+from rlportable.train.data_parallel import Replicas
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.rewards import RewardSet, batch_from_records
-from rlportable.train.trainer import Sample, completion_logprobs, pack, train_micro_batch
+from rlportable.train.trainer import Sample, completion_logprobs, micro_batch_gradients, pack
 
 
 class LogprobMismatchError(RlpError):
@@ -96,11 +98,13 @@ class GRPOTrainer:
     rewards: RewardSet
     config: GRPOConfig
     reference: Model | None = None   # frozen initial weights, for beta > 0
+    group: Group | None = None       # data-parallel replicas (train/data_parallel.py); None: one device
     optimizer: Optimizer = field(init=False)
     engine: LLM = field(init=False)
 
     def __post_init__(self):
         cfg = self.config
+        self.replicas = Replicas.of(self.group)
         if cfg.beta > 0 and self.reference is None:
             raise InputError("grpo: beta > 0 needs a reference model")
         self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps))
@@ -143,13 +147,14 @@ class GRPOTrainer:
         params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, min_p=cfg.min_p, max_tokens=cfg.max_completion_length,
                                 ignore_eos=cfg.ignore_eos, seed=sampling_seed(cfg.seed, step))
-        outputs = self.engine.generate([r["prompt"] for r in records], params)
-        samples, texts = [], []
-        for request in outputs:
-            for completion in request.outputs:
-                samples.append(Sample(list(request.prompt_token_ids), list(completion.token_ids),
-                                      np.asarray(completion.logprobs, dtype=np.float32)))
-                texts.append(completion.text)
+        mine = self.replicas.share(len(records))  # this replica's requests, keyed by their global index
+        outputs = self.engine.generate([records[i]["prompt"] for i in mine], params, request_ids=mine) if mine else []
+        requests = self.replicas.gather_in_order([
+            [(Sample(list(request.prompt_token_ids), list(completion.token_ids),
+                     np.asarray(completion.logprobs, dtype=np.float32)), completion.text)
+             for completion in request.outputs] for request in outputs])
+        samples = [sample for request in requests for sample, _ in request]
+        texts = [text for request in requests for _, text in request]
         return samples, texts
 
     def _train(self, samples: list[Sample]) -> dict:
@@ -161,24 +166,24 @@ class GRPOTrainer:
         for iteration in range(cfg.num_iterations):
             for index, mini in enumerate(minis):
                 counts = (len(mini), sum(len(s.completion_ids) for s in mini))
-                for batch in pack(mini, cfg.micro_batch_tokens):
-                    reference = self._reference_logp(batch) if cfg.beta > 0 else None
-
-                    def objective(logp, batch=batch, reference=reference):
-                        return objectives.grpo_token_loss(logp, [s.logp for s in batch.samples],
-                                                          np.array([s.advantage for s in batch.samples]),
-                                                          settings, reference, counts)
-
-                    loss, logp = train_micro_batch(self.model, self.optimizer, batch, cfg.temperature, objective)
-                    if iteration == 0 and index == 0:
-                        check.append(objectives.logp_mismatch(logp, [s.logp for s in batch.samples]))
-                        _raise_on_mismatch(check[-1])
-                    losses.append(loss.loss)
-                    kls.append(loss.metrics["kl"])
-                    clips.append(loss.metrics["clip_fraction"])
-                    if iteration == 0:
-                        ratio_min.append(loss.metrics["ratio_min"])
-                        ratio_max.append(loss.metrics["ratio_max"])
+                batches = pack(mini, cfg.micro_batch_tokens)
+                for mine in self.replicas.rounds(len(batches)):  # round-robin over the replicas
+                    result, named = None, None
+                    if mine is not None:
+                        result, named = self._micro_batch(batches[mine], settings, counts,
+                                                          check_logp=iteration == 0 and index == 0)
+                    for grads in self.replicas.gather_gradients(named, self.optimizer.names, self._zeros):
+                        self.optimizer.accumulate_named(grads)  # in micro-batch order, on every replica
+                    for loss in [r for r in self.replicas.group.all_gather_object(result) if r is not None]:
+                        if loss["check"] is not None:
+                            check.append(loss["check"])
+                            _raise_on_mismatch(check[-1])
+                        losses.append(loss["loss"])
+                        kls.append(loss["kl"])
+                        clips.append(loss["clip_fraction"])
+                        if iteration == 0:
+                            ratio_min.append(loss["ratio_min"])
+                            ratio_max.append(loss["ratio_max"])
                 infos.append(self.optimizer.step())
         return {
             "loss": float(np.mean(losses)), "kl": float(np.mean(kls)), "clip_fraction": float(np.mean(clips)),
@@ -189,14 +194,39 @@ class GRPOTrainer:
             "grad_norm": infos[0].norm, "lr": infos[-1].lr,
         }
 
+    def _micro_batch(self, batch, settings, counts: tuple[int, int], check_logp: bool) -> tuple[dict, dict]:
+        """(host metrics, gradients by name) of one micro-batch on this replica."""
+        cfg = self.config
+        reference = self._reference_logp(batch) if cfg.beta > 0 else None
+
+        def objective(logp):
+            return objectives.grpo_token_loss(logp, [s.logp for s in batch.samples],
+                                              np.array([s.advantage for s in batch.samples]), settings, reference,
+                                              counts)
+
+        loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective)
+        check = objectives.logp_mismatch(logp, [s.logp for s in batch.samples]) if check_logp else None
+        metrics = {"loss": loss.loss, "check": check, **{key: loss.metrics[key] for key in (
+            "kl", "clip_fraction", "ratio_min", "ratio_max")}}
+        return metrics, grads.named_tensors(self.model.config)
+
+    def _zeros(self, name: str):
+        reference = self.model.params.named_tensors(self.model.config)[name]
+        return self.model.backend.zeros(tuple(reference.shape), np.float32)
+
     def _check_before_update(self, later_minis: list[list[Sample]]) -> list[dict]:
-        """The log-probs of mini-batches trained after the first update, recomputed before it."""
+        """The log-probs of mini-batches trained after the first update, recomputed before it (the
+        micro-batches dealt out over the replicas; every replica raises on any mismatch)."""
         out = []
         for mini in later_minis:
-            for batch in pack(mini, self.config.micro_batch_tokens):
-                _, logp = completion_logprobs(self.model, batch, self.config.temperature)
-                out.append(objectives.logp_mismatch(logp, [s.logp for s in batch.samples]))
-                _raise_on_mismatch(out[-1])
+            batches = pack(mini, self.config.micro_batch_tokens)
+            mine = []
+            for index in self.replicas.share(len(batches)):
+                _, logp = completion_logprobs(self.model, batches[index], self.config.temperature)
+                mine.append(objectives.logp_mismatch(logp, [s.logp for s in batches[index].samples]))
+            for check in self.replicas.gather_in_order(mine):
+                out.append(check)
+                _raise_on_mismatch(check)
         return out
 
     def _reference_logp(self, batch) -> list[np.ndarray]:

@@ -8,6 +8,7 @@ package (rlportable/model/data/tiny-sft), and raises the task's reward.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -76,7 +77,9 @@ def task_records(task: str | None, data: str | None, seed: int) -> tuple[list[di
 
 
 def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: list[tuple[str, float]],
-             on_step: Callable[[dict], None]) -> list[dict]:
+             on_step: Callable[[dict], None], group=None) -> list[dict]:
+    """group: this process's data-parallel replica (train/data_parallel.py); only rank 0 writes
+    checkpoints, metrics and the plot (every replica computes the same)."""
     records, task = task_records(options.task, options.data, config.seed)
     items = [(spec, weight) for spec, weight in reward_specs] or ([(task, 1.0)] if task is not None else [])
     if not items:
@@ -84,7 +87,9 @@ def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: lis
     rewards = RewardSet(items)
     settings = settings_dict(config, options, items)
     model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings)
-    trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config))
+    trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config), group)
+    if group is not None and group.rank != 0:
+        options = dataclasses.replace(options, out=None, log_jsonl=None, plot=None)
     return _run(trainer, "grpo", settings, tokenizer, start, ckpt, options, config.steps, on_step,
                 "reward_mean", "GRPO reward")
 

@@ -81,7 +81,10 @@ class Optimizer:
 
     def accumulate(self, grads: ModelWeights) -> None:
         """Add one micro-batch's gradients (in call order: the sum is deterministic)."""
-        named = grads.named_tensors(self.model.config)
+        self.accumulate_named(grads.named_tensors(self.model.config))
+
+    def accumulate_named(self, named: dict) -> None:
+        """accumulate() of gradients given by tensor name (as `names`)."""
         if self.grads is None:
             self.grads = dict(named)
         else:

@@ -76,10 +76,17 @@ def completion_logprobs(model: Model, batch: MicroBatch, temperature: float):
     return fwd, np.split(model.backend.to_numpy(fwd.logp), batch.splits)
 
 
+def micro_batch_gradients(model: Model, batch: MicroBatch, temperature: float,
+                          objective: Callable[[list[np.ndarray]], TokenLoss]):
+    """Forward, the objective on the host, backward: (loss, per-sample log-probs, gradients)."""
+    fwd, logp = completion_logprobs(model, batch, temperature)
+    loss = objective(logp)
+    return loss, logp, backward.backward(model, fwd, loss.grad)
+
+
 def train_micro_batch(model: Model, optimizer: Optimizer, batch: MicroBatch, temperature: float,
                       objective: Callable[[list[np.ndarray]], TokenLoss]) -> tuple[TokenLoss, list[np.ndarray]]:
     """Forward, the objective on the host, backward, accumulate. Returns (loss, per-sample log-probs)."""
-    fwd, logp = completion_logprobs(model, batch, temperature)
-    loss = objective(logp)
-    optimizer.accumulate(backward.backward(model, fwd, loss.grad))
+    loss, logp, grads = micro_batch_gradients(model, batch, temperature, objective)
+    optimizer.accumulate(grads)
     return loss, logp

@@ -1,0 +1,66 @@
+"""Data-parallel replicas (issue 7, section 3): training bitwise independent of the replica count.
+
+Every replica holds the whole model. A step's work is dealt out by position, never by timing:
+  * rollout: replica r generates requests r, r + R, r + 2R, ... of the step, each under its
+    global request id (the sampler's key), so every sample is the one a single device would draw;
+    the samples are then gathered in request order on every replica;
+  * training: a mini-batch's micro-batches (train.trainer.pack, the same on every replica) go
+    round-robin: in round k replica r computes micro-batch kR + r. The round's gradients are
+    all-gathered (a copy) and EVERY replica adds them in micro-batch order, the order one device
+    uses. So the accumulated gradient, the AdamW step and the new weights are bitwise those of
+    one device, for any replica count, and all replicas stay identical without a broadcast.
+Where this stops: the micro-batch split itself (`micro_batch_tokens`) is part of the result, as on
+one device (float32 sums of micro-batch gradients; docs/decisions.md, Issue 5); and the gathered
+round costs R gradients of memory and traffic, against one for an all-reduce: the price of adding
+in a fixed order rather than reducing floats in whatever order the library picks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlportable.runtime.collectives import Group, SingleGroup
+
+
+@dataclass
+class Replicas:
+    group: Group
+
+    @classmethod
+    def of(cls, group: Group | None) -> "Replicas":
+        return cls(group or SingleGroup())
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def share(self, count: int) -> list[int]:
+        """The indices of `count` items this replica handles: rank, rank + R, ..."""
+        return list(range(self.rank, count, self.size))
+
+    def gather_in_order(self, mine: list) -> list:
+        """Every replica's share() results, back in the global order."""
+        parts = self.group.all_gather_object(mine)
+        out: list = []
+        for index in range(sum(len(p) for p in parts)):
+            out.append(parts[index % self.size][index // self.size])
+        return out
+
+    def rounds(self, count: int) -> list[int | None]:
+        """For each round, this replica's item index (None when the last round has none for it)."""
+        rounds = -(-count // self.size)
+        return [k * self.size + self.rank if k * self.size + self.rank < count else None for k in range(rounds)]
+
+    def gather_gradients(self, named: dict | None, names: list[str], zeros: Callable[[str], object]) -> list[dict]:
+        """The round's gradients of every replica that had a micro-batch, in replica (= micro-batch)
+        order. A replica without one sends zeros that are never added."""
+        if self.size == 1:
+            return [] if named is None else [named]
+        present = self.group.all_gather_object(named is not None)
+        gathered = {name: self.group.all_gather(named[name] if named is not None else zeros(name)) for name in names}
+        return [{name: gathered[name][r] for name in names} for r in range(self.size) if present[r]]

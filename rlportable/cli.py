@@ -346,10 +346,26 @@ def _run_options(f):
         click.option("--micro-batch-tokens", default=16384, show_default=True, type=int,
                      help="Tokens per forward/backward pass (memory, not the result's definition)."),
         DEVICE_OPTION,
+        click.option("--dp", default=1, show_default=True, type=int,
+                     help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as "
+                          "--dp 1."),
+        click.option("--dp-emulate", is_flag=True,
+                     help="Run the --dp replicas as threads of this process on one device (always so on cpu)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str, dp: int, dp_emulate: bool):
+    """run(backend, on_step, group) on every data-parallel replica (one without --dp); rank 0 prints."""
+    def work(backend, group):
+        if group.rank == 0:
+            _train(kind, lambda on_step: run(backend, on_step, group), keys, steps)
+        else:
+            run(backend, lambda record: None, group)
+
+    _run_ranks(device, dp, dp_emulate, work)
 
 
 def _train(kind: str, run, keys: list[str], steps: int):
@@ -375,12 +391,11 @@ def _train(kind: str, run, keys: list[str], steps: int):
 @click.option("--batch-size", default=32, show_default=True, type=int, help="Examples per optimiser step.")
 @click.option("--max-length", default=1024, show_default=True, type=int, help="Longest prompt + completion.")
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-        weight_decay, max_grad_norm, micro_batch_tokens, device, batch_size, max_length):
+        weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, batch_size, max_length):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
     from rlportable.train import launch
     from rlportable.train.sft import SFTConfig
 
-    backend = _backend(device)
     try:
         config = SFTConfig(steps=steps or launch.DEFAULT_SFT_STEPS, batch_size=batch_size,
                            learning_rate=lr or launch.DEFAULT_SFT_LR,
@@ -391,8 +406,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
     except RlpError as error:
         _fail(error)
-    _train("sft", lambda on_step: launch.run_sft(backend, options, config, on_step),
-           ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps)
+    _train_on_replicas("sft", lambda backend, on_step, group: launch.run_sft(backend, options, config, on_step, group),
+                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, dp, dp_emulate)
 
 
 @main.command()
@@ -416,14 +431,10 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--scale-rewards", default="group", show_default=True, type=click.Choice(["group", "batch", "none"]))
 @click.option("--num-iterations", default=1, show_default=True, type=int, help="Passes over each rollout.")
 @click.option("--mini-batches", default=1, show_default=True, type=int, help="Optimiser steps per pass.")
-@click.option("--dp", default=1, show_default=True, type=int,
-              help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as --dp 1.")
-@click.option("--dp-emulate", is_flag=True, help="Run the --dp replicas as threads of this process on one device "
-                                                 "(always so on cpu).")
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-         weight_decay, max_grad_norm, micro_batch_tokens, device, rewards, reward_weights, prompts_per_step,
-         num_generations, max_completion_length, temperature, top_p, top_k, min_p, epsilon, epsilon_high, beta,
-         loss_type, scale_rewards, num_iterations, mini_batches, dp, dp_emulate):
+         weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, rewards, reward_weights,
+         prompts_per_step, num_generations, max_completion_length, temperature, top_p, top_k, min_p, epsilon,
+         epsilon_high, beta, loss_type, scale_rewards, num_iterations, mini_batches):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
     from rlportable.train.grpo import GRPOConfig
@@ -444,17 +455,11 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
     except RlpError as error:
         _fail(error)
-    keys = ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches", "max_abs_dlogp",
-            "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"]
-
-    def work(backend, group):
-        if group.rank == 0:
-            _train("grpo", lambda on_step: launch.run_grpo(backend, options, config, specs, on_step, group), keys,
-                   config.steps)
-        else:
-            launch.run_grpo(backend, options, config, specs, lambda record: None, group)
-
-    _run_ranks(device, dp, dp_emulate, work)
+    _train_on_replicas("grpo", lambda backend, on_step, group: launch.run_grpo(backend, options, config, specs,
+                                                                               on_step, group),
+                       ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches",
+                        "max_abs_dlogp", "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"],
+                       config.steps, device, dp, dp_emulate)
 
 
 @main.group()

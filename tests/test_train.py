@@ -114,3 +114,34 @@ def test_data_parallel_grpo_is_bitwise_the_single_device_run(tmp_path, replicas)
     straight, parallel = _final_weights(tmp_path / "single"), _final_weights(tmp_path / "replicated")
     for name in straight:
         assert np.array_equal(straight[name], parallel[name]), name
+
+
+def test_data_parallel_sft_is_bitwise_the_single_device_run(tmp_path):
+    from rlportable.runtime.collectives import run_threads
+
+    config = SFTConfig(steps=2, batch_size=8, learning_rate=3e-3, micro_batch_tokens=20, seed=2)
+    single = launch.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
+    replicated = run_threads(CPU, 2, lambda group: launch.run_sft(CPU, _options(tmp_path, "replicated"), config,
+                                                                  lambda r: None, group))
+    for records in replicated:
+        assert [r["loss"] for r in records] == [r["loss"] for r in single]
+        assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in single]
+    straight, parallel = _final_weights(tmp_path / "single"), _final_weights(tmp_path / "replicated")
+    for name in straight:
+        assert np.array_equal(straight[name], parallel[name]), name
+
+
+def test_cli_grpo_with_dp_on_cpu_prints_the_same_last_step(tmp_path):
+    from click.testing import CliRunner
+
+    from rlportable.cli import main
+
+    args = ["grpo", "--device", "cpu", "--steps", "1", "--prompts-per-step", "2", "-G", "2",
+            "--max-completion-length", "3"]
+    one = CliRunner().invoke(main, args)
+    two = CliRunner().invoke(main, args + ["--dp", "2"])
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    last = [line for line in one.output.splitlines() if line.startswith("step 1")][-1]
+    assert "logp_mismatches 0" in last
+    assert last.split("| rollout")[0] == [line for line in two.output.splitlines()
+                                          if line.startswith("step 1")][-1].split("| rollout")[0]

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from rlportable.runtime.collectives import Group, SingleGroup
 
 
@@ -64,3 +66,19 @@ class Replicas:
         present = self.group.all_gather_object(named is not None)
         gathered = {name: self.group.all_gather(named[name] if named is not None else zeros(name)) for name in names}
         return [{name: gathered[name][r] for name in names} for r in range(self.size) if present[r]]
+
+    def train_rounds(self, optimizer, batches: list, compute: Callable) -> list:
+        """Every micro-batch of `batches` through compute(batch) -> (host result, gradients by name),
+        dealt out round-robin; the gradients accumulated into `optimizer` in micro-batch order on
+        every replica. Returns the host results of all micro-batches, in order."""
+        model = optimizer.model
+        shapes = {name: tuple(array.shape) for name, array in model.params.named_tensors(model.config).items()}
+        results = []
+        for mine in self.rounds(len(batches)):
+            result, named = (None, None) if mine is None else compute(batches[mine])
+            for grads in self.gather_gradients(named, optimizer.names,
+                                               lambda name: model.backend.zeros(shapes[name], np.float32)):
+                optimizer.accumulate_named(grads)
+            results.extend(r for r in self.group.all_gather_object(result) if r is not None)
+        return results
+

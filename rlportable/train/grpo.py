@@ -166,24 +166,20 @@ class GRPOTrainer:
         for iteration in range(cfg.num_iterations):
             for index, mini in enumerate(minis):
                 counts = (len(mini), sum(len(s.completion_ids) for s in mini))
-                batches = pack(mini, cfg.micro_batch_tokens)
-                for mine in self.replicas.rounds(len(batches)):  # round-robin over the replicas
-                    result, named = None, None
-                    if mine is not None:
-                        result, named = self._micro_batch(batches[mine], settings, counts,
-                                                          check_logp=iteration == 0 and index == 0)
-                    for grads in self.replicas.gather_gradients(named, self.optimizer.names, self._zeros):
-                        self.optimizer.accumulate_named(grads)  # in micro-batch order, on every replica
-                    for loss in [r for r in self.replicas.group.all_gather_object(result) if r is not None]:
-                        if loss["check"] is not None:
-                            check.append(loss["check"])
-                            _raise_on_mismatch(check[-1])
-                        losses.append(loss["loss"])
-                        kls.append(loss["kl"])
-                        clips.append(loss["clip_fraction"])
-                        if iteration == 0:
-                            ratio_min.append(loss["ratio_min"])
-                            ratio_max.append(loss["ratio_max"])
+                results = self.replicas.train_rounds(
+                    self.optimizer, pack(mini, cfg.micro_batch_tokens),
+                    lambda batch, first=iteration == 0 and index == 0: self._micro_batch(batch, settings, counts,
+                                                                                           first))
+                for loss in results:
+                    if loss["check"] is not None:
+                        check.append(loss["check"])
+                        _raise_on_mismatch(check[-1])
+                    losses.append(loss["loss"])
+                    kls.append(loss["kl"])
+                    clips.append(loss["clip_fraction"])
+                    if iteration == 0:
+                        ratio_min.append(loss["ratio_min"])
+                        ratio_max.append(loss["ratio_max"])
                 infos.append(self.optimizer.step())
         return {
             "loss": float(np.mean(losses)), "kl": float(np.mean(kls)), "clip_fraction": float(np.mean(clips)),
@@ -209,10 +205,6 @@ class GRPOTrainer:
         metrics = {"loss": loss.loss, "check": check, **{key: loss.metrics[key] for key in (
             "kl", "clip_fraction", "ratio_min", "ratio_max")}}
         return metrics, grads.named_tensors(self.model.config)
-
-    def _zeros(self, name: str):
-        reference = self.model.params.named_tensors(self.model.config)[name]
-        return self.model.backend.zeros(tuple(reference.shape), np.float32)
 
     def _check_before_update(self, later_minis: list[list[Sample]]) -> list[dict]:
         """The log-probs of mini-batches trained after the first update, recomputed before it (the

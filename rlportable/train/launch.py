@@ -88,10 +88,16 @@ def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: lis
     settings = settings_dict(config, options, items)
     model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings)
     trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config), group)
-    if group is not None and group.rank != 0:
-        options = dataclasses.replace(options, out=None, log_jsonl=None, plot=None)
+    options = _writer_options(options, group)
     return _run(trainer, "grpo", settings, tokenizer, start, ckpt, options, config.steps, on_step,
                 "reward_mean", "GRPO reward")
+
+
+def _writer_options(options: RunOptions, group) -> RunOptions:
+    """Only rank 0 of data-parallel replicas writes checkpoints, metrics and plots (all compute the same)."""
+    if group is None or group.rank == 0:
+        return options
+    return dataclasses.replace(options, out=None, log_jsonl=None, plot=None)
 
 
 def _reference(backend, options: RunOptions, config: GRPOConfig):
@@ -102,14 +108,16 @@ def _reference(backend, options: RunOptions, config: GRPOConfig):
     return Model(backend, model_config, weights)
 
 
-def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None]) -> list[dict]:
+def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None], group=None) -> list[dict]:
+    """group: as run_grpo's."""
     if options.data is not None and options.task is None:
         records = load_sft_jsonl(options.data)
     else:
         records = task_sft_records(task_records(options.task, options.data, config.seed)[0])
     settings = settings_dict(config, options)
     model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings)
-    trainer = SFTTrainer(model, tokenizer, records, config)
+    trainer = SFTTrainer(model, tokenizer, records, config, group)
+    options = _writer_options(options, group)
     return _run(trainer, "sft", settings, tokenizer, start, ckpt, options, config.steps, on_step, "loss", "SFT loss")
 
 

@@ -19,11 +19,13 @@ import numpy as np
 
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
+from rlportable.runtime.collectives import Group
 from rlportable.train import objectives
+from rlportable.train.data_parallel import Replicas
 from rlportable.train.grpo import records_for_step
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.tasks import read_jsonl_objects
-from rlportable.train.trainer import Sample, pack, train_micro_batch
+from rlportable.train.trainer import Sample, micro_batch_gradients, pack
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,12 @@ class SFTTrainer:
     tokenizer: object
     records: list[dict]
     config: SFTConfig
+    group: Group | None = None       # data-parallel replicas (train/data_parallel.py); None: one device
     optimizer: Optimizer = field(init=False)
 
     def __post_init__(self):
         cfg = self.config
+        self.replicas = Replicas.of(self.group)
         self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps))
 
     def step(self, step: int) -> dict:
@@ -100,11 +104,13 @@ class SFTTrainer:
         records = records_for_step(self.records, cfg.seed, step, cfg.batch_size)
         samples = [to_sample(r, self.tokenizer, cfg.max_length) for r in records]
         tokens = sum(len(s.completion_ids) for s in samples)
-        losses = []
-        for batch in pack(samples, cfg.micro_batch_tokens):
-            loss, _ = train_micro_batch(self.model, self.optimizer, batch, 1.0,
-                                        lambda logp: objectives.sft_token_loss(logp, tokens))
-            losses.append(loss.loss)
+
+        def compute(batch):
+            loss, _, grads = micro_batch_gradients(self.model, batch, 1.0,
+                                                   lambda logp: objectives.sft_token_loss(logp, tokens))
+            return loss.loss, grads.named_tensors(self.model.config)
+
+        losses = self.replicas.train_rounds(self.optimizer, pack(samples, cfg.micro_batch_tokens), compute)
         info = self.optimizer.step()
         seconds = time.perf_counter() - started
         trained = sum(s.length for s in samples)

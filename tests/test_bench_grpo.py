@@ -53,8 +53,8 @@ def test_ignore_eos_and_sampler_reach_the_engine(monkeypatch):
     assert trainer.engine.runner.sampler == "device"
     seen = []
     generate = trainer.engine.generate
-    monkeypatch.setattr(trainer.engine, "generate", lambda prompts, params: seen.append(params) or
-                        generate(prompts, params))
+    monkeypatch.setattr(trainer.engine, "generate", lambda prompts, params, **kw: seen.append(params) or
+                        generate(prompts, params, **kw))
     trainer._rollout([{"prompt": [1, 2, 3]}], 0)
     assert seen[0].ignore_eos is True and seen[0].max_tokens == 5
     assert GRPOConfig().ignore_eos is False and GRPOConfig().sampler == "host"

@@ -22,7 +22,8 @@ from rlportable.runtime import offline_compile
 HIP_HEADER = "#ifndef RLP_HIP_ON_CUDA\n#include <hip/hip_runtime.h>\n#endif\n"
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
 # Names that tie a kernel to one warp width or one vendor: the HIP sources must run at 64 (CDNA)
-# and at 32 (NVIDIA, through the prelude), so block-wide results use shared-memory atomics only.
+# and at 32 (NVIDIA, through the prelude), so block-wide results use shared-memory atomics, after
+# common.h's reductions over segments of 32 lanes (its one shuffle, SEGMENT_SHUFFLE below).
 _WARP_OR_VENDOR_SPECIFIC = ("__shfl", "__ballot", "__activemask", "__any_sync", "__all_sync", "warpSize",
                             "__builtin_amdgcn_", "asm(", "asm volatile")
 
@@ -93,9 +94,16 @@ def test_hip_source_layout(family):
         assert name not in code, f"{family}.hip uses {name!r}: warp-width or vendor specific"
 
 
+# The one shuffle allowed, in common.h only: width 32, a segment that divides either vendor's warp
+# width (32 or 64); the block reductions built on it (rlp_block_*) are what the family sources call.
+SEGMENT_SHUFFLE = "__shfl_xor(value, lane_mask, 32)"
+
+
 def test_hip_common_header_is_warp_and_vendor_neutral():
     text = (resource_dir("backends") / "hip" / "common.h").read_text()
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)
+    assert code.count(SEGMENT_SHUFFLE) == 1, f"hip/common.h must shuffle in exactly one place: {SEGMENT_SHUFFLE}"
+    code = code.replace(SEGMENT_SHUFFLE, "")
     for name in _WARP_OR_VENDOR_SPECIFIC:
         assert name not in code, f"hip/common.h uses {name!r}: warp-width or vendor specific"
 

@@ -12,8 +12,9 @@
 #define RLP_NORM_BITS 23
 
 // One block per row (grid-stride over rows). The row's exponent is an integer max and its
-// sum of squares an exact int64 sum, both combined with shared-memory atomics: exact and
-// order-free, whatever the block size or warp width. Then the reference's float64 steps:
+// sum of squares an exact int64 sum, both combined by common's rlp_block_* (segments of 32
+// lanes, then one shared-memory atomic per segment): exact and order-free, whatever the block
+// size (a multiple of 32, every thread calling) or warp width. Then the reference's float64 steps:
 //   mean = (double(ss) * 2^(2(e-21))) / double(H);  r = 1 / sqrt(mean + eps)
 //   y_i  = RNE_f32((double(x_i) * r) * double(w_i))
 // sqrt of a double is IEEE (correctly rounded) in CUDA; NaN results are the canonical NaN.
@@ -35,7 +36,7 @@ extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float
                 long long q = rlp_quantize(xr[i], RLP_NORM_BITS, e);
                 local_sum += q * q;  // < 2^44 each; the row's sum < 2^62 for H <= 2^18
             }
-            atomicAdd(&total, (unsigned long long)local_sum);
+            rlp_block_sum_i64(&total, local_sum);
             __syncthreads();
             const double ss = __ll2double_rn((long long)total);
             const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
@@ -82,7 +83,7 @@ __device__ __forceinline__ long long rlp_norm_quantize_f64(double term, double s
 // With g_j = dy_j w_j (exact) and t_j = RNE_f64(g_j x_j):
 //   s = odd(Q) 2^(e-42), Q = sum_j RNE(t_j 2^(42-e)) exact int64, e = ilogb(max |t_j|)
 //   c = (((r r) r) s) / H;  dx_j = RNE_f32((g_j r) - (x_j c))
-// The max and the sums meet through shared-memory atomics: exact and order-free. row_scale[row]
+// The max and the sums meet through rlp_block_* (as above): exact and order-free. row_scale[row]
 // = r (NaN on a non-finite x row) for the dweight kernels. A non-finite x row or t gives a
 // canonical-NaN row; any other NaN result is the canonical NaN.
 extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ w,
@@ -110,8 +111,8 @@ extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, co
                 const double t = ((double)dy[offset + i] * (double)w[i]) * (double)xi;
                 local_t = rlp_norm_max_u64(local_t, rlp_norm_magnitude_f64(t));
             }
-            atomicAdd(&total, (unsigned long long)local_sum);
-            atomicMax(&largest_t, local_t);
+            rlp_block_sum_i64(&total, local_sum);
+            rlp_block_max_u64(&largest_t, local_t);
             __syncthreads();
             const double ss = __ll2double_rn((long long)total);
             const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
@@ -130,7 +131,7 @@ extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, co
                     const double t = ((double)dy[offset + i] * (double)w[i]) * (double)x[offset + i];
                     local_q += rlp_norm_quantize_f64(t, scale_hi, scale_lo);
                 }
-                atomicAdd(&total_t, (unsigned long long)local_q);
+                rlp_block_sum_i64(&total_t, local_q);
                 __syncthreads();
                 const double s = rlp_round_to_odd_f64((long long)total_t) * rlp_pow2_f64(et - (RLP_NORM_GRAD_SUM_BITS - 2));
                 const double c = (((r * r) * r) * s) / (double)h;

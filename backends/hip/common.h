@@ -15,7 +15,11 @@
 //     default round-to-nearest-even mode (HIP's own headers define them that way;
 //     rint is IEEE roundToIntegralTiesToEven, exact).
 //   * No warp-width assumption anywhere: block-wide results go through
-//     shared-memory atomics and __syncthreads only.
+//     shared-memory atomics and __syncthreads, after an exact integer reduction
+//     over segments of 32 lanes (rlp_block_max_u32 and its siblings below; 32
+//     divides the warp width of either vendor). __shfl_xor(value, lane_mask, 32)
+//     in rlp_segment_xor_u32 is the only shuffle; the family sources call the
+//     rlp_block_* helpers, never a shuffle themselves.
 // Include guard rather than #pragma once: the runtime inlines this file into
 // the compiled text, where #pragma once would draw a warning.
 #ifndef RLP_HIP_COMMON_H
@@ -84,14 +88,73 @@ __device__ __forceinline__ unsigned int rlp_magnitude_bits(float x) {
     return (unsigned int)__float_as_int(x) & 0x7fffffffu;
 }
 
+// ---- Block-wide exact integer reductions (max, sum, or), in two steps: xor shuffles of
+// width 32 combine each aligned segment of 32 lanes (threads 32j .. 32j+31), then lane 0 of
+// each segment does the one shared-memory atomic (not 256 threads on one address). 32 divides
+// both warp widths (32 on NVIDIA, 64 on AMD), so no warp width is assumed. Integer max, sum
+// (mod 2^64, as atomicAdd) and or are exact and order-free: the bits are those of one atomic
+// per thread. Preconditions (a shuffle reads its partner lane's value):
+//   * the block is one-dimensional with a multiple of 32 threads;
+//   * every thread of the block calls the helper (block-uniform control flow).
+// The shared word is zeroed and synchronised by the caller, who synchronises again before
+// reading it. The same code as backends/cuda/common.cuh with HIP's __shfl_xor (width 32:
+// segments of 32 lanes of a 64-wide wavefront; hip_on_cuda.h maps it to __shfl_xor_sync).
+#define RLP_SEGMENT 32
+
+// The one shuffle: value of lane (this lane xor lane_mask), lane_mask < 32, within the segment.
+__device__ __forceinline__ unsigned int rlp_segment_xor_u32(unsigned int value, int lane_mask) {
+    return __shfl_xor(value, lane_mask, 32);
+}
+
+// 64 bits as two 32-bit shuffles (no reliance on either vendor's 64-bit overload).
+__device__ __forceinline__ unsigned long long rlp_segment_xor_u64(unsigned long long value, int lane_mask) {
+    const unsigned int low = rlp_segment_xor_u32((unsigned int)value, lane_mask);
+    const unsigned int high = rlp_segment_xor_u32((unsigned int)(value >> 32), lane_mask);
+    return ((unsigned long long)high << 32) | (unsigned long long)low;
+}
+
+__device__ __forceinline__ bool rlp_segment_leader() { return (threadIdx.x & (RLP_SEGMENT - 1)) == 0; }
+
+// *largest = max(*largest, value over the block).
+__device__ __forceinline__ void rlp_block_max_u32(unsigned int* largest, unsigned int value) {
+    for (int lane_mask = RLP_SEGMENT / 2; lane_mask > 0; lane_mask >>= 1) {
+        const unsigned int other = rlp_segment_xor_u32(value, lane_mask);
+        value = other > value ? other : value;
+    }
+    if (rlp_segment_leader()) atomicMax(largest, value);
+}
+
+// *largest = max(*largest, value over the block).
+__device__ __forceinline__ void rlp_block_max_u64(unsigned long long* largest, unsigned long long value) {
+    for (int lane_mask = RLP_SEGMENT / 2; lane_mask > 0; lane_mask >>= 1) {
+        const unsigned long long other = rlp_segment_xor_u64(value, lane_mask);
+        value = other > value ? other : value;
+    }
+    if (rlp_segment_leader()) atomicMax(largest, value);
+}
+
+// *total += the sum of value over the block, in two's complement mod 2^64 (the caller bounds
+// the true sum inside int64, so the wrapped sum is that sum, whatever the order).
+__device__ __forceinline__ void rlp_block_sum_i64(unsigned long long* total, long long value) {
+    unsigned long long sum = (unsigned long long)value;
+    for (int lane_mask = RLP_SEGMENT / 2; lane_mask > 0; lane_mask >>= 1) sum += rlp_segment_xor_u64(sum, lane_mask);
+    if (rlp_segment_leader()) atomicAdd(total, sum);
+}
+
+// *bits |= the or of value over the block.
+__device__ __forceinline__ void rlp_block_or_u32(unsigned int* bits, unsigned int value) {
+    for (int lane_mask = RLP_SEGMENT / 2; lane_mask > 0; lane_mask >>= 1) value |= rlp_segment_xor_u32(value, lane_mask);
+    if (rlp_segment_leader()) atomicOr(bits, value);
+}
+
 // The exact exponent of a row, computed by a whole block: every thread reads a strided
-// share of the row and the maxima meet through a shared-memory atomicMax (exact for any
-// block size or warp width). `largest` is shared, zeroed and synchronised by the caller;
-// every thread returns the same exponent.
+// share of the row and the maxima meet through rlp_block_max_u32 (exact for any block size
+// that is a multiple of 32, any warp width; every thread of the block calls it). `largest`
+// is shared, zeroed and synchronised by the caller; every thread returns the same exponent.
 __device__ __forceinline__ int rlp_block_row_exponent(const float* row, int k, unsigned int* largest) {
     unsigned int local = 0u;
     for (int i = threadIdx.x; i < k; i += blockDim.x) local = rlp_max_u32(local, rlp_magnitude_bits(row[i]));
-    atomicMax(largest, local);
+    rlp_block_max_u32(largest, local);
     __syncthreads();
     return rlp_row_exponent(*largest);
 }

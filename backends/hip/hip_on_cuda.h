@@ -20,6 +20,10 @@
 //     every .hip through this prelude with nvcc), so the list cannot fall
 //     behind silently. AMD builtins (__builtin_amdgcn_*) have no CUDA meaning
 //     and are not allowed in the shared sources.
+//   * __shfl_xor(var, lane_mask, width) (common.h's one segment shuffle, width
+//     32) is HIP's unsynchronised shuffle; CUDA spells it __shfl_xor_sync with a
+//     full mask, the mapping HIP's own NVIDIA headers use. Every lane of the
+//     warp calls it (common.h's rlp_block_* preconditions).
 // Include guard rather than #pragma once: the runtime inlines this file into
 // the compiled text, where #pragma once would draw a warning.
 #ifndef RLP_HIP_ON_CUDA_H
@@ -28,5 +32,7 @@
 #ifndef RLP_HIP_ON_CUDA
 #define RLP_HIP_ON_CUDA 1
 #endif
+
+#define __shfl_xor(var, lane_mask, width) __shfl_xor_sync(0xffffffffu, (var), (lane_mask), (width))
 
 #endif  // RLP_HIP_ON_CUDA_H

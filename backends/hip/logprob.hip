@@ -76,8 +76,9 @@ __device__ __forceinline__ int rlp_logprob_exponent_f64(unsigned long long magni
 }
 
 // One block per row (grid-stride over rows); every row-wide result (max, NaN flag, the
-// exact int64 sums, the largest |w|) is combined with shared-memory atomics: exact and
-// order-free, whatever the block size or warp width. mode: RLP_LOGPROB_WANT_LOGP writes
+// exact int64 sums, the largest |w|) is combined by common's rlp_block_* (segments of 32 lanes,
+// then one shared-memory atomic per segment): exact and order-free, whatever the block size
+// (a multiple of 32, every thread calling) or warp width. mode: RLP_LOGPROB_WANT_LOGP writes
 // logp[row] (targets read), RLP_LOGPROB_WANT_ENTROPY writes entropy[row]; an output not
 // asked for is never touched. The host checked 1 <= vocab <= 2^25 and 0 <= targets < vocab.
 //   pass 1: a_v, m = max a_v (integer key), any NaN;
@@ -105,8 +106,8 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
             if (a != a) nan = 1u;
             else local_key = rlp_max_u32(local_key, rlp_logprob_key(a));
         }
-        atomicMax(&largest_key, local_key);
-        atomicOr(&has_nan, nan);
+        rlp_block_max_u32(&largest_key, local_key);
+        rlp_block_or_u32(&has_nan, nan);
         __syncthreads();
         const float m = rlp_logprob_from_key(largest_key);
         if (has_nan != 0u || rlp_logprob_undefined(m)) {
@@ -126,8 +127,8 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
                     local_w = rlp_logprob_max_u64(local_w, (unsigned long long)__double_as_longlong(w) & 0x7fffffffffffffffull);
                 }
             }
-            atomicAdd(&total, (unsigned long long)local_s);
-            atomicMax(&largest_w, local_w);
+            rlp_block_sum_i64(&total, local_s);
+            rlp_block_max_u64(&largest_w, local_w);
             __syncthreads();
             const long long s = (long long)total;
             const float ls = rlp_logprob_log_sum(s);
@@ -147,7 +148,7 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
                     double w = rlp_logprob_term(rlp_exp_f32(d), d);
                     local_q += rlp_double2ll_rn((w * scale_hi) * scale_lo);
                 }
-                atomicAdd(&w_total, (unsigned long long)local_q);
+                rlp_block_sum_i64(&w_total, local_q);
                 __syncthreads();
                 if (threadIdx.x == 0) {
                     double w_sum = rlp_round_to_odd_f64((long long)w_total) * rlp_pow2_f64(e - (RLP_LOGPROB_SUM_BITS - 2));
@@ -171,8 +172,8 @@ __device__ __forceinline__ float rlp_logprob_grad_element(float p, bool is_targe
 
 // The gradient of grad[row] * logp[row] with respect to logits[row, :] (logprobs_backward).
 // One block per row (grid-stride over rows); the max, the NaN flag and the exact sum S are
-// computed as in logprob_rows (shared-memory atomics: any block size or warp width gives the
-// same bits). The host checked 1 <= vocab <= 2^25 and 0 <= targets < vocab.
+// computed as in logprob_rows (rlp_block_*: any block size that is a multiple of 32, any warp
+// width gives the same bits). The host checked 1 <= vocab <= 2^25 and 0 <= targets < vocab.
 //   g = +-0: +0 everywhere, the logits are not read (masked tokens);
 //   g non-finite: the canonical NaN everywhere;
 //   pass 1: a_v, m = max a_v (integer key), any NaN; a NaN or m = +-inf: the canonical NaN everywhere;
@@ -202,8 +203,8 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
                 if (a != a) nan = 1u;
                 else local_key = rlp_max_u32(local_key, rlp_logprob_key(a));
             }
-            atomicMax(&largest_key, local_key);
-            atomicOr(&has_nan, nan);
+            rlp_block_max_u32(&largest_key, local_key);
+            rlp_block_or_u32(&has_nan, nan);
             __syncthreads();
             const float m = rlp_logprob_from_key(largest_key);
             if (has_nan != 0u || rlp_logprob_undefined(m)) {
@@ -214,7 +215,7 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
                     float p = rlp_exp_f32(rlp_logprob_scaled(zr[i], temperature) - m);
                     local_s += rlp_logprob_sum_term(p);
                 }
-                atomicAdd(&total, (unsigned long long)local_s);
+                rlp_block_sum_i64(&total, local_s);
                 __syncthreads();
                 const double s_val = rlp_round_to_odd_f64((long long)total) * rlp_pow2_f64(-(RLP_LOGPROB_SUM_BITS - 2));
                 const double scale = (double)g / temperature;
@@ -236,8 +237,8 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
 // helpers above are logprob_rows' own, so both paths share one formula.
 
 // keys[row] = max over the shard of rlp_logprob_key_or_nan(a_v): the key of the shard's
-// maximum, or the NaN marker. One block per row (grid-stride); a shared-memory atomicMax,
-// exact and order-free at any block size or warp width. The host checked width >= 1.
+// maximum, or the NaN marker. One block per row (grid-stride); rlp_block_max_u32, exact and
+// order-free at any block size (a multiple of 32) or warp width. The host checked width >= 1.
 extern "C" __global__ void logprob_shard_max(const float* __restrict__ logits, long long rows, int width,
                                              double temperature, unsigned int* __restrict__ keys) {
     __shared__ unsigned int largest_key;
@@ -249,7 +250,7 @@ extern "C" __global__ void logprob_shard_max(const float* __restrict__ logits, l
         for (int i = threadIdx.x; i < width; i += blockDim.x) {
             local_key = rlp_max_u32(local_key, rlp_logprob_key_or_nan(rlp_logprob_scaled(zr[i], temperature)));
         }
-        atomicMax(&largest_key, local_key);
+        rlp_block_max_u32(&largest_key, local_key);
         __syncthreads();
         if (threadIdx.x == 0) keys[row] = largest_key;
         __syncthreads();  // thread 0 has read largest_key before the next row resets it
@@ -259,7 +260,7 @@ extern "C" __global__ void logprob_shard_max(const float* __restrict__ logits, l
 // sums[row] = (sum over the shard of RNE(exp_f32(a_v - m) 2^36), the bits of a_y - m zero-extended
 // when the global target y lies in [vocab_start, vocab_start + width), else 0), m = the float of
 // keys[row] (the MAX over every rank); a row whose m is NaN or +-inf writes (0, 0). One block per
-// row (grid-stride); the sum through a shared-memory atomicAdd, exact and order-free.
+// row (grid-stride); the sum through rlp_block_sum_i64, exact and order-free.
 extern "C" __global__ void logprob_shard_sums(const float* __restrict__ logits, const unsigned int* __restrict__ keys,
                                               const int* __restrict__ targets, long long rows, int width,
                                               int vocab_start, double temperature, long long* __restrict__ sums) {
@@ -276,7 +277,7 @@ extern "C" __global__ void logprob_shard_sums(const float* __restrict__ logits, 
             for (int i = threadIdx.x; i < width; i += blockDim.x) {
                 local_s += rlp_logprob_sum_term(rlp_exp_f32(rlp_logprob_scaled(zr[i], temperature) - m));
             }
-            atomicAdd(&total, (unsigned long long)local_s);
+            rlp_block_sum_i64(&total, local_s);
             __syncthreads();
             if (threadIdx.x == 0) {
                 const long long local_target = (long long)targets[row] - (long long)vocab_start;

@@ -16,6 +16,13 @@ from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
 MAX_GRID = 65535
+THREAD_SEGMENT = 32  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
+
+
+def row_threads(h: int) -> int:
+    """Threads of one row's block: enough for h (QK-norm rows are 64..256 floats) up to NORM_THREADS,
+    a multiple of THREAD_SEGMENT as the block reductions require. The bits do not depend on it."""
+    return min(NORM_THREADS, -(-h // THREAD_SEGMENT) * THREAD_SEGMENT)
 
 
 def check_eps(eps) -> float:
@@ -40,7 +47,7 @@ def rmsnorm(backend, x, weight, eps: float):
         return reference.rmsnorm(backend.to_numpy(x), backend.to_numpy(weight), eps)
     y = backend.empty((rows, h), np.float32)
     if rows and h:
-        backend.launch("norm", "norm_rmsnorm", (min(rows, MAX_GRID),), (NORM_THREADS,),
+        backend.launch("norm", "norm_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
                        (x, weight, np.int64(rows), np.int32(h), np.float64(eps), y))
     return y
 

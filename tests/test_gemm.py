@@ -124,3 +124,17 @@ def test_strided_views_are_refused():
     x = np.zeros((3, 16), np.float32)[:, ::2]
     with pytest.raises(InputError, match="C-contiguous"):
         gemm_op.gemm(CPU, x, weight)
+
+
+def test_a_shared_encoding_must_be_the_one_of_x():
+    from rlportable.errors import InputError
+    from rlportable.ops import fixedpoint, gemm as gemm_op
+    from rlportable.runtime import get_backend
+
+    cpu = get_backend("cpu")
+    x = np.ones((3, 8), np.float32)
+    weight = gemm_op.encode_weight(cpu, np.ones((4, 8), np.float32))
+    shared = fixedpoint.encode_rows(cpu, x, gemm_op.DEFAULT_BITS_A)
+    assert np.array_equal(gemm_op.gemm(cpu, x, weight, encoded=shared), gemm_op.gemm(cpu, x, weight))
+    with pytest.raises(InputError, match="shared encoding is 3x8 at 23 bits; x is 2x8"):
+        gemm_op.gemm(cpu, x[:2], weight, encoded=shared)

@@ -22,7 +22,7 @@ from rlportable.errors import InputError
 from rlportable.model import parallel
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import LayerWeights, ModelWeights
-from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
+from rlportable.ops import activation, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope
 from rlportable.runtime.base import Backend
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -216,9 +216,15 @@ class Model:
         logits = gemm.gemm(self.backend, hidden_rows, self.lm_head)
         return logits if self.tp.size == 1 else parallel.whole_logits(self.backend, self.group, logits)
 
-    def _projection(self, h, weight, bias):
-        y = gemm.gemm(self.backend, h, weight)
+    def _projection(self, h, weight, bias, encoded=None):
+        y = gemm.gemm(self.backend, h, weight, encoded=encoded)
         return y if bias is None else residual.add_bias(self.backend, y, bias)
+
+    def _shared_encoding(self, h):
+        """h encoded once for the several projections that read it (devices; the reference quantizes itself)."""
+        if self.backend.kernel_vendor is None:
+            return None
+        return fixedpoint.encode_rows(self.backend, h, gemm.DEFAULT_BITS_A)
 
     def _heads(self, flat, heads: int, head_norm):
         cfg = self.shape
@@ -233,9 +239,10 @@ class Model:
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
         h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
-        q_lin = self._projection(h1, layer.q, layer.q_bias)
-        k_lin = self._projection(h1, layer.k, layer.k_bias)
-        v = self._projection(h1, layer.v, layer.v_bias).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        h1_rows = self._shared_encoding(h1)
+        q_lin = self._projection(h1, layer.q, layer.q_bias, h1_rows)
+        k_lin = self._projection(h1, layer.k, layer.k_bias, h1_rows)
+        v = self._projection(h1, layer.v, layer.v_bias, h1_rows).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         device_positions, host_positions = positions
         q = rope.apply(backend, self._heads(q_lin, cfg.num_attention_heads, layer.q_norm), device_positions, cos, sin,
                        host_positions)
@@ -244,7 +251,8 @@ class Model:
         a = attend(q, k, v)
         x2 = residual.add(backend, x, self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
         h2 = norm.rmsnorm(backend, x2, layer.mlp_norm, cfg.rms_norm_eps)
-        gate, up = gemm.gemm(backend, h2, layer.gate), gemm.gemm(backend, h2, layer.up)
+        h2_rows = self._shared_encoding(h2)
+        gate, up = gemm.gemm(backend, h2, layer.gate, encoded=h2_rows), gemm.gemm(backend, h2, layer.up, encoded=h2_rows)
         mlp = activation.swiglu(backend, gate, up)
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)

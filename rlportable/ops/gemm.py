@@ -73,26 +73,35 @@ def check_gemm_shapes(m_k: tuple[int, int], weight: GemmWeight, bits_a: int) -> 
 
 
 def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, method: str = "auto",
-         tile: str | None = None):
-    """Y [M, N] float32 = X [M, K] @ W.T under the gemm contract."""
+         tile: str | None = None, encoded: EncodedRows | None = None):
+    """Y [M, N] float32 = X [M, K] @ W.T under the gemm contract.
+
+    encoded: x already encoded at bits_a (encode_rows), shared by several products of the same
+    activations (q, k and v; gate and up): the encoding is a function of x alone, so the bits are
+    the same. The NumPy reference ignores it (it quantizes x itself)."""
     m, k = require_matrix("x", x)
     bits_a = require_bits("bits_a", bits_a)
     check_gemm_shapes((m, k), weight, bits_a)
     if method not in METHODS:
         raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
+    if encoded is not None and (encoded.bits, encoded.rows, encoded.k) != (bits_a, m, k):
+        raise InputError(f"gemm: the shared encoding is {encoded.rows}x{encoded.k} at {encoded.bits} bits; "
+                         f"x is {m}x{k} at {bits_a} bits")
     if backend.kernel_vendor is None:
         return _gemm_reference(backend.to_numpy(x), weight, bits_a)
     method = resolve_method(backend, m, bits_a, weight, method)
     if m == 0 or weight.n == 0 or k == 0:
         return backend.zeros((m, weight.n), np.float32)  # an empty sum is exactly +0
+    if encoded is None:
+        encoded = encode_rows(backend, x, bits_a)
     y = backend.empty((m, weight.n), np.float32)
     if method == "fused":
         from rlportable.ops.gemm_fused import launch_fused, pick_tile, tile_spec
 
         spec = tile_spec(tile or pick_tile(m, weight.n))
-        launch_fused(backend, spec, encode_rows(backend, x, bits_a), weight, y, _scale_offset(bits_a, weight.bits))
+        launch_fused(backend, spec, encoded, weight, y, _scale_offset(bits_a, weight.bits))
     else:
-        _gemm_blas(backend, encode_rows(backend, x, bits_a), weight, y)
+        _gemm_blas(backend, encoded, weight, y)
     return y
 
 

@@ -281,8 +281,9 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_THREADS 128     // the kernels' block size (ops/attention.py launches exactly this)
 #define RLP_ATTS_SCORE_HEADS 8   // q heads per round of attention_split_scores (register sums)
 #define RLP_ATTS_TILE 128        // keys per round of attention_split_values
-#define RLP_ATTS_VALUE_HEADS 16  // q heads per round of attention_split_values
-#define RLP_ATTS_COLUMNS 16      // value columns per thread: one 16-byte load per digit plane and key
+#define RLP_ATTS_VALUE_HEADS 16  // q heads per round of attention_split_values at most
+#define RLP_ATTS_VALUE_SHARE 2   // q heads per thread of attention_split_values: one V load serves them all
+#define RLP_ATTS_COLUMNS 8       // value columns per thread: one 8-byte load per digit plane and key
 
 // c + the four products of the signed bytes of a and b, exact in int32.
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) { return __dp4a(a, b, c); }
@@ -294,6 +295,15 @@ __device__ __forceinline__ unsigned int rlp_atts_perm(unsigned int a, unsigned i
 
 __device__ __forceinline__ int rlp_atts_word(const int4& v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+__device__ __forceinline__ int rlp_atts_word(const int2& v, int i) { return i == 0 ? v.x : v.y; }
+
+// Rows of attention_split_values' shared arrays per key or column: the heads of its largest round,
+// in whole sets of RLP_ATTS_VALUE_SHARE (ops/attention.py split_values_shared_bytes counts the same).
+__device__ __forceinline__ int rlp_atts_head_slots(int group, int round_heads) {
+    const int heads = min(group, round_heads);
+    return (heads + RLP_ATTS_VALUE_SHARE - 1) / RLP_ATTS_VALUE_SHARE * RLP_ATTS_VALUE_SHARE;
 }
 
 // g[k] += sum of a_i b_j over i + j = k, 4 elements: a0, a1, a2 (3 digits) and b0, b1 (2 digits).
@@ -458,33 +468,38 @@ extern "C" __global__ void attention_split_scores(
 }
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
-// RLP_ATTS_VALUE_HEADS (as many as RLP_ATTS_THREADS threads hold at 16 columns each). E and the flags
-// from every split's split_info, m per head from every split's split_keys; then the split's keys in
-// tiles of RLP_ATTS_TILE: threads over keys form p_j, RNE(p_j 2^21) and the weights' 3 digits in shared
-// memory; then each thread takes (head, 16 columns, every lanes-th quad of keys): 16-byte loads of the
-// 4 keys' two V digit planes, transposed to key-major words, and the digit-group products. The sums
-// meet in shared memory with int64 atomics (exact, any order).
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 4) attention_split_values(
+// RLP_ATTS_VALUE_HEADS (as many as RLP_ATTS_THREADS threads hold, RLP_ATTS_VALUE_SHARE heads of
+// RLP_ATTS_COLUMNS columns each). E and the flags from every split's split_info, m per head from every
+// split's split_keys; then the split's keys in tiles of RLP_ATTS_TILE: threads over keys form p_j,
+// RNE(p_j 2^21) and the weights' 3 digits in shared memory; then each thread takes (a set of
+// RLP_ATTS_VALUE_SHARE heads, 8 columns, every lanes-th quad of keys): 8-byte loads of the 4 keys' two
+// V digit planes, transposed to key-major words once and multiplied by every head of the set's weights
+// (the heads of a set share the V bytes; a set past the round's last head, and a key past the split's
+// last one, have zero weights). The sums meet in shared memory with int64 atomics (exact, any order);
+// each key's thread of the p phase keeps its keys' sums of RNE(p_j 2^21), added up per head at the end.
+// Shared arrays sized by the launch (dynamic: ops/attention.py split_values_shared_bytes).
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 5) attention_split_values(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots,
     const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num) {
-    __shared__ int weight_words[RLP_ATTS_VALUE_HEADS * 3 * (RLP_ATTS_TILE / 4)];  // [head][digit][key / 4]
-    __shared__ int p_units[RLP_ATTS_VALUE_HEADS * RLP_ATTS_TILE];                 // [head][key]: RNE(p 2^21)
-    __shared__ long long key_rows[RLP_ATTS_TILE];                                 // cache row, -1: no key
-    __shared__ unsigned long long numerator[RLP_ATTS_COLUMNS * RLP_ATTS_THREADS];  // [head][dp]
-    __shared__ unsigned long long head_total[RLP_ATTS_VALUE_HEADS];
+    extern __shared__ unsigned long long rlp_atts_values_smem[];
     __shared__ float head_m[RLP_ATTS_VALUE_HEADS];
     __shared__ int head_ok[RLP_ATTS_VALUE_HEADS];
     __shared__ unsigned int max_ev;
     __shared__ unsigned int flags;
     __shared__ int any_ok;
     const int group = hq / hkv;
-    const int pieces = dp / RLP_ATTS_COLUMNS;  // threads per (head, key)
-    const int round_heads = min(RLP_ATTS_VALUE_HEADS, RLP_ATTS_THREADS / pieces);
+    const int pieces = dp / RLP_ATTS_COLUMNS;  // threads per (head set, key)
+    const int round_heads = min(RLP_ATTS_VALUE_HEADS, RLP_ATTS_THREADS / pieces * RLP_ATTS_VALUE_SHARE);
+    const int slots = rlp_atts_head_slots(group, round_heads);  // heads of the largest round, whole sets
     const int quads = RLP_ATTS_TILE / 4;
+    unsigned long long* numerator = rlp_atts_values_smem;                  // [slot][dp]
+    long long* p_sums = (long long*)(numerator + slots * dp);              // [slot][key % tile]: sum of RNE(p 2^21)
+    long long* key_offsets = p_sums + slots * RLP_ATTS_TILE;               // [key]: the V row's byte offset
+    int* weight_words = (int*)(key_offsets + RLP_ATTS_TILE);               // [slot][digit][key / 4]
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -513,6 +528,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 4) attention_spli
         const bool row_ok = !bad_row && flags == 0u;  // block-uniform
         for (int h0 = 0; h0 < group; h0 += round_heads) {
             const int nb = min(group - h0, round_heads);
+            const int sets = (nb + RLP_ATTS_VALUE_SHARE - 1) / RLP_ATTS_VALUE_SHARE;
             const long long qrow0 = token * hq + (long long)g * group + h0;
             if (threadIdx.x == 0) any_ok = 0;
             __syncthreads();
@@ -524,23 +540,24 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 4) attention_spli
                 const bool ok = row_ok && query_bad[qrow0 + hi] == 0u && rlp_magnitude_bits(m) < 0x7f800000u;
                 head_m[hi] = m;
                 head_ok[hi] = ok ? 1 : 0;
-                head_total[hi] = 0ull;
                 if (ok) any_ok = 1;
             }
             for (int i = threadIdx.x; i < nb * dp; i += blockDim.x) numerator[i] = 0ull;
+            for (int i = threadIdx.x; i < nb * RLP_ATTS_TILE; i += blockDim.x) p_sums[i] = 0;
             __syncthreads();
-            const int units = nb * pieces;  // (head, 16 columns) per key lane
+            const int units = sets * pieces;  // (head set, 8 columns) per key lane
             const int lanes = (int)blockDim.x / units;
             const int lane = (int)threadIdx.x / units;
             const int unit = (int)threadIdx.x - lane * units;
-            const int hu = unit / pieces;
-            const int piece = unit - hu * pieces;
-            int sums[RLP_ATTS_COLUMNS][4];
+            const int hs = unit / pieces;
+            const int piece = unit - hs * pieces;
+            int sums[RLP_ATTS_VALUE_SHARE][RLP_ATTS_COLUMNS][4];
 #pragma unroll
-            for (int col = 0; col < RLP_ATTS_COLUMNS; ++col)
+            for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h)
 #pragma unroll
-                for (int k = 0; k < 4; ++k) sums[col][k] = 0;
-            long long local_total = 0;
+                for (int col = 0; col < RLP_ATTS_COLUMNS; ++col)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) sums[h][col][k] = 0;
             const bool work = any_ok != 0 && lo < end;  // block-uniform
             for (long long base = lo; work && base < end; base += RLP_ATTS_TILE) {
                 signed char* weight_digits = reinterpret_cast<signed char*>(weight_words);
@@ -552,62 +569,72 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 4) attention_spli
                         row = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;
                         ev = key_ev[rowg * keys + j];
                     }
-                    key_rows[k] = row;
-                    for (int hi = 0; hi < nb; ++hi) {
+                    key_offsets[k] = row >= 0 ? row * (2LL * dp) : -1;
+                    for (int hi = 0; hi < sets * RLP_ATTS_VALUE_SHARE; ++hi) {  // heads past nb: zero weights
                         long long p_unit = 0;
                         long long w = 0;
-                        if (row >= 0 && head_ok[hi]) {
+                        if (row >= 0 && hi < nb && head_ok[hi]) {
                             const float s = scores[(rowg * keys + j) * group + h0 + hi];
                             const double p = (double)rlp_exp_f32(s - head_m[hi]);
                             p_unit = __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
                             w = __double2ll_rn(p * rlp_pow2_f64(ev - e_max + RLP_ATT_P_SHIFT));
                         }
-                        p_units[hi * RLP_ATTS_TILE + k] = (int)p_unit;
+                        if (hi < nb) p_sums[hi * RLP_ATTS_TILE + k] += p_unit;  // only this thread's keys
                         rlp_atts_digits3(w, weight_digits + hi * 3 * RLP_ATTS_TILE + k, RLP_ATTS_TILE);
                     }
                 }
                 __syncthreads();
                 if (lane < lanes) {
-                    const int* ww = weight_words + hu * 3 * quads;
-                    for (int quad = lane; quad < quads; quad += lanes) {
+                    const int* ww = weight_words + hs * RLP_ATTS_VALUE_SHARE * 3 * quads;
+                    const int tile_quads = (int)((min(end - base, (long long)RLP_ATTS_TILE) + 3) / 4);
+                    for (int quad = lane; quad < tile_quads; quad += lanes) {
                         const int k0 = 4 * quad;
-                        if (key_rows[k0] < 0) break;  // beyond the split's last key (and so are the later quads)
-                        int4 r[2][4];
+                        int2 r[2][4];
 #pragma unroll
                         for (int kk = 0; kk < 4; ++kk) {
-                            const long long row = key_rows[k0 + kk];
-                            const int4* vr = reinterpret_cast<const int4*>(v_digits + (row >= 0 ? row : 0) * (2LL * dp));
-                            r[0][kk] = row >= 0 ? __ldg(vr + piece) : make_int4(0, 0, 0, 0);
-                            r[1][kk] = row >= 0 ? __ldg(vr + pieces + piece) : make_int4(0, 0, 0, 0);
+                            // a key past the split's last one reads key k0's row: its weights are 0
+                            const long long at = key_offsets[k0 + kk] >= 0 ? key_offsets[k0 + kk] : key_offsets[k0];
+                            const int2* vr = reinterpret_cast<const int2*>(v_digits + at);
+                            r[0][kk] = __ldg(vr + piece);
+                            r[1][kk] = __ldg(vr + pieces + piece);
                         }
-                        const int w0 = ww[quad];
-                        const int w1 = ww[quads + quad];
-                        const int w2 = ww[2 * quads + quad];
+                        int w[RLP_ATTS_VALUE_SHARE][3];
 #pragma unroll
-                        for (int c = 0; c < 4; ++c) {
+                        for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h)
+#pragma unroll
+                            for (int digit = 0; digit < 3; ++digit) w[h][digit] = ww[(h * 3 + digit) * quads + quad];
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
                             int c0[4], c1[4];
                             rlp_atts_transpose(rlp_atts_word(r[0][0], c), rlp_atts_word(r[0][1], c),
                                                rlp_atts_word(r[0][2], c), rlp_atts_word(r[0][3], c), c0);
                             rlp_atts_transpose(rlp_atts_word(r[1][0], c), rlp_atts_word(r[1][1], c),
                                                rlp_atts_word(r[1][2], c), rlp_atts_word(r[1][3], c), c1);
 #pragma unroll
-                            for (int e = 0; e < 4; ++e) rlp_atts_groups4(sums[4 * c + e], w0, w1, w2, c0[e], c1[e]);
-                        }
-                        if (piece == 0) {
-                            const int* pu = p_units + hu * RLP_ATTS_TILE + k0;
-                            local_total += (long long)pu[0] + pu[1] + pu[2] + pu[3];
+                            for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h)
+#pragma unroll
+                                for (int e = 0; e < 4; ++e)
+                                    rlp_atts_groups4(sums[h][4 * c + e], w[h][0], w[h][1], w[h][2], c0[e], c1[e]);
                         }
                     }
                 }
-                __syncthreads();  // the next tile overwrites the weights and rows
+                __syncthreads();  // the next tile overwrites the weights and offsets
             }
             if (work && lane < lanes) {
 #pragma unroll
-                for (int col = 0; col < RLP_ATTS_COLUMNS; ++col) {
-                    const long long n = rlp_atts_combine(sums[col]);
-                    if (n != 0) atomicAdd(&numerator[hu * dp + RLP_ATTS_COLUMNS * piece + col], (unsigned long long)n);
+                for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h) {
+                    const int hi = hs * RLP_ATTS_VALUE_SHARE + h;  // past nb: zero weights, so all n are 0
+#pragma unroll
+                    for (int col = 0; col < RLP_ATTS_COLUMNS; ++col) {
+                        const long long n = rlp_atts_combine(sums[h][col]);
+                        if (n != 0) atomicAdd(&numerator[hi * dp + RLP_ATTS_COLUMNS * piece + col], (unsigned long long)n);
+                    }
                 }
-                if (piece == 0 && local_total != 0) atomicAdd(&head_total[hu], (unsigned long long)local_total);
+            }
+            if (threadIdx.x < nb) {  // L's partial sum over the split's keys
+                long long total = 0;
+                for (int k = 0; k < RLP_ATTS_TILE; ++k) total += p_sums[threadIdx.x * RLP_ATTS_TILE + k];
+                part_total[(qrow0 + threadIdx.x) * splits + split] = total;
             }
             __syncthreads();
             for (int u = threadIdx.x; u < nb * d; u += blockDim.x) {
@@ -615,7 +642,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 4) attention_spli
                 const int i = u - hi * d;
                 part_num[((qrow0 + hi) * splits + split) * d + i] = (long long)numerator[hi * dp + i];
             }
-            if (threadIdx.x < nb) part_total[(qrow0 + threadIdx.x) * splits + split] = (long long)head_total[threadIdx.x];
             __syncthreads();  // the next round resets the sums
         }
     }

@@ -64,6 +64,10 @@ SPLIT_TARGET_BLOCKS = 1024  # (row, kv head, split) blocks wanted per pass: seve
 SPLIT_MIN_KEYS = 128  # keys per split at least: one whole tile (RLP_ATTS_TILE) of attention_split_values
 SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's int32 digit-group sums exact
 SPLIT_SCRATCH_BYTES = 256 << 20  # scores and key exponents per launch at most (more rows: several launches)
+SPLIT_TILE = 128  # RLP_ATTS_TILE: keys per tile of attention_split_values
+SPLIT_VALUE_HEADS = 16  # RLP_ATTS_VALUE_HEADS: q heads per round of attention_split_values at most
+SPLIT_VALUE_SHARE = 2  # RLP_ATTS_VALUE_SHARE: q heads per thread of attention_split_values
+SPLIT_VALUE_COLUMNS = 8  # RLP_ATTS_COLUMNS: value columns per thread of attention_split_values
 
 
 @dataclass
@@ -263,6 +267,16 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
     return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
 
 
+def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
+    """Dynamic shared memory of attention_split_values (rlp_atts_head_slots there): per head slot of its
+    largest round (heads in whole sets of SPLIT_VALUE_SHARE) the int64 numerators [dp], and per key of a
+    tile an int64 sum of RNE(p 2^21) and the weight's 3 digits; the tile's V row offsets (int64)."""
+    pieces = head_dim_padded // SPLIT_VALUE_COLUMNS  # threads per (head set, key)
+    round_heads = min(SPLIT_VALUE_HEADS, SPLIT_THREADS // pieces * SPLIT_VALUE_SHARE)
+    slots = round_up(min(group, round_heads), SPLIT_VALUE_SHARE)
+    return slots * (8 * head_dim_padded + 8 * SPLIT_TILE + 3 * SPLIT_TILE) + 8 * SPLIT_TILE
+
+
 def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,
                     method: str = "auto", keys_per_split: int | None = None):
     """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
@@ -346,7 +360,8 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
                    (scores, key_ev, split_keys, split_info, query_bad))
     backend.launch("attention", "attention_split_values", grid, block,
                    (q_seq, q_pos) + sizes + table + (cache.v_digits,) + cut +
-                   (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num))
+                   (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num),
+                   shared_mem=split_values_shared_bytes(hq // hkv, dp))
     backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,
                    (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(splits), split_keys,
                     split_info, query_bad, part_total, part_num, out))

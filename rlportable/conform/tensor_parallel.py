@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from rlportable.conform import selected
 from rlportable.conform.tally import CheckResult, Tally
 from rlportable.engine.sequence import SamplingParams
 from rlportable.model import parallel
@@ -166,12 +167,6 @@ def checks(backend) -> list[tuple[str, Callable]]:
              ("tp.vocab_logprobs", check_vocab_logprobs)]
             + [(f"tp.model.{spec}", model_check(spec)) for spec in models]
             + [(f"tp.engine.{spec}", engine_check(spec)) for spec in models])
-
-
-def selected(name: str, only: str | None) -> bool:
-    from rlportable.conform import selected as suite_selected
-
-    return suite_selected(name, only)
 
 
 def run(backend, group, quick: bool = False, seed: int = 0, only: str | None = None,

@@ -126,10 +126,7 @@ def gemm_sums(backend: Backend, x_encoded: EncodedRows, weight: GemmWeight):
     if m == 0 or n == 0 or weight.k == 0:
         return backend.zeros((m, n), np.int64)  # an empty sum is exactly 0
     sums = backend.empty((m, n), np.int64)
-    rows_per_chunk = _rows_per_chunk(x_encoded, weight)
-    for start in range(0, m, rows_per_chunk):
-        rows = min(rows_per_chunk, m - start)
-        groups = _shift_groups(backend, x_encoded, weight, start, rows)
+    for start, rows, groups in _shift_group_chunks(backend, x_encoded, weight):
         backend.launch(
             "gemm", "gemm_combine_groups_sums", _combine_grid(rows, n), (COMBINE_THREADS,),
             (groups, np.int32(groups.shape[0]), np.int64(rows), np.int64(n), sums[start:]),
@@ -198,16 +195,22 @@ def _scale_offset(bits_a: int, bits_w: int) -> int:
 
 def _gemm_blas(backend: Backend, a: EncodedRows, weight: GemmWeight, y) -> None:
     w = weight.encoded
-    m, n = a.rows, weight.n
-    rows_per_chunk = _rows_per_chunk(a, weight)
-    for start in range(0, m, rows_per_chunk):
-        rows = min(rows_per_chunk, m - start)
-        g = _shift_groups(backend, a, weight, start, rows)
+    n = weight.n
+    for start, rows, g in _shift_group_chunks(backend, a, weight):
         backend.launch(
             "gemm", "gemm_combine_groups", _combine_grid(rows, n), (COMBINE_THREADS,),
             (g, np.int32(g.shape[0]), np.int64(rows), np.int64(n),
              a.exponents[start:], w.exponents, np.int32(_scale_offset(a.bits, w.bits)), y[start:]),
         )
+
+
+def _shift_group_chunks(backend: Backend, a: EncodedRows, weight: GemmWeight):
+    """(first row, rows, int32 G_d [groups, rows, N]) per chunk of activation rows (the scratch stays
+    under GROUP_BYTES_LIMIT)."""
+    rows_per_chunk = _rows_per_chunk(a, weight)
+    for start in range(0, a.rows, rows_per_chunk):
+        rows = min(rows_per_chunk, a.rows - start)
+        yield start, rows, _shift_groups(backend, a, weight, start, rows)
 
 
 def _rows_per_chunk(a: EncodedRows, weight: GemmWeight) -> int:

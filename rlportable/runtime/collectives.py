@@ -42,6 +42,13 @@ def _check(where: str, dtype, allowed) -> np.dtype:
     return dtype
 
 
+def check_reduce(array, op: str) -> np.dtype:
+    """The dtype of an all_reduce's array, after checking the op and that the dtype is exact."""
+    if op not in OPS:
+        raise InputError(f"all_reduce: op must be one of {OPS}, got {op!r}")
+    return _check("all_reduce", array.dtype, REDUCE_DTYPES)
+
+
 class Group(ABC):
     """The ranks of one tensor-parallel model. rank in [0, size)."""
 
@@ -81,9 +88,7 @@ class SingleGroup(Group):
     backend = None
 
     def all_reduce(self, array, op: str):
-        if op not in OPS:
-            raise InputError(f"all_reduce: op must be one of {OPS}, got {op!r}")
-        _check("all_reduce", array.dtype, REDUCE_DTYPES)
+        check_reduce(array, op)
         return array
 
     def all_gather(self, array):
@@ -133,9 +138,7 @@ class ThreadGroup(Group):
         return self._meeting.exchange(self.rank, np.array(self.backend.to_numpy(array)))
 
     def all_reduce(self, array, op: str):
-        if op not in OPS:
-            raise InputError(f"all_reduce: op must be one of {OPS}, got {op!r}")
-        dtype = _check("all_reduce", array.dtype, REDUCE_DTYPES)
+        dtype = check_reduce(array, op)
         parts = self._exchange(array)
         reduce = np.maximum.reduce if op == "max" else np.add.reduce  # integer: exact, wraps like NCCL
         return self.backend.asarray(reduce(np.stack(parts), axis=0).astype(dtype))
@@ -213,9 +216,7 @@ class NcclGroup(Group):
         return cupy.ascontiguousarray(array)
 
     def all_reduce(self, array, op: str):
-        if op not in OPS:
-            raise InputError(f"all_reduce: op must be one of {OPS}, got {op!r}")
-        dtype = _check("all_reduce", array.dtype, REDUCE_DTYPES)
+        dtype = check_reduce(array, op)
         source = self._contiguous(array)
         out = self.backend.empty(tuple(array.shape), dtype)
         self._comm.allReduce(source.data.ptr, out.data.ptr, int(source.size), self._types[dtype], self._ops[op],
@@ -266,9 +267,7 @@ class RcclGroup(Group):
         return bytes(buffer)
 
     def all_reduce(self, array, op: str):
-        if op not in OPS:
-            raise InputError(f"all_reduce: op must be one of {OPS}, got {op!r}")
-        dtype = _check("all_reduce", array.dtype, REDUCE_DTYPES)
+        dtype = check_reduce(array, op)
         source = array  # HipArrays are always C-contiguous
         out = self.backend.empty(tuple(array.shape), dtype)
         self._check(self._rccl.ncclAllReduce(source, out, int(source.size), self._types[dtype], self._ops[op],

@@ -479,9 +479,9 @@ def bench_gemm(device, json_path, m_values, sweep_tiles):
 
     backend = _backend(device)
     try:
-        from rlportable.ops.gemm_fused import FUSED_TILES
+        from rlportable.ops.gemm_fused import available_tiles
 
-        methods = ["auto", "blas"] + ([f"fused:{tile}" for tile in FUSED_TILES] if sweep_tiles else [])
+        methods = ["auto", "blas"] + ([f"fused:{tile}" for tile in available_tiles(backend)] if sweep_tiles else [])
         result = gemm_bench.run(backend, m_values=list(m_values) or None, methods=methods,
                                 progress=lambda text: click.echo(f"  {text}", err=True))
     except RlpError as error:

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# First GPU run of the sampling and adamw families, and a decode-bench smoke run.
-# Usage on the device machine: RLPORTABLE_COMMIT=<sha> bash scripts/device_issue4.sh
+# Decode speed (issue 4) on one H200. Usage on the device machine:
+#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue4.sh gemm|decode|all
+#   gemm:   the exact gemm's kernels (every tile, wgmma included) bitwise against the reference,
+#           then the tile sweep against torch bf16 (bench gemm --sweep-tiles)
+#   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee "$OUT/env.txt"
-cli="python3 -m rlportable.cli"
-$cli conform --device cuda --only sampling --json "$OUT/conform_cuda_sampling_h200.json" 2>&1 | tail -15
-$cli conform --device cuda --only adamw --json "$OUT/conform_cuda_adamw_h200.json" 2>&1 | tail -15
-$cli conform --device cuda --kernel-source hip --quick --only sampling --json "$OUT/conform_cuda_hipsrc_sampling_h200.json" 2>&1 | tail -5
-$cli conform --device cuda --kernel-source hip --quick --only adamw --json "$OUT/conform_cuda_hipsrc_adamw_h200.json" 2>&1 | tail -5
-$cli bench decode --device cuda --layers 2 --sequences 32 --new-tokens 16 --time-limit 60 --json "$OUT/decode_smoke_h200.json" 2>&1 | tail -20
-$cli conform --device cuda --quick --json "$OUT/conform_cuda_quick_h200.json" 2>&1 | tail -8
+{ date -u; echo "commit ${RLPORTABLE_COMMIT:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee "$OUT/env.txt"
+cli="python3 -m rlportable"
+if [[ $1 == gemm || $1 == all ]]; then
+    $cli conform --device cuda --only gemm --json "$OUT/conform_cuda_gemm_h200.json" 2>&1 | tail -6
+    $cli bench gemm --device cuda --sweep-tiles --m 64 --m 256 --m 4096 --m 16384 --json "$OUT/gemm_sweep_h200.json" 2>&1 | tail -30
+fi
+if [[ $1 == decode || $1 == all ]]; then
+    $cli conform --device cuda --quick --only gemm,engine,model.qwen3 --json "$OUT/conform_cuda_engine_quick_h200.json" 2>&1 | tail -6
+    $cli bench decode --device cuda --json "$OUT/decode_h200.json" 2>&1 | tail -12
+    python3 scripts/profile_decode.py > "$OUT/decode_profile_h200.json"; tail -c 1500 "$OUT/decode_profile_h200.json"
+fi

@@ -339,3 +339,206 @@ __device__ __forceinline__ void rlp_gemm_tiled(
 RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x64, 2, 4, 2, 2, 2, 3)
 RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_128x64, 2, 4, 4, 2, 2, 3)
 RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x128, 2, 4, 2, 4, 2, 3)
+
+// ---- wgmma kernels (sm_90a): Hopper warpgroup MMA from swizzled shared memory ------------
+// Built only where the arch-specific Hopper features exist (--gpu-architecture=sm_90a, which
+// runtime/flags.py gives compute capability 9.0); elsewhere the entry points trap, and
+// ops/gemm_fused.py never picks them.
+//
+// One block = 3 warpgroups over a 64-row x BN-column tile; warpgroup i multiplies activation
+// digit i by both weight digits, so each holds two int32 sums, P_i = X_i.W_0 + 256 X_i.W_1
+// (exact in int64), and S = P_0 + 256 P_1 + 65536 P_2 = sum_{i,j} 256^(i+j) X_i.W_j: the same
+// integer as the mma.sync kernels' shift groups, so the same bits.
+// Each stage holds one 128-byte K block of every operand row: [digit][row][128 bytes] with the
+// 128-byte swizzle (16-byte piece p of row r at p ^ (r % 8)), the layout wgmma's descriptors
+// read; cp.async fills STAGES - 2 blocks ahead while one block of wgmma is in flight.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define RLP_HAS_WGMMA 1
+#endif
+
+#define RLP_WGMMA_ROWS 64     // rows of one m64 wgmma: the block's tile rows
+#define RLP_WGMMA_KBLOCK 128  // K bytes per stage: one swizzled 128-byte row per operand row
+
+#ifdef RLP_HAS_WGMMA
+__device__ __forceinline__ void rlp_wgmma_n64(int (&d)[32], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, 1;\n"
+        :
+          "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "l"(a), "l"(b));
+}
+
+__device__ __forceinline__ void rlp_wgmma_n128(int (&d)[64], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, 1;\n"
+        :
+          "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+          "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+          "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+          "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+          "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(a), "l"(b));
+}
+
+__device__ __forceinline__ void rlp_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void rlp_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void rlp_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
+// cp.async wrote the operands through the generic proxy; wgmma reads them through the async proxy.
+__device__ __forceinline__ void rlp_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
+template <int R>
+__device__ __forceinline__ void rlp_wgmma_pin(int (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+template <int BN>
+__device__ __forceinline__ void rlp_wgmma(int (&d)[BN / 2], unsigned long long a, unsigned long long b) {
+    if constexpr (BN == 64) rlp_wgmma_n64(d, a, b);
+    else rlp_wgmma_n128(d, a, b);
+}
+
+// Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: rows 128 bytes
+// apart, 8-row groups 1024 bytes apart (the stride byte offset); the leading byte offset is
+// unused by this layout. The tile starts 1024-byte aligned, plus 32 bytes per k32 step.
+__device__ __forceinline__ unsigned long long rlp_wgmma_descriptor(const signed char* tile) {
+    const unsigned long long address = (unsigned long long)__cvta_generic_to_shared(tile);
+    return ((address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+#endif  // RLP_HAS_WGMMA
+
+// Byte offset of 16-byte piece `piece` (0..7) of row `row` in a [rows][128] swizzled tile.
+__device__ __forceinline__ int rlp_swizzle128(int row, int piece) { return row * 128 + ((piece ^ (row & 7)) << 4); }
+
+template <int BN, int STAGES>
+__device__ __forceinline__ void rlp_gemm_wgmma(
+    const signed char* __restrict__ xd, const signed char* __restrict__ wd,
+    const int* __restrict__ ea, const int* __restrict__ ew, int m, int n, int kp, int scale_offset,
+    float* __restrict__ y) {
+#ifdef RLP_HAS_WGMMA
+    constexpr int THREADS = 128 * RLP_A_DIGITS, R = BN / 2;
+    constexpr int A_TILE = RLP_WGMMA_ROWS * RLP_WGMMA_KBLOCK, W_TILE = BN * RLP_WGMMA_KBLOCK;
+    constexpr int STAGE = RLP_A_DIGITS * A_TILE + RLP_W_DIGITS * W_TILE;
+    static_assert(STAGES >= 3 && STAGE % 1024 == 0, "stages of whole 1024-byte swizzle atoms");
+    static_assert(STAGES * STAGE >= (RLP_A_DIGITS - 1) * R * 128 * 8, "the stages hold the epilogue's partials");
+    extern __shared__ unsigned char rlp_wgmma_shared[];
+    // the swizzle pattern is a function of the address: tiles start on 1024-byte boundaries
+    const unsigned int base = (unsigned int)__cvta_generic_to_shared(rlp_wgmma_shared);
+    signed char* slab = reinterpret_cast<signed char*>(rlp_wgmma_shared) + ((1024 - (base & 1023)) & 1023);
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;  // warpgroup wg multiplies activation digit wg
+    // row blocks vary fastest, so the blocks that share a weight tile run together (L2 reuse)
+    const int m0 = blockIdx.x * RLP_WGMMA_ROWS, n0 = blockIdx.y * BN;
+    const long long a_row_stride = (long long)RLP_A_DIGITS * kp, w_row_stride = (long long)RLP_W_DIGITS * kp;
+    const int kblocks = (kp + RLP_WGMMA_KBLOCK - 1) / RLP_WGMMA_KBLOCK;
+
+    auto stage_in = [&](int kb, int stage) {
+        signed char* s = slab + stage * STAGE;
+        const int k0 = kb * RLP_WGMMA_KBLOCK;
+        for (int v = threadIdx.x; v < RLP_A_DIGITS * RLP_WGMMA_ROWS * 8; v += THREADS) {
+            const int digit = v / (RLP_WGMMA_ROWS * 8), row = (v / 8) % RLP_WGMMA_ROWS, piece = v % 8;
+            const int grow = m0 + row, k = k0 + 16 * piece;
+            const bool valid = grow < m && k < kp;
+            rlp_cp_async16(s + digit * A_TILE + rlp_swizzle128(row, piece),
+                           xd + (valid ? grow * a_row_stride + digit * (long long)kp + k : 0), valid);
+        }
+        for (int v = threadIdx.x; v < RLP_W_DIGITS * BN * 8; v += THREADS) {
+            const int slot = v / (BN * 8), row = (v / 8) % BN, piece = v % 8;
+            const int gcol = n0 + row, k = k0 + 16 * piece;
+            const bool valid = gcol < n && k < kp;
+            rlp_cp_async16(s + RLP_A_DIGITS * A_TILE + slot * W_TILE + rlp_swizzle128(row, piece),
+                           wd + (valid ? gcol * w_row_stride + slot * (long long)kp + k : 0), valid);
+        }
+    };
+
+    int acc[RLP_W_DIGITS][R];
+#pragma unroll
+    for (int j = 0; j < RLP_W_DIGITS; ++j)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[j][r] = 0;
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < kblocks) stage_in(s, s);
+        rlp_cp_async_commit();
+    }
+    for (int kb = 0; kb < kblocks; ++kb) {
+        rlp_cp_async_wait<STAGES - 3>();
+        rlp_fence_proxy_async();
+        // block kb landed for every thread; every warpgroup waited for its wgmma of block kb - 2,
+        // so the stage refilled below is free
+        __syncthreads();
+        const int ahead = kb + STAGES - 2;
+        if (ahead < kblocks) stage_in(ahead, ahead % STAGES);
+        rlp_cp_async_commit();
+        const signed char* s = slab + (kb % STAGES) * STAGE;
+        rlp_wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < RLP_WGMMA_KBLOCK / 32; ++ks) {
+            const unsigned long long a = rlp_wgmma_descriptor(s + wg * A_TILE + 32 * ks);
+#pragma unroll
+            for (int j = 0; j < RLP_W_DIGITS; ++j)  // weight digit j sits in slot W_DIGITS - 1 - j
+                rlp_wgmma<BN>(acc[j], a, rlp_wgmma_descriptor(s + RLP_A_DIGITS * A_TILE +
+                                                                (RLP_W_DIGITS - 1 - j) * W_TILE + 32 * ks));
+        }
+        rlp_wgmma_commit();
+#pragma unroll
+        for (int j = 0; j < RLP_W_DIGITS; ++j) rlp_wgmma_pin<R>(acc[j]);
+        rlp_wgmma_wait<1>();
+    }
+    rlp_wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < RLP_W_DIGITS; ++j) rlp_wgmma_pin<R>(acc[j]);
+    rlp_cp_async_wait<0>();
+    __syncthreads();  // every warpgroup is done with the stages: they now hold the partials
+
+    // P_i = acc[0] + 256 acc[1] per element; warpgroups 1 and 2 hand theirs to warpgroup 0 in the
+    // accumulator layout itself ([i - 1][register][thread]), which all three share.
+    long long* partial = reinterpret_cast<long long*>(slab);
+    if (wg > 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            partial[((wg - 1) * R + r) * 128 + tid] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
+    }
+    __syncthreads();
+    if (wg == 0) {
+        const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            // wgmma's accumulator layout: register r of thread (warp, g, q)
+            const int row = m0 + 16 * warp + g + 8 * ((r / 2) % 2), col = n0 + 8 * (r / 4) + 2 * q + (r % 2);
+            const long long p0 = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
+            const long long s = p0 + 256LL * (partial[r * 128 + tid] + 256LL * partial[(R + r) * 128 + tid]);
+            if (row < m && col < n) y[(long long)row * n + col] = rlp_gemm_output(s, ea[row], ew[col], scale_offset);
+        }
+    }
+#else
+    __trap();  // not an sm_90a build: ops/gemm_fused.py picks these kernels only on compute capability 9.0
+#endif
+}
+
+#define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES)                                                                 \
+    extern "C" __global__ void __launch_bounds__(128 * RLP_A_DIGITS, 1) NAME(                              \
+        const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
+        const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
+        rlp_gemm_wgmma<BN, STAGES>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                              \
+    }
+
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4)

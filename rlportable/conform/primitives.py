@@ -10,7 +10,7 @@ from rlportable.conform.inputs import GEMM_SHAPES_FULL, GEMM_SHAPES_QUICK, ROW_K
 from rlportable.conform.tally import Tally
 from rlportable.contract import elementwise as elementwise_ref, exact
 from rlportable.ops import elementwise as elementwise_op, fixedpoint as fixedpoint_op, gemm as gemm_op, rowsum as rowsum_op
-from rlportable.ops.gemm_fused import FUSED_TILES
+from rlportable.ops.gemm_fused import available_tiles
 from rlportable.runtime.base import Backend
 
 def _shapes(quick: bool):
@@ -36,7 +36,7 @@ def gemm_methods(backend: Backend) -> list[tuple[str, str | None]]:
         return [("auto", None)]
     methods = [("blas", None)]
     if backend.kernel_vendor == "cuda":
-        methods += [("fused", tile) for tile in FUSED_TILES]
+        methods += [("fused", tile) for tile in available_tiles(backend)]
     return methods
 
 

@@ -96,9 +96,9 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
         encoded = encode_rows(backend, x, bits_a)
     y = backend.empty((m, weight.n), np.float32)
     if method == "fused":
-        from rlportable.ops.gemm_fused import launch_fused, pick_tile, tile_spec
+        from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
 
-        spec = tile_spec(tile or pick_tile(m, weight.n))
+        spec = tile_spec(tile or pick_tile(m, weight.n, has_wgmma(backend)))
         launch_fused(backend, spec, encoded, weight, y, _scale_offset(bits_a, weight.bits))
     else:
         _gemm_blas(backend, encoded, weight, y)

@@ -1,10 +1,12 @@
 """Launch table of the fused gemm kernels (backends/cuda/gemm.cu).
 
 Every tile shape computes the same exact integers, so the choice is about speed
-only. Two kinds:
+only. Three kinds:
   * "direct": fragments straight from global memory, K split across the warps
     of a block (small M, memory-bound);
-  * "tiled": operands staged in shared memory by cp.async (large M).
+  * "tiled": operands staged in shared memory by cp.async (mma.sync, sm_80+);
+  * "wgmma": Hopper warpgroup MMA from swizzled shared memory, one warpgroup per
+    activation digit (compute capability 9.0 only: built for sm_90a).
 (A third kind that encoded the float32 activations inside the GEMM kernel was
 measured slower than a separate encode launch on the H200 and was removed;
 docs/gemm_performance.md.)
@@ -44,6 +46,18 @@ def _tiled(rows, cols, warps, chunks_per_stage=2, stages=3):
     return Tile("tiled", f"gemm_tiled_a3w2_{rows}x{cols}", rows, cols, 32 * warps, stages * stage)
 
 
+WGMMA_ROWS, WGMMA_KBLOCK, WGMMA_STAGES = 64, 128, 4
+#: compute capabilities whose builds have wgmma (runtime/flags.py ARCH_SPECIFIC)
+WGMMA_CAPABILITIES = ("90",)
+
+
+def _wgmma(cols):
+    stage = (A_DIGITS * WGMMA_ROWS + W_DIGITS * cols) * WGMMA_KBLOCK
+    # + 1024: the kernel aligns its stages to the 128-byte swizzle's 1024-byte atoms
+    return Tile("wgmma", f"gemm_wgmma_a3w2_{WGMMA_ROWS}x{cols}", WGMMA_ROWS, cols, 128 * A_DIGITS,
+                WGMMA_STAGES * stage + 1024)
+
+
 FUSED_TILES = {
     "16x16k8": _direct(16, 16, 8),
     "16x32k4": _direct(16, 32, 4),
@@ -51,14 +65,27 @@ FUSED_TILES = {
     "t64x64": _tiled(64, 64, 4),
     "t128x64": _tiled(128, 64, 8),
     "t64x128": _tiled(64, 128, 8),
+    "w64x64": _wgmma(64),
+    "w64x128": _wgmma(128),
 }
 
 #: N at and above which a GEMM is an LM head: many columns, memory-bound on the weight
 LARGE_N = 65536
 
 
-def pick_tile(m: int, n: int) -> str:
+def has_wgmma(backend) -> bool:
+    return getattr(backend, "compute_capability", None) in WGMMA_CAPABILITIES
+
+
+def available_tiles(backend) -> list[str]:
+    """The tiles this CUDA device can run: the wgmma ones on compute capability 9.0 only."""
+    return [name for name, spec in FUSED_TILES.items() if spec.kind != "wgmma" or has_wgmma(backend)]
+
+
+def pick_tile(m: int, n: int, wgmma: bool = False) -> str:
     """Fastest tile per shape in bench/results/gemm_sweep*_h200.json (H200, 2026-11-30)."""
+    if wgmma and m > 16:
+        return "w64x64" if -(-m // WGMMA_ROWS) * -(-n // 128) < 264 else "w64x128"
     if m <= 16:
         return "16x32k4" if n >= 4096 else "16x16k8"
     if m <= 64 and n <= 1024:
@@ -79,6 +106,11 @@ def tile_spec(name: str) -> Tile:
 
 def launch_fused(backend, spec: Tile, a: EncodedRows, weight, y, scale_offset: int) -> None:
     grid = (-(-weight.n // spec.cols), -(-a.rows // spec.rows))
+    if spec.kind == "wgmma":
+        if not has_wgmma(backend):
+            raise InputError(f"gemm: tile {spec.kernel} needs compute capability 9.0 (wgmma); "
+                             f"this device is {backend.label}")
+        grid = grid[::-1]  # row blocks fastest: the blocks sharing a weight tile run together
     w = weight.encoded
     backend.launch(
         "gemm", spec.kernel, grid, (spec.threads,),

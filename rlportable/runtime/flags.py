@@ -26,9 +26,16 @@ HIP_OPTIONS = (
 )
 
 
+#: Compute capabilities built for their arch-specific target ("sm_90a"): the Hopper-only
+#: instructions (wgmma, backends/cuda/gemm.cu) exist only there. The code runs on that
+#: compute capability only, which is the one the runtime compiles for anyway.
+ARCH_SPECIFIC = {"90": "a"}
+
+
 def cuda_arch_option(compute_capability: str) -> str:
-    """'90' -> '--gpu-architecture=sm_90' (real machine code, not PTX left to the driver)."""
-    return f"--gpu-architecture=sm_{compute_capability}"
+    """'80' -> '--gpu-architecture=sm_80', '90' -> '--gpu-architecture=sm_90a' (real machine code, not
+    PTX left to the driver)."""
+    return f"--gpu-architecture=sm_{compute_capability}{ARCH_SPECIFIC.get(compute_capability, '')}"
 
 
 def hip_arch_option(gcn_arch: str) -> str:

@@ -25,6 +25,16 @@ __device__ __forceinline__ float rlp_gemm_output(long long s, int e_a, int e_w, 
                : rlp_round_scaled(s, e_a + e_w + scale_offset);
 }
 
+// rlp_gemm_output for |s| < 2^53, which the gemm contract's K limit guarantees for a whole
+// (unsharded) gemm: s converts to float64 exactly and the power-of-two scaling is exact (the
+// exponent stays far inside float64's range), so the one conversion to float32 is the only
+// rounding, as in rlp_round_scaled (whose round-to-odd step leaves such an s as it is).
+__device__ __forceinline__ float rlp_gemm_output_small(long long s, int e_a, int e_w, int scale_offset) {
+    return (e_a == RLP_NONFINITE_EXPONENT || e_w == RLP_NONFINITE_EXPONENT)
+               ? rlp_canonical_nan()
+               : __double2float_rn(__ll2double_rn(s) * rlp_pow2_f64(e_a + e_w + scale_offset));
+}
+
 // BLAS path, second half: the vendor int8 GEMM produced G_d for every digit
 // shift d (groups [n_groups, m, n], int32); combine them exactly and round once.
 extern "C" __global__ void gemm_combine_groups(
@@ -214,7 +224,7 @@ __device__ __forceinline__ void rlp_gemm_direct(
     for (int i = threadIdx.x; i < TM * TN; i += blockDim.x) {
         const int row = m0 + i / TN, col = n0 + i % TN;
         if (row < m && col < n)
-            y[(long long)row * n + col] = rlp_gemm_output((long long)tile_sum[i], ea[row], ew[col], scale_offset);
+            y[(long long)row * n + col] = rlp_gemm_output_small((long long)tile_sum[i], ea[row], ew[col], scale_offset);
     }
 }
 
@@ -325,7 +335,7 @@ __device__ __forceinline__ void rlp_gemm_tiled(
                 const int row = m0 + warp_m * 16 * WM + 16 * mi + g + 8 * (c / 2);
                 const int col = n0 + warp_n * 8 * WN + 8 * ni + 2 * t + (c % 2);
                 if (row < m && col < n)
-                    y[(long long)row * n + col] = rlp_gemm_output(rlp_combine<WM, WN>(acc, mi, ni, c), ea[row], ew[col], scale_offset);
+                    y[(long long)row * n + col] = rlp_gemm_output_small(rlp_combine<WM, WN>(acc, mi, ni, c), ea[row], ew[col], scale_offset);
             }
 }
 
@@ -438,7 +448,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     constexpr int A_TILE = RLP_WGMMA_ROWS * RLP_WGMMA_KBLOCK, W_TILE = BN * RLP_WGMMA_KBLOCK;
     constexpr int STAGE = RLP_A_DIGITS * A_TILE + RLP_W_DIGITS * W_TILE;
     static_assert(STAGES >= 3 && STAGE % 1024 == 0, "stages of whole 1024-byte swizzle atoms");
-    static_assert(STAGES * STAGE >= (RLP_A_DIGITS - 1) * R * 128 * 8, "the stages hold the epilogue's partials");
+    static_assert(STAGES * STAGE >= RLP_A_DIGITS * RLP_WGMMA_ROWS * BN * 8, "the stages hold the epilogue's partials");
     extern __shared__ unsigned char rlp_wgmma_shared[];
     // the swizzle pattern is a function of the address: tiles start on 1024-byte boundaries
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(rlp_wgmma_shared);
@@ -508,25 +518,25 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     rlp_cp_async_wait<0>();
     __syncthreads();  // every warpgroup is done with the stages: they now hold the partials
 
-    // P_i = acc[0] + 256 acc[1] per element; warpgroups 1 and 2 hand theirs to warpgroup 0 in the
-    // accumulator layout itself ([i - 1][register][thread]), which all three share.
+    // P_i = acc[0] + 256 acc[1] per element, exact in int64. Every warpgroup stores its P_i in the
+    // [digit][row][column] tile; then all threads round the tile's outputs row by row (coalesced),
+    // S = P_0 + 256 P_1 + 65536 P_2.
     long long* partial = reinterpret_cast<long long*>(slab);
-    if (wg > 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            partial[((wg - 1) * R + r) * 128 + tid] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
-    }
-    __syncthreads();
-    if (wg == 0) {
+    {
         const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             // wgmma's accumulator layout: register r of thread (warp, g, q)
-            const int row = m0 + 16 * warp + g + 8 * ((r / 2) % 2), col = n0 + 8 * (r / 4) + 2 * q + (r % 2);
-            const long long p0 = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
-            const long long s = p0 + 256LL * (partial[r * 128 + tid] + 256LL * partial[(R + r) * 128 + tid]);
-            if (row < m && col < n) y[(long long)row * n + col] = rlp_gemm_output(s, ea[row], ew[col], scale_offset);
+            const int row = 16 * warp + g + 8 * ((r / 2) % 2), col = 8 * (r / 4) + 2 * q + (r % 2);
+            partial[(wg * RLP_WGMMA_ROWS + row) * BN + col] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
         }
+    }
+    __syncthreads();
+    constexpr int PLANE = RLP_WGMMA_ROWS * BN;
+    for (int e = threadIdx.x; e < PLANE; e += THREADS) {
+        const int row = m0 + e / BN, col = n0 + e % BN;
+        const long long s = partial[e] + 256LL * (partial[PLANE + e] + 256LL * partial[2 * PLANE + e]);
+        if (row < m && col < n) y[(long long)row * n + col] = rlp_gemm_output_small(s, ea[row], ew[col], scale_offset);
     }
 #else
     __trap();  // not an sm_90a build: ops/gemm_fused.py picks these kernels only on compute capability 9.0

@@ -448,7 +448,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     constexpr int A_TILE = RLP_WGMMA_ROWS * RLP_WGMMA_KBLOCK, W_TILE = BN * RLP_WGMMA_KBLOCK;
     constexpr int STAGE = RLP_A_DIGITS * A_TILE + RLP_W_DIGITS * W_TILE;
     static_assert(STAGES >= 3 && STAGE % 1024 == 0, "stages of whole 1024-byte swizzle atoms");
-    static_assert(STAGES * STAGE >= RLP_A_DIGITS * RLP_WGMMA_ROWS * BN * 8, "the stages hold the epilogue's partials");
+    static_assert(STAGES * STAGE >= RLP_A_DIGITS * R * 128 * 8, "the stages hold the epilogue's partials");
     extern __shared__ unsigned char rlp_wgmma_shared[];
     // the swizzle pattern is a function of the address: tiles start on 1024-byte boundaries
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(rlp_wgmma_shared);
@@ -462,6 +462,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     auto stage_in = [&](int kb, int stage) {
         signed char* s = slab + stage * STAGE;
         const int k0 = kb * RLP_WGMMA_KBLOCK;
+#pragma unroll 1
         for (int v = threadIdx.x; v < RLP_A_DIGITS * RLP_WGMMA_ROWS * 8; v += THREADS) {
             const int digit = v / (RLP_WGMMA_ROWS * 8), row = (v / 8) % RLP_WGMMA_ROWS, piece = v % 8;
             const int grow = m0 + row, k = k0 + 16 * piece;
@@ -469,6 +470,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
             rlp_cp_async16(s + digit * A_TILE + rlp_swizzle128(row, piece),
                            xd + (valid ? grow * a_row_stride + digit * (long long)kp + k : 0), valid);
         }
+#pragma unroll 1
         for (int v = threadIdx.x; v < RLP_W_DIGITS * BN * 8; v += THREADS) {
             const int slot = v / (BN * 8), row = (v / 8) % BN, piece = v % 8;
             const int gcol = n0 + row, k = k0 + 16 * piece;
@@ -519,24 +521,34 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     __syncthreads();  // every warpgroup is done with the stages: they now hold the partials
 
     // P_i = acc[0] + 256 acc[1] per element, exact in int64. Every warpgroup stores its P_i in the
-    // [digit][row][column] tile; then all threads round the tile's outputs row by row (coalesced),
-    // S = P_0 + 256 P_1 + 65536 P_2.
+    // accumulator layout itself, [i][register][thread] (which all three share: conflict-free), then
+    // warpgroup w rounds the register pairs p = w, w + 3, ...: S = P_0 + 256 P_1 + 65536 P_2.
     long long* partial = reinterpret_cast<long long*>(slab);
-    {
-        const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            // wgmma's accumulator layout: register r of thread (warp, g, q)
-            const int row = 16 * warp + g + 8 * ((r / 2) % 2), col = 8 * (r / 4) + 2 * q + (r % 2);
-            partial[(wg * RLP_WGMMA_ROWS + row) * BN + col] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
-        }
-    }
+    for (int r = 0; r < R; ++r)
+        partial[(wg * R + r) * 128 + tid] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
     __syncthreads();
-    constexpr int PLANE = RLP_WGMMA_ROWS * BN;
-    for (int e = threadIdx.x; e < PLANE; e += THREADS) {
-        const int row = m0 + e / BN, col = n0 + e % BN;
-        const long long s = partial[e] + 256LL * (partial[PLANE + e] + 256LL * partial[2 * PLANE + e]);
-        if (row < m && col < n) y[(long long)row * n + col] = rlp_gemm_output_small(s, ea[row], ew[col], scale_offset);
+    const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
+#pragma unroll
+    for (int pair = 0; pair < R / 2; ++pair) {
+        if (pair % RLP_A_DIGITS != wg) continue;
+        // registers 2 pair, 2 pair + 1 of thread (warp, g, q): one row, two adjacent columns
+        const int row = m0 + 16 * warp + g + 8 * (pair % 2), col = n0 + 8 * (pair / 2) + 2 * q;
+        if (row >= m) continue;
+        float out[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int i = (2 * pair + c) * 128 + tid;
+            const long long s = partial[i] + 256LL * (partial[R * 128 + i] + 256LL * partial[2 * R * 128 + i]);
+            out[c] = col + c < n ? rlp_gemm_output_small(s, ea[row], ew[col + c], scale_offset) : 0.0f;
+        }
+        float* dst = y + (long long)row * n + col;
+        if (col + 1 < n && (n % 2) == 0) {
+            *reinterpret_cast<float2*>(dst) = make_float2(out[0], out[1]);
+        } else {
+            if (col < n) dst[0] = out[0];
+            if (col + 1 < n) dst[1] = out[1];
+        }
     }
 #else
     __trap();  // not an sm_90a build: ops/gemm_fused.py picks these kernels only on compute capability 9.0

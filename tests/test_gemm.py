@@ -138,3 +138,65 @@ def test_a_shared_encoding_must_be_the_one_of_x():
     assert np.array_equal(gemm_op.gemm(cpu, x, weight, encoded=shared), gemm_op.gemm(cpu, x, weight))
     with pytest.raises(InputError, match="shared encoding is 3x8 at 23 bits; x is 2x8"):
         gemm_op.gemm(cpu, x[:2], weight, encoded=shared)
+
+
+class _FakeCuda:
+    """What gemm's method and tile choice read from a CUDA backend (no GPU needed)."""
+
+    kernel_vendor = "cuda"
+    label = "cuda"
+
+    def __init__(self, compute_capability):
+        self.compute_capability = compute_capability
+
+
+def _encoded_weight(n, k):
+    return gemm_op.encode_weight(get_backend("cpu"), np.ones((n, k), np.float32))
+
+
+def test_method_choice_by_device_and_shape():
+    hopper, ampere = _FakeCuda("90"), _FakeCuda("80")
+    narrow, wide_k = _encoded_weight(8, 1024), _encoded_weight(8, 2048)
+    # below BLAS_FROM_M always fused (decode steps are captured in graphs: no vendor BLAS inside)
+    assert gemm_op.resolve_method(ampere, 256, 23, wide_k, "auto") == "fused"
+    assert gemm_op.resolve_method(hopper, 256, 23, wide_k, "auto") == "fused"
+    # large M: the wgmma kernel up to WGMMA_LARGE_M_MAX_K, the vendor GEMM beyond and without wgmma
+    assert gemm_op.resolve_method(hopper, 4096, 23, narrow, "auto") == "fused"
+    assert gemm_op.resolve_method(hopper, 4096, 23, wide_k, "auto") == "blas"
+    assert gemm_op.resolve_method(ampere, 4096, 23, narrow, "auto") == "blas"
+    with pytest.raises(InputError, match="fused kernel exists"):
+        gemm_op.resolve_method(ampere, 4, 15, narrow, "fused")  # 2 activation digits
+
+
+def test_tile_choice_and_availability():
+    from rlportable.ops import gemm_fused
+
+    assert gemm_fused.pick_tile(256, 1024, wgmma=True) == "w64x64"
+    assert gemm_fused.pick_tile(256, 151936, wgmma=True) == "w64x128"  # the LM head: many tiles
+    assert gemm_fused.pick_tile(4096, 1024, wgmma=True) == "w64x128"
+    assert gemm_fused.pick_tile(64, 6144, wgmma=True) == "w64x64"  # wide outputs from 17 rows
+    assert gemm_fused.pick_tile(64, 1024, wgmma=True) == "16x16k8"  # small: the direct kernels
+    assert gemm_fused.pick_tile(8, 151936, wgmma=True) == "16x32k4"
+    assert gemm_fused.pick_tile(256, 1024, wgmma=False) == "16x32k4"
+    assert not any(t.startswith("w") for t in gemm_fused.available_tiles(_FakeCuda("80")))
+    assert {"w64x32", "w64x64", "w64x128"} <= set(gemm_fused.available_tiles(_FakeCuda("90")))
+    spec = gemm_fused.tile_spec("w64x128")
+    assert (spec.kind, spec.threads, spec.shared_bytes) == ("wgmma", 384, 4 * (3 * 64 + 2 * 128) * 128 + 1024)
+    assert spec.shared_bytes <= 227 * 1024  # the H100/H200 per-block limit
+    assert 2 * gemm_fused.tile_spec("w64x32").shared_bytes <= 228 * 1024  # two 64 x 32 blocks per multiprocessor
+    encoded = fixedpoint_encode_ones(64)
+    with pytest.raises(InputError, match="compute capability 9.0"):
+        gemm_fused.launch_fused(_FakeCuda("80"), spec, encoded, _encoded_weight(8, 64), None, 0)
+
+
+def fixedpoint_encode_ones(k):
+    from rlportable.ops import fixedpoint
+
+    return fixedpoint.encode_rows(get_backend("cpu"), np.ones((4, k), np.float32), gemm_op.DEFAULT_BITS_A)
+
+
+def test_hopper_builds_target_the_arch_specific_sm_90a():
+    from rlportable.runtime import flags
+
+    assert flags.cuda_arch_option("90") == "--gpu-architecture=sm_90a"  # wgmma exists only there
+    assert flags.cuda_arch_option("80") == "--gpu-architecture=sm_80"

@@ -370,6 +370,17 @@ RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x128, 2, 4, 2, 4, 2, 3)
 #define RLP_WGMMA_KBLOCK 128  // K bytes per stage: one swizzled 128-byte row per operand row
 
 #ifdef RLP_HAS_WGMMA
+__device__ __forceinline__ void rlp_wgmma_n32(int (&d)[16], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, 1;\n"
+        :
+          "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+        : "l"(a), "l"(b));
+}
+
 __device__ __forceinline__ void rlp_wgmma_n64(int (&d)[32], unsigned long long a, unsigned long long b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
@@ -422,7 +433,8 @@ __device__ __forceinline__ void rlp_wgmma_pin(int (&d)[R]) {
 
 template <int BN>
 __device__ __forceinline__ void rlp_wgmma(int (&d)[BN / 2], unsigned long long a, unsigned long long b) {
-    if constexpr (BN == 64) rlp_wgmma_n64(d, a, b);
+    if constexpr (BN == 32) rlp_wgmma_n32(d, a, b);
+    else if constexpr (BN == 64) rlp_wgmma_n64(d, a, b);
     else rlp_wgmma_n128(d, a, b);
 }
 
@@ -556,11 +568,12 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 }
 
 #define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES)                                                                 \
-    extern "C" __global__ void __launch_bounds__(128 * RLP_A_DIGITS, 1) NAME(                              \
+    extern "C" __global__ void __launch_bounds__(128 * RLP_A_DIGITS, (BN) <= 32 ? 2 : 1) NAME(             \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
         rlp_gemm_wgmma<BN, STAGES>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                              \
     }
 
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4)

@@ -173,8 +173,12 @@ def _check_encoded_operands(a: EncodedRows, weight: GemmWeight) -> None:
         raise InputError(f"gemm_sums: K={a.k} exceeds the contract's limit {limit} for {a.bits}x{weight.bits} bits")
 
 
-#: From M on, the vendor int8 GEMM + combine beats our tiled kernel (bench/results/)
+#: From M on, the vendor int8 GEMM + combine beats our mma.sync kernels (bench/results/); below
+#: it the fused kernels are always taken (so decode steps can be captured in graphs)
 BLAS_FROM_M = 1024
+#: On wgmma devices the fused wgmma kernel also beats the vendor GEMM from BLAS_FROM_M on, up to
+#: this K (H200, bench/results/gemm_sweep_h200.json: K = 1024 faster, K = 2048 and 3072 slower)
+WGMMA_LARGE_M_MAX_K = 1024
 
 
 def resolve_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, method: str) -> str:
@@ -185,7 +189,10 @@ def resolve_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, me
             f"got {backend.label} with {fp.slice_count(bits_a)}x{weight.encoded.slices}"
         )
     if method == "auto":
-        return "fused" if fused_ok and m < BLAS_FROM_M else "blas"
+        from rlportable.ops.gemm_fused import has_wgmma
+
+        large_m_fused = has_wgmma(backend) and weight.k <= WGMMA_LARGE_M_MAX_K
+        return "fused" if fused_ok and (m < BLAS_FROM_M or large_m_fused) else "blas"
     return method
 
 

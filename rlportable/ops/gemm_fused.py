@@ -46,16 +46,21 @@ def _tiled(rows, cols, warps, chunks_per_stage=2, stages=3):
     return Tile("tiled", f"gemm_tiled_a3w2_{rows}x{cols}", rows, cols, 32 * warps, stages * stage)
 
 
-WGMMA_ROWS, WGMMA_KBLOCK, WGMMA_STAGES = 64, 128, 4
+WGMMA_ROWS, WGMMA_KBLOCK = 64, 128
+#: stages per tile width (backends/cuda/gemm.cu RLP_GEMM_WGMMA_ENTRY): 3 keep a 64 x 32 block
+#: under half the shared memory, so two blocks share a multiprocessor
+WGMMA_STAGES = {32: 3, 64: 4, 128: 4}
 #: compute capabilities whose builds have wgmma (runtime/flags.py ARCH_SPECIFIC)
 WGMMA_CAPABILITIES = ("90",)
+#: 64 x 128 tiles from this many on (two waves of the H200's 132 multiprocessors)
+WGMMA_WIDE_FROM_TILES = 264
 
 
 def _wgmma(cols):
     stage = (A_DIGITS * WGMMA_ROWS + W_DIGITS * cols) * WGMMA_KBLOCK
     # + 1024: the kernel aligns its stages to the 128-byte swizzle's 1024-byte atoms
     return Tile("wgmma", f"gemm_wgmma_a3w2_{WGMMA_ROWS}x{cols}", WGMMA_ROWS, cols, 128 * A_DIGITS,
-                WGMMA_STAGES * stage + 1024)
+                WGMMA_STAGES[cols] * stage + 1024)
 
 
 FUSED_TILES = {
@@ -65,6 +70,7 @@ FUSED_TILES = {
     "t64x64": _tiled(64, 64, 4),
     "t128x64": _tiled(128, 64, 8),
     "t64x128": _tiled(64, 128, 8),
+    "w64x32": _wgmma(32),
     "w64x64": _wgmma(64),
     "w64x128": _wgmma(128),
 }
@@ -83,9 +89,12 @@ def available_tiles(backend) -> list[str]:
 
 
 def pick_tile(m: int, n: int, wgmma: bool = False) -> str:
-    """Fastest tile per shape in bench/results/gemm_sweep*_h200.json (H200, 2026-11-30)."""
-    if wgmma and m > 16:
-        return "w64x64" if -(-m // WGMMA_ROWS) * -(-n // 128) < 264 else "w64x128"
+    """Fastest tile per shape in bench/results/gemm_sweep*_h200.json (H200, 2026-11-30).
+
+    wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17;
+    64 x 128 tiles once there are two waves of them, else 64 x 64."""
+    if wgmma and (m > 64 or (m > 16 and n >= 4096)):
+        return "w64x64" if -(-m // WGMMA_ROWS) * -(-n // 128) < WGMMA_WIDE_FROM_TILES else "w64x128"
     if m <= 16:
         return "16x32k4" if n >= 4096 else "16x16k8"
     if m <= 64 and n <= 1024:

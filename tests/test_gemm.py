@@ -171,7 +171,8 @@ def test_method_choice_by_device_and_shape():
 def test_tile_choice_and_availability():
     from rlportable.ops import gemm_fused
 
-    assert gemm_fused.pick_tile(256, 1024, wgmma=True) == "w64x64"
+    assert gemm_fused.pick_tile(256, 1024, wgmma=True) == "w64x32"  # few tiles: the narrow ones
+    assert gemm_fused.pick_tile(256, 2048, wgmma=True) == "w64x64"
     assert gemm_fused.pick_tile(256, 151936, wgmma=True) == "w64x128"  # the LM head: many tiles
     assert gemm_fused.pick_tile(4096, 1024, wgmma=True) == "w64x128"
     assert gemm_fused.pick_tile(64, 6144, wgmma=True) == "w64x64"  # wide outputs from 17 rows

@@ -54,6 +54,9 @@ WGMMA_STAGES = {32: 3, 64: 4, 128: 4}
 WGMMA_CAPABILITIES = ("90",)
 #: 64 x 128 tiles from this many on (two waves of the H200's 132 multiprocessors)
 WGMMA_WIDE_FROM_TILES = 264
+#: 64 x 32 tiles below this many 64 x 64 ones (bench/results/gemm_sweep_small_m_h200.json: M = 256,
+#: N = 1024 is faster in 64 x 32, N = 2048 and M = 64, N = 6144 in 64 x 64)
+WGMMA_NARROW_BELOW_TILES = 96
 
 
 def _wgmma(cols):
@@ -91,10 +94,14 @@ def available_tiles(backend) -> list[str]:
 def pick_tile(m: int, n: int, wgmma: bool = False) -> str:
     """Fastest tile per shape in bench/results/gemm_sweep*_h200.json (H200, 2026-11-30).
 
-    wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17;
-    64 x 128 tiles once there are two waves of them, else 64 x 64."""
+    wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17.
+    The widest tile that still spreads over the multiprocessors: 64 x 32 while 64 x 64 tiles would
+    leave most of them idle, 64 x 128 once there are two waves of those."""
     if wgmma and (m > 64 or (m > 16 and n >= 4096)):
-        return "w64x64" if -(-m // WGMMA_ROWS) * -(-n // 128) < WGMMA_WIDE_FROM_TILES else "w64x128"
+        row_blocks = -(-m // WGMMA_ROWS)
+        if row_blocks * -(-n // 64) < WGMMA_NARROW_BELOW_TILES:
+            return "w64x32"
+        return "w64x64" if row_blocks * -(-n // 128) < WGMMA_WIDE_FROM_TILES else "w64x128"
     if m <= 16:
         return "16x32k4" if n >= 4096 else "16x16k8"
     if m <= 64 and n <= 1024:

@@ -4,8 +4,10 @@
 
 Variants are textual edits of backends/cuda/gemm.cu compiled with the runtime's options; each is
 timed by CUDA events over repeated launches on random digits (the bits are not checked: conform does).
-bench/results/wgmma_probe_h200.json is a run of it on b34fffd's kernel (before the epilogue moved to
-all three warpgroups): the rounding epilogue and a block's fixed cost, not the MMAs, dominated.
+bench/results/wgmma_probe_h200.json is a run of an earlier version of this script (its edits named the
+kernel text of b34fffd, before the epilogue moved to all three warpgroups; the 64 x 64 and 64 x 128
+tiles only): the rounding epilogue and a block's fixed cost, not the MMAs, dominated.
+Prints one JSON line per measurement; with a path argument, also writes them all there as a list.
 """
 import json
 import sys
@@ -93,7 +95,9 @@ def main():
                 row = dict(variant=variant, kernel=kernel, m=m, k=k, n=n, us=round(us, 2), int8_tops=round(tops, 1))
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    json.dump(results, sys.stdout if len(sys.argv) < 2 else open(sys.argv[1], "w"), indent=1)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as out:
+            json.dump(results, out, indent=1)
 
 
 if __name__ == "__main__":

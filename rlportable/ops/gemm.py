@@ -177,7 +177,7 @@ def _check_encoded_operands(a: EncodedRows, weight: GemmWeight) -> None:
 #: it the fused kernels are always taken (so decode steps can be captured in graphs)
 BLAS_FROM_M = 1024
 #: On wgmma devices the fused wgmma kernel also beats the vendor GEMM from BLAS_FROM_M on, up to
-#: this K (H200, bench/results/gemm_sweep_h200.json: K = 1024 faster, K = 2048 and 3072 slower)
+#: this K (H200, bench/results/gemm_sweep_wgmma_h200.json: K = 1024 faster, K = 2048 and 3072 slower)
 WGMMA_LARGE_M_MAX_K = 1024
 
 

@@ -7,7 +7,7 @@ only. Three kinds:
   * "tiled": operands staged in shared memory by cp.async (mma.sync, sm_80+);
   * "wgmma": Hopper warpgroup MMA from swizzled shared memory, one warpgroup per
     activation digit (compute capability 9.0 only: built for sm_90a).
-(A third kind that encoded the float32 activations inside the GEMM kernel was
+(Another kind, which encoded the float32 activations inside the GEMM kernel, was
 measured slower than a separate encode launch on the H200 and was removed;
 docs/gemm_performance.md.)
 `pick_tile` takes one per shape, from `rlportable bench gemm --sweep-tiles` on
@@ -29,7 +29,7 @@ A_DIGITS, W_DIGITS = 3, 2
 
 @dataclass(frozen=True)
 class Tile:
-    kind: str  # direct | tiled
+    kind: str  # direct | tiled | wgmma
     kernel: str
     rows: int
     cols: int
@@ -54,7 +54,7 @@ WGMMA_STAGES = {32: 3, 64: 4, 128: 4}
 WGMMA_CAPABILITIES = ("90",)
 #: 64 x 128 tiles from this many on (two waves of the H200's 132 multiprocessors)
 WGMMA_WIDE_FROM_TILES = 264
-#: 64 x 32 tiles below this many 64 x 64 ones (bench/results/gemm_sweep_small_m_h200.json: M = 256,
+#: 64 x 32 tiles below this many 64 x 64 ones (bench/results/gemm_sweep_wgmma_small_m_h200.json: M = 256,
 #: N = 1024 is faster in 64 x 32, N = 2048 and M = 64, N = 6144 in 64 x 64)
 WGMMA_NARROW_BELOW_TILES = 96
 
@@ -96,7 +96,8 @@ def pick_tile(m: int, n: int, wgmma: bool = False) -> str:
 
     wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17.
     The widest tile that still spreads over the multiprocessors: 64 x 32 while 64 x 64 tiles would
-    leave most of them idle, 64 x 128 once there are two waves of those."""
+    leave most of them idle, 64 x 128 once there are two waves of those. The sweeps measured M = 64,
+    256, 4096 and 16384 only: the row bounds between them (17, 65) are interpolated, not measured."""
     if wgmma and (m > 64 or (m > 16 and n >= 4096)):
         row_blocks = -(-m // WGMMA_ROWS)
         if row_blocks * -(-n // 64) < WGMMA_NARROW_BELOW_TILES:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import zlib
 
-import numpy as np
 
 from rlportable.conform.attention import ATTENTION_BACKWARD_CHECKS, ATTENTION_CHECKS
 from rlportable.conform.backward_ops import BACKWARD_OP_CHECKS
@@ -25,7 +23,7 @@ from rlportable.conform.parallel_ops import PARALLEL_OP_CHECKS
 from rlportable.conform.parallel_vocab import PARALLEL_VOCAB_CHECKS
 from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, EXHAUSTIVE_REPORTS, PRIMITIVE_CHECKS
 from rlportable.conform.sampling import SAMPLING_CHECKS
-from rlportable.conform.tally import CheckResult, Tally, bit_mismatches
+from rlportable.conform.tally import CheckResult, Tally, bit_mismatches, check_rng
 from rlportable.runtime.base import Backend
 
 CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
@@ -51,8 +49,7 @@ def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None =
             continue
         if progress:
             progress(name)
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # a check's inputs depend on its name only
-        tally = check(backend, rng, quick)
+        tally = check(backend, check_rng(seed, name), quick)
         results.append(CheckResult(name, tally.compared, tally.mismatches, getattr(tally, "details", None)))
     return results
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+
+def check_rng(seed: int, name: str) -> np.random.Generator:
+    """The generator a conformance check draws its inputs from: a function of the run's seed and the
+    check's name only (not of which other checks ran), so the same inputs on every device and rank."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 @dataclass
 class CheckResult:

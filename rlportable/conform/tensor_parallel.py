@@ -13,13 +13,12 @@ and on cpu, threads of one process (runtime/collectives.py).
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable
 
 import numpy as np
 
 from rlportable.conform import selected
-from rlportable.conform.tally import CheckResult, Tally
+from rlportable.conform.tally import CheckResult, Tally, check_rng
 from rlportable.engine.sequence import SamplingParams
 from rlportable.model import parallel
 from rlportable.ops import embedding, gemm, logprob
@@ -178,7 +177,7 @@ def run(backend, group, quick: bool = False, seed: int = 0, only: str | None = N
             continue
         if progress and group.rank == 0:
             progress(name)
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # the same inputs on every rank
+        rng = check_rng(seed, name)  # the same inputs on every rank
         tally = check(backend, group, rng, quick)
         results.append(CheckResult(name, tally.compared, tally.mismatches, {"tp": group.size, "group": group.label}))
     return results

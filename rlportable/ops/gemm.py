@@ -30,6 +30,7 @@ from rlportable.contract import exact, fixedpoint as fp
 from rlportable.errors import InputError
 from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
 from rlportable.ops.fixedpoint import EncodedRows, encode_rows, joined_integers
+from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
 from rlportable.runtime.base import Backend
 
 #: Chosen by measurement (docs/decisions.md, tests/test_gemm.py): 23-bit activations (3 int8
@@ -96,8 +97,6 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
         encoded = encode_rows(backend, x, bits_a)
     y = backend.empty((m, weight.n), np.float32)
     if method == "fused":
-        from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
-
         spec = tile_spec(tile or pick_tile(m, weight.n, has_wgmma(backend)))
         launch_fused(backend, spec, encoded, weight, y, _scale_offset(bits_a, weight.bits))
     else:
@@ -189,8 +188,6 @@ def resolve_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, me
             f"got {backend.label} with {fp.slice_count(bits_a)}x{weight.encoded.slices}"
         )
     if method == "auto":
-        from rlportable.ops.gemm_fused import has_wgmma
-
         large_m_fused = has_wgmma(backend) and weight.k <= WGMMA_LARGE_M_MAX_K
         return "fused" if fused_ok and (m < BLAS_FROM_M or large_m_fused) else "blas"
     return method

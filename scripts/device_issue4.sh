@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Decode speed (issue 4) on one H200. Usage on the device machine:
-#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue4.sh gemm|decode|all
+#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue4.sh gemm|attention|decode|all
 #   gemm:   the exact gemm's kernels (every tile, wgmma included) bitwise against the reference,
 #           then the tile sweep against torch bf16 (bench gemm --sweep-tiles)
+#   attention: the split-KV decode kernels (CUDA and HIP sources) bitwise against the reference, then
+#           scripts/probe_attention.py (RLP_PROBE_BASELINE=<earlier attention.cu> adds a baseline)
 #   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache
@@ -12,6 +14,11 @@ cli="python3 -m rlportable"
 if [[ $1 == gemm || $1 == all ]]; then
     $cli conform --device cuda --only gemm --json "$OUT/conform_cuda_gemm_h200.json" 2>&1 | tail -6
     $cli bench gemm --device cuda --sweep-tiles --m 64 --m 256 --m 4096 --m 16384 --json "$OUT/gemm_sweep_h200.json" 2>&1 | tail -30
+fi
+if [[ $1 == attention || $1 == all ]]; then
+    $cli conform --device cuda --only attention.split,attention.paged --json "$OUT/conform_cuda_attention_split_h200.json" 2>&1 | tail -6
+    $cli conform --device cuda --kernel-source hip --only attention.split --json "$OUT/conform_cuda_hipsrc_attention_split_h200.json" 2>&1 | tail -6
+    python3 scripts/probe_attention.py "$OUT/attention_probe_h200.json"
 fi
 if [[ $1 == decode || $1 == all ]]; then
     $cli conform --device cuda --quick --only gemm,engine,model.qwen3 --json "$OUT/conform_cuda_engine_quick_h200.json" 2>&1 | tail -6

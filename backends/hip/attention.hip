@@ -268,14 +268,17 @@ extern "C" __global__ void attention_write_kv(
 // Every sum is an exact integer sum and every max an exact max: the bits equal attention_paged's for
 // any split count, tiling or thread count. Poisoned rows are attention_paged's: a non-finite q row, an
 // invalid sequence or position, a non-finite K/V row or a missing slot among keys 0..t, m = +-inf.
-// Integer products go through int8 digit pairs (rlp_atts_dot4: c + the 4 products of signed bytes, the
-// same integer CUDA's __dp4a gives):
-//   S_j = sum_d qq_d qk_jd, qq = a0 + 2^8 a1 + 2^16 a2 (3 balanced digits, |a2| <= 64), qk = b0 + 2^8 b1
-//   (the cache's digits): S = G0 + 2^8 G1 + 2^16 G2 + 2^24 G3, G_k the sum of a_i b_j over i + j = k,
-//   |G_k| <= 2 * 512 * 2^14 = 2^24: exact in int32.
-//   N_d = sum_j w_j qv_jd, w = c0 + 2^8 c1 + 2^16 c2 (3 balanced digits of w <= 2^21) with the keys as
-//   the reduction dimension (4 keys per 32-bit word: V transposed in registers): the same four groups,
-//   |G_k| <= 2 * 2^14 * chunk <= 2^29 for chunk <= 2^14 keys (ops/attention.py SPLIT_MAX_KEYS): exact.
+// Integer products (exact in every order):
+//   S_j = sum_d qq_d qk_jd through int8 digit pairs (rlp_atts_dot4: c + the 4 products of signed bytes,
+//   the same integer CUDA's __dp4a gives):
+//   qq = a0 + 2^8 a1 + 2^16 a2 (3 balanced digits, |a2| <= 64), qk = b0 + 2^8 b1 (the cache's digits):
+//   S = G0 + 2^8 G1 + 2^16 G2 + 2^24 G3, G_k the sum of a_i b_j over i + j = k, |G_k| <= 2 * 512 * 2^14
+//   = 2^24: exact in int32. The threads of one key each take a 16-byte piece of both digit planes; their
+//   parts of S meet through xor shuffles of int64 (exact).
+//   N_d = sum_j w_j qv_jd in float64: w_j = RNE(p_j 2^(ev_j - E + 21)) is an integer <= 2^21 and
+//   |qv_jd| < 2^14, so every product is an integer below 2^35 and every partial sum of at most 2^14 keys
+//   (ops/attention.py SPLIT_MAX_KEYS) an integer below 2^49: float64 holds each exactly, so the fused
+//   multiply-adds round nothing and the sums are exact in any order; they become int64 exactly.
 // Scratch (ops/attention.py allocates it; every element read is written first):
 //   scores      float32 [tq * hkv, splits * chunk, group]  s_j of (row, kv head; key; head of the group)
 //   key_ev      int32   [tq * hkv, splits * chunk]         ev_j (written for keys with finite rows)
@@ -285,11 +288,12 @@ extern "C" __global__ void attention_write_kv(
 //   part_total  int64   [tq * hq, splits]      sum of RNE(p_j 2^21) over the split's keys
 //   part_num    int64   [tq * hq, splits, d]   sum of RNE(p_j 2^(ev_j - E + 21)) qv_jd over them
 #define RLP_ATTS_THREADS 128     // the kernels' block size (ops/attention.py launches exactly this)
-#define RLP_ATTS_SCORE_HEADS 8   // q heads per round of attention_split_scores (register sums)
-#define RLP_ATTS_TILE 128        // keys per round of attention_split_values
-#define RLP_ATTS_VALUE_HEADS 16  // q heads per round of attention_split_values at most
-#define RLP_ATTS_VALUE_SHARE 2   // q heads per thread of attention_split_values: one V load serves them all
-#define RLP_ATTS_COLUMNS 8       // value columns per thread: one 8-byte load per digit plane and key
+#define RLP_ATTS_SCORE_HEADS 4   // q heads per round of attention_split_scores (register sums)
+#define RLP_ATTS_SCORE_KEYS 2    // keys per thread in flight in attention_split_scores
+#define RLP_ATTS_TILE 128        // keys per tile of attention_split_values
+#define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
+#define RLP_ATTS_VALUE_KEYS 4    // keys per thread in flight in attention_split_values
+#define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
 
 // c + the four products of the signed bytes of a and b, exact in int32 (CUDA's __dp4a).
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) {
@@ -298,31 +302,12 @@ __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) {
     return c;
 }
 
-// Byte n of the result is byte (s >> 4n) & 7 of {b (bytes 4..7), a (bytes 0..3)} (CUDA's __byte_perm
-// for selectors 0..7).
-__device__ __forceinline__ unsigned int rlp_atts_perm(unsigned int a, unsigned int b, unsigned int s) {
-    const unsigned long long x = ((unsigned long long)b << 32) | a;
-    unsigned int r = 0u;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) r |= (unsigned int)((x >> (8 * ((s >> (4 * n)) & 7u))) & 0xffull) << (8 * n);
-    return r;
-}
-
 __device__ __forceinline__ int rlp_atts_min(int a, int b) { return a < b ? a : b; }
 
 __device__ __forceinline__ long long rlp_atts_min_ll(long long a, long long b) { return a < b ? a : b; }
 
 __device__ __forceinline__ int rlp_atts_word(const int4& v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
-}
-
-__device__ __forceinline__ int rlp_atts_word(const int2& v, int i) { return i == 0 ? v.x : v.y; }
-
-// Rows of attention_split_values' shared arrays per key or column: the heads of its largest round,
-// in whole sets of RLP_ATTS_VALUE_SHARE (ops/attention.py split_values_shared_bytes counts the same).
-__device__ __forceinline__ int rlp_atts_head_slots(int group, int round_heads) {
-    const int heads = rlp_atts_min(group, round_heads);
-    return (heads + RLP_ATTS_VALUE_SHARE - 1) / RLP_ATTS_VALUE_SHARE * RLP_ATTS_VALUE_SHARE;
 }
 
 // g[k] += sum of a_i b_j over i + j = k, 4 elements: a0, a1, a2 (3 digits) and b0, b1 (2 digits).
@@ -357,23 +342,26 @@ __device__ __forceinline__ void rlp_atts_digits3(long long v, signed char* out, 
     }
 }
 
-// Four keys' words r0..r3 (4 columns each, byte = column) -> four column words c[0..3] (byte = key).
-__device__ __forceinline__ void rlp_atts_transpose(int r0, int r1, int r2, int r3, int (&c)[4]) {
-    const unsigned int t0 = rlp_atts_perm(r0, r1, 0x5140u), t1 = rlp_atts_perm(r0, r1, 0x7362u);
-    const unsigned int t2 = rlp_atts_perm(r2, r3, 0x5140u), t3 = rlp_atts_perm(r2, r3, 0x7362u);
-    c[0] = (int)rlp_atts_perm(t0, t2, 0x5410u);
-    c[1] = (int)rlp_atts_perm(t0, t2, 0x7632u);
-    c[2] = (int)rlp_atts_perm(t1, t3, 0x5410u);
-    c[3] = (int)rlp_atts_perm(t1, t3, 0x7632u);
+// Threads per key in attention_split_scores: one 16-byte piece of each digit plane each, rounded up to
+// a power of two (<= 32: an aligned segment of either vendor's warp) so that xor shuffles add the parts.
+__device__ __forceinline__ int rlp_atts_key_threads(int pieces) {
+    int threads = 1;
+    while (threads < pieces) threads *= 2;
+    return threads;
 }
+
+// The signed byte c (0..3) of a word.
+__device__ __forceinline__ int rlp_atts_byte(int word, int c) { return (word << (24 - 8 * c)) >> 24; }
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of
 // RLP_ATTS_SCORE_HEADS. Per round: the q rows' exponents (integer maxima) and 3 balanced digits in
-// shared memory; threads over the split's keys: slot, exponents, flags, E's candidate, the exact
-// digit-group dot products (16-byte loads of the key's two digit planes), the scores and each head's
-// largest order key. Writes split_keys, split_info, query_bad (split 0), the scores and key_ev (so the
-// value pass waits on one load per key, not on the slot and then the exponent).
-extern "C" __global__ void attention_split_scores(
+// shared memory; then the split's keys, RLP_ATTS_SCORE_KEYS per thread in flight, each key taken by an
+// aligned set of key_threads threads (one 16-byte piece of each of its two digit planes each: a set
+// reads the key's row as whole 128-byte lines): slot, exponents, flags, E's candidate, the digit-group
+// dot products of the piece, the parts added by xor shuffles within the set; its first thread forms the
+// scores and each head's largest order key. Writes split_keys, split_info, query_bad (split 0), the
+// scores and key_ev (so the value pass waits on one load per key, not on the slot and then the exponent).
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_scores(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
@@ -387,6 +375,11 @@ extern "C" __global__ void attention_split_scores(
     __shared__ unsigned int flags;
     const int group = hq / hkv;
     const int pieces = dp / 16;  // 16-byte pieces of a digit plane
+    const int key_threads = rlp_atts_key_threads(pieces);
+    const int lanes = (int)blockDim.x / key_threads;  // keys per block and pass
+    const int lane = (int)threadIdx.x / key_threads;
+    const int piece = (int)threadIdx.x - lane * key_threads;  // >= pieces: a thread of the set with no piece
+    const bool leader = piece == 0;
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -438,39 +431,61 @@ extern "C" __global__ void attention_split_scores(
             }
             unsigned int local_ev = 0u;
             unsigned int local_flags = 0u;
-            for (long long j = lo + threadIdx.x; j < end; j += blockDim.x) {
-                const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j);
-                if (slot < 0) { local_flags |= RLP_ATT_BAD_INDEX; continue; }
-                const long long row = slot * hkv + g;
-                const int ek = k_exponents[row];
-                const int ev = v_exponents[row];
-                if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) { local_flags |= RLP_ATT_BAD_KV; continue; }
-                local_ev = rlp_max_u32(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
-                if (h0 == 0) key_ev[rowg * keys + j] = ev;
-                int sums[RLP_ATTS_SCORE_HEADS][4];
+            // Block-uniform loop: every thread reaches the shuffles. A key past the split's end, or one
+            // whose row is missing or non-finite, is computed on row 0 of the cache and never written.
+            for (long long base = lo; base < end; base += (long long)RLP_ATTS_SCORE_KEYS * lanes) {
+                long long j[RLP_ATTS_SCORE_KEYS];
+                bool live[RLP_ATTS_SCORE_KEYS];
+                int ek[RLP_ATTS_SCORE_KEYS];
+                int4 b0[RLP_ATTS_SCORE_KEYS], b1[RLP_ATTS_SCORE_KEYS];
 #pragma unroll
-                for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) sums[hi][k] = 0;
-                const int4* kr = reinterpret_cast<const int4*>(k_digits + row * (2LL * dp));
-#pragma unroll 2
-                for (int c = 0; c < pieces; ++c) {
-                    const int4 b0 = kr[c];
-                    const int4 b1 = kr[pieces + c];
-#pragma unroll
-                    for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
-                        if (hi < nb)
-                            rlp_atts_groups16(sums[hi], q_digits[(hi * 3) * pieces + c], q_digits[(hi * 3 + 1) * pieces + c],
-                                              q_digits[(hi * 3 + 2) * pieces + c], b0, b1);
-                }
-                float* srow = scores + (rowg * keys + j) * group + h0;
-#pragma unroll
-                for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
-                    if (hi < nb && eq[hi] != RLP_NONFINITE_EXPONENT) {
-                        const float s = rlp_att_score(rlp_atts_combine(sums[hi]), eq[hi], ek, scale);
-                        srow[hi] = s;
-                        local_key[hi] = rlp_max_u32(local_key[hi], rlp_att_order_key(s));
+                for (int u = 0; u < RLP_ATTS_SCORE_KEYS; ++u) {
+                    j[u] = base + (long long)u * lanes + lane;
+                    long long row = 0;
+                    live[u] = false;
+                    ek[u] = 0;
+                    if (j[u] < end) {
+                        const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j[u]);
+                        if (slot < 0) {
+                            local_flags |= RLP_ATT_BAD_INDEX;
+                        } else {
+                            const long long r = slot * hkv + g;
+                            const int ev = v_exponents[r];
+                            ek[u] = k_exponents[r];
+                            if (ek[u] == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) {
+                                local_flags |= RLP_ATT_BAD_KV;
+                            } else {
+                                live[u] = true;
+                                row = r;
+                                local_ev = rlp_max_u32(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
+                                if (h0 == 0 && leader) key_ev[rowg * keys + j[u]] = ev;
+                            }
+                        }
                     }
+                    const int4* kr = reinterpret_cast<const int4*>(k_digits + row * (2LL * dp));
+                    const int at = piece < pieces ? piece : 0;
+                    b0[u] = kr[at];
+                    b1[u] = kr[pieces + at];
+                }
+#pragma unroll
+                for (int u = 0; u < RLP_ATTS_SCORE_KEYS; ++u) {
+#pragma unroll
+                    for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi) {
+                        if (hi >= nb) continue;  // block-uniform
+                        int sums[4] = {0, 0, 0, 0};
+                        if (piece < pieces)
+                            rlp_atts_groups16(sums, q_digits[(hi * 3) * pieces + piece],
+                                              q_digits[(hi * 3 + 1) * pieces + piece],
+                                              q_digits[(hi * 3 + 2) * pieces + piece], b0[u], b1[u]);
+                        unsigned long long s = (unsigned long long)rlp_atts_combine(sums);
+                        for (int mask = key_threads / 2; mask > 0; mask >>= 1) s += rlp_segment_xor_u64(s, mask);
+                        if (live[u] && leader && eq[hi] != RLP_NONFINITE_EXPONENT) {
+                            const float score = rlp_att_score((long long)s, eq[hi], ek[u], scale);
+                            scores[(rowg * keys + j[u]) * group + h0 + hi] = score;
+                            local_key[hi] = rlp_max_u32(local_key[hi], rlp_att_order_key(score));
+                        }
+                    }
+                }
             }
 #pragma unroll
             for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
@@ -487,38 +502,38 @@ extern "C" __global__ void attention_split_scores(
 }
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
-// RLP_ATTS_VALUE_HEADS (as many as RLP_ATTS_THREADS threads hold, RLP_ATTS_VALUE_SHARE heads of
-// RLP_ATTS_COLUMNS columns each). E and the flags from every split's split_info, m per head from every
-// split's split_keys; then the split's keys in tiles of RLP_ATTS_TILE: threads over keys form p_j,
-// RNE(p_j 2^21) and the weights' 3 digits in shared memory; then each thread takes (a set of
-// RLP_ATTS_VALUE_SHARE heads, 8 columns, every lanes-th quad of keys): 8-byte loads of the 4 keys' two
-// V digit planes, transposed to key-major words once and multiplied by every head of the set's weights
-// (the heads of a set share the V bytes; a set past the round's last head, and a key past the split's
-// last one, have zero weights). The sums meet in shared memory with int64 atomics (exact, any order);
-// each key's thread of the p phase keeps its keys' sums of RNE(p_j 2^21), added up per head at the end.
-// Shared arrays sized by the launch (dynamic: ops/attention.py split_values_shared_bytes).
-extern "C" __global__ void attention_split_values(
+// RLP_ATTS_VALUE_HEADS. E and the flags from every split's split_info, m per head from every split's
+// split_keys; then the split's keys in tiles of RLP_ATTS_TILE. Per tile, threads over keys form p_j and
+// add RNE(p_j 2^21) to their own sums of L; the weights w_j (float64, exact integers) and the V rows'
+// offsets go to shared memory. Then the threads of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns
+// each: together one 128-byte line per digit plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in
+// flight, and add w_j qv_jd into float64 sums per (head, column) (exact: the section's comment). A key
+// past the split's last one reads row 0 of the cache with weight 0. The sums meet in shared memory as
+// int64 atomics (exact, any order). Dynamic shared memory: the numerators (ops/attention.py
+// split_values_shared_bytes).
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_values(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots,
     const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num) {
-    extern __shared__ unsigned long long rlp_atts_values_smem[];
+    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [head of the round][dp]: N_d
+    __shared__ double weights[RLP_ATTS_VALUE_HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
+    __shared__ long long key_offsets[RLP_ATTS_TILE];                 // the V row's byte offset
+    __shared__ unsigned long long head_total[RLP_ATTS_VALUE_HEADS];  // L's partial sum
     __shared__ float head_m[RLP_ATTS_VALUE_HEADS];
     __shared__ int head_ok[RLP_ATTS_VALUE_HEADS];
     __shared__ unsigned int max_ev;
     __shared__ unsigned int flags;
     __shared__ int any_ok;
+    unsigned long long* numerator = rlp_atts_values_smem;
     const int group = hq / hkv;
-    const int pieces = dp / RLP_ATTS_COLUMNS;  // threads per (head set, key)
-    const int round_heads = rlp_atts_min(RLP_ATTS_VALUE_HEADS, RLP_ATTS_THREADS / pieces * RLP_ATTS_VALUE_SHARE);
-    const int slots = rlp_atts_head_slots(group, round_heads);  // heads of the largest round, whole sets
-    const int quads = RLP_ATTS_TILE / 4;
-    unsigned long long* numerator = rlp_atts_values_smem;                  // [slot][dp]
-    long long* p_sums = (long long*)(numerator + slots * dp);              // [slot][key % tile]: sum of RNE(p 2^21)
-    long long* key_offsets = p_sums + slots * RLP_ATTS_TILE;               // [key]: the V row's byte offset
-    int* weight_words = (int*)(key_offsets + RLP_ATTS_TILE);               // [slot][digit][key / 4]
+    const int row_threads = dp / RLP_ATTS_COLUMNS;  // threads of one key row
+    const int lanes = (int)blockDim.x / row_threads;  // key rows in flight per block (1, 2, 4 or 8)
+    const int lane = (int)threadIdx.x / row_threads;  // >= lanes: no key row (only where dp does not divide)
+    const int column = RLP_ATTS_COLUMNS * ((int)threadIdx.x - lane * row_threads);
+    const int stride = RLP_ATTS_VALUE_KEYS * lanes;  // divides RLP_ATTS_TILE
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -545,9 +560,8 @@ extern "C" __global__ void attention_split_values(
         __syncthreads();
         const int e_max = (int)max_ev - RLP_ATT_EV_OFFSET;
         const bool row_ok = !bad_row && flags == 0u;  // block-uniform
-        for (int h0 = 0; h0 < group; h0 += round_heads) {
-            const int nb = rlp_atts_min(group - h0, round_heads);
-            const int sets = (nb + RLP_ATTS_VALUE_SHARE - 1) / RLP_ATTS_VALUE_SHARE;
+        for (int h0 = 0; h0 < group; h0 += RLP_ATTS_VALUE_HEADS) {
+            const int nb = rlp_atts_min(group - h0, RLP_ATTS_VALUE_HEADS);
             const long long qrow0 = token * hq + (long long)g * group + h0;
             if (threadIdx.x == 0) any_ok = 0;
             __syncthreads();
@@ -559,103 +573,85 @@ extern "C" __global__ void attention_split_values(
                 const bool ok = row_ok && query_bad[qrow0 + hi] == 0u && rlp_magnitude_bits(m) < 0x7f800000u;
                 head_m[hi] = m;
                 head_ok[hi] = ok ? 1 : 0;
+                head_total[hi] = 0ull;
                 if (ok) any_ok = 1;
             }
             for (int i = threadIdx.x; i < nb * dp; i += blockDim.x) numerator[i] = 0ull;
-            for (int i = threadIdx.x; i < nb * RLP_ATTS_TILE; i += blockDim.x) p_sums[i] = 0;
             __syncthreads();
-            const int units = sets * pieces;  // (head set, 8 columns) per key lane
-            const int lanes = (int)blockDim.x / units;
-            const int lane = (int)threadIdx.x / units;
-            const int unit = (int)threadIdx.x - lane * units;
-            const int hs = unit / pieces;
-            const int piece = unit - hs * pieces;
-            int sums[RLP_ATTS_VALUE_SHARE][RLP_ATTS_COLUMNS][4];
+            double sums[RLP_ATTS_VALUE_HEADS][RLP_ATTS_COLUMNS];
+            long long totals[RLP_ATTS_VALUE_HEADS];  // this thread's keys' RNE(p 2^21)
 #pragma unroll
-            for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h)
+            for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                totals[hi] = 0;
 #pragma unroll
-                for (int col = 0; col < RLP_ATTS_COLUMNS; ++col)
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) sums[h][col][k] = 0;
+                for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) sums[hi][c] = 0.0;
+            }
             const bool work = any_ok != 0 && lo < end;  // block-uniform
             for (long long base = lo; work && base < end; base += RLP_ATTS_TILE) {
-                signed char* weight_digits = reinterpret_cast<signed char*>(weight_words);
                 for (int k = threadIdx.x; k < RLP_ATTS_TILE; k += blockDim.x) {
                     const long long j = base + k;
-                    long long row = -1;
+                    const bool live = j < end;  // a valid slot: flags == 0
+                    long long offset = 0;
                     int ev = 0;
-                    if (j < end) {  // a valid slot: flags == 0
-                        row = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;
+                    if (live) {
+                        offset = (rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g) *
+                                 (2LL * dp);
                         ev = key_ev[rowg * keys + j];
                     }
-                    key_offsets[k] = row >= 0 ? row * (2LL * dp) : -1;
-                    for (int hi = 0; hi < sets * RLP_ATTS_VALUE_SHARE; ++hi) {  // heads past nb: zero weights
-                        long long p_unit = 0;
-                        long long w = 0;
-                        if (row >= 0 && hi < nb && head_ok[hi]) {
+                    key_offsets[k] = offset;
+#pragma unroll
+                    for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                        if (hi >= nb) continue;
+                        double w = 0.0;
+                        if (live && head_ok[hi]) {
                             const float s = scores[(rowg * keys + j) * group + h0 + hi];
                             const double p = (double)rlp_exp_f32(s - head_m[hi]);
-                            p_unit = rlp_double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
-                            w = rlp_double2ll_rn(p * rlp_pow2_f64(ev - e_max + RLP_ATT_P_SHIFT));
+                            totals[hi] += rlp_double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                            w = (double)rlp_double2ll_rn(p * rlp_pow2_f64(ev - e_max + RLP_ATT_P_SHIFT));
                         }
-                        if (hi < nb) p_sums[hi * RLP_ATTS_TILE + k] += p_unit;  // only this thread's keys
-                        rlp_atts_digits3(w, weight_digits + hi * 3 * RLP_ATTS_TILE + k, RLP_ATTS_TILE);
+                        weights[hi * RLP_ATTS_TILE + k] = w;
                     }
                 }
                 __syncthreads();
-                if (lane < lanes) {
-                    const int* ww = weight_words + hs * RLP_ATTS_VALUE_SHARE * 3 * quads;
-                    const int tile_quads = (int)((rlp_atts_min_ll(end - base, (long long)RLP_ATTS_TILE) + 3) / 4);
-                    for (int quad = lane; quad < tile_quads; quad += lanes) {
-                        const int k0 = 4 * quad;
-                        int2 r[2][4];
+                const int span = (int)rlp_atts_min_ll(end - base, (long long)RLP_ATTS_TILE);
+                for (int k0 = lane; lane < lanes && k0 < span; k0 += stride) {
+                    int low[RLP_ATTS_VALUE_KEYS], high[RLP_ATTS_VALUE_KEYS];
 #pragma unroll
-                        for (int kk = 0; kk < 4; ++kk) {
-                            // a key past the split's last one reads key k0's row: its weights are 0
-                            const long long at = key_offsets[k0 + kk] >= 0 ? key_offsets[k0 + kk] : key_offsets[k0];
-                            const int2* vr = reinterpret_cast<const int2*>(v_digits + at);
-                            r[0][kk] = vr[piece];
-                            r[1][kk] = vr[pieces + piece];
-                        }
-                        int w[RLP_ATTS_VALUE_SHARE][3];
+                    for (int u = 0; u < RLP_ATTS_VALUE_KEYS; ++u) {  // keys up to the tile's end: weights 0
+                        const signed char* row = v_digits + key_offsets[k0 + u * lanes] + column;
+                        low[u] = *reinterpret_cast<const int*>(row);
+                        high[u] = *reinterpret_cast<const int*>(row + dp);
+                    }
 #pragma unroll
-                        for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h)
+                    for (int u = 0; u < RLP_ATTS_VALUE_KEYS; ++u) {
+                        double value[RLP_ATTS_COLUMNS];
 #pragma unroll
-                            for (int digit = 0; digit < 3; ++digit) w[h][digit] = ww[(h * 3 + digit) * quads + quad];
+                        for (int c = 0; c < RLP_ATTS_COLUMNS; ++c)
+                            value[c] = (double)(rlp_atts_byte(low[u], c) + 256 * rlp_atts_byte(high[u], c));
 #pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            int c0[4], c1[4];
-                            rlp_atts_transpose(rlp_atts_word(r[0][0], c), rlp_atts_word(r[0][1], c),
-                                               rlp_atts_word(r[0][2], c), rlp_atts_word(r[0][3], c), c0);
-                            rlp_atts_transpose(rlp_atts_word(r[1][0], c), rlp_atts_word(r[1][1], c),
-                                               rlp_atts_word(r[1][2], c), rlp_atts_word(r[1][3], c), c1);
+                        for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                            if (hi >= nb) continue;
+                            const double w = weights[hi * RLP_ATTS_TILE + k0 + u * lanes];
 #pragma unroll
-                            for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h)
-#pragma unroll
-                                for (int e = 0; e < 4; ++e)
-                                    rlp_atts_groups4(sums[h][4 * c + e], w[h][0], w[h][1], w[h][2], c0[e], c1[e]);
+                            for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) sums[hi][c] = fma(w, value[c], sums[hi][c]);
                         }
                     }
                 }
                 __syncthreads();  // the next tile overwrites the weights and offsets
             }
-            if (work && lane < lanes) {
 #pragma unroll
-                for (int h = 0; h < RLP_ATTS_VALUE_SHARE; ++h) {
-                    const int hi = hs * RLP_ATTS_VALUE_SHARE + h;  // past nb: zero weights, so all n are 0
+            for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                if (hi >= nb) continue;
+                if (totals[hi] != 0) atomicAdd(&head_total[hi], (unsigned long long)totals[hi]);
+                if (lane >= lanes) continue;
 #pragma unroll
-                    for (int col = 0; col < RLP_ATTS_COLUMNS; ++col) {
-                        const long long n = rlp_atts_combine(sums[h][col]);
-                        if (n != 0) atomicAdd(&numerator[hi * dp + RLP_ATTS_COLUMNS * piece + col], (unsigned long long)n);
-                    }
+                for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) {
+                    const long long n = rlp_double2ll_rn(sums[hi][c]);  // an integer below 2^49: exact
+                    if (n != 0) atomicAdd(&numerator[hi * dp + column + c], (unsigned long long)n);
                 }
             }
-            if (threadIdx.x < nb) {  // L's partial sum over the split's keys
-                long long total = 0;
-                for (int k = 0; k < RLP_ATTS_TILE; ++k) total += p_sums[threadIdx.x * RLP_ATTS_TILE + k];
-                part_total[(qrow0 + threadIdx.x) * splits + split] = total;
-            }
             __syncthreads();
+            if (threadIdx.x < nb) part_total[(qrow0 + threadIdx.x) * splits + split] = (long long)head_total[threadIdx.x];
             for (int u = threadIdx.x; u < nb * d; u += blockDim.x) {
                 const int hi = u / d;
                 const int i = u - hi * d;

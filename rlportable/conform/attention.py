@@ -256,8 +256,10 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
 # ---- decode-shaped calls: the split kernels (method "split") beside every other variant
 
 # (Hq, Hkv, D, KV block size): Qwen3-0.6B's shape, GQA 4:1, plain multi-head at D 256, ragged head_dims,
-# a group of 12 q heads (more than one round of the split kernels' heads)
-SPLIT_HEADS = ((16, 8, 128, 16), (8, 2, 64, 1), (4, 4, 256, 32), (6, 2, 20, 16), (24, 2, 200, 16))
+# a group of 12 q heads (more than one round of the split kernels' heads), padded head_dims 192 and 384
+# (threads per key that are not a power of two: idle threads in the kernels' key sets)
+SPLIT_HEADS = ((16, 8, 128, 16), (8, 2, 64, 1), (4, 4, 256, 32), (6, 2, 20, 16), (24, 2, 200, 16),
+               (8, 4, 160, 16), (4, 2, 384, 16))
 SPLIT_HEADS_QUICK = SPLIT_HEADS[:4]
 # lengths around the split kernels' tiles (128 keys) and splits, up to 2000 keys
 SPLIT_LENGTHS = (1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, 700, 1000, 2000)

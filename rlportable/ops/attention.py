@@ -62,12 +62,9 @@ MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run t
 SPLIT_THREADS = 128  # RLP_ATTS_THREADS: the split kernels' block size (their shared arrays are sized for it)
 SPLIT_TARGET_BLOCKS = 1024  # (row, kv head, split) blocks wanted per pass: several per SM of the largest GPUs
 SPLIT_MIN_KEYS = 128  # keys per split at least: one whole tile (RLP_ATTS_TILE) of attention_split_values
-SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's int32 digit-group sums exact
+SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's float64 sums below 2^49, exact
 SPLIT_SCRATCH_BYTES = 256 << 20  # scores and key exponents per launch at most (more rows: several launches)
-SPLIT_TILE = 128  # RLP_ATTS_TILE: keys per tile of attention_split_values
-SPLIT_VALUE_HEADS = 16  # RLP_ATTS_VALUE_HEADS: q heads per round of attention_split_values at most
-SPLIT_VALUE_SHARE = 2  # RLP_ATTS_VALUE_SHARE: q heads per thread of attention_split_values
-SPLIT_VALUE_COLUMNS = 8  # RLP_ATTS_COLUMNS: value columns per thread of attention_split_values
+SPLIT_VALUE_HEADS = 4  # RLP_ATTS_VALUE_HEADS: q heads per round of attention_split_values at most
 
 
 @dataclass
@@ -268,13 +265,9 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
 
 
 def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
-    """Dynamic shared memory of attention_split_values (rlp_atts_head_slots there): per head slot of its
-    largest round (heads in whole sets of SPLIT_VALUE_SHARE) the int64 numerators [dp], and per key of a
-    tile an int64 sum of RNE(p 2^21) and the weight's 3 digits; the tile's V row offsets (int64)."""
-    pieces = head_dim_padded // SPLIT_VALUE_COLUMNS  # threads per (head set, key)
-    round_heads = min(SPLIT_VALUE_HEADS, SPLIT_THREADS // pieces * SPLIT_VALUE_SHARE)
-    slots = round_up(min(group, round_heads), SPLIT_VALUE_SHARE)
-    return slots * (8 * head_dim_padded + 8 * SPLIT_TILE + 3 * SPLIT_TILE) + 8 * SPLIT_TILE
+    """Dynamic shared memory of attention_split_values: the int64 numerators [dp] of each head of its
+    largest round (the weights and row offsets of a tile are static arrays)."""
+    return min(group, SPLIT_VALUE_HEADS) * 8 * head_dim_padded
 
 
 def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,

@@ -1,0 +1,115 @@
+"""Where the split-KV decode attention's time goes: its kernels under other tunings, timed alone.
+
+    PYTHONPATH=$PWD python3 scripts/probe_attention.py [path.json]
+
+The Qwen3-0.6B layer shape (16 q heads, 8 KV heads, head_dim 128, KV blocks of 16): 256 query rows,
+one per sequence, each attending to KV_LENGTH keys of a cache of random encoded rows. Variants are
+textual edits of backends/cuda/attention.cu (keys in flight, the value kernel's blocks per
+multiprocessor) compiled with the runtime's options; each runs ops/attention.attention_paged
+(method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
+variant's output is compared bitwise with the unedited kernels' (the tunings must not move a bit;
+conform checks those against the reference). One JSON line per measurement.
+With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
+runs first as variant "baseline", with enough dynamic shared memory for the earlier value kernel.
+"""
+import json
+import os
+import sys
+
+import cupy as cp
+import numpy as np
+
+from rlportable.ops import attention
+from rlportable.runtime import get_backend
+from rlportable.runtime.base import _inline_includes, kernel_source_path
+from rlportable.runtime.cuda import _nvrtc_compile
+
+SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
+KV_LENGTHS = (384, 1024)
+MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
+SCORE_KEYS = "#define RLP_ATTS_SCORE_KEYS 2 "
+VALUE_KEYS = "#define RLP_ATTS_VALUE_KEYS 4 "
+VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS) attention_split_values"
+
+
+def _edit(source: str, old: str, new: str) -> str:
+    """One textual edit of the kernel source; an anchor that is gone is an error, not a silent no-op."""
+    if old not in source:
+        raise SystemExit(f"probe_attention: the kernels no longer contain {old!r}: update the probe")
+    return source.replace(old, new)
+
+
+VARIANTS = {
+    "as_built": lambda s: s,
+    "score_keys_4": lambda s: _edit(s, SCORE_KEYS, "#define RLP_ATTS_SCORE_KEYS 4 "),
+    "score_keys_1": lambda s: _edit(s, SCORE_KEYS, "#define RLP_ATTS_SCORE_KEYS 1 "),
+    "value_keys_8": lambda s: _edit(s, VALUE_KEYS, "#define RLP_ATTS_VALUE_KEYS 8 "),
+    "value_keys_2": lambda s: _edit(s, VALUE_KEYS, "#define RLP_ATTS_VALUE_KEYS 2 "),
+    "value_8_blocks": lambda s: _edit(s, VALUE_BOUNDS,
+                                      "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_values"),
+}
+
+
+def random_cache(backend, kv_length: int):
+    """A cache holding SEQUENCES sequences of kv_length random encoded rows, and their block tables
+    (each sequence's blocks scattered over the cache, as after many steps of continuous batching)."""
+    blocks_per_seq = -(-kv_length // BLOCK)
+    cache = attention.KVCache.allocate(backend, SEQUENCES * blocks_per_seq * BLOCK, HKV, HEAD_DIM, BLOCK)
+    for digits in (cache.k_digits, cache.v_digits):
+        digits[...] = cp.random.randint(-128, 128, digits.shape, dtype=np.int32).astype(np.int8)
+    for exponents in (cache.k_exponents, cache.v_exponents):
+        exponents[...] = cp.random.randint(-4, 4, exponents.shape, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    tables = np.zeros((SEQUENCES, MAX_BLOCKS), np.int32)
+    tables[:, :blocks_per_seq] = rng.permutation(SEQUENCES * blocks_per_seq).reshape(SEQUENCES, blocks_per_seq)
+    return cache, cp.asarray(tables)
+
+
+def variants(source: str) -> dict:
+    """Variant name -> (source, dynamic shared memory of the value kernel or None: the op's own)."""
+    made = {name: (edit(source), None) for name, edit in VARIANTS.items()}
+    baseline = os.environ.get("RLP_PROBE_BASELINE")
+    if baseline:
+        text = _inline_includes(open(baseline).read(), kernel_source_path("cuda", "attention").parent, seen=set())
+        made = {"baseline": (text, 16384), **made}
+    return made
+
+
+def main():
+    backend = get_backend("cuda")
+    source, options = backend.source("attention"), backend.compile_options()
+    results, reference = [], {}
+    shared_bytes = attention.split_values_shared_bytes
+    for kv_length in KV_LENGTHS:
+        cache, tables = random_cache(backend, kv_length)
+        q = cp.asarray(np.random.default_rng(1).standard_normal((SEQUENCES, HQ, HEAD_DIM), np.float32))
+        q_seq = cp.arange(SEQUENCES, dtype=np.int32)
+        q_pos = cp.full(SEQUENCES, kv_length - 1, np.int32)
+        for variant, (text, shared) in variants(source).items():
+            module = cp.cuda.function.Module()
+            module.load(_nvrtc_compile(text, "attention", options))
+            attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
+            backend._modules["attention"], backend._functions = module, {}
+            run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split")
+            out = run()
+            bits = cp.asnumpy(out).view(np.uint32)
+            same = bool(np.array_equal(reference.setdefault(kv_length, bits), bits))
+            start, stop, reps = cp.cuda.Event(), cp.cuda.Event(), 20
+            start.record()
+            for _ in range(reps):
+                run()
+            stop.record()
+            stop.synchronize()
+            us = cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps
+            kv_bytes = SEQUENCES * kv_length * HKV * 2 * (2 * cache.head_dim_padded + 4)
+            row = dict(variant=variant, kv_length=kv_length, us=round(us, 1), same_bits=same,
+                       kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as out:
+            json.dump(results, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -39,14 +39,16 @@ def _edit(source: str, old: str, new: str) -> str:
     return source.replace(old, new)
 
 
+VALUE_8 = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_values"
+SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS) attention_split_scores"
 VARIANTS = {
     "as_built": lambda s: s,
-    "score_keys_4": lambda s: _edit(s, SCORE_KEYS, "#define RLP_ATTS_SCORE_KEYS 4 "),
     "score_keys_1": lambda s: _edit(s, SCORE_KEYS, "#define RLP_ATTS_SCORE_KEYS 1 "),
-    "value_keys_8": lambda s: _edit(s, VALUE_KEYS, "#define RLP_ATTS_VALUE_KEYS 8 "),
-    "value_keys_2": lambda s: _edit(s, VALUE_KEYS, "#define RLP_ATTS_VALUE_KEYS 2 "),
-    "value_8_blocks": lambda s: _edit(s, VALUE_BOUNDS,
-                                      "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_values"),
+    "score_12_blocks": lambda s: _edit(s, SCORE_BOUNDS, "__launch_bounds__(RLP_ATTS_THREADS, 12) attention_split_scores"),
+    "value_8_blocks": lambda s: _edit(s, VALUE_BOUNDS, VALUE_8),
+    "value_8_blocks_keys_8": lambda s: _edit(_edit(s, VALUE_BOUNDS, VALUE_8), VALUE_KEYS,
+                                             "#define RLP_ATTS_VALUE_KEYS 8 "),
+    "value_12_blocks": lambda s: _edit(s, VALUE_BOUNDS, "__launch_bounds__(RLP_ATTS_THREADS, 12) attention_split_values"),
 }
 
 
@@ -63,6 +65,31 @@ def random_cache(backend, kv_length: int):
     tables = np.zeros((SEQUENCES, MAX_BLOCKS), np.int32)
     tables[:, :blocks_per_seq] = rng.permutation(SEQUENCES * blocks_per_seq).reshape(SEQUENCES, blocks_per_seq)
     return cache, cp.asarray(tables)
+
+
+def kernel_times(backend, run, reps: int = 5) -> dict:
+    """Microseconds per call of each kernel the op launches (events around each launch; the calls
+    run back to back, so each pair times its kernel alone)."""
+    launch, events = backend.launch, []
+
+    def timed_launch(family, kernel, *args, **kwargs):
+        before, after = cp.cuda.Event(), cp.cuda.Event()
+        before.record()
+        launch(family, kernel, *args, **kwargs)
+        after.record()
+        events.append((kernel, before, after))
+
+    backend.launch = timed_launch
+    try:
+        for _ in range(reps):
+            run()
+    finally:
+        backend.launch = launch
+    events[-1][2].synchronize()
+    totals = {}
+    for kernel, before, after in events:
+        totals[kernel] = totals.get(kernel, 0.0) + cp.cuda.get_elapsed_time(before, after) * 1e3 / reps
+    return {kernel: round(us, 1) for kernel, us in totals.items()}
 
 
 def variants(source: str) -> dict:
@@ -103,7 +130,7 @@ def main():
             us = cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps
             kv_bytes = SEQUENCES * kv_length * HKV * 2 * (2 * cache.head_dim_padded + 4)
             row = dict(variant=variant, kv_length=kv_length, us=round(us, 1), same_bits=same,
-                       kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1))
+                       kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1), kernels_us=kernel_times(backend, run))
             results.append(row)
             print(json.dumps(row), flush=True)
     if len(sys.argv) > 1:

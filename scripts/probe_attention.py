@@ -27,9 +27,10 @@ from rlportable.runtime.cuda import _nvrtc_compile
 SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
 KV_LENGTHS = (384, 1024)
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
-SCORE_KEYS = "#define RLP_ATTS_SCORE_KEYS 2 "
+SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_KEYS = "#define RLP_ATTS_VALUE_KEYS 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS) attention_split_values"
+SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS) attention_split_scores"
 
 
 def _edit(source: str, old: str, new: str) -> str:
@@ -39,16 +40,24 @@ def _edit(source: str, old: str, new: str) -> str:
     return source.replace(old, new)
 
 
-VALUE_8 = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_values"
-SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS) attention_split_scores"
+def _pieces(count: int):
+    return lambda s: _edit(s, SCORE_PIECES, f"#define RLP_ATTS_SCORE_PIECES {count} ")
+
+
+def _bounds(anchor: str, blocks: int):
+    return lambda s: _edit(s, anchor, anchor.replace("(RLP_ATTS_THREADS)", f"(RLP_ATTS_THREADS, {blocks})"))
+
+
 VARIANTS = {
     "as_built": lambda s: s,
-    "score_keys_1": lambda s: _edit(s, SCORE_KEYS, "#define RLP_ATTS_SCORE_KEYS 1 "),
-    "score_12_blocks": lambda s: _edit(s, SCORE_BOUNDS, "__launch_bounds__(RLP_ATTS_THREADS, 12) attention_split_scores"),
-    "value_8_blocks": lambda s: _edit(s, VALUE_BOUNDS, VALUE_8),
-    "value_8_blocks_keys_8": lambda s: _edit(_edit(s, VALUE_BOUNDS, VALUE_8), VALUE_KEYS,
-                                             "#define RLP_ATTS_VALUE_KEYS 8 "),
-    "value_12_blocks": lambda s: _edit(s, VALUE_BOUNDS, "__launch_bounds__(RLP_ATTS_THREADS, 12) attention_split_values"),
+    "score_pieces_1": _pieces(1),
+    "score_pieces_2": _pieces(2),
+    "score_pieces_8": _pieces(8),
+    "score_6_blocks": _bounds(SCORE_BOUNDS, 6),
+    "score_pieces_2_8_blocks": lambda s: _bounds(SCORE_BOUNDS, 8)(_pieces(2)(s)),
+    "value_6_blocks": _bounds(VALUE_BOUNDS, 6),
+    "value_8_blocks": _bounds(VALUE_BOUNDS, 8),
+    "value_8_blocks_keys_2": lambda s: _bounds(VALUE_BOUNDS, 8)(_edit(s, VALUE_KEYS, "#define RLP_ATTS_VALUE_KEYS 2 ")),
 }
 
 

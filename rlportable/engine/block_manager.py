@@ -227,6 +227,9 @@ class BlockManager:
 
     def try_allocate(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy] | None:
         """allocate(seq, num_new_tokens) if the free blocks allow it, else None (nothing changed)."""
+        if num_new_tokens == 1 and self._next_slot_is_writable(seq):
+            self._seqs[seq.seq_id] = seq
+            return []  # most decode tokens: the general plan below would take nothing either
         hits, _, consumed = self._plan(seq, num_new_tokens)
         if consumed > len(self._free) + len(self._evictable):
             return None
@@ -256,6 +259,16 @@ class BlockManager:
         while len(table) * bs < end:
             table.append(self._take_fresh())
         return copies
+
+    def _next_slot_is_writable(self, seq: Sequence) -> bool:
+        """Whether seq can compute one more token in place: the position num_computed_tokens (a
+        known token) lies in a block of seq's table that needs no copy-on-write (seq holds it
+        alone, or the position starts the block). Exactly the case where _plan(seq, 1) finds no
+        prefix-cache hit (seq holds blocks), no fresh block and no copy; a quick test for the
+        decode steps, which call try_allocate(seq, 1) for every running sequence."""
+        table, start, bs = seq.block_table, seq.num_computed_tokens, self.block_size
+        j = start // bs
+        return j < len(table) and start < seq.num_tokens and (start % bs == 0 or self._refs[table[j]] == 1)
 
     def append_slot(self, seq: Sequence) -> tuple[int, BlockCopy | None]:
         """allocate(seq, 1) for a decode token: (the slot of position num_computed_tokens, the copy or None)."""

@@ -159,7 +159,8 @@ class LLM:
         if self.runner.caches is None:
             raise InputError("generate: the KV cache is released; call restore_kv_cache() first")
         request_ids = _check_request_ids(request_ids, len(prompts))
-        scheduler = self._scheduler(self._stop_checker)
+        # the stop-string hook detokenizes; without stop strings it would answer False for every token
+        scheduler = self._scheduler(self._stop_checker if any(p.stop for p in params) else None)
         requests, groups = [], []
         for index, (prompt, p, request_id) in enumerate(zip(prompts, params, request_ids)):
             text, ids = self._encode(prompt, index)
@@ -167,7 +168,7 @@ class LLM:
             groups.append(scheduler.add_request(request_id, ids, p))
         budget = sum(p.n * p.max_tokens for p in params)
         start = time.perf_counter()
-        steps = 0
+        steps = done = 0
         while scheduler.has_unfinished():
             out = scheduler.schedule()
             if out.is_empty:
@@ -175,8 +176,9 @@ class LLM:
             tokens, logprobs, top = self.runner.execute(out)
             scheduler.postprocess(out, tokens, logprobs, top)
             steps += 1
+            done += len(tokens)  # every sample of the step got one token (kept through preemption)
             if progress:
-                progress(sum(s.num_output_tokens for g in groups for s in g), budget)
+                progress(done, budget)
         self.backend.synchronize()
         for request, group in zip(requests, groups):
             request.outputs = [self._completion(seq) for seq in group]

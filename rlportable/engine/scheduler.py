@@ -37,6 +37,7 @@ position) and logits that the exact kernels make independent of how the work was
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ from rlportable.errors import InputError
 StopChecker = Callable[[Sequence], bool]
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence per step: slots make it cheaper to build and read
 class ScheduledSequence:
     """One sequence's work in a step: compute its tokens [start, start + num_new_tokens)."""
 
@@ -88,9 +89,10 @@ class SchedulerOutput:
     preempted: list[Sequence]  # sequences freed this step (now waiting)
     num_batched_tokens: int
 
-    @property
+    @functools.cached_property
     def samples(self) -> list[Sequence]:
-        """The sequences that get a token this step, in the order postprocess expects them."""
+        """The sequences that get a token this step, in the order postprocess expects them (built at
+        the first use: the runner and postprocess both read it; the plan never changes afterwards)."""
         return [s for entry in self.scheduled for s in entry.sample_seqs]
 
     @property
@@ -221,13 +223,14 @@ class Scheduler:
 
         def plan(seq: Sequence, num_new: int, new_copies: list[BlockCopy]) -> None:
             nonlocal budget, forks
-            copies.extend(new_copies)
+            if new_copies:
+                copies.extend(new_copies)
             budget -= num_new
             scheduled_ids.add(seq.seq_id)
-            entry = ScheduledSequence(seq, seq.num_computed_tokens, num_new,
-                                      seq.num_computed_tokens + num_new == seq.num_tokens)
-            if entry.needs_sample:
-                entry.sample_seqs.append(seq)
+            start = seq.num_computed_tokens
+            needs_sample = start + num_new == seq.num_tokens
+            entry = ScheduledSequence(seq, start, num_new, needs_sample, [seq] if needs_sample else [])
+            if needs_sample and self._pending:  # a request's first token: fork its other samples
                 pending = self._pending.pop(seq.seq_id, None)
                 if pending:
                     room = max(0, self.max_num_seqs - len(self.running) - forks)
@@ -250,8 +253,9 @@ class Scheduler:
                 break  # seq itself was preempted, after every newer one
             plan(seq, 1, new_copies)
 
-        # 2. running prefills (chunked, or recomputation after preemption), oldest first
-        for seq in list(self.running):
+        # 2. running prefills (chunked, or recomputation after preemption), oldest first; none when
+        # every running sequence decodes (the scheduled ones are running: victims never are)
+        for seq in list(self.running) if len(scheduled) < len(self.running) else ():
             if budget <= 0:
                 break
             if seq.seq_id in scheduled_ids or seq.status is not SequenceStatus.RUNNING:
@@ -295,33 +299,39 @@ class Scheduler:
         for name, values in (("token_ids", token_ids), ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
             if values is not None and len(values) != len(samples):
                 raise InputError(f"Scheduler.postprocess: {name} has {len(values)} entries for {len(samples)} samples")
-        bm = self.block_manager
+        mark_computed = self.block_manager.mark_computed
+        running = SequenceStatus.RUNNING
         finished: list[Sequence] = []
         k = 0
         for entry in output.scheduled:
             seq = entry.seq
-            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.start:
+            if seq.status is not running or seq.num_computed_tokens != entry.start:
                 raise InputError(f"Scheduler.postprocess: {seq!r} does not match this output (postprocess each "
                                  f"schedule() output exactly once, in order)")
-            bm.mark_computed(seq, entry.num_new_tokens)
+            mark_computed(seq, entry.num_new_tokens)
             if not entry.needs_sample:
                 continue
-            for child in entry.sample_seqs[1:]:
-                bm.fork(seq, child)
-                child.status = SequenceStatus.RUNNING
-                self._insert(self.running, child)
+            if len(entry.sample_seqs) > 1:
+                self._fork(seq, entry.sample_seqs[1:])
             for s in entry.sample_seqs:
-                s.append_token(token_ids[k], None if logprobs is None else float(logprobs[k]),
+                token = int(token_ids[k])
+                s.append_token(token, None if logprobs is None else float(logprobs[k]),
                                None if top_logprobs is None else top_logprobs[k])
                 k += 1
-                reason = self._stop_reason(s)
+                reason = self._stop_reason(s, token)
                 if reason is not None:
                     self._finish(s, reason)
                     finished.append(s)
         return finished
 
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        token = seq.last_token
+    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self._insert(self.running, child)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why seq, which just got `token`, stops (None: it goes on)."""
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"

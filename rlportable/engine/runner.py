@@ -37,8 +37,8 @@ from rlportable.contract import sampling
 from rlportable.engine.block_manager import BlockCopy
 from rlportable.engine.scheduler import SchedulerOutput
 from rlportable.engine.sequence import Sequence
-from rlportable.engine.step_inputs import (StepPlan, StepUploader, check_decode_plan, decode_buckets, plan_decode,
-                                           plan_step)
+from rlportable.engine.step_inputs import (DecodeTables, StepPlan, StepUploader, check_decode_plan, decode_buckets,
+                                           plan_decode, plan_step)
 from rlportable.errors import InputError
 from rlportable.model.forward import Model, StepInputs
 from rlportable.ops import attention, embedding, gemm, residual
@@ -84,6 +84,7 @@ class ModelRunner:
         self.uploader = StepUploader(self.backend, {
             "tokens": ((rows,), np.int32), "positions": ((rows,), np.int32), "q_seq": ((rows,), np.int32),
             "slots": ((rows,), np.int32), "block_tables": ((rows, self.table_width), np.int32)})
+        self.decode_tables = DecodeTables(self.table_width, 2 * rows)  # block-table rows kept between steps
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits output [bucket, V])
         self._graph_arrays: list = []  # the device arrays the graphs read, as captured
         self._device_sampling = None  # the last step's DeviceSampling (reused for the same sequences)
@@ -138,9 +139,11 @@ class ModelRunner:
                 fixed, extra = {}, {f"step.{name}": a for name, a in plan.graph_inputs().items()}
                 extra["step.sample_rows"] = plan.sample_rows
             else:
-                plan = plan_decode(entries, bucket, self.table_width, self.block_size)
+                plan = plan_decode(entries, bucket, self.table_width, self.block_size, self.decode_tables)
                 fixed, extra = plan.graph_inputs(), {}
-            sampler = self._sampling(out.samples) if plan.sample_rows.size else None
+            # a decode's sample is its sequence, drawing the token at position start + 1
+            positions = plan.positions[: len(entries)] + 1 if bucket is not None else None
+            sampler = self._sampling(out.samples, positions) if plan.sample_rows.size else None
             extra.update(self._copy_uploads(out.copies))
             extra.update(sampler.uploads() if sampler else {})
             if graph:
@@ -174,20 +177,21 @@ class ModelRunner:
         """The padded size of a decode step (cuda_graphs on), or None for an exact-size step."""
         if not self.cuda_graphs or not entries or len(entries) > self.buckets[-1]:
             return None
-        if not all(e.is_decode and len(e.sample_seqs) == 1 for e in entries):
-            return None
+        if not all(e.num_new_tokens == 1 and e.needs_sample and len(e.sample_seqs) == 1 for e in entries):
+            return None  # (is_decode spelled out: this runs for every entry of every step)
         return next(size for size in self.buckets if size >= len(entries))
 
     def _graphs_on(self, bucket: int) -> bool:
         return self.backend.supports_graphs and bucket < GRAPH_MAX_ROWS
 
-    def _sampling(self, samples: list[Sequence]):
+    def _sampling(self, samples: list[Sequence], positions: np.ndarray | None = None):
+        """The step's sampler; `positions`: where each sample's token goes (default: num_tokens)."""
         if self.sampler == "host":
             return HostSampling(samples)
-        key = tuple(s.seq_id for s in samples)  # consecutive decode steps mostly sample the same sequences
-        if self._device_sampling is None or self._device_sampling.key != key:
+        # consecutive decode steps mostly sample the same sequences (a list comparison by identity)
+        if self._device_sampling is None or self._device_sampling.samples != samples:
             self._device_sampling = DeviceSampling(samples, self.model.config.vocab_size)
-        return self._device_sampling.for_step(samples)
+        return self._device_sampling.for_step(samples, positions)
 
     def _step_logits(self, plan: StepPlan, views: dict):
         """An exact-size step: the forward, then the LM head on each sample's row."""
@@ -216,8 +220,8 @@ class ModelRunner:
     def _arrays_read_by_graphs(self) -> list:
         model = self.model
         cos, sin = model.rope_tables(self.max_model_len)  # grown once to every position a step can use
-        return [self.uploader.buffer, cos, sin] + _device_arrays(model.embed, model.final_norm, model.lm_head,
-                                                               *model.layers, *self.caches)
+        return _device_arrays((model.embed, model.final_norm, model.lm_head, *model.layers, *self.caches),
+                              [self.uploader.buffer, cos, sin])
 
     def _graph(self, bucket: int) -> tuple:
         """The bucket's (graph, logits), captured now if missing or if an array it reads was replaced."""
@@ -251,9 +255,11 @@ class ModelRunner:
         return len(self.graphs)
 
 
-def _device_arrays(*objects, found: list | None = None) -> list:
+def _device_arrays(objects, found: list | None = None) -> list:
     """Every array held by these model or cache objects (GemmWeight, KVCache, DeviceLayer and
-    other dataclasses, arrays). Runs at every graph replay, hence the plain type tests."""
+    other dataclasses, arrays). Runs at every graph replay (about 600 arrays for 28 layers), hence
+    the plain type tests, the iterables passed down rather than unpacked, and the per-type memo of
+    dataclasses.is_dataclass."""
     found = [] if found is None else found
     for obj in objects:
         kind = type(obj)
@@ -263,11 +269,18 @@ def _device_arrays(*objects, found: list | None = None) -> list:
             found += (obj.k_digits, obj.k_exponents, obj.v_digits, obj.v_exponents)
         elif obj is None:
             continue
-        elif dataclasses.is_dataclass(obj):
-            _device_arrays(*vars(obj).values(), found=found)
         else:
-            found.append(obj)
+            container = _IS_DATACLASS.get(kind)
+            if container is None:
+                container = _IS_DATACLASS[kind] = dataclasses.is_dataclass(kind)
+            if container:
+                _device_arrays(vars(obj).values(), found)
+            else:
+                found.append(obj)
     return found
+
+
+_IS_DATACLASS: dict[type, bool] = {}
 
 
 # ---------------------------------------------------------------- sampling
@@ -309,7 +322,7 @@ def sample_tokens(logits: np.ndarray, samples: list[Sequence]) -> tuple[list[int
     temperature = arrays.pop("temperature")
     tokens = sampling.sample(logits, temperature, **arrays)
     logprobs = sampling.sampled_logprobs(logits, tokens, temperature)
-    return [int(t) for t in tokens], [float(v) for v in logprobs], _top_logprobs(logits, samples, temperature)
+    return np.asarray(tokens).tolist(), np.asarray(logprobs).tolist(), _top_logprobs(logits, samples, temperature)
 
 
 class HostSampling:
@@ -342,7 +355,6 @@ class DeviceSampling:
     never change); `for_step` refreshes the one that does, the position."""
 
     def __init__(self, samples: list[Sequence], vocab: int):
-        self.key = tuple(s.seq_id for s in samples)
         self.samples = samples
         arrays = self.arrays = _sampling_arrays(samples)
         self.temperature = arrays["temperature"]
@@ -366,9 +378,12 @@ class DeviceSampling:
         self._uploads = self._static
         self._sampled_from: list = []
 
-    def for_step(self, samples: list[Sequence]) -> "DeviceSampling":
-        """This sampler for a step of the same sequences: their positions now."""
-        positions = np.fromiter((s.num_tokens for s in samples), dtype=np.int64, count=len(samples))
+    def for_step(self, samples: list[Sequence], positions: np.ndarray | None = None) -> "DeviceSampling":
+        """This sampler for a step of the same sequences: their positions now (the token each draws
+        sits at position num_tokens of its sequence; `positions` gives them where the caller has them)."""
+        if positions is None:
+            positions = np.fromiter((s.num_tokens for s in samples), dtype=np.int64, count=len(samples))
+        positions = positions.astype(np.int64)
         if positions.size and positions.max() >= 1 << 32:
             raise InputError(f"sampling: position must lie in [0, 2^32), got {positions.max()}")
         self.samples = samples
@@ -419,4 +434,4 @@ class DeviceSampling:
                                                sample_index=a["sample_index"][rows], position=a["position"][rows])
                 logprobs[rows] = sampling.sampled_logprobs(z, tokens[rows], t)
             top = _top_logprobs(host_logits, self.samples, self.temperature, self.host_rows)
-        return [int(t) for t in tokens], [float(v) for v in logprobs], top
+        return tokens.tolist(), logprobs.tolist(), top  # Python ints and floats (float32 values, exact)

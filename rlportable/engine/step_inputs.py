@@ -20,7 +20,7 @@ at fixed offsets (a captured graph reads them there at every replay); the rest f
 
 from __future__ import annotations
 
-import itertools
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,8 +57,10 @@ class StepPlan:
         return {name: getattr(self, name) for name in GRAPH_INPUTS}
 
 
-def plan_decode(entries, bucket: int, width: int, block_size: int) -> StepPlan:
+def plan_decode(entries, bucket: int, width: int, block_size: int, tables: "DecodeTables | None" = None) -> StepPlan:
     """A decode step padded to `bucket` rows (module docstring); block tables `width` columns wide.
+    `tables`: the runner's DecodeTables (its rows of the sequences' block tables, kept between
+    steps); None builds every row from the sequences' lists.
     Whole-array assignments: this runs at every decode step, for up to max_num_seqs rows."""
     count = len(entries)
     if count > bucket:
@@ -67,23 +69,88 @@ def plan_decode(entries, bucket: int, width: int, block_size: int) -> StepPlan:
     tokens = np.zeros(bucket, dtype=np.int32)
     positions = np.zeros(bucket, dtype=np.int32)
     slots = np.full(bucket, -1, dtype=np.int32)
-    tables = np.zeros((bucket, width), dtype=np.int32)
+    block_tables = np.zeros((bucket, width), dtype=np.int32)
     if count:
-        lengths = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=count)
-        if lengths.max() > width:
-            raise InvariantError(f"runner: a sequence holds {lengths.max()} blocks, more than the {width} a "
-                                 f"sequence of max_model_len tokens can need")
-        rows = np.repeat(np.arange(count), lengths)
-        columns = np.arange(rows.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        tables[rows, columns] = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs),
-                                            dtype=np.int32, count=rows.size)
+        if tables is None:
+            tables = DecodeTables(width, count)
+        rows = tables.rows(seqs)  # before reading tables.store, which this may grow
+        np.take(tables.store, rows, axis=0, out=block_tables[:count])
         # a decode feeds its last known token, at position num_tokens - 1 (= entry.start)
         tokens[:count] = np.fromiter((s.last_token for s in seqs), dtype=np.int32, count=count)
         start = np.fromiter((entry.start for entry in entries), dtype=np.int32, count=count)
         positions[:count] = start
-        slots[:count] = tables[np.arange(count), start // block_size] * block_size + start % block_size
-    return StepPlan(tokens, positions, np.arange(bucket, dtype=np.int32), slots, tables,
-                    np.arange(count, dtype=np.int32), bucket)
+        slots[:count] = block_tables[np.arange(count), start // block_size] * block_size + start % block_size
+    return StepPlan(tokens, positions, _arange(bucket), slots, block_tables, _arange(count), bucket)
+
+
+@functools.lru_cache(maxsize=1024)
+def _arange(count: int) -> np.ndarray:
+    """0, 1, ..., count - 1 (int32): q_seq and sample_rows of decode steps, one read-only array per
+    count, shared by every step of that size."""
+    array = np.arange(count, dtype=np.int32)
+    array.flags.writeable = False
+    return array
+
+
+class DecodeTables:
+    """The block-table rows of decode steps' sequences, kept between steps (one per runner).
+
+    A decode step uploads a [bucket, width] table, one row per sequence. Rebuilding it from the
+    sequences' lists at every step was most of a step's planning, yet a sequence's table changes
+    only when it takes a block (every block_size tokens), at a copy-on-write, or when it is freed
+    (preempted, finished). So each sequence keeps a row of `store`, with a copy of the list that
+    row was written from; a step rewrites only the rows whose sequence's list differs from its
+    copy (a C-level list comparison: a row is never stale, whatever changed the table) and
+    gathers the step's rows in order. Rows of sequences missing from a step are reclaimed when
+    the store runs out of free rows."""
+
+    def __init__(self, width: int, capacity: int):
+        self.width = width
+        self.store = np.zeros((max(capacity, 1), width), dtype=np.int32)
+        self._row_of: dict[int, int] = {}  # seq_id -> its row of store
+        self._written: list[list[int] | None] = [None] * self.store.shape[0]  # the list each row holds
+        self._free = list(range(self.store.shape[0] - 1, -1, -1))
+        self.rows_written = 0  # statistics (tests): rows (re)written since construction
+
+    def rows(self, seqs) -> np.ndarray:
+        """The rows of store that hold seqs' block tables now (written where missing or changed)."""
+        row_of, written = self._row_of, self._written
+        rows = []
+        for seq in seqs:
+            row = row_of.get(seq.seq_id)
+            if row is None or written[row] != seq.block_table:
+                row = self._write(seq, row, seqs)
+            rows.append(row)
+        return np.array(rows, dtype=np.intp)
+
+    def _write(self, seq, row: int | None, step_seqs) -> int:
+        table = seq.block_table
+        if len(table) > self.width:
+            raise InvariantError(f"runner: a sequence holds {len(table)} blocks, more than the {self.width} a "
+                                 f"sequence of max_model_len tokens can need")
+        if row is None:
+            if not self._free:
+                self._reclaim(step_seqs)
+            row = self._free.pop()
+            self._row_of[seq.seq_id] = row
+        self.store[row, : len(table)] = table
+        self.store[row, len(table):] = 0
+        self._written[row] = list(table)  # a copy: the block manager changes the list in place
+        self.rows_written += 1
+        return row
+
+    def _reclaim(self, step_seqs) -> None:
+        """Free the rows of sequences absent from this step (finished or preempted ones, mostly)."""
+        keep = {seq.seq_id for seq in step_seqs}
+        for seq_id in [i for i in self._row_of if i not in keep]:
+            row = self._row_of.pop(seq_id)
+            self._written[row] = None
+            self._free.append(row)
+        if not self._free:  # more sequences in one step than rows: grow
+            old = self.store.shape[0]
+            self.store = np.concatenate([self.store, np.zeros_like(self.store)])
+            self._written += [None] * old
+            self._free = list(range(2 * old - 1, old - 1, -1))
 
 
 def plan_step(entries, block_size: int) -> StepPlan:
@@ -144,6 +211,7 @@ class StepUploader:
             offset += _aligned(int(np.prod(shape)) * dtype.itemsize)
         self.fixed_bytes = offset
         self.buffer = None
+        self._views: tuple = (None, None, {})  # the last upload's (buffer, layout, device views)
 
     def _layout(self, fixed: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> tuple[list, int]:
         """[(name, offset, host array)] and the bytes to copy."""
@@ -180,5 +248,16 @@ class StepUploader:
         for _, offset, array in placed:
             host[offset: offset + array.nbytes] = array.reshape(-1).view(np.uint8)
         self.backend.upload(self.buffer, host)
-        return {name: self.backend.typed_view(self.buffer, offset, array.shape, array.dtype)
-                for name, offset, array in placed}
+        return self._device_views(placed)
+
+    def _device_views(self, placed: list) -> dict:
+        """Views of the buffer for the placed arrays: the last upload's own view objects when the
+        layout is the same (consecutive decode steps), since a device view costs microseconds to
+        make (a CuPy ndarray each) and a step uploads about ten arrays."""
+        layout = [(name, offset, array.shape, array.dtype) for name, offset, array in placed]
+        buffer, last_layout, views = self._views
+        if buffer is not self.buffer or layout != last_layout:
+            views = {name: self.backend.typed_view(self.buffer, offset, shape, dtype)
+                     for name, offset, shape, dtype in layout}
+            self._views = (self.buffer, layout, views)
+        return dict(views)  # a copy: callers may add to it

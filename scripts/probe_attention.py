@@ -29,8 +29,8 @@ KV_LENGTHS = (384, 1024)
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_KEYS = "#define RLP_ATTS_VALUE_KEYS 4 "
-VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS) attention_split_values"
-SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS) attention_split_scores"
+VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
+SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores"
 
 
 def _edit(source: str, old: str, new: str) -> str:
@@ -45,19 +45,17 @@ def _pieces(count: int):
 
 
 def _bounds(anchor: str, blocks: int):
-    return lambda s: _edit(s, anchor, anchor.replace("(RLP_ATTS_THREADS)", f"(RLP_ATTS_THREADS, {blocks})"))
+    return lambda s: _edit(s, anchor, anchor.replace("(RLP_ATTS_THREADS, 6)", f"(RLP_ATTS_THREADS, {blocks})"))
 
 
 VARIANTS = {
     "as_built": lambda s: s,
-    "score_pieces_1": _pieces(1),
     "score_pieces_2": _pieces(2),
     "score_pieces_8": _pieces(8),
-    "score_6_blocks": _bounds(SCORE_BOUNDS, 6),
-    "score_pieces_2_8_blocks": lambda s: _bounds(SCORE_BOUNDS, 8)(_pieces(2)(s)),
-    "value_6_blocks": _bounds(VALUE_BOUNDS, 6),
+    "score_4_blocks": _bounds(SCORE_BOUNDS, 4),
+    "score_8_blocks": _bounds(SCORE_BOUNDS, 8),
+    "value_4_blocks": _bounds(VALUE_BOUNDS, 4),
     "value_8_blocks": _bounds(VALUE_BOUNDS, 8),
-    "value_8_blocks_keys_2": lambda s: _bounds(VALUE_BOUNDS, 8)(_edit(s, VALUE_KEYS, "#define RLP_ATTS_VALUE_KEYS 2 ")),
 }
 
 

@@ -289,11 +289,15 @@ extern "C" __global__ void attention_write_kv(
 //   part_num    int64   [tq * hq, splits, d]   sum of RNE(p_j 2^(ev_j - E + 21)) qv_jd over them
 #define RLP_ATTS_THREADS 128     // the kernels' block size (ops/attention.py launches exactly this)
 #define RLP_ATTS_SCORE_HEADS 4   // q heads per round of attention_split_scores (register sums)
-#define RLP_ATTS_SCORE_KEYS 2    // keys per thread in flight in attention_split_scores
-#define RLP_ATTS_TILE 128        // keys per tile of attention_split_values
+#define RLP_ATTS_SCORE_PIECES 4  // 16-byte pieces of each digit plane per thread and key in attention_split_scores
+#define RLP_ATTS_TILE 512        // keys per tile of attention_split_values
+#define RLP_ATTS_WEIGHT_KEYS 1   // keys per thread in flight while attention_split_values forms weights
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
 #define RLP_ATTS_VALUE_KEYS 4    // keys per thread in flight in attention_split_values
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
+// CUDA builds both kernels for 6 blocks per multiprocessor (its __launch_bounds__ minimum, chosen on the
+// H200); HIP's second __launch_bounds__ argument means waves per execution unit, left to the compiler
+// until an AMD GPU can choose it.
 
 // c + the four products of the signed bytes of a and b, exact in int32 (CUDA's __dp4a).
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) {
@@ -342,22 +346,30 @@ __device__ __forceinline__ void rlp_atts_digits3(long long v, signed char* out, 
     }
 }
 
-// Threads per key in attention_split_scores: one 16-byte piece of each digit plane each, rounded up to
-// a power of two (<= 32: an aligned segment of either vendor's warp) so that xor shuffles add the parts.
+// Threads per key in attention_split_scores: RLP_ATTS_SCORE_PIECES 16-byte pieces of each digit plane
+// each, rounded up to a power of two (<= 32: an aligned segment of either vendor's warp) so that xor
+// shuffles add the parts.
 __device__ __forceinline__ int rlp_atts_key_threads(int pieces) {
     int threads = 1;
-    while (threads < pieces) threads *= 2;
+    while (threads * RLP_ATTS_SCORE_PIECES < pieces) threads *= 2;
     return threads;
 }
+
+// 2^52 + x (0 <= x < 2^32) from its bits, minus 2^52 + bias: x - bias exactly, without a conversion
+// instruction (integer-to-float64 conversions issue at a quarter of the float64 add rate).
+__device__ __forceinline__ double rlp_atts_small_double(int x, double bias) {
+    return __hiloint2double(0x43300000, x) - bias;
+}
+#define RLP_ATTS_VALUE_BIAS 32768  // |qv| < 2^15: qv + bias lies in [0, 2^16)
 
 // The signed byte c (0..3) of a word.
 __device__ __forceinline__ int rlp_atts_byte(int word, int c) { return (word << (24 - 8 * c)) >> 24; }
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of
 // RLP_ATTS_SCORE_HEADS. Per round: the q rows' exponents (integer maxima) and 3 balanced digits in
-// shared memory; then the split's keys, RLP_ATTS_SCORE_KEYS per thread in flight, each key taken by an
-// aligned set of key_threads threads (one 16-byte piece of each of its two digit planes each: a set
-// reads the key's row as whole 128-byte lines): slot, exponents, flags, E's candidate, the digit-group
+// shared memory; then the split's keys, each taken by an aligned set of key_threads threads (up to
+// RLP_ATTS_SCORE_PIECES 16-byte pieces of each of its two digit planes each, interleaved: the set's
+// loads of one step are contiguous): slot, exponents, flags, E's candidate, the digit-group
 // dot products of the piece, the parts added by xor shuffles within the set; its first thread forms the
 // scores and each head's largest order key. Writes split_keys, split_info, query_bad (split 0), the
 // scores and key_ev (so the value pass waits on one load per key, not on the slot and then the exponent).
@@ -378,8 +390,8 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
     const int key_threads = rlp_atts_key_threads(pieces);
     const int lanes = (int)blockDim.x / key_threads;  // keys per block and pass
     const int lane = (int)threadIdx.x / key_threads;
-    const int piece = (int)threadIdx.x - lane * key_threads;  // >= pieces: a thread of the set with no piece
-    const bool leader = piece == 0;
+    const int part = (int)threadIdx.x - lane * key_threads;  // pieces part, part + key_threads, ...
+    const bool leader = part == 0;
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -433,57 +445,56 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
             unsigned int local_flags = 0u;
             // Block-uniform loop: every thread reaches the shuffles. A key past the split's end, or one
             // whose row is missing or non-finite, is computed on row 0 of the cache and never written.
-            for (long long base = lo; base < end; base += (long long)RLP_ATTS_SCORE_KEYS * lanes) {
-                long long j[RLP_ATTS_SCORE_KEYS];
-                bool live[RLP_ATTS_SCORE_KEYS];
-                int ek[RLP_ATTS_SCORE_KEYS];
-                int4 b0[RLP_ATTS_SCORE_KEYS], b1[RLP_ATTS_SCORE_KEYS];
-#pragma unroll
-                for (int u = 0; u < RLP_ATTS_SCORE_KEYS; ++u) {
-                    j[u] = base + (long long)u * lanes + lane;
-                    long long row = 0;
-                    live[u] = false;
-                    ek[u] = 0;
-                    if (j[u] < end) {
-                        const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j[u]);
-                        if (slot < 0) {
-                            local_flags |= RLP_ATT_BAD_INDEX;
+            for (long long base = lo; base < end; base += lanes) {
+                const long long j = base + lane;
+                long long row = 0;
+                bool live = false;
+                int ek = 0;
+                if (j < end) {
+                    const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j);
+                    if (slot < 0) {
+                        local_flags |= RLP_ATT_BAD_INDEX;
+                    } else {
+                        const long long r = slot * hkv + g;
+                        const int ev = v_exponents[r];
+                        ek = k_exponents[r];
+                        if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) {
+                            local_flags |= RLP_ATT_BAD_KV;
                         } else {
-                            const long long r = slot * hkv + g;
-                            const int ev = v_exponents[r];
-                            ek[u] = k_exponents[r];
-                            if (ek[u] == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) {
-                                local_flags |= RLP_ATT_BAD_KV;
-                            } else {
-                                live[u] = true;
-                                row = r;
-                                local_ev = rlp_max_u32(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
-                                if (h0 == 0 && leader) key_ev[rowg * keys + j[u]] = ev;
-                            }
+                            live = true;
+                            row = r;
+                            local_ev = rlp_max_u32(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
+                            if (h0 == 0 && leader) key_ev[rowg * keys + j] = ev;
                         }
                     }
-                    const int4* kr = reinterpret_cast<const int4*>(k_digits + row * (2LL * dp));
+                }
+                const int4* kr = reinterpret_cast<const int4*>(k_digits + row * (2LL * dp));
+                int4 b0[RLP_ATTS_SCORE_PIECES], b1[RLP_ATTS_SCORE_PIECES];
+#pragma unroll
+                for (int c = 0; c < RLP_ATTS_SCORE_PIECES; ++c) {
+                    const int piece = part + c * key_threads;
                     const int at = piece < pieces ? piece : 0;
-                    b0[u] = kr[at];
-                    b1[u] = kr[pieces + at];
+                    b0[c] = kr[at];
+                    b1[c] = kr[pieces + at];
                 }
 #pragma unroll
-                for (int u = 0; u < RLP_ATTS_SCORE_KEYS; ++u) {
+                for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi) {
+                    if (hi >= nb) continue;  // block-uniform
+                    int sums[4] = {0, 0, 0, 0};
 #pragma unroll
-                    for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi) {
-                        if (hi >= nb) continue;  // block-uniform
-                        int sums[4] = {0, 0, 0, 0};
+                    for (int c = 0; c < RLP_ATTS_SCORE_PIECES; ++c) {
+                        const int piece = part + c * key_threads;
                         if (piece < pieces)
                             rlp_atts_groups16(sums, q_digits[(hi * 3) * pieces + piece],
                                               q_digits[(hi * 3 + 1) * pieces + piece],
-                                              q_digits[(hi * 3 + 2) * pieces + piece], b0[u], b1[u]);
-                        unsigned long long s = (unsigned long long)rlp_atts_combine(sums);
-                        for (int mask = key_threads / 2; mask > 0; mask >>= 1) s += rlp_segment_xor_u64(s, mask);
-                        if (live[u] && leader && eq[hi] != RLP_NONFINITE_EXPONENT) {
-                            const float score = rlp_att_score((long long)s, eq[hi], ek[u], scale);
-                            scores[(rowg * keys + j[u]) * group + h0 + hi] = score;
-                            local_key[hi] = rlp_max_u32(local_key[hi], rlp_att_order_key(score));
-                        }
+                                              q_digits[(hi * 3 + 2) * pieces + piece], b0[c], b1[c]);
+                    }
+                    unsigned long long s = (unsigned long long)rlp_atts_combine(sums);
+                    for (int mask = key_threads / 2; mask > 0; mask >>= 1) s += rlp_segment_xor_u64(s, mask);
+                    if (live && leader && eq[hi] != RLP_NONFINITE_EXPONENT) {
+                        const float score = rlp_att_score((long long)s, eq[hi], ek, scale);
+                        scores[(rowg * keys + j) * group + h0 + hi] = score;
+                        local_key[hi] = rlp_max_u32(local_key[hi], rlp_att_order_key(score));
                     }
                 }
             }
@@ -503,9 +514,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
 // RLP_ATTS_VALUE_HEADS. E and the flags from every split's split_info, m per head from every split's
-// split_keys; then the split's keys in tiles of RLP_ATTS_TILE. Per tile, threads over keys form p_j and
-// add RNE(p_j 2^21) to their own sums of L; the weights w_j (float64, exact integers) and the V rows'
-// offsets go to shared memory. Then the threads of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns
+// split_keys; then the split's keys in tiles of RLP_ATTS_TILE. Per tile, threads over keys
+// (RLP_ATTS_WEIGHT_KEYS in flight each) form p_j and add RNE(p_j 2^21) to their own sums of L; the
+// weights w_j (float64, exact integers) and the V rows' offsets go to shared memory. Then the threads of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns
 // each: together one 128-byte line per digit plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in
 // flight, and add w_j qv_jd into float64 sums per (head, column) (exact: the section's comment). A key
 // past the split's last one reads row 0 of the cache with weight 0. The sums meet in shared memory as
@@ -534,6 +545,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     const int lane = (int)threadIdx.x / row_threads;  // >= lanes: no key row (only where dp does not divide)
     const int column = RLP_ATTS_COLUMNS * ((int)threadIdx.x - lane * row_threads);
     const int stride = RLP_ATTS_VALUE_KEYS * lanes;  // divides RLP_ATTS_TILE
+    const double bias = 4503599627370496.0 + RLP_ATTS_VALUE_BIAS;  // 2^52 + bias
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -588,28 +600,40 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
             }
             const bool work = any_ok != 0 && lo < end;  // block-uniform
             for (long long base = lo; work && base < end; base += RLP_ATTS_TILE) {
-                for (int k = threadIdx.x; k < RLP_ATTS_TILE; k += blockDim.x) {
-                    const long long j = base + k;
-                    const bool live = j < end;  // a valid slot: flags == 0
-                    long long offset = 0;
-                    int ev = 0;
-                    if (live) {
-                        offset = (rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g) *
-                                 (2LL * dp);
-                        ev = key_ev[rowg * keys + j];
-                    }
-                    key_offsets[k] = offset;
+                for (int k0 = threadIdx.x; k0 < RLP_ATTS_TILE; k0 += RLP_ATTS_WEIGHT_KEYS * blockDim.x) {
+                    long long offset[RLP_ATTS_WEIGHT_KEYS];
+                    int ev[RLP_ATTS_WEIGHT_KEYS];
+                    float s[RLP_ATTS_WEIGHT_KEYS][RLP_ATTS_VALUE_HEADS];
 #pragma unroll
-                    for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
-                        if (hi >= nb) continue;
-                        double w = 0.0;
-                        if (live && head_ok[hi]) {
-                            const float s = scores[(rowg * keys + j) * group + h0 + hi];
-                            const double p = (double)rlp_exp_f32(s - head_m[hi]);
-                            totals[hi] += rlp_double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
-                            w = (double)rlp_double2ll_rn(p * rlp_pow2_f64(ev - e_max + RLP_ATT_P_SHIFT));
+                    for (int u = 0; u < RLP_ATTS_WEIGHT_KEYS; ++u) {  // the loads first, then the arithmetic
+                        const int k = k0 + u * (int)blockDim.x;
+                        const long long j = base + k;
+                        offset[u] = -1;  // past the tile or the split: no key (a valid slot otherwise: flags == 0)
+                        if (k < RLP_ATTS_TILE && j < end) {
+                            offset[u] = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;
+                            ev[u] = key_ev[rowg * keys + j];
+#pragma unroll
+                            for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi)
+                                if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];
                         }
-                        weights[hi * RLP_ATTS_TILE + k] = w;
+                    }
+#pragma unroll
+                    for (int u = 0; u < RLP_ATTS_WEIGHT_KEYS; ++u) {
+                        const int k = k0 + u * (int)blockDim.x;
+                        if (k >= RLP_ATTS_TILE) continue;
+                        const bool live = offset[u] >= 0;
+                        key_offsets[k] = live ? offset[u] * (2LL * dp) : 0;  // no key: row 0, weight 0
+#pragma unroll
+                        for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                            if (hi >= nb) continue;
+                            double w = 0.0;
+                            if (live && head_ok[hi]) {
+                                const double p = (double)rlp_exp_f32(s[u][hi] - head_m[hi]);
+                                totals[hi] += rlp_double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                                w = rint(p * rlp_pow2_f64(ev[u] - e_max + RLP_ATT_P_SHIFT));  // an integer <= 2^21
+                            }
+                            weights[hi * RLP_ATTS_TILE + k] = w;
+                        }
                     }
                 }
                 __syncthreads();
@@ -627,7 +651,8 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
                         double value[RLP_ATTS_COLUMNS];
 #pragma unroll
                         for (int c = 0; c < RLP_ATTS_COLUMNS; ++c)
-                            value[c] = (double)(rlp_atts_byte(low[u], c) + 256 * rlp_atts_byte(high[u], c));
+                            value[c] = rlp_atts_small_double(
+                                rlp_atts_byte(low[u], c) + 256 * rlp_atts_byte(high[u], c) + RLP_ATTS_VALUE_BIAS, bias);
 #pragma unroll
                         for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
                             if (hi >= nb) continue;

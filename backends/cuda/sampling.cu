@@ -60,9 +60,10 @@ __device__ __forceinline__ float rlp_sampling_from_key(unsigned int key) {
     return __int_as_float((int)bits);
 }
 
-// a_v = z_v for greedy (T = 0), else RNE_f32(double(z_v) / T) (T = 1 gives z exactly).
+// a_v = z_v for greedy (T = 0), else RNE_f32(double(z_v) / T). T = 1 gives z exactly, so it skips the
+// float64 division (the one difference, a signalling NaN left unquieted, only ever marks a refused row).
 __device__ __forceinline__ float rlp_sampling_scaled(float z, double temperature) {
-    return temperature == 0.0 ? z : __double2float_rn((double)z / temperature);
+    return (temperature == 0.0 || temperature == 1.0) ? z : __double2float_rn((double)z / temperature);
 }
 
 // w_v = RNE(exp_f32(RNE_f32(a_v - m)) * 2^36): the logprob contract's integer terms.

@@ -29,9 +29,10 @@ __device__ __forceinline__ float rlp_logprob_from_key(unsigned int key) {
     return __int_as_float((int)bits);
 }
 
-// a_v = RNE_f32(double(z_v) / double(T)) (IEEE float64 division; T = 1 gives z exactly).
+// a_v = RNE_f32(double(z_v) / double(T)) (IEEE float64 division). T = 1 gives z exactly, so it skips the
+// division (the one difference, a signalling NaN left unquieted, only ever feeds a canonical-NaN result).
 __device__ __forceinline__ float rlp_logprob_scaled(float z, double temperature) {
-    return rlp_double2float_rn((double)z / temperature);
+    return temperature == 1.0 ? z : rlp_double2float_rn((double)z / temperature);
 }
 
 // The NaN marker of a shard's key: above every float's key, so MAX over the ranks keeps it.

@@ -15,6 +15,7 @@ Prefill steps run for real (on the cpu reference) and are not counted.
 
 Per pure decode step (every running sequence feeds its last token), medians over the steps:
   step_ms        from one progress callback of LLM.generate to the next: the whole host step
+  step_cpu_ms    the same in this thread's CPU time (steadier on a busy machine)
   schedule_ms    Scheduler.schedule
   execute_ms     ModelRunner.execute (planning, upload, the no-op replay, sampler launches, download)
   postprocess_ms Scheduler.postprocess
@@ -142,9 +143,11 @@ def main() -> None:
     Scheduler.schedule = schedule
     profiler = cProfile.Profile() if args.cprofile else None
     stamps: list[float] = []
+    cpu_stamps: list[float] = []  # this thread's CPU time: what other processes on the machine do not change
 
     def progress(done: int, budget: int) -> None:
         stamps.append(time.perf_counter())
+        cpu_stamps.append(time.thread_time())
         if profiler is not None and pure_decode[-1]:
             profiler.enable()  # from the first pure decode step on: only decode steps follow
 
@@ -161,6 +164,7 @@ def main() -> None:
         "sequences": sequences, "layers": config.num_hidden_layers, "sampler": args.sampler,
         "steps": len(stamps), "pure_decode_steps": len(steps), "generate_s": total,
         "step_ms": ms([stamps[i] - stamps[i - 1] for i in steps]),
+        "step_cpu_ms": ms([cpu_stamps[i] - cpu_stamps[i - 1] for i in steps]),
         **{f"{name}_ms": ms([values[i] for i in steps]) for name, values in parts.items()},
     }
     print(json.dumps(result, indent=1))

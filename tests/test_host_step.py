@@ -158,3 +158,21 @@ def test_generate_reports_the_output_tokens_so_far():
     total = sum(len(c.token_ids) for r in outputs for c in r.outputs)
     assert seen[-1] == (total, 3 * 2 * 9) and len(seen) == llm.stats.steps
     assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+
+
+def test_graphs_compare_the_weights_only_after_a_recheck():
+    """Every replay compares the upload buffer, RoPE tables and KV caches with the captured ones; the
+    weights (most of the arrays) only at the first replay after recheck_model_arrays (LLM.generate)."""
+    llm = LLM(device="cpu", loaded=load_model("tiny"), max_num_seqs=4, cuda_graphs=True)
+    runner = llm.runner
+    runner.uploader.reserve(0)
+    runner._graph_arrays, runner._weights_checked = runner._arrays_read_by_graphs(), True
+    assert runner._graph_arrays_unchanged()
+    layer = llm.model.layers[0]
+    llm.model.layers[0] = type(layer)(**{**layer.__dict__, "attn_norm": layer.attn_norm.copy()})
+    assert runner._graph_arrays_unchanged()  # not compared between rechecks
+    runner.recheck_model_arrays()
+    assert not runner._graph_arrays_unchanged()
+    runner._graph_arrays, runner._weights_checked = runner._arrays_read_by_graphs(), True
+    runner.uploader.reserve(runner.uploader.buffer.shape[0] + 1)  # a new upload buffer: always compared
+    assert not runner._graph_arrays_unchanged()

@@ -159,6 +159,7 @@ class LLM:
         if self.runner.caches is None:
             raise InputError("generate: the KV cache is released; call restore_kv_cache() first")
         request_ids = _check_request_ids(request_ids, len(prompts))
+        self.runner.recheck_model_arrays()  # the weights may have been replaced since the last call
         # the stop-string hook detokenizes; without stop strings it would answer False for every token
         scheduler = self._scheduler(self._stop_checker if any(p.stop for p in params) else None)
         requests, groups = [], []

@@ -22,7 +22,10 @@ Speed (issue 4, section 4):
     addresses they had at capture. Whenever one of those arrays is replaced (release_caches /
     restore_caches, Model.reencode after a training step, a larger upload buffer), the graphs
     are dropped and captured again at the next decode of each bucket: every replay first
-    checks, by identity, that the arrays are the captured ones.
+    checks, by identity, that the upload buffer, the RoPE tables and the KV cache are the captured
+    ones, and the first replay after recheck_model_arrays() (LLM.generate calls it first: no
+    weight is replaced while a generate call runs) checks every weight too (about 600 arrays for
+    28 layers, 0.1 ms: too much for every step).
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ class ModelRunner:
             "slots": ((rows,), np.int32), "block_tables": ((rows, self.table_width), np.int32)})
         self.decode_tables = DecodeTables(self.table_width, 2 * rows)  # block-table rows kept between steps
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits output [bucket, V])
-        self._graph_arrays: list = []  # the device arrays the graphs read, as captured
+        self._graph_arrays: list = []  # the device arrays the graphs read, as captured (_arrays_read_by_graphs)
+        self._weights_checked = False  # whether the weights were compared with the captured ones since recheck
         self._device_sampling = None  # the last step's DeviceSampling (reused for the same sequences)
         #: where the last step's time went: bucket, graph (replayed one), host_s (planning, the
         #: upload and every launch), wait_s (the download: the device finishing the step), finish_s
@@ -217,18 +221,32 @@ class ModelRunner:
         self._graph_arrays = []
         self.backend.release_graph_memory()
 
-    def _arrays_read_by_graphs(self) -> list:
+    def recheck_model_arrays(self) -> None:
+        """Have the next graph replay compare every weight with the arrays the graphs captured (call it
+        after replacing any, e.g. Model.reencode; LLM.generate calls it at its start)."""
+        self._weights_checked = False
+
+    def _arrays_read_by_graphs(self, weights: bool = True) -> list:
+        """The upload buffer, the RoPE tables, the KV caches' arrays, then (weights) every weight."""
         model = self.model
         cos, sin = model.rope_tables(self.max_model_len)  # grown once to every position a step can use
-        return _device_arrays((model.embed, model.final_norm, model.lm_head, *model.layers, *self.caches),
-                              [self.uploader.buffer, cos, sin])
+        arrays = _device_arrays(self.caches, [self.uploader.buffer, cos, sin])
+        return _device_arrays((model.embed, model.final_norm, model.lm_head, *model.layers), arrays) if weights \
+            else arrays
+
+    def _graph_arrays_unchanged(self) -> bool:
+        """Whether the arrays the graphs read are the captured ones (the weights only when unchecked)."""
+        weights = not self._weights_checked
+        arrays = self._arrays_read_by_graphs(weights)
+        captured = self._graph_arrays if weights else self._graph_arrays[: len(arrays)]
+        return len(arrays) == len(captured) and all(map(operator.is_, arrays, captured))
 
     def _graph(self, bucket: int) -> tuple:
         """The bucket's (graph, logits), captured now if missing or if an array it reads was replaced."""
-        arrays = self._arrays_read_by_graphs()
-        if len(arrays) != len(self._graph_arrays) or not all(map(operator.is_, arrays, self._graph_arrays)):
+        if not self._graph_arrays_unchanged():
             self.drop_graphs()
-            self._graph_arrays = arrays
+            self._graph_arrays = self._arrays_read_by_graphs()
+        self._weights_checked = True
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         return self.graphs[bucket]

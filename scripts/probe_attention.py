@@ -28,8 +28,7 @@ SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
 KV_LENGTHS = (384, 1024)
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
-STAGES = "#define RLP_ATTS_STAGES 3 "
-STAGE_BYTES = "#define RLP_ATTS_STAGE_BYTES 8192 "
+VALUE_KEYS = "#define RLP_ATTS_VALUE_KEYS 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores"
 
@@ -51,10 +50,10 @@ def _bounds(anchor: str, blocks: int):
 
 VARIANTS = {
     "as_built": lambda s: s,
+    "score_pieces_2": _pieces(2),
+    "score_pieces_8": _pieces(8),
+    "score_4_blocks": _bounds(SCORE_BOUNDS, 4),
     "score_8_blocks": _bounds(SCORE_BOUNDS, 8),
-    "value_2_stages": lambda s: _edit(s, STAGES, "#define RLP_ATTS_STAGES 2 "),
-    "value_4_stages": lambda s: _edit(s, STAGES, "#define RLP_ATTS_STAGES 4 "),
-    "value_stage_4096": lambda s: _edit(s, STAGE_BYTES, "#define RLP_ATTS_STAGE_BYTES 4096 "),
     "value_4_blocks": _bounds(VALUE_BOUNDS, 4),
     "value_8_blocks": _bounds(VALUE_BOUNDS, 8),
 }

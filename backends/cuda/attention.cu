@@ -284,10 +284,10 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_THREADS 128     // the kernels' block size (ops/attention.py launches exactly this)
 #define RLP_ATTS_SCORE_HEADS 4   // q heads per round of attention_split_scores (register sums)
 #define RLP_ATTS_SCORE_PIECES 4  // 16-byte pieces of each digit plane per thread and key in attention_split_scores
-#define RLP_ATTS_TILE 256        // keys per tile of attention_split_values
-#define RLP_ATTS_STAGES 3        // V stages of attention_split_values: STAGES - 1 in flight while one is consumed
-#define RLP_ATTS_STAGE_BYTES 8192  // V bytes per stage: whole key rows (2 dp bytes each)
+#define RLP_ATTS_TILE 512        // keys per tile of attention_split_values
+#define RLP_ATTS_WEIGHT_KEYS 1   // keys per thread in flight while attention_split_values forms weights
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
+#define RLP_ATTS_VALUE_KEYS 4    // keys per thread in flight in attention_split_values
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
 // Both kernels are built for 6 blocks of RLP_ATTS_THREADS per multiprocessor (at most 80 registers, no
 // spills): the fastest occupancy in scripts/probe_attention.py's sweep on the H200.
@@ -346,18 +346,6 @@ __device__ __forceinline__ double rlp_atts_small_double(int x, double bias) {
     return __hiloint2double(0x43300000, x) - bias;
 }
 #define RLP_ATTS_VALUE_BIAS 32768  // |qv| < 2^15: qv + bias lies in [0, 2^16)
-
-// Copy V rows key_offsets[0 .. count - 1] (row_bytes each) to dst, 16 bytes per asynchronous copy,
-// spread over the block (the caller commits the group and waits for it).
-__device__ __forceinline__ void rlp_atts_stage_rows(signed char* dst, const signed char* __restrict__ v_digits,
-                                                    const long long* key_offsets, int count, int row_bytes) {
-    const int chunks = row_bytes / 16;
-    for (int c = threadIdx.x; c < count * chunks; c += blockDim.x) {
-        const int key = c / chunks;
-        const int part = c - key * chunks;
-        rlp_cp_async16(dst + key * row_bytes + part * 16, v_digits + key_offsets[key] + part * 16, true);
-    }
-}
 
 // The signed byte c (0..3) of a word.
 __device__ __forceinline__ int rlp_atts_byte(int word, int c) { return (word << (24 - 8 * c)) >> 24; }
@@ -511,12 +499,12 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
 // RLP_ATTS_VALUE_HEADS. E and the flags from every split's split_info, m per head from every split's
-// split_keys; then the split's keys in tiles of RLP_ATTS_TILE. Per tile: the V rows' offsets; the first
-// RLP_ATTS_STAGES - 1 stages of V rows start copying into shared memory (cp.async) while threads over
-// keys form p_j, add RNE(p_j 2^21) to their own sums of L and put the weights w_j (float64, exact
-// integers) in shared memory; then stage by stage (each refilled as soon as it is consumed), the threads
-// of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns each) walk the stage's keys and add w_j qv_jd
-// into float64 sums per (head, column) (exact: the section's comment). The sums meet in shared memory as
+// split_keys; then the split's keys in tiles of RLP_ATTS_TILE. Per tile, threads over keys
+// (RLP_ATTS_WEIGHT_KEYS in flight each) form p_j and add RNE(p_j 2^21) to their own sums of L; the
+// weights w_j (float64, exact integers) and the V rows' offsets go to shared memory. Then the threads of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns
+// each: together one 128-byte line per digit plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in
+// flight, and add w_j qv_jd into float64 sums per (head, column) (exact: the section's comment). A key
+// past the split's last one reads row 0 of the cache with weight 0. The sums meet in shared memory as
 // int64 atomics (exact, any order). Dynamic shared memory: the numerators (ops/attention.py
 // split_values_shared_bytes).
 extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values(
@@ -529,7 +517,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [head of the round][dp]: N_d
     __shared__ double weights[RLP_ATTS_VALUE_HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
     __shared__ long long key_offsets[RLP_ATTS_TILE];                 // the V row's byte offset
-    __shared__ int4 v_stage_words[RLP_ATTS_STAGES * RLP_ATTS_STAGE_BYTES / 16];  // V rows, [key][2 dp] (16-byte aligned)
     __shared__ unsigned long long head_total[RLP_ATTS_VALUE_HEADS];  // L's partial sum
     __shared__ float head_m[RLP_ATTS_VALUE_HEADS];
     __shared__ int head_ok[RLP_ATTS_VALUE_HEADS];
@@ -537,13 +524,12 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
     __shared__ unsigned int flags;
     __shared__ int any_ok;
     unsigned long long* numerator = rlp_atts_values_smem;
-    signed char* v_stage = reinterpret_cast<signed char*>(v_stage_words);
     const int group = hq / hkv;
     const int row_threads = dp / RLP_ATTS_COLUMNS;  // threads of one key row
     const int lanes = (int)blockDim.x / row_threads;  // key rows in flight per block (1, 2, 4 or 8)
     const int lane = (int)threadIdx.x / row_threads;  // >= lanes: no key row (only where dp does not divide)
     const int column = RLP_ATTS_COLUMNS * ((int)threadIdx.x - lane * row_threads);
-    const int stage_keys = RLP_ATTS_STAGE_BYTES / (2 * dp) / lanes * lanes;  // whole rows, a multiple of lanes (dp <= 512)
+    const int stride = RLP_ATTS_VALUE_KEYS * lanes;  // divides RLP_ATTS_TILE
     const double bias = 4503599627370496.0 + RLP_ATTS_VALUE_BIAS;  // 2^52 + bias
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
@@ -599,60 +585,63 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
             }
             const bool work = any_ok != 0 && lo < end;  // block-uniform
             for (long long base = lo; work && base < end; base += RLP_ATTS_TILE) {
-                const int span = (int)min(end - base, (long long)RLP_ATTS_TILE);
-                for (int k = threadIdx.x; k < span; k += blockDim.x)  // a valid slot: flags == 0
-                    key_offsets[k] = (rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)(base + k)) *
-                                      hkv + g) * (2LL * dp);
-                __syncthreads();
-                // the first stages' V rows are in flight while the weights are formed
-                const int stage_count = (span + stage_keys - 1) / stage_keys;
-                for (int st = 0; st < RLP_ATTS_STAGES - 1; ++st) {
-                    if (st < stage_count)
-                        rlp_atts_stage_rows(v_stage + st * RLP_ATTS_STAGE_BYTES, v_digits, key_offsets + st * stage_keys,
-                                            min(stage_keys, span - st * stage_keys), 2 * dp);
-                    rlp_cp_async_commit();  // one group per stage, empty ones too: the wait counts stay uniform
-                }
-                for (int k = threadIdx.x; k < span; k += blockDim.x) {
-                    const long long j = base + k;
-                    const int ev = key_ev[rowg * keys + j];
+                for (int k0 = threadIdx.x; k0 < RLP_ATTS_TILE; k0 += RLP_ATTS_WEIGHT_KEYS * blockDim.x) {
+                    long long offset[RLP_ATTS_WEIGHT_KEYS];
+                    int ev[RLP_ATTS_WEIGHT_KEYS];
+                    float s[RLP_ATTS_WEIGHT_KEYS][RLP_ATTS_VALUE_HEADS];
 #pragma unroll
-                    for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
-                        if (hi >= nb) continue;
-                        double w = 0.0;
-                        if (head_ok[hi]) {
-                            const float sc = scores[(rowg * keys + j) * group + h0 + hi];
-                            const double p = (double)rlp_exp_f32(sc - head_m[hi]);
-                            totals[hi] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
-                            w = rint(p * rlp_pow2_f64(ev - e_max + RLP_ATT_P_SHIFT));  // an integer <= 2^21
+                    for (int u = 0; u < RLP_ATTS_WEIGHT_KEYS; ++u) {  // the loads first, then the arithmetic
+                        const int k = k0 + u * (int)blockDim.x;
+                        const long long j = base + k;
+                        offset[u] = -1;  // past the tile or the split: no key (a valid slot otherwise: flags == 0)
+                        if (k < RLP_ATTS_TILE && j < end) {
+                            offset[u] = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;
+                            ev[u] = key_ev[rowg * keys + j];
+#pragma unroll
+                            for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi)
+                                if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];
                         }
-                        weights[hi * RLP_ATTS_TILE + k] = w;
+                    }
+#pragma unroll
+                    for (int u = 0; u < RLP_ATTS_WEIGHT_KEYS; ++u) {
+                        const int k = k0 + u * (int)blockDim.x;
+                        if (k >= RLP_ATTS_TILE) continue;
+                        const bool live = offset[u] >= 0;
+                        key_offsets[k] = live ? offset[u] * (2LL * dp) : 0;  // no key: row 0, weight 0
+#pragma unroll
+                        for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                            if (hi >= nb) continue;
+                            double w = 0.0;
+                            if (live && head_ok[hi]) {
+                                const double p = (double)rlp_exp_f32(s[u][hi] - head_m[hi]);
+                                totals[hi] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                                w = rint(p * rlp_pow2_f64(ev[u] - e_max + RLP_ATT_P_SHIFT));  // an integer <= 2^21
+                            }
+                            weights[hi * RLP_ATTS_TILE + k] = w;
+                        }
                     }
                 }
-                for (int st = 0; st < stage_count; ++st) {
-                    rlp_cp_async_wait<RLP_ATTS_STAGES - 2>();  // this thread's copies of stage st have landed
-                    __syncthreads();  // everyone's copies and weights are visible; stage st - 1 is consumed
-                    const int ahead = st + RLP_ATTS_STAGES - 1;  // refills the buffer of stage st - 1
-                    if (ahead < stage_count)
-                        rlp_atts_stage_rows(v_stage + (ahead % RLP_ATTS_STAGES) * RLP_ATTS_STAGE_BYTES, v_digits,
-                                            key_offsets + ahead * stage_keys, min(stage_keys, span - ahead * stage_keys),
-                                            2 * dp);
-                    rlp_cp_async_commit();
-                    const signed char* staged = v_stage + (st % RLP_ATTS_STAGES) * RLP_ATTS_STAGE_BYTES + column;
-                    const int first = st * stage_keys;
-                    const int count = min(stage_keys, span - first);
-#pragma unroll 2
-                    for (int kk = lane; lane < lanes && kk < count; kk += lanes) {
-                        const int low = *reinterpret_cast<const int*>(staged + kk * 2 * dp);
-                        const int high = *reinterpret_cast<const int*>(staged + kk * 2 * dp + dp);
+                __syncthreads();
+                const int span = (int)min(end - base, (long long)RLP_ATTS_TILE);
+                for (int k0 = lane; lane < lanes && k0 < span; k0 += stride) {
+                    int low[RLP_ATTS_VALUE_KEYS], high[RLP_ATTS_VALUE_KEYS];
+#pragma unroll
+                    for (int u = 0; u < RLP_ATTS_VALUE_KEYS; ++u) {  // keys up to the tile's end: weights 0
+                        const signed char* row = v_digits + key_offsets[k0 + u * lanes] + column;
+                        low[u] = __ldg(reinterpret_cast<const int*>(row));
+                        high[u] = __ldg(reinterpret_cast<const int*>(row + dp));
+                    }
+#pragma unroll
+                    for (int u = 0; u < RLP_ATTS_VALUE_KEYS; ++u) {
                         double value[RLP_ATTS_COLUMNS];
 #pragma unroll
                         for (int c = 0; c < RLP_ATTS_COLUMNS; ++c)
                             value[c] = rlp_atts_small_double(
-                                rlp_atts_byte(low, c) + 256 * rlp_atts_byte(high, c) + RLP_ATTS_VALUE_BIAS, bias);
+                                rlp_atts_byte(low[u], c) + 256 * rlp_atts_byte(high[u], c) + RLP_ATTS_VALUE_BIAS, bias);
 #pragma unroll
                         for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
                             if (hi >= nb) continue;
-                            const double w = weights[hi * RLP_ATTS_TILE + first + kk];
+                            const double w = weights[hi * RLP_ATTS_TILE + k0 + u * lanes];
 #pragma unroll
                             for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) sums[hi][c] = fma(w, value[c], sums[hi][c]);
                         }

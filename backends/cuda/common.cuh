@@ -122,18 +122,3 @@ __device__ __forceinline__ int rlp_block_row_exponent(const float* row, int k, u
     __syncthreads();
     return rlp_row_exponent(*largest);
 }
-
-// ---- Asynchronous copies global -> shared (sm_80+ cp.async), 16 bytes each. A thread's copies
-// join a group at rlp_cp_async_commit; rlp_cp_async_wait<N> returns once all but the newest N of
-// its groups have landed; a __syncthreads then makes every thread's copies visible to the block.
-// backends/hip/common.h has the same three with plain (synchronous) copies.
-__device__ __forceinline__ void rlp_cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned int address = (unsigned int)__cvta_generic_to_shared(smem);
-    const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(bytes));
-}
-
-__device__ __forceinline__ void rlp_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int PENDING>
-__device__ __forceinline__ void rlp_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }

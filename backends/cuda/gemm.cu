@@ -245,7 +245,16 @@ RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4)
 // BN-row slab of weight digits, laid out [digit][chunk][row][64] (a warp's
 // 16-byte reads of 8 rows then cover 512 contiguous bytes: no bank conflicts).
 // cp.async fills STAGES stages ahead; warps split the tile, not K.
-// (rlp_cp_async16 / _commit / _wait: common.cuh)
+__device__ __forceinline__ void rlp_cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned int address = (unsigned int)__cvta_generic_to_shared(smem);
+    const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void rlp_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int PENDING>
+__device__ __forceinline__ void rlp_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
 
 template <int WM, int WN, int WARPS_M, int WARPS_N, int CH, int STAGES>
 __device__ __forceinline__ void rlp_gemm_tiled(

@@ -159,16 +159,4 @@ __device__ __forceinline__ int rlp_block_row_exponent(const float* row, int k, u
     return rlp_row_exponent(*largest);
 }
 
-// ---- Copies global -> shared with the interface of backends/cuda/common.cuh's asynchronous ones
-// (cp.async there): here each copy is a plain 16-byte load and store, complete when it returns, so
-// commit and wait have nothing to do; the caller's __syncthreads makes the copies visible.
-__device__ __forceinline__ void rlp_cp_async16(void* smem, const void* gmem, bool valid) {
-    *reinterpret_cast<int4*>(smem) = valid ? *reinterpret_cast<const int4*>(gmem) : make_int4(0, 0, 0, 0);
-}
-
-__device__ __forceinline__ void rlp_cp_async_commit() {}
-
-template <int PENDING>
-__device__ __forceinline__ void rlp_cp_async_wait() {}
-
 #endif  // RLP_HIP_COMMON_H

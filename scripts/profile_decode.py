@@ -124,8 +124,7 @@ PATCHES = [
     (residual, "add", lambda a: "residual.add"),
     (residual, "add_bias", lambda a: "residual.add_bias"),
     (embedding, "gather", lambda a: "embedding.gather"),
-    (sampling_op, "sample_on_device", lambda a: "sampling.sample"),
-    (sampling_op, "sampled_logprobs_on_device", lambda a: "sampling.logprobs"),
+    (sampling_op, "sample_on_device", lambda a: "sampling.sample_and_logprobs"),
 ]
 
 

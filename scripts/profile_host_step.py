@@ -75,9 +75,8 @@ class NoKernelBackend(CpuBackend):
 
 def stub_sampling_kernels() -> None:
     no_kernels = NoKernelBackend()
-    sample, logprobs = sampling_op.sample_on_device, sampling_op.sampled_logprobs_on_device
+    sample = sampling_op.sample_on_device
     sampling_op.sample_on_device = lambda backend, *args, **kwargs: sample(no_kernels, *args, **kwargs)
-    sampling_op.sampled_logprobs_on_device = lambda backend, *args, **kwargs: logprobs(no_kernels, *args, **kwargs)
 
 
 class NoTokenizer:

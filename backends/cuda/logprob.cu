@@ -6,24 +6,11 @@
 #include "common.cuh"
 #include "contract_math.cuh"
 
-#define RLP_LOGPROB_SUM_BITS 38
 #define RLP_LOGPROB_WANT_LOGP 1
 #define RLP_LOGPROB_WANT_ENTROPY 2
 
 __device__ __forceinline__ unsigned long long rlp_logprob_max_u64(unsigned long long a, unsigned long long b) {
     return a > b ? a : b;
-}
-
-// An order-preserving integer key of a non-NaN float32 (a < b <=> key(a) < key(b); -0 < +0),
-// so the row's maximum is an integer max: exact and order-free.
-__device__ __forceinline__ unsigned int rlp_logprob_key(float a) {
-    unsigned int bits = (unsigned int)__float_as_int(a);
-    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-__device__ __forceinline__ float rlp_logprob_from_key(unsigned int key) {
-    unsigned int bits = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
-    return __int_as_float((int)bits);
 }
 
 // a_v = RNE_f32(double(z_v) / double(T)) (IEEE float64 division). T = 1 gives z exactly, so it skips the
@@ -43,21 +30,6 @@ __device__ __forceinline__ unsigned int rlp_logprob_key_or_nan(float a) {
 // A row whose maximum m is NaN (a shard's NaN marker) or +-inf has no log-prob: the canonical NaN.
 __device__ __forceinline__ bool rlp_logprob_undefined(float m) {
     return rlp_magnitude_bits(m) >= 0x7f800000u;
-}
-
-// S's term RNE(p_v * 2^36), p_v = exp_f32(a_v - m) in [0, 1]: exact in int64 and order-free to sum.
-__device__ __forceinline__ long long rlp_logprob_sum_term(float p) {
-    return __double2ll_rn((double)p * rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2));
-}
-
-// ls = log_f32(RNE_f32(S * 2^-36)): one rounding, contract log.
-__device__ __forceinline__ float rlp_logprob_log_sum(long long s) {
-    return rlp_log_f32(rlp_round_scaled(s, -(RLP_LOGPROB_SUM_BITS - 2)));
-}
-
-// logp = d_y - ls, d_y = RNE_f32(a_y - m): one float32 subtraction.
-__device__ __forceinline__ float rlp_logprob_value(float d_target, float ls) {
-    return d_target - ls;
 }
 
 // w_v = p_v * d_v, exact in float64 (24 x 24 bits); 0 where p_v = 0 (also where d_v = -inf).

@@ -11,6 +11,8 @@
 // compiled text.
 #ifndef RLP_CONTRACT_MATH_H
 #define RLP_CONTRACT_MATH_H
+// common.h: rlp_pow2_f64 and rlp_round_scaled, used by the logprob pieces below
+#include "common.h"
 
 // Build only with the contract's options (rlportable.runtime.flags), through raw NVRTC as
 // the runtime does. Not through cupy.RawModule / RawKernel: CuPy appends -ftz=true after the
@@ -297,6 +299,37 @@ __device__ __forceinline__ float rlp_log_f32(float xf) {
     double v = s2 + low;
     double ve = low - (v - s2);
     return __double2float_rn(rlp_ew_round_to_odd(v, ve));
+}
+
+// ---- The logprob contract's pieces (contracts/logprob.toml) that the sampling family's fused
+// log-prob of the drawn token uses too (one formula for both families).
+#define RLP_LOGPROB_SUM_BITS 38
+
+// An order-preserving integer key of a non-NaN float32 (a < b <=> key(a) < key(b); -0 < +0),
+// so the row's maximum is an integer max: exact and order-free.
+__device__ __forceinline__ unsigned int rlp_logprob_key(float a) {
+    unsigned int bits = (unsigned int)__float_as_int(a);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+__device__ __forceinline__ float rlp_logprob_from_key(unsigned int key) {
+    unsigned int bits = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+    return __int_as_float((int)bits);
+}
+
+// S's term RNE(p_v * 2^36), p_v = exp_f32(a_v - m) in [0, 1]: exact in int64 and order-free to sum.
+__device__ __forceinline__ long long rlp_logprob_sum_term(float p) {
+    return rlp_double2ll_rn((double)p * rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2));
+}
+
+// ls = log_f32(RNE_f32(S * 2^-36)): one rounding, contract log.
+__device__ __forceinline__ float rlp_logprob_log_sum(long long s) {
+    return rlp_log_f32(rlp_round_scaled(s, -(RLP_LOGPROB_SUM_BITS - 2)));
+}
+
+// logp = d_y - ls, d_y = RNE_f32(a_y - m): one float32 subtraction.
+__device__ __forceinline__ float rlp_logprob_value(float d_target, float ls) {
+    return d_target - ls;
 }
 
 #endif  // RLP_CONTRACT_MATH_H

@@ -87,13 +87,21 @@ __device__ __forceinline__ long long rlp_sampling_weight(float a, float m, doubl
 //     thread its exclusive start K_t and the total W = the last inclusive sum. target = the high
 //     64 bits of r * W; the one thread with K_t <= target < K_t + its sum walks its ids in
 //     ascending order (pass 3, weights recomputed) to the v with K_v <= target < K_v + w_v.
+// With want_logp != 0, logp[row] receives the logprob contract's log-prob of the drawn token at the
+// record temperature (T, or 1 for greedy rows: the same a_v), the bits logprob_rows gives: its m is
+// the maximum under logprob's key (-0 < +0; pass 1 keeps both maxima), its S is W (the weights use
+// a_v - m, and where the two maxima differ, only in the sign of a zero, exp_f32 gives 1 either way;
+// greedy rows add W in a pass of their own). Refused rows get the canonical NaN, as logprob_rows gives.
 extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long long rows, int vocab,
                                          const double* __restrict__ temperature,
                                          const unsigned long long* __restrict__ seed,
                                          const unsigned int* __restrict__ request,
                                          const unsigned int* __restrict__ sample_index,
-                                         const unsigned int* __restrict__ position, int* __restrict__ tokens) {
+                                         const unsigned int* __restrict__ position, int* __restrict__ tokens,
+                                         int want_logp, float* __restrict__ logp) {
     __shared__ unsigned int largest_key;
+    __shared__ unsigned int largest_logprob_key;
+    __shared__ unsigned long long greedy_total;
     __shared__ unsigned int has_nan;
     __shared__ unsigned int first_max;
     __shared__ long long prefix[RLP_SAMPLING_MAX_THREADS];
@@ -103,31 +111,56 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* zr = logits + row * (long long)vocab;
         const double t = temperature[row];
-        if (tid == 0) { largest_key = 0u; has_nan = 0u; first_max = (unsigned int)vocab; }
+        if (tid == 0) {
+            largest_key = 0u;
+            largest_logprob_key = 0u;
+            has_nan = 0u;
+            first_max = (unsigned int)vocab;
+            greedy_total = 0ull;
+        }
         __syncthreads();
         unsigned int local_key = 0u;
+        unsigned int local_logprob_key = 0u;
         unsigned int nan = 0u;
         for (int i = tid; i < vocab; i += threads) {
             const float a = rlp_sampling_scaled(zr[i], t);
-            if (a != a) nan = 1u;
-            else local_key = rlp_max_u32(local_key, rlp_sampling_key(a));
+            if (a != a) {
+                nan = 1u;
+            } else {
+                local_key = rlp_max_u32(local_key, rlp_sampling_key(a));
+                local_logprob_key = rlp_max_u32(local_logprob_key, rlp_logprob_key(a));
+            }
         }
         atomicMax(&largest_key, local_key);
+        atomicMax(&largest_logprob_key, local_logprob_key);
         atomicOr(&has_nan, nan);
         __syncthreads();
         const unsigned int m_key = largest_key;
         const float m = rlp_sampling_from_key(m_key);
+        const float m_logprob = rlp_logprob_from_key(largest_logprob_key);
         if (has_nan != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) {
             // a NaN, a +inf maximum, or an all -inf row: refused
-            if (tid == 0) tokens[row] = RLP_SAMPLING_REFUSED;
+            if (tid == 0) {
+                tokens[row] = RLP_SAMPLING_REFUSED;
+                if (want_logp != 0) logp[row] = rlp_canonical_nan();
+            }
         } else if (t == 0.0) {
             unsigned int local_first = (unsigned int)vocab;
             for (int i = tid; i < vocab; i += threads) {
                 if (rlp_sampling_key(zr[i]) == m_key) { local_first = (unsigned int)i; break; }
             }
             atomicMin(&first_max, local_first);
+            if (want_logp != 0) {  // W for the log-prob (the other rows' W comes with their draw)
+                long long local_w = 0;
+                for (int i = tid; i < vocab; i += threads) local_w += rlp_logprob_sum_term(rlp_exp_f32(zr[i] - m_logprob));
+                if (local_w != 0) atomicAdd(&greedy_total, (unsigned long long)local_w);
+            }
             __syncthreads();
-            if (tid == 0) tokens[row] = (int)first_max;
+            if (tid == 0) {
+                tokens[row] = (int)first_max;
+                if (want_logp != 0)
+                    logp[row] = rlp_logprob_value(zr[first_max] - m_logprob, rlp_logprob_log_sum((long long)greedy_total));
+            }
         } else {
             const int chunk = (vocab + threads - 1) / threads;
             const int begin = tid * chunk < vocab ? tid * chunk : vocab;
@@ -156,6 +189,9 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
                     k += w;
                 }
                 tokens[row] = token;
+                if (want_logp != 0)
+                    logp[row] = rlp_logprob_value(rlp_sampling_scaled(zr[token], t) - m_logprob,
+                                                  rlp_logprob_log_sum((long long)total));
             }
         }
         __syncthreads();

@@ -141,7 +141,8 @@ def check_sample_invariance(backend: Backend, rng, quick: bool) -> Tally:
 
 
 def check_sampled_logprobs(backend: Backend, rng, quick: bool) -> Tally:
-    """Recorded log-probs (logprob kernel at T, T = 1 for greedy) against the reference."""
+    """Recorded log-probs (logprob kernel at T, T = 1 for greedy; and the sampling kernel's own, fused
+    with the draw) against the reference."""
     tally = Tally()
     for rows, vocab in ((7, 13), (20, 1000)) + (() if quick else ((32, 32000),)):
         z = (rng.standard_normal((rows, vocab)) * 4.0).astype(np.float32)
@@ -156,6 +157,22 @@ def check_sampled_logprobs(backend: Backend, rng, quick: bool) -> Tally:
             got_tokens, got_logp = sampling_op.sample_and_logprobs(backend, z_dev, temperature, **counters)
             tally.add(backend.to_numpy(got_tokens), tokens)
             tally.add(backend.to_numpy(got_logp), expected)
+    # the sampling kernel's own log-probs (the engine's path): every kind of row (signed-zero ties,
+    # masked entries, subnormals, massive channels) at every temperature, mixed per row too
+    rows, vocab = (8, 1000) if quick else (16, 32000)
+    for kind in SAMPLING_KINDS:
+        if kind == "huge":  # z / T overflows for T < 1: refused rows (check_sample_refusals)
+            continue
+        z = _logit_rows(rng, rows, vocab, kind)
+        counters = _counters(rng, rows)
+        for temperature in [np.full(rows, t) for t in SAMPLING_TEMPERATURES] + [
+                rng.choice(np.array(SAMPLING_TEMPERATURES), size=rows)]:
+            tokens = reference.sample(z, temperature, **counters)
+            parameters = sampling_op.kernel_row_parameters(rows, temperature, **counters)
+            got_tokens, got_logp = sampling_op.sample_on_device(
+                backend, backend.asarray(z), *(backend.asarray(p) for p in parameters), with_logprobs=True)
+            tally.add(backend.to_numpy(got_tokens), tokens)
+            tally.add(backend.to_numpy(got_logp), reference.sampled_logprobs(z, tokens, temperature))
     return tally
 
 

@@ -363,8 +363,8 @@ _KERNEL_PARAMETERS = ("temperature", "seed", "request", "sample_index", "positio
 
 
 class DeviceSampling:
-    """sampler="device": rows without filters are sampled by the sampling kernel and scored by the
-    logprob kernel on the device, one group per record temperature (the logprob kernel takes one T);
+    """sampler="device": rows without filters are sampled on the device by the sampling kernel, which
+    also gives each drawn token's log-prob at its row's record temperature (one launch for all of them);
     rows with top-k / top-p / min-p, and rows that want top alternatives, have their logits copied
     back and go through the contract on the host. The same tokens and log-probs as HostSampling, bit
     for bit. Parameters go up with the step's upload; results come back with its one download.
@@ -381,14 +381,13 @@ class DeviceSampling:
         wants_top = np.array([s.params.logprobs > 0 for s in samples])
         self.host_rows = np.flatnonzero(~self.on_device | wants_top).astype(np.int32)
         device = np.flatnonzero(self.on_device).astype(np.int32)
-        record = sampling.record_temperature(self.temperature[device])
-        self.groups = [(device[record == value], float(value)) for value in np.unique(record)]
-        self.order = np.concatenate([rows for rows, _ in self.groups] + [np.zeros(0, np.int32)])
+        self.groups = [device] if device.size else []  # the rows of each sampling launch: one
+        self.order = device
         parameters = sampling_op.kernel_row_parameters(
             self.order.size, self.temperature[self.order], arrays["seed"][self.order], arrays["request"][self.order],
             arrays["sample_index"][self.order], arrays["position"][self.order])
         self._static = {f"sampler.{name}": array for name, array in zip(_KERNEL_PARAMETERS, parameters)}
-        for k, (rows, _) in enumerate(self.groups):
+        for k, rows in enumerate(self.groups):
             if rows.size != len(samples):
                 self._static[f"sampler.rows{k}"] = rows
         if 0 < self.host_rows.size < len(samples):
@@ -418,14 +417,13 @@ class DeviceSampling:
         then the host rows' logits if any."""
         everything = len(self.samples)
         pending, start = [], 0
-        for k, (rows, value) in enumerate(self.groups):
+        for k, rows in enumerate(self.groups):
             z = logits if rows.size == everything else embedding.gather(backend, logits, views[f"sampler.rows{k}"],
                                                                         host_ids=rows)
             part = slice(start, start + rows.size)
             start += rows.size
-            tokens = sampling_op.sample_on_device(backend, z, *(views[f"sampler.{name}"][part]
-                                                                for name in _KERNEL_PARAMETERS))
-            pending += [tokens, sampling_op.sampled_logprobs_on_device(backend, z, tokens, value)]
+            pending += sampling_op.sample_on_device(backend, z, *(views[f"sampler.{name}"][part]
+                                                                  for name in _KERNEL_PARAMETERS), with_logprobs=True)
             self._sampled_from.append(z)
         if self.host_rows.size:
             pending.append(logits if self.host_rows.size == everything else
@@ -435,7 +433,7 @@ class DeviceSampling:
     def finish(self, backend, host: list[np.ndarray]) -> tuple[list[int], list[float], list | None]:
         tokens = np.zeros(len(self.samples), dtype=np.int64)
         logprobs = np.zeros(len(self.samples), dtype=np.float32)
-        for k, (rows, _) in enumerate(self.groups):
+        for k, rows in enumerate(self.groups):
             group_tokens, group_logprobs = host[2 * k], host[2 * k + 1]
             if (group_tokens == sampling_op.REFUSED).any():
                 sampling_op.raise_refused(backend, self._sampled_from[k], group_tokens, self.temperature[rows])

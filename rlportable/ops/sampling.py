@@ -85,7 +85,8 @@ def sample(backend, logits, temperature, top_k=None, top_p=None, min_p=None, *, 
     temperature = np.ascontiguousarray(temperature, dtype=np.float64)
     backend.launch("sampling", "sampling_rows", (min(rows, MAX_GRID),), (int(threads),),
                    (logits, np.int64(rows), np.int32(vocab), backend.asarray(temperature), backend.asarray(seeds),
-                    backend.asarray(requests), backend.asarray(samples), backend.asarray(positions), tokens))
+                    backend.asarray(requests), backend.asarray(samples), backend.asarray(positions), tokens,
+                    np.int32(0), backend.empty((1,), np.float32)))
     _refuse(backend, logits, np.asarray(backend.to_numpy(tokens)), temperature)
     return tokens
 
@@ -126,12 +127,16 @@ def kernel_row_parameters(rows: int, temperature, seed, request, sample_index, p
     return [temperature] + _row_counters(rows, seed, request, sample_index, position)
 
 
-def sample_on_device(backend, logits, temperature, seed, request, sample_index, position, threads: int = THREADS):
+def sample_on_device(backend, logits, temperature, seed, request, sample_index, position, threads: int = THREADS,
+                     with_logprobs: bool = False):
     """`sample` for rows whose parameters are already backend arrays [rows] (kernel_row_parameters'
     dtypes; the caller checked its host copies and that every row is unfiltered, `device_rows`).
     Returns tokens int32 [rows] without copying anything back: a row the contract refuses gets
     REFUSED (-1), and the caller raises with `raise_refused` once it has its host copy of the tokens.
-    On cpu this is the reference, which raises at once."""
+    with_logprobs: returns (tokens, log-probs float32 [rows]), each drawn token's log-prob under the
+    logprob contract at its row's record temperature (T, or 1 for greedy rows), the bits
+    `logprob.logprobs` gives, from the kernel's own maximum and sum (contracts/sampling.toml); refused
+    rows get the canonical NaN. On cpu this is the reference, which raises at once."""
     rows, vocab = require_matrix("logits", logits)
     if not 1 <= vocab <= reference.MAX_VOCAB:
         raise InputError(f"sampling: the vocabulary size must lie in [1, 2^25], got {vocab}")
@@ -142,33 +147,19 @@ def sample_on_device(backend, logits, temperature, seed, request, sample_index, 
             raise InputError(f"sampling: {name} must be {np.dtype(dtype).name} of shape ({rows},), got "
                              f"{np.dtype(array.dtype).name} of shape {shape_of(array)}")
     if backend.kernel_vendor is None:
-        return np.asarray(reference.sample(np.asarray(logits), np.asarray(temperature), seed=np.asarray(seed),
-                                           request=np.asarray(request), sample_index=np.asarray(sample_index),
-                                           position=np.asarray(position)), dtype=np.int32)
+        tokens = np.asarray(reference.sample(np.asarray(logits), np.asarray(temperature), seed=np.asarray(seed),
+                                             request=np.asarray(request), sample_index=np.asarray(sample_index),
+                                             position=np.asarray(position)), dtype=np.int32)
+        if not with_logprobs:
+            return tokens
+        return tokens, sampled_logprobs(backend, np.asarray(logits), tokens, np.asarray(temperature))
     tokens = backend.empty((rows,), np.int32)
+    logp = backend.empty((rows,) if with_logprobs else (1,), np.float32)
     if rows:
         backend.launch("sampling", "sampling_rows", (min(rows, MAX_GRID),), (int(threads),),
                        (logits, np.int64(rows), np.int32(vocab), temperature, seed, request, sample_index, position,
-                        tokens))
-    return tokens
-
-
-def sampled_logprobs_on_device(backend, logits, tokens, temperature: float):
-    """float32 [rows] (a backend array): the logprob op at one record temperature for tokens that
-    `sample_on_device` drew from these logits at that temperature, without copying them back to check
-    them. Safe because the logprob kernel reads a row's target only when the row has no NaN and a
-    finite maximum of RNE(z / T), exactly the rows the sampler accepts; it writes REFUSED (-1) for the
-    others, which are never read. On cpu: logprob.logprobs."""
-    rows, vocab = require_matrix("logits", logits)
-    if shape_of(tokens) != (rows,) or np.dtype(tokens.dtype) != np.int32:
-        raise InputError(f"sampling: tokens must be int32 of shape ({rows},), got "
-                         f"{np.dtype(tokens.dtype).name} of shape {shape_of(tokens)}")
-    temperature = logprob_op.check_temperature(temperature)
-    if backend.kernel_vendor is None:
-        return logprob_op.logprobs(backend, logits, tokens, temperature)
-    logp = backend.empty((rows,), np.float32)
-    logprob_op._launch(backend, logits, tokens, temperature, logp, None)
-    return logp
+                        tokens, np.int32(1 if with_logprobs else 0), logp))
+    return (tokens, logp) if with_logprobs else tokens
 
 
 def raise_refused(backend, logits, host_tokens: np.ndarray, temperature) -> None:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Decode speed (issue 4) on one H200. Usage on the device machine:
-#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue4.sh gemm|attention|decode|all
+#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue4.sh gemm|attention|decode|all|step
 #   gemm:   the exact gemm's kernels (every tile, wgmma included) bitwise against the reference,
 #           then the tile sweep against torch bf16 (bench gemm --sweep-tiles)
 #   attention: the split-KV decode kernels (CUDA and HIP sources) bitwise against the reference, then
 #           scripts/probe_attention.py (RLP_PROBE_BASELINE=<earlier attention.cu> adds a baseline)
+#   step:   one pass over what a decode step runs (quick): the sampling, split-attention and engine
+#           checks on both sources, the engine against the trainer at batch 64, bench decode, the profile
 #   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache
@@ -24,4 +26,10 @@ if [[ $1 == decode || $1 == all ]]; then
     $cli conform --device cuda --quick --only gemm,engine,model.qwen3 --json "$OUT/conform_cuda_engine_quick_h200.json" 2>&1 | tail -6
     $cli bench decode --device cuda --json "$OUT/decode_h200.json" 2>&1 | tail -12
     python3 scripts/profile_decode.py > "$OUT/decode_profile_h200.json"; tail -c 1500 "$OUT/decode_profile_h200.json"
+fi
+if [[ $1 == step ]]; then
+    $cli conform --device cuda --quick --only sampling,attention.split,engine,e2e.batch-64 --json "$OUT/conform_cuda_step_quick_h200.json" 2>&1 | tail -4
+    $cli conform --device cuda --kernel-source hip --quick --only sampling,attention.split --json "$OUT/conform_cuda_hipsrc_step_quick_h200.json" 2>&1 | tail -3
+    $cli bench decode --device cuda --json "$OUT/decode_h200.json" 2>&1 | tail -12
+    python3 scripts/profile_decode.py > "$OUT/decode_profile_h200.json"; tail -c 1200 "$OUT/decode_profile_h200.json"
 fi

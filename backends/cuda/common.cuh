@@ -14,6 +14,10 @@ __device__ __forceinline__ double rlp_pow2_f64(int s) {
     return __longlong_as_double((long long)(s + 1023) << 52);
 }
 
+// float64 -> int64, round half to even: CUDA's __double2ll_rn under the name backends/hip/common.h
+// gives its own, so that code shared word for word by both vendors' headers can call it.
+__device__ __forceinline__ long long rlp_double2ll_rn(double x) { return __double2ll_rn(x); }
+
 // fixedpoint.round_to_odd_f64: int64 -> float64, inexact values take the odd neighbour.
 // |s| < 2^62, so the nearest double converts back to int64 without overflow.
 __device__ __forceinline__ double rlp_round_to_odd_f64(long long s) {

@@ -318,7 +318,7 @@ __device__ __forceinline__ float rlp_logprob_from_key(unsigned int key) {
 
 // S's term RNE(p_v * 2^36), p_v = exp_f32(a_v - m) in [0, 1]: exact in int64 and order-free to sum.
 __device__ __forceinline__ long long rlp_logprob_sum_term(float p) {
-    return __double2ll_rn((double)p * rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2));
+    return rlp_double2ll_rn((double)p * rlp_pow2_f64(RLP_LOGPROB_SUM_BITS - 2));
 }
 
 // ls = log_f32(RNE_f32(S * 2^-36)): one rounding, contract log.

@@ -12,9 +12,7 @@ conform checks those against the reference). One JSON line per measurement.
 With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
 runs first as variant "baseline", with enough dynamic shared memory for the earlier value kernel.
 """
-import json
 import os
-import sys
 
 import cupy as cp
 import numpy as np
@@ -22,30 +20,23 @@ import numpy as np
 from rlportable.ops import attention
 from rlportable.runtime import get_backend
 from rlportable.runtime.base import _inline_includes, kernel_source_path
-from rlportable.runtime.cuda import _nvrtc_compile
+
+from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_variants.py
 
 SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
 KV_LENGTHS = (384, 1024)
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
-VALUE_KEYS = "#define RLP_ATTS_VALUE_KEYS 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores"
 
 
-def _edit(source: str, old: str, new: str) -> str:
-    """One textual edit of the kernel source; an anchor that is gone is an error, not a silent no-op."""
-    if old not in source:
-        raise SystemExit(f"probe_attention: the kernels no longer contain {old!r}: update the probe")
-    return source.replace(old, new)
-
-
 def _pieces(count: int):
-    return lambda s: _edit(s, SCORE_PIECES, f"#define RLP_ATTS_SCORE_PIECES {count} ")
+    return lambda s: edit(s, SCORE_PIECES, f"#define RLP_ATTS_SCORE_PIECES {count} ")
 
 
 def _bounds(anchor: str, blocks: int):
-    return lambda s: _edit(s, anchor, anchor.replace("(RLP_ATTS_THREADS, 6)", f"(RLP_ATTS_THREADS, {blocks})"))
+    return lambda s: edit(s, anchor, anchor.replace("(RLP_ATTS_THREADS, 6)", f"(RLP_ATTS_THREADS, {blocks})"))
 
 
 VARIANTS = {
@@ -101,7 +92,7 @@ def kernel_times(backend, run, reps: int = 5) -> dict:
 
 def variants(source: str) -> dict:
     """Variant name -> (source, dynamic shared memory of the value kernel or None: the op's own)."""
-    made = {name: (edit(source), None) for name, edit in VARIANTS.items()}
+    made = {name: (change(source), None) for name, change in VARIANTS.items()}
     baseline = os.environ.get("RLP_PROBE_BASELINE")
     if baseline:
         text = _inline_includes(open(baseline).read(), kernel_source_path("cuda", "attention").parent, seen=set())
@@ -120,29 +111,19 @@ def main():
         q_seq = cp.arange(SEQUENCES, dtype=np.int32)
         q_pos = cp.full(SEQUENCES, kv_length - 1, np.int32)
         for variant, (text, shared) in variants(source).items():
-            module = cp.cuda.function.Module()
-            module.load(_nvrtc_compile(text, "attention", options))
+            module = load(text, "attention", options)
             attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
             backend._modules["attention"], backend._functions = module, {}
             run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split")
             out = run()
             bits = cp.asnumpy(out).view(np.uint32)
             same = bool(np.array_equal(reference.setdefault(kv_length, bits), bits))
-            start, stop, reps = cp.cuda.Event(), cp.cuda.Event(), 20
-            start.record()
-            for _ in range(reps):
-                run()
-            stop.record()
-            stop.synchronize()
-            us = cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps
+            us = mean_us(run)
             kv_bytes = SEQUENCES * kv_length * HKV * 2 * (2 * cache.head_dim_padded + 4)
             row = dict(variant=variant, kv_length=kv_length, us=round(us, 1), same_bits=same,
                        kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1), kernels_us=kernel_times(backend, run))
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as out:
-            json.dump(results, out, indent=1)
+            emit(results, row)
+    write(results)
 
 
 if __name__ == "__main__":

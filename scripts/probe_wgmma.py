@@ -9,15 +9,14 @@ kernel text of b34fffd, before the epilogue moved to all three warpgroups; the 6
 tiles only): the rounding epilogue and a block's fixed cost, not the MMAs, dominated.
 Prints one JSON line per measurement; with a path argument, also writes them all there as a list.
 """
-import json
-import sys
 
 import cupy as cp
 import numpy as np
 
 from rlportable.ops.gemm_fused import tile_spec
 from rlportable.runtime import get_backend
-from rlportable.runtime.cuda import _nvrtc_compile
+
+from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_variants.py
 
 LOAD = "if (ahead < kblocks) stage_in(ahead, ahead % STAGES);"
 FENCE = "rlp_fence_proxy_async();"
@@ -26,27 +25,20 @@ KBLOCKS = "const int kblocks = (kp + RLP_WGMMA_KBLOCK - 1) / RLP_WGMMA_KBLOCK;"
 ROUND = "rlp_gemm_output_small(s, ea[row], ew[col + c], scale_offset)"
 
 
-def _edit(source: str, old: str, new: str) -> str:
-    """One textual edit of the kernel source; an anchor that is gone is an error, not a silent no-op."""
-    if old not in source:
-        raise SystemExit(f"probe_wgmma: the kernel no longer contains {old!r}: update the probe")
-    return source.replace(old, new)
-
-
 def _no_loads(s):  # the main loop's loads left out (the prologue's stay)
-    return _edit(s, LOAD, "if (kp < 0) stage_in(ahead, ahead % STAGES);")
+    return edit(s, LOAD, "if (kp < 0) stage_in(ahead, ahead % STAGES);")
 
 
 def _bare(s):  # no loads, no proxy fence, no barrier: the wgmma stream alone
-    return _edit(_edit(_no_loads(s), FENCE, ""), BARRIER, "so the stage refilled below is free\n")
+    return edit(edit(_no_loads(s), FENCE, ""), BARRIER, "so the stage refilled below is free\n")
 
 
 def _one_block(s):  # the first K block only: a block's fixed cost (prologue, epilogue)
-    return _edit(_bare(s), KBLOCKS, "const int kblocks = 1;")
+    return edit(_bare(s), KBLOCKS, "const int kblocks = 1;")
 
 
 def _no_round(s):  # the epilogue's rounding replaced by a plain conversion
-    return _edit(s, ROUND, "(float)s")
+    return edit(s, ROUND, "(float)s")
 
 
 VARIANTS = {
@@ -66,9 +58,8 @@ def main():
     options = backend.compile_options()
     rng = np.random.default_rng(0)
     results = []
-    for variant, edit in VARIANTS.items():
-        module = cp.cuda.function.Module()
-        module.load(_nvrtc_compile(edit(source), "gemm", options))
+    for variant, change in VARIANTS.items():
+        module = load(change(source), "gemm", options)
         for m, k, n in SHAPES:
             xd = cp.asarray(rng.integers(-127, 128, (m, 3, k), dtype=np.int8))
             wd = cp.asarray(rng.integers(-127, 128, (n, 2, k), dtype=np.int8))
@@ -83,21 +74,11 @@ def main():
                 args = (xd, wd, ea, ew, np.int32(m), np.int32(n), np.int32(k), np.int32(-34), y)
                 for _ in range(3):
                     function(grid, (spec.threads,), args, shared_mem=shared)
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                reps = 20
-                start.record()
-                for _ in range(reps):
-                    function(grid, (spec.threads,), args, shared_mem=shared)
-                stop.record()
-                stop.synchronize()
-                us = cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps
+                us = mean_us(lambda: function(grid, (spec.threads,), args, shared_mem=shared))
                 tops = 2 * 6 * m * n * k / (us * 1e-6) / 1e12
                 row = dict(variant=variant, kernel=kernel, m=m, k=k, n=n, us=round(us, 2), int8_tops=round(tops, 1))
-                results.append(row)
-                print(json.dumps(row), flush=True)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as out:
-            json.dump(results, out, indent=1)
+                emit(results, row)
+    write(results)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,23 @@ def test_cpu_op_equals_the_contract(vocab):
                               reference.sampled_logprobs(z, expected, temperature).view(np.uint32))
 
 
+def test_sample_on_device_with_logprobs_is_sample_then_sampled_logprobs():
+    """The engine's path (one launch that also records the log-probs) on cpu: the reference's tokens
+    and the recorded log-probs at each row's record temperature, mixed greedy and sampled rows."""
+    rng = np.random.default_rng(5)
+    for kind in ("logits", "ties", "neg_inf", "tiny"):
+        z = _logit_rows(rng, 7, 500, kind)
+        counters = _counters(rng, 7)
+        temperature = np.array([0.0, 1.0, 0.5, 0.0, 1.7, 1.0, 1e-3])
+        parameters = sampling.kernel_row_parameters(7, temperature, **counters)
+        tokens, logp = sampling.sample_on_device(CPU, z, *parameters, with_logprobs=True)
+        expected = reference.sample(z, temperature, **counters)
+        assert np.array_equal(tokens, expected)
+        assert np.array_equal(np.asarray(logp).view(np.uint32),
+                              reference.sampled_logprobs(z, expected, temperature).view(np.uint32))
+        assert np.array_equal(sampling.sample_on_device(CPU, z, *parameters), expected)
+
+
 def test_sampled_logprobs_group_temperatures():
     rng = np.random.default_rng(2)
     z = (rng.standard_normal((9, 300)) * 3).astype(np.float32)

@@ -26,6 +26,7 @@ from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_v
 SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
 KV_LENGTHS = (384, 1024)
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
+KEYS_PER_SPLIT = (512, 256, 128)  # the kernels as built, with the keys cut into more splits than split_plan's
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores"
@@ -42,7 +43,6 @@ def _bounds(anchor: str, blocks: int):
 VARIANTS = {
     "as_built": lambda s: s,
     "score_pieces_2": _pieces(2),
-    "score_pieces_8": _pieces(8),
     "score_4_blocks": _bounds(SCORE_BOUNDS, 4),
     "score_8_blocks": _bounds(SCORE_BOUNDS, 8),
     "value_4_blocks": _bounds(VALUE_BOUNDS, 4),
@@ -91,12 +91,14 @@ def kernel_times(backend, run, reps: int = 5) -> dict:
 
 
 def variants(source: str) -> dict:
-    """Variant name -> (source, dynamic shared memory of the value kernel or None: the op's own)."""
-    made = {name: (change(source), None) for name, change in VARIANTS.items()}
+    """Variant name -> (source, dynamic shared memory of the value kernel or None: the op's own, keys per
+    split or None: split_plan's choice)."""
+    made = {name: (change(source), None, None) for name, change in VARIANTS.items()}
+    made.update({f"keys_per_split_{keys}": (source, None, keys) for keys in KEYS_PER_SPLIT})
     baseline = os.environ.get("RLP_PROBE_BASELINE")
     if baseline:
         text = _inline_includes(open(baseline).read(), kernel_source_path("cuda", "attention").parent, seen=set())
-        made = {"baseline": (text, 16384), **made}
+        made = {"baseline": (text, 16384, None), **made}
     return made
 
 
@@ -110,11 +112,12 @@ def main():
         q = cp.asarray(np.random.default_rng(1).standard_normal((SEQUENCES, HQ, HEAD_DIM), np.float32))
         q_seq = cp.arange(SEQUENCES, dtype=np.int32)
         q_pos = cp.full(SEQUENCES, kv_length - 1, np.int32)
-        for variant, (text, shared) in variants(source).items():
+        for variant, (text, shared, keys) in variants(source).items():
             module = load(text, "attention", options)
             attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
             backend._modules["attention"], backend._functions = module, {}
-            run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split")
+            run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split",
+                                                    keys_per_split=keys)
             out = run()
             bits = cp.asnumpy(out).view(np.uint32)
             same = bool(np.array_equal(reference.setdefault(kv_length, bits), bits))

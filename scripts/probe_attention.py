@@ -29,7 +29,7 @@ MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_le
 KEYS_PER_SPLIT = (512, 256, 128)  # the kernels as built, with the keys cut into more splits than split_plan's
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
-SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores"
+SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores"
 
 
 def _pieces(count: int):
@@ -37,14 +37,15 @@ def _pieces(count: int):
 
 
 def _bounds(anchor: str, blocks: int):
-    return lambda s: edit(s, anchor, anchor.replace("(RLP_ATTS_THREADS, 6)", f"(RLP_ATTS_THREADS, {blocks})"))
+    built = anchor[anchor.index("(RLP_ATTS_THREADS"):anchor.index(")") + 1]
+    return lambda s: edit(s, anchor, anchor.replace(built, f"(RLP_ATTS_THREADS, {blocks})"))
 
 
 VARIANTS = {
     "as_built": lambda s: s,
     "score_pieces_2": _pieces(2),
     "score_4_blocks": _bounds(SCORE_BOUNDS, 4),
-    "score_8_blocks": _bounds(SCORE_BOUNDS, 8),
+    "score_6_blocks": _bounds(SCORE_BOUNDS, 6),
     "value_4_blocks": _bounds(VALUE_BOUNDS, 4),
     "value_8_blocks": _bounds(VALUE_BOUNDS, 8),
 }

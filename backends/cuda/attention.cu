@@ -289,8 +289,9 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
 #define RLP_ATTS_VALUE_KEYS 4    // keys per thread in flight in attention_split_values
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
-// Both kernels are built for 6 blocks of RLP_ATTS_THREADS per multiprocessor (at most 80 registers, no
-// spills): the fastest occupancy in scripts/probe_attention.py's sweep on the H200.
+// attention_split_scores is built for 8 blocks of RLP_ATTS_THREADS per multiprocessor (64 registers, an
+// 8-byte spill), attention_split_values for 6 (80 registers, no spill): the fastest occupancies in
+// scripts/probe_attention.py's sweeps on the H200.
 
 // c + the four products of the signed bytes of a and b, exact in int32.
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) { return __dp4a(a, b, c); }
@@ -358,7 +359,7 @@ __device__ __forceinline__ int rlp_atts_byte(int word, int c) { return (word << 
 // dot products of the piece, the parts added by xor shuffles within the set; its first thread forms the
 // scores and each head's largest order key. Writes split_keys, split_info, query_bad (split 0), the
 // scores and key_ev (so the value pass waits on one load per key, not on the slot and then the exponent).
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores(
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,

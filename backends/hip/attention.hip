@@ -295,9 +295,9 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
 #define RLP_ATTS_VALUE_KEYS 4    // keys per thread in flight in attention_split_values
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
-// CUDA builds both kernels for 6 blocks per multiprocessor (its __launch_bounds__ minimum, chosen on the
-// H200); HIP's second __launch_bounds__ argument means waves per execution unit, left to the compiler
-// until an AMD GPU can choose it.
+// CUDA builds the score and value kernels for 8 and 6 blocks per multiprocessor (its __launch_bounds__
+// minimum, chosen on the H200); HIP's second __launch_bounds__ argument means waves per execution unit,
+// left to the compiler until an AMD GPU can choose it.
 
 // c + the four products of the signed bytes of a and b, exact in int32 (CUDA's __dp4a).
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) {

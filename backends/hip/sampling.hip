@@ -10,7 +10,6 @@
 #include "common.h"
 #include "contract_math.h"
 
-#define RLP_SAMPLING_WEIGHT_BITS 36
 #define RLP_SAMPLING_MAX_THREADS 1024   // the prefix scan's shared array; every GPU's block limit
 #define RLP_SAMPLING_REFUSED (-1)       // the token of a row the contract refuses (the host raises)
 #define RLP_SAMPLING_STREAM_DRAW 0u
@@ -69,10 +68,9 @@ __device__ __forceinline__ float rlp_sampling_scaled(float z, double temperature
     return (temperature == 0.0 || temperature == 1.0) ? z : rlp_double2float_rn((double)z / temperature);
 }
 
-// w_v = RNE(exp_f32(RNE_f32(a_v - m)) * 2^36): the logprob contract's integer terms.
-__device__ __forceinline__ long long rlp_sampling_weight(float a, float m, double unit) {
-    const float p = rlp_exp_f32(a - m);
-    return rlp_double2ll_rn((double)p * unit);
+// w_v = RNE(exp_f32(RNE_f32(a_v - m)) * 2^36): the logprob contract's integer terms (contract_math).
+__device__ __forceinline__ long long rlp_sampling_weight(float a, float m) {
+    return rlp_logprob_sum_term(rlp_exp_f32(a - m));
 }
 
 // One block per row (grid-stride over rows), any block size up to 1024, no warp-width
@@ -105,7 +103,6 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
     __shared__ unsigned int has_nan;
     __shared__ unsigned int first_max;
     __shared__ long long prefix[RLP_SAMPLING_MAX_THREADS];
-    const double unit = rlp_pow2_f64(RLP_SAMPLING_WEIGHT_BITS);
     const int tid = (int)threadIdx.x;
     const int threads = (int)blockDim.x;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -166,7 +163,7 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
             const int begin = tid * chunk < vocab ? tid * chunk : vocab;
             const int end = begin + chunk < vocab ? begin + chunk : vocab;
             long long local = 0;
-            for (int i = begin; i < end; ++i) local += rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m, unit);
+            for (int i = begin; i < end; ++i) local += rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m);
             prefix[tid] = local;
             __syncthreads();
             for (int offset = 1; offset < threads; offset <<= 1) {
@@ -184,7 +181,7 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
                 long long k = exclusive;
                 int token = end - 1;
                 for (int i = begin; i < end; ++i) {
-                    const long long w = rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m, unit);
+                    const long long w = rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m);
                     if ((long long)target < k + w) { token = i; break; }
                     k += w;
                 }

@@ -79,15 +79,11 @@ def sample(backend, logits, temperature, top_k=None, top_p=None, min_p=None, *, 
     if backend.kernel_vendor is None:
         return reference.sample(backend.to_numpy(logits), temperature, seed=seeds, request=requests,
                                 sample_index=samples, position=positions)
-    tokens = backend.empty((rows,), np.int32)
-    if rows == 0:
-        return tokens
     temperature = np.ascontiguousarray(temperature, dtype=np.float64)
-    backend.launch("sampling", "sampling_rows", (min(rows, MAX_GRID),), (int(threads),),
-                   (logits, np.int64(rows), np.int32(vocab), backend.asarray(temperature), backend.asarray(seeds),
-                    backend.asarray(requests), backend.asarray(samples), backend.asarray(positions), tokens,
-                    np.int32(0), backend.empty((1,), np.float32)))
-    _refuse(backend, logits, np.asarray(backend.to_numpy(tokens)), temperature)
+    tokens = sample_on_device(backend, logits, *(backend.asarray(a) for a in (temperature, seeds, requests, samples,
+                                                                             positions)), threads=threads)
+    if rows:
+        _refuse(backend, logits, np.asarray(backend.to_numpy(tokens)), temperature)
     return tokens
 
 

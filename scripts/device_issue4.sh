@@ -5,6 +5,7 @@
 #           then the tile sweep against torch bf16 (bench gemm --sweep-tiles)
 #   attention: the split-KV decode kernels (CUDA and HIP sources) bitwise against the reference, then
 #           scripts/probe_attention.py (RLP_PROBE_BASELINE=<earlier attention.cu> adds a baseline)
+#   gemm_step: the gemm's checks (every tile, the stacked projections) and the golden digests, then step
 #   step:   one pass over what a decode step runs (quick): the sampling, split-attention and engine
 #           checks on both sources, the engine against the trainer at batch 64, bench decode, the profile
 #   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
@@ -27,7 +28,10 @@ if [[ $1 == decode || $1 == all ]]; then
     $cli bench decode --device cuda --json "$OUT/decode_h200.json" 2>&1 | tail -12
     python3 scripts/profile_decode.py > "$OUT/decode_profile_h200.json"; tail -c 1500 "$OUT/decode_profile_h200.json"
 fi
-if [[ $1 == step ]]; then
+if [[ $1 == gemm_step ]]; then
+    $cli conform --device cuda --only gemm,gemm.invariance,gemm.columns,golden --json "$OUT/conform_cuda_gemm_columns_h200.json" 2>&1 | tail -6
+fi
+if [[ $1 == step || $1 == gemm_step ]]; then
     $cli conform --device cuda --quick --only sampling,attention.split,engine,e2e.batch-64 --json "$OUT/conform_cuda_step_quick_h200.json" 2>&1 | tail -4
     $cli conform --device cuda --kernel-source hip --quick --only sampling,attention.split --json "$OUT/conform_cuda_hipsrc_step_quick_h200.json" 2>&1 | tail -3
     $cli bench decode --device cuda --json "$OUT/decode_h200.json" 2>&1 | tail -12

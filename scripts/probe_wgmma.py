@@ -21,7 +21,7 @@ from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_v
 LOAD = "if (ahead < kblocks) stage_in(ahead, ahead % STAGES);"
 FENCE = "rlp_fence_proxy_async();"
 BARRIER = "so the stage refilled below is free\n        __syncthreads();"
-KBLOCKS = "const int kblocks = (kp + RLP_WGMMA_KBLOCK - 1) / RLP_WGMMA_KBLOCK;"
+KBLOCKS = "const int kblocks = (split + 1) * kblocks_all / SPLITS - kb_first;"
 ROUND = "rlp_gemm_output_small(s, ea[row], ew[col + c], scale_offset)"
 
 
@@ -34,7 +34,7 @@ def _bare(s):  # no loads, no proxy fence, no barrier: the wgmma stream alone
 
 
 def _one_block(s):  # the first K block only: a block's fixed cost (prologue, epilogue)
-    return edit(_bare(s), KBLOCKS, "const int kblocks = 1;")
+    return edit(_bare(s), KBLOCKS, "const int kblocks = split == 0;")
 
 
 def _no_round(s):  # the epilogue's rounding replaced by a plain conversion
@@ -71,7 +71,7 @@ def main():
                 function = module.get_function(kernel)
                 cp.cuda.driver.funcSetAttribute(function.ptr, 8, shared)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 grid = (-(-m // 64), -(-n // bn))
-                args = (xd, wd, ea, ew, np.int32(m), np.int32(n), np.int32(k), np.int32(-34), y)
+                args = (xd, wd, ea, ew, np.int32(m), np.int32(n), np.int32(k), np.int32(-34), y, y, y, np.int32(n), np.int32(n))
                 for _ in range(3):
                     function(grid, (spec.threads,), args, shared_mem=shared)
                 us = mean_us(lambda: function(grid, (spec.threads,), args, shared_mem=shared))

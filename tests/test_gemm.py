@@ -172,7 +172,10 @@ def test_tile_choice_and_availability():
     from rlportable.ops import gemm_fused
 
     assert gemm_fused.pick_tile(256, 1024, wgmma=True) == "w64x32"  # few tiles: the narrow ones
+    assert gemm_fused.pick_tile(256, 1024, wgmma=True, k=2048) == "w64x64s2"  # ... unless K is long: split-K
     assert gemm_fused.pick_tile(256, 2048, wgmma=True) == "w64x64"
+    assert gemm_fused.pick_tile(256, 4096, wgmma=True) == "w64x128"  # q/k/v stacked: one wave of 64 x 128
+    assert gemm_fused.pick_tile(256, 6144, wgmma=True) == "w64x64"  # gate/up stacked: 1.5 waves of 64 x 128
     assert gemm_fused.pick_tile(256, 151936, wgmma=True) == "w64x128"  # the LM head: many tiles
     assert gemm_fused.pick_tile(4096, 1024, wgmma=True) == "w64x128"
     assert gemm_fused.pick_tile(64, 6144, wgmma=True) == "w64x64"  # wide outputs from 17 rows
@@ -188,6 +191,52 @@ def test_tile_choice_and_availability():
     encoded = fixedpoint_encode_ones(64)
     with pytest.raises(InputError, match="compute capability 9.0"):
         gemm_fused.launch_fused(_FakeCuda("80"), spec, encoded, _encoded_weight(8, 64), None, 0)
+
+
+class _RecordingCuda(_FakeCuda):
+    """A Hopper stand-in that records its launches."""
+
+    def __init__(self):
+        super().__init__("90")
+        self.launches = []
+
+    def launch(self, family, kernel, grid, block, args, shared_mem=0):
+        self.launches.append((kernel, grid, args))
+
+
+def test_wgmma_launch_splits_k_over_clusters_and_writes_column_ranges():
+    from rlportable.ops import gemm_fused
+
+    backend, encoded, weight = _RecordingCuda(), fixedpoint_encode_ones(64), _encoded_weight(100, 64)
+    outputs = [np.empty((4, 60), np.float32), np.empty((4, 24), np.float32), np.empty((4, 16), np.float32)]
+    gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x64s2"), encoded, weight, outputs, -34)
+    kernel, grid, args = backend.launches[0]
+    assert kernel == "gemm_wgmma_a3w2_64x64_split2"
+    assert grid == (2, 2)  # one row block x two splits (a cluster), two column blocks
+    assert args[8:11] == tuple(outputs) and (int(args[11]), int(args[12])) == (60, 84)
+    gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x32"), encoded, weight, [np.empty((4, 100), np.float32)],
+                            -34)
+    assert [int(c) for c in backend.launches[1][2][11:]] == [100, 100]  # one output: c1 = c2 = N
+    with pytest.raises(InputError, match="do not add up"):
+        gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x64"), encoded, weight, outputs[:2], -34)
+    with pytest.raises(InputError, match="writes one output"):
+        gemm_fused.launch_fused(backend, gemm_fused.tile_spec("t64x64"), encoded, weight, outputs, -34)
+
+
+def test_stacked_weight_parts_are_their_own_encodings_and_gemm_columns_their_gemms():
+    cpu = get_backend("cpu")
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal((n, 40)).astype(np.float32) for n in (7, 3, 5)]
+    stacked = gemm_op.encode_stacked_weight(cpu, parts)
+    assert (stacked.whole.n, stacked.whole.k) == (15, 40)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    for part, w, y in zip(stacked.parts, parts, gemm_op.gemm_columns(cpu, x, stacked)):
+        alone = gemm_op.encode_weight(cpu, w)
+        assert np.array_equal(part.encoded.digits, alone.encoded.digits)
+        assert np.array_equal(part.encoded.exponents, alone.encoded.exponents)
+        assert np.array_equal(y.view(np.uint32), gemm_op.gemm(cpu, x, alone).view(np.uint32))
+    with pytest.raises(InputError, match="must share K"):
+        gemm_op.encode_stacked_weight(cpu, [parts[0], np.ascontiguousarray(parts[1][:, :30])])
 
 
 def fixedpoint_encode_ones(k):

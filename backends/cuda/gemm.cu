@@ -450,11 +450,43 @@ __device__ __forceinline__ unsigned long long rlp_wgmma_descriptor(const signed 
 // Byte offset of 16-byte piece `piece` (0..7) of row `row` in a [rows][128] swizzled tile.
 __device__ __forceinline__ int rlp_swizzle128(int row, int piece) { return row * 128 + ((piece ^ (row & 7)) << 4); }
 
-template <int BN, int STAGES>
+#ifdef RLP_HAS_WGMMA
+// Thread-block clusters (split-K below): the generic address of the same shared-memory location
+// in block `rank` of this cluster, and a barrier over every thread of the cluster that also
+// orders shared-memory writes before it against the reads after it, cluster-wide.
+template <typename T>
+__device__ __forceinline__ const T* rlp_cluster_peer(const T* local, int rank) {
+    unsigned long long peer;
+    asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(peer) : "l"(local), "r"(rank));
+    return reinterpret_cast<const T*>(peer);
+}
+__device__ __forceinline__ void rlp_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+#endif
+
+// SPLITS > 1: split-K over a cluster of SPLITS blocks (the SPLITS consecutive x blocks of one
+// tile), block r multiplying K blocks [r kb / SPLITS, (r + 1) kb / SPLITS). Every block stores its
+// exact P_i partials in its own shared memory; after a cluster barrier each warpgroup of each block
+// rounds a share of the tile's elements, adding the SPLITS blocks' partials read through
+// distributed shared memory. Integer sums in any grouping are the same integer: the same bits.
+// Several projections of the same activations in one launch (q, k and v; gate and up: their
+// weights stacked into one), each written to its own array: output columns [0, c1) go to y0
+// ([m, c1]), [c1, c2) to y1 ([m, c2 - c1]), [c2, n) to y2 ([m, n - c2]). One output: c1 = c2 = n.
+// Returns where column col of row `row` goes, and the end of its segment.
+__device__ __forceinline__ float* rlp_column_output(float* y0, float* y1, float* y2, int c1, int c2, int n,
+                                                    int row, int col, int& segment_end) {
+    if (col < c1) { segment_end = c1; return y0 + (long long)row * c1 + col; }
+    if (col < c2) { segment_end = c2; return y1 + (long long)row * (c2 - c1) + (col - c1); }
+    segment_end = n;
+    return y2 + (long long)row * (n - c2) + (col - c2);
+}
+
+template <int BN, int STAGES, int SPLITS>
 __device__ __forceinline__ void rlp_gemm_wgmma(
     const signed char* __restrict__ xd, const signed char* __restrict__ wd,
     const int* __restrict__ ea, const int* __restrict__ ew, int m, int n, int kp, int scale_offset,
-    float* __restrict__ y) {
+    float* y0, float* y1, float* y2, int c1, int c2) {
 #ifdef RLP_HAS_WGMMA
     constexpr int THREADS = 128 * RLP_A_DIGITS, R = BN / 2;
     constexpr int A_TILE = RLP_WGMMA_ROWS * RLP_WGMMA_KBLOCK, W_TILE = BN * RLP_WGMMA_KBLOCK;
@@ -467,13 +499,16 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     signed char* slab = reinterpret_cast<signed char*>(rlp_wgmma_shared) + ((1024 - (base & 1023)) & 1023);
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;  // warpgroup wg multiplies activation digit wg
     // row blocks vary fastest, so the blocks that share a weight tile run together (L2 reuse)
-    const int m0 = blockIdx.x * RLP_WGMMA_ROWS, n0 = blockIdx.y * BN;
+    const int split = blockIdx.x % SPLITS;  // this block's rank in its cluster
+    const int m0 = blockIdx.x / SPLITS * RLP_WGMMA_ROWS, n0 = blockIdx.y * BN;
     const long long a_row_stride = (long long)RLP_A_DIGITS * kp, w_row_stride = (long long)RLP_W_DIGITS * kp;
-    const int kblocks = (kp + RLP_WGMMA_KBLOCK - 1) / RLP_WGMMA_KBLOCK;
+    const int kblocks_all = (kp + RLP_WGMMA_KBLOCK - 1) / RLP_WGMMA_KBLOCK;
+    const int kb_first = split * kblocks_all / SPLITS;
+    const int kblocks = (split + 1) * kblocks_all / SPLITS - kb_first;
 
     auto stage_in = [&](int kb, int stage) {
         signed char* s = slab + stage * STAGE;
-        const int k0 = kb * RLP_WGMMA_KBLOCK;
+        const int k0 = (kb_first + kb) * RLP_WGMMA_KBLOCK;
 #pragma unroll 1
         for (int v = threadIdx.x; v < RLP_A_DIGITS * RLP_WGMMA_ROWS * 8; v += THREADS) {
             const int digit = v / (RLP_WGMMA_ROWS * 8), row = (v / 8) % RLP_WGMMA_ROWS, piece = v % 8;
@@ -539,11 +574,15 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 #pragma unroll
     for (int r = 0; r < R; ++r)
         partial[(wg * R + r) * 128 + tid] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
-    __syncthreads();
+    if constexpr (SPLITS == 1) __syncthreads();
+    else rlp_cluster_sync();
+    const long long* parts[SPLITS];
+#pragma unroll
+    for (int b = 0; b < SPLITS; ++b) parts[b] = SPLITS == 1 ? partial : rlp_cluster_peer(partial, b);
     const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
 #pragma unroll
     for (int pair = 0; pair < R / 2; ++pair) {
-        if (pair % RLP_A_DIGITS != wg) continue;
+        if (pair % (RLP_A_DIGITS * SPLITS) != split * RLP_A_DIGITS + wg) continue;
         // registers 2 pair, 2 pair + 1 of thread (warp, g, q): one row, two adjacent columns
         const int row = m0 + 16 * warp + g + 8 * (pair % 2), col = n0 + 8 * (pair / 2) + 2 * q;
         if (row >= m) continue;
@@ -551,29 +590,45 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int i = (2 * pair + c) * 128 + tid;
-            const long long s = partial[i] + 256LL * (partial[R * 128 + i] + 256LL * partial[2 * R * 128 + i]);
+            long long s = 0;
+#pragma unroll
+            for (int b = 0; b < SPLITS; ++b)
+                s += parts[b][i] + 256LL * (parts[b][R * 128 + i] + 256LL * parts[b][2 * R * 128 + i]);
             out[c] = col + c < n ? rlp_gemm_output_small(s, ea[row], ew[col + c], scale_offset) : 0.0f;
         }
-        float* dst = y + (long long)row * n + col;
-        if (col + 1 < n && (n % 2) == 0) {
+        // col is even: with every segment's width even, both columns share a segment and the
+        // pair is 8-byte aligned
+        int end;
+        float* dst = rlp_column_output(y0, y1, y2, c1, c2, n, row, col, end);
+        if (col + 1 < end && ((c1 | c2 | n) & 1) == 0) {
             *reinterpret_cast<float2*>(dst) = make_float2(out[0], out[1]);
         } else {
-            if (col < n) dst[0] = out[0];
-            if (col + 1 < n) dst[1] = out[1];
+            if (col < n) *dst = out[0];
+            if (col + 1 < n) *rlp_column_output(y0, y1, y2, c1, c2, n, row, col + 1, end) = out[1];
         }
     }
+    if constexpr (SPLITS > 1) rlp_cluster_sync();  // no block leaves while its partials are read
 #else
     __trap();  // not an sm_90a build: ops/gemm_fused.py picks these kernels only on compute capability 9.0
 #endif
 }
 
-#define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES)                                                                 \
-    extern "C" __global__ void __launch_bounds__(128 * RLP_A_DIGITS, (BN) <= 32 ? 2 : 1) NAME(             \
-        const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
-        const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
-        rlp_gemm_wgmma<BN, STAGES>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                              \
+#ifdef RLP_HAS_WGMMA
+#define RLP_CLUSTER_DIMS(SPLITS) __cluster_dims__(SPLITS, 1, 1)
+#else
+#define RLP_CLUSTER_DIMS(SPLITS)
+#endif
+// Two blocks per multiprocessor for 64 x 32 tiles (their stages take under half the shared memory)
+#define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES, SPLITS)                                                       \
+    extern "C" __global__ void RLP_CLUSTER_DIMS(SPLITS) __launch_bounds__(128 * RLP_A_DIGITS, (BN) <= 32 ? 2 : 1) \
+        NAME(const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea,   \
+             const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* y0, float* y1, float* y2, \
+             int c1, int c2) {                                                                                     \
+        rlp_gemm_wgmma<BN, STAGES, SPLITS>(xd, wd, ea, ew, m, n, kp, scale_offset, y0, y1, y2, c1, c2);           \
     }
 
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3, 1)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4, 1)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4, 1)
+// split-K over clusters of two: for the few tiles of a long K at decode sizes (o and down at M = 256)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_split2, 64, 4, 2)

@@ -90,6 +90,25 @@ def check_gemm_invariance(backend: Backend, rng, quick: bool) -> Tally:
     return tally
 
 
+def check_gemm_columns(backend: Backend, rng, quick: bool) -> Tally:
+    """Stacked weights (q, k and v; gate and up): each output of gemm_columns against its own
+    reference gemm, for every wgmma tile this device has (one launch writes all the outputs, odd
+    widths included) and for the automatic choice."""
+    tally = Tally()
+    tiles = [None] + [tile for tile in available_tiles(backend) if tile.startswith("w")]
+    shapes = [(37, 300, (40, 24, 24)), (37, 300, (33, 31, 65))] if quick else \
+        [(256, 1024, (256, 128, 128)), (130, 2048, (33, 31, 65)), (256, 3072, (96, 32)), (9, 64, (5, 6, 7))]
+    for m, k, widths in shapes:
+        x = random_rows(rng, m, k, "massive")
+        parts = [random_rows(rng, n, k, "normal") for n in widths]
+        stacked = gemm_op.encode_stacked_weight(backend, [backend.asarray(w) for w in parts])
+        expected = [exact.gemm(x, w, gemm_op.DEFAULT_BITS_A, gemm_op.DEFAULT_BITS_W) for w in parts]
+        for tile in tiles:
+            for y, want in zip(gemm_op.gemm_columns(backend, backend.asarray(x), stacked, tile=tile), expected):
+                tally.add(backend.to_numpy(y), want)
+    return tally
+
+
 def check_rowsum(backend: Backend, rng, quick: bool) -> Tally:
     tally = Tally()
     for m, k, _ in _shapes(quick):
@@ -153,6 +172,7 @@ PRIMITIVE_CHECKS: list[tuple[str, Callable]] = [
     ("gemm", check_gemm),
     ("gemm.other_bits", check_gemm_other_bits),
     ("gemm.invariance", check_gemm_invariance),
+    ("gemm.columns", check_gemm_columns),
     ("rowsum", check_rowsum),
     ("residual", check_residual),
     ("elementwise.exp_f32", _check_elementwise("exp")),

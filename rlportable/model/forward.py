@@ -29,10 +29,11 @@ from rlportable.runtime.collectives import Group, SingleGroup
 
 @dataclass
 class DeviceLayer:
+    """A layer's encoded projections: q, k and v stacked into one encoding, gate and up into
+    another (ops/gemm.py StackedWeight: one launch each where the wgmma gemm runs)."""
+
     attn_norm: object
-    q: gemm.GemmWeight
-    k: gemm.GemmWeight
-    v: gemm.GemmWeight
+    qkv: gemm.StackedWeight
     o: gemm.GemmWeight
     q_bias: object | None
     k_bias: object | None
@@ -40,9 +41,28 @@ class DeviceLayer:
     q_norm: object | None
     k_norm: object | None
     mlp_norm: object
-    gate: gemm.GemmWeight
-    up: gemm.GemmWeight
+    gate_up: gemm.StackedWeight
     down: gemm.GemmWeight
+
+    @property
+    def q(self) -> gemm.GemmWeight:
+        return self.qkv.parts[0]
+
+    @property
+    def k(self) -> gemm.GemmWeight:
+        return self.qkv.parts[1]
+
+    @property
+    def v(self) -> gemm.GemmWeight:
+        return self.qkv.parts[2]
+
+    @property
+    def gate(self) -> gemm.GemmWeight:
+        return self.gate_up.parts[0]
+
+    @property
+    def up(self) -> gemm.GemmWeight:
+        return self.gate_up.parts[1]
 
 
 class StepInputs(NamedTuple):
@@ -101,17 +121,22 @@ class Model:
         """Encode w's projections (host or device arrays); norms and biases come from `small` (device)."""
         backend = self.backend
 
-        def encode(array, row_parallel: bool = False):
-            array = backend.asarray(array) if isinstance(array, np.ndarray) else array
-            if row_parallel and self.tp.size > 1:
-                return parallel.encode_row_parallel_weight(backend, self.group, array)
-            return gemm.encode_weight(backend, array)
+        def device(array):
+            return backend.asarray(array) if isinstance(array, np.ndarray) else array
+
+        def encode_row_parallel(array):
+            if self.tp.size > 1:
+                return parallel.encode_row_parallel_weight(backend, self.group, device(array))
+            return gemm.encode_weight(backend, device(array))
+
+        def stack(*arrays):
+            return gemm.encode_stacked_weight(backend, [device(array) for array in arrays])
 
         return DeviceLayer(
-            attn_norm=small.attn_norm, q=encode(w.q), k=encode(w.k), v=encode(w.v), o=encode(w.o, row_parallel=True),
+            attn_norm=small.attn_norm, qkv=stack(w.q, w.k, w.v), o=encode_row_parallel(w.o),
             q_bias=small.q_bias, k_bias=small.k_bias, v_bias=small.v_bias,
             q_norm=small.q_norm, k_norm=small.k_norm, mlp_norm=small.mlp_norm,
-            gate=encode(w.gate), up=encode(w.up), down=encode(w.down, row_parallel=True),
+            gate_up=stack(w.gate, w.up), down=encode_row_parallel(w.down),
         )
 
     def reencode(self) -> None:
@@ -216,15 +241,13 @@ class Model:
         logits = gemm.gemm(self.backend, hidden_rows, self.lm_head)
         return logits if self.tp.size == 1 else parallel.whole_logits(self.backend, self.group, logits)
 
-    def _projection(self, h, weight, bias, encoded=None):
-        y = gemm.gemm(self.backend, h, weight, encoded=encoded)
-        return y if bias is None else residual.add_bias(self.backend, y, bias)
-
-    def _shared_encoding(self, h):
-        """h encoded once for the several projections that read it (devices; the reference quantizes itself)."""
-        if self.backend.kernel_vendor is None:
-            return None
-        return fixedpoint.encode_rows(self.backend, h, gemm.DEFAULT_BITS_A)
+    def _projections(self, h, stacked: gemm.StackedWeight, biases) -> list:
+        """h @ W_i.T (+ bias_i) for the parts of a stacked weight; h is encoded once for all of them
+        (devices; the reference quantizes itself)."""
+        encoded = None if self.backend.kernel_vendor is None else fixedpoint.encode_rows(self.backend, h,
+                                                                                          gemm.DEFAULT_BITS_A)
+        outputs = gemm.gemm_columns(self.backend, h, stacked, encoded=encoded)
+        return [y if bias is None else residual.add_bias(self.backend, y, bias) for y, bias in zip(outputs, biases)]
 
     def _heads(self, flat, heads: int, head_norm):
         cfg = self.shape
@@ -239,10 +262,8 @@ class Model:
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
         h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
-        h1_rows = self._shared_encoding(h1)
-        q_lin = self._projection(h1, layer.q, layer.q_bias, h1_rows)
-        k_lin = self._projection(h1, layer.k, layer.k_bias, h1_rows)
-        v = self._projection(h1, layer.v, layer.v_bias, h1_rows).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        q_lin, k_lin, v = self._projections(h1, layer.qkv, (layer.q_bias, layer.k_bias, layer.v_bias))
+        v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         device_positions, host_positions = positions
         q = rope.apply(backend, self._heads(q_lin, cfg.num_attention_heads, layer.q_norm), device_positions, cos, sin,
                        host_positions)
@@ -251,8 +272,7 @@ class Model:
         a = attend(q, k, v)
         x2 = residual.add(backend, x, self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
         h2 = norm.rmsnorm(backend, x2, layer.mlp_norm, cfg.rms_norm_eps)
-        h2_rows = self._shared_encoding(h2)
-        gate, up = gemm.gemm(backend, h2, layer.gate, encoded=h2_rows), gemm.gemm(backend, h2, layer.up, encoded=h2_rows)
+        gate, up = self._projections(h2, layer.gate_up, (None, None))
         mlp = activation.swiglu(backend, gate, up)
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)

@@ -115,11 +115,30 @@ def encode_rows(backend: Backend, x, bits: int, descending: bool = False, expone
             )
         return EncodedRows(digits, exponents, bits, k, descending)
     exponents = backend.empty((rows,), np.int32)
-    if rows:
-        grid = (min(rows, 65535),)
-        backend.launch(
-            "fixedpoint", "fixedpoint_encode_rows", grid, (ENCODE_THREADS,),
-            (x, np.int64(rows), np.int32(k), np.int32(digits.shape[2]), np.int32(bits),
-             np.int32(slices), np.int32(int(descending)), digits, exponents),
-        )
+    _launch_encode(backend, x, bits, descending, digits, exponents)
     return EncodedRows(digits, exponents, bits, k, descending)
+
+
+def encode_rows_into(backend: Backend, x, bits: int, descending: bool, digits, exponents) -> None:
+    """encode_rows with each row's own exponent, written into given device arrays: digits int8
+    [rows, slices, round_up(k, K_ALIGN)] and exponents int32 [rows] (e.g. row ranges of a larger
+    encoding: ops/gemm.py encode_stacked_weight)."""
+    rows, k = require_matrix("x", x)
+    bits = require_bits("bits", bits)
+    if backend.kernel_vendor is None:
+        raise InputError("encode_rows_into writes device arrays; on cpu use encode_rows")
+    expected = ((rows, fp.slice_count(bits), round_up(k, K_ALIGN)), (rows,))
+    if (shape_of(digits), shape_of(exponents)) != expected:
+        raise InputError(f"encode_rows_into: digits and exponents must be {list(expected[0])} and {list(expected[1])}, "
+                         f"got {list(shape_of(digits))} and {list(shape_of(exponents))}")
+    _launch_encode(backend, x, bits, descending, digits, exponents)
+
+
+def _launch_encode(backend: Backend, x, bits: int, descending: bool, digits, exponents) -> None:
+    rows, k = shape_of(x)
+    if rows:
+        backend.launch(
+            "fixedpoint", "fixedpoint_encode_rows", (min(rows, 65535),), (ENCODE_THREADS,),
+            (x, np.int64(rows), np.int32(k), np.int32(digits.shape[2]), np.int32(bits),
+             np.int32(fp.slice_count(bits)), np.int32(int(descending)), digits, exponents),
+        )

@@ -28,8 +28,8 @@ import numpy as np
 
 from rlportable.contract import exact, fixedpoint as fp
 from rlportable.errors import InputError
-from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
-from rlportable.ops.fixedpoint import EncodedRows, encode_rows, joined_integers
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, round_up, shape_of
+from rlportable.ops.fixedpoint import K_ALIGN, EncodedRows, encode_rows, encode_rows_into, joined_integers
 from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
 from rlportable.runtime.base import Backend
 
@@ -97,11 +97,66 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
         encoded = encode_rows(backend, x, bits_a)
     y = backend.empty((m, weight.n), np.float32)
     if method == "fused":
-        spec = tile_spec(tile or pick_tile(m, weight.n, has_wgmma(backend)))
-        launch_fused(backend, spec, encoded, weight, y, _scale_offset(bits_a, weight.bits))
+        spec = tile_spec(tile or pick_tile(m, weight.n, has_wgmma(backend), k))
+        launch_fused(backend, spec, encoded, weight, [y], _scale_offset(bits_a, weight.bits))
     else:
         _gemm_blas(backend, encoded, weight, y)
     return y
+
+
+def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: EncodedRows | None = None,
+                 tile: str | None = None) -> list:
+    """[X @ W_0.T, X @ W_1.T, ...] for the parts of a stacked weight, each its own [M, N_i] array:
+    the projections of the same activations (q, k and v; gate and up). Where the wgmma gemm runs,
+    one launch writes all of them; elsewhere one gemm per part. The columns of the exact gemm are
+    independent, so every part has the bits of its own gemm. `tile` forces a wgmma tile."""
+    m, k = require_matrix("x", x)
+    check_gemm_shapes((m, k), stacked.whole, DEFAULT_BITS_A)
+    joint = (backend.kernel_vendor is not None and m and k and
+             resolve_method(backend, m, DEFAULT_BITS_A, stacked.whole, "auto") == "fused")
+    spec = tile_spec(tile or pick_tile(m, stacked.whole.n, has_wgmma(backend), k)) if joint else None
+    if spec is None or spec.kind != "wgmma":
+        return [gemm(backend, x, part, encoded=encoded) for part in stacked.parts]
+    if encoded is None:
+        encoded = encode_rows(backend, x, DEFAULT_BITS_A)
+    elif (encoded.bits, encoded.rows, encoded.k) != (DEFAULT_BITS_A, m, k):
+        raise InputError(f"gemm_columns: the shared encoding is {encoded.rows}x{encoded.k} at {encoded.bits} bits; "
+                         f"x is {m}x{k} at {DEFAULT_BITS_A} bits")
+    outputs = [backend.empty((m, part.n), np.float32) for part in stacked.parts]
+    launch_fused(backend, spec, encoded, stacked.whole, outputs, _scale_offset(DEFAULT_BITS_A, stacked.whole.bits))
+    return outputs
+
+
+@dataclass
+class StackedWeight:
+    """Weights of the same K stacked by rows, [W_0; W_1; ...], encoded once (`whole`), and each part
+    as a view of that encoding (`parts`): encoding is row by row, so a part's view holds the bits of
+    its own encode_weight."""
+
+    whole: GemmWeight
+    parts: list[GemmWeight]
+
+
+def encode_stacked_weight(backend: Backend, weights: list, bits: int = DEFAULT_BITS_W) -> StackedWeight:
+    """Encode W_0, W_1, ... ([N_i, K] each) into one stacked encoding."""
+    shapes = [require_matrix(f"weights[{i}]", w) for i, w in enumerate(weights)]
+    if not shapes or len({k for _, k in shapes}) != 1:
+        raise InputError(f"encode_stacked_weight: the weights must share K; their shapes are {shapes}")
+    k = shapes[0][1]
+    starts = np.cumsum([0] + [rows for rows, _ in shapes])
+    if backend.kernel_vendor is None:
+        encoded = [encode_rows(backend, w, bits, descending=True) for w in weights]
+        digits = np.concatenate([part.digits for part in encoded])
+        exponents = np.concatenate([part.exponents for part in encoded])
+    else:
+        digits = backend.empty((int(starts[-1]), fp.slice_count(bits), round_up(k, K_ALIGN)), np.int8)
+        exponents = backend.empty((int(starts[-1]),), np.int32)
+        for start, stop, w in zip(starts[:-1], starts[1:], weights):
+            encode_rows_into(backend, w, bits, True, digits[start:stop], exponents[start:stop])
+    whole = GemmWeight(EncodedRows(digits, exponents, bits, k, True), int(starts[-1]), k)
+    parts = [GemmWeight(EncodedRows(digits[start:stop], exponents[start:stop], bits, k, True), int(stop - start), k)
+             for start, stop in zip(starts[:-1], starts[1:])]
+    return StackedWeight(whole, parts)
 
 
 def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarray:

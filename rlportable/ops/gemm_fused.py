@@ -35,6 +35,8 @@ class Tile:
     cols: int
     threads: int
     shared_bytes: int = 0
+    #: split-K: the blocks of one tile (a thread-block cluster, wgmma only), each over a share of K
+    splits: int = 1
 
 
 def _direct(rows, cols, warps):
@@ -54,16 +56,23 @@ WGMMA_STAGES = {32: 3, 64: 4, 128: 4}
 WGMMA_CAPABILITIES = ("90",)
 #: 64 x 128 tiles from this many on (two waves of the H200's 132 multiprocessors)
 WGMMA_WIDE_FROM_TILES = 264
+#: ... and while they fill one wave from this many (bench/results/wgmma_configs_h200.json, M = 256: N = 3072
+#: and 4096, 96 and 128 tiles, are faster in 64 x 128; N = 2048 (64) and 6144 (192) in 64 x 64)
+WGMMA_ONE_WAVE = (96, 132)
 #: 64 x 32 tiles below this many 64 x 64 ones (bench/results/gemm_sweep_wgmma_small_m_h200.json: M = 256,
 #: N = 1024 is faster in 64 x 32, N = 2048 and M = 64, N = 6144 in 64 x 64)
 WGMMA_NARROW_BELOW_TILES = 96
+#: ... unless K is this long: then 64 x 64 tiles split in two along K (wgmma_configs_h200.json, M = 256,
+#: N = 1024: K = 2048 16 against 21 us, K = 3072 21 against 29; K = 1024 about even)
+WGMMA_SPLIT_FROM_K = 2048
 
 
-def _wgmma(cols):
+def _wgmma(cols, splits=1):
     stage = (A_DIGITS * WGMMA_ROWS + W_DIGITS * cols) * WGMMA_KBLOCK
+    suffix = f"_split{splits}" if splits > 1 else ""
     # + 1024: the kernel aligns its stages to the 128-byte swizzle's 1024-byte atoms
-    return Tile("wgmma", f"gemm_wgmma_a3w2_{WGMMA_ROWS}x{cols}", WGMMA_ROWS, cols, 128 * A_DIGITS,
-                WGMMA_STAGES[cols] * stage + 1024)
+    return Tile("wgmma", f"gemm_wgmma_a3w2_{WGMMA_ROWS}x{cols}{suffix}", WGMMA_ROWS, cols, 128 * A_DIGITS,
+                WGMMA_STAGES[cols] * stage + 1024, splits)
 
 
 FUSED_TILES = {
@@ -76,7 +85,10 @@ FUSED_TILES = {
     "w64x32": _wgmma(32),
     "w64x64": _wgmma(64),
     "w64x128": _wgmma(128),
+    "w64x64s2": _wgmma(64, splits=2),
 }
+#: most outputs one wgmma launch writes (q, k and v)
+WGMMA_OUTPUTS = 3
 
 #: N at and above which a GEMM is an LM head: many columns, memory-bound on the weight
 LARGE_N = 65536
@@ -91,18 +103,22 @@ def available_tiles(backend) -> list[str]:
     return [name for name, spec in FUSED_TILES.items() if spec.kind != "wgmma" or has_wgmma(backend)]
 
 
-def pick_tile(m: int, n: int, wgmma: bool = False) -> str:
-    """Fastest tile per shape in bench/results/gemm_sweep*_h200.json (H200, 2026-11-30).
+def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
+    """Fastest tile per shape in bench/results/gemm_sweep*_h200.json and wgmma_configs_h200.json
+    (H200, 2026-11-30).
 
     wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17.
     The widest tile that still spreads over the multiprocessors: 64 x 32 while 64 x 64 tiles would
-    leave most of them idle, 64 x 128 once there are two waves of those. The sweeps measured M = 64,
-    256, 4096 and 16384 only: the row bounds between them (17, 65) are interpolated, not measured."""
+    leave most of them idle (64 x 64 split along K for a long K), 64 x 128 when those fill one wave
+    or from two waves on. The sweeps measured M = 64, 256, 4096 and 16384 only: the row bounds
+    between them (17, 65) are interpolated, not measured."""
     if wgmma and (m > 64 or (m > 16 and n >= 4096)):
         row_blocks = -(-m // WGMMA_ROWS)
         if row_blocks * -(-n // 64) < WGMMA_NARROW_BELOW_TILES:
-            return "w64x32"
-        return "w64x64" if row_blocks * -(-n // 128) < WGMMA_WIDE_FROM_TILES else "w64x128"
+            return "w64x64s2" if k >= WGMMA_SPLIT_FROM_K else "w64x32"
+        wide_tiles = row_blocks * -(-n // 128)
+        one_wave = WGMMA_ONE_WAVE[0] <= wide_tiles <= WGMMA_ONE_WAVE[1]
+        return "w64x128" if one_wave or wide_tiles >= WGMMA_WIDE_FROM_TILES else "w64x64"
     if m <= 16:
         return "16x32k4" if n >= 4096 else "16x16k8"
     if m <= 64 and n <= 1024:
@@ -121,20 +137,36 @@ def tile_spec(name: str) -> Tile:
     return FUSED_TILES[name]
 
 
-def launch_fused(backend, spec: Tile, a: EncodedRows, weight, y, scale_offset: int) -> None:
+def launch_fused(backend, spec: Tile, a: EncodedRows, weight, outputs: list, scale_offset: int) -> None:
+    """One launch of Y = X @ W.T into `outputs`: one [M, N] array, or (wgmma tiles only) up to
+    WGMMA_OUTPUTS arrays [M, N_i] that take consecutive column ranges of Y (sum N_i = N)."""
     grid = (-(-weight.n // spec.cols), -(-a.rows // spec.rows))
+    w = weight.encoded
+    operands = (a.digits, w.digits, a.exponents, w.exponents,
+                np.int32(a.rows), np.int32(weight.n), np.int32(a.k_padded), np.int32(scale_offset))
     if spec.kind == "wgmma":
         if not has_wgmma(backend):
             raise InputError(f"gemm: tile {spec.kernel} needs compute capability 9.0 (wgmma); "
                              f"this device is {backend.label}")
-        grid = grid[::-1]  # row blocks fastest: the blocks sharing a weight tile run together
-    w = weight.encoded
-    backend.launch(
-        "gemm", spec.kernel, grid, (spec.threads,),
-        (a.digits, w.digits, a.exponents, w.exponents,
-         np.int32(a.rows), np.int32(weight.n), np.int32(a.k_padded), np.int32(scale_offset), y),
-        shared_mem=spec.shared_bytes,
-    )
+        grid = (grid[1] * spec.splits, grid[0])  # row blocks fastest: the blocks sharing a weight tile run together
+        operands += _column_outputs(outputs, weight.n)
+    elif len(outputs) != 1:
+        raise InputError(f"gemm: tile {spec.kernel} writes one output; {len(outputs)} were given")
+    else:
+        operands += (outputs[0],)
+    backend.launch("gemm", spec.kernel, grid, (spec.threads,), operands, shared_mem=spec.shared_bytes)
+
+
+def _column_outputs(outputs: list, n: int) -> tuple:
+    """(y0, y1, y2, c1, c2) of the wgmma kernels: output i takes the columns [c_i, c_(i+1))."""
+    if not 1 <= len(outputs) <= WGMMA_OUTPUTS:
+        raise InputError(f"gemm: the wgmma kernels write 1 to {WGMMA_OUTPUTS} outputs; {len(outputs)} were given")
+    ends = np.cumsum([int(y.shape[1]) for y in outputs])
+    if ends[-1] != n:
+        raise InputError(f"gemm: the outputs' widths {[int(y.shape[1]) for y in outputs]} do not add up to N={n}")
+    ys = list(outputs) + [outputs[-1]] * (WGMMA_OUTPUTS - len(outputs))
+    cuts = list(ends[:-1]) + [n] * (WGMMA_OUTPUTS - len(outputs))
+    return (*ys, *(np.int32(c) for c in cuts))
 
 
 assert (fp.slice_count(23), fp.slice_count(15)) == (A_DIGITS, W_DIGITS)

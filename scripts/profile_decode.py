@@ -104,6 +104,7 @@ def timed(kind_of, function):
 weight_names = {id(getattr(layer, name)): name for layer in model.layers
                 for name in ("q", "k", "v", "o", "gate", "up", "down")}
 weight_names[id(model.lm_head)] = "lm_head"
+weight_names.update({id(getattr(layer, name)): name for layer in model.layers for name in ("qkv", "gate_up")})
 
 
 def gemm_kind(args):
@@ -113,6 +114,7 @@ def gemm_kind(args):
 
 PATCHES = [
     (gemm, "gemm", gemm_kind),
+    (gemm, "gemm_columns", gemm_kind),  # the stacked projections (q/k/v, gate/up): one launch each
     (gemm, "encode_rows", lambda a: "gemm.encode_activations"),  # the name gemm imported from ops.fixedpoint
     (gemm_fused, "launch_fused", lambda a: "gemm.fused_kernel"),
     (attention, "write_kv", lambda a: "attention.write_kv"),

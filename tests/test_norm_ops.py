@@ -331,3 +331,25 @@ def test_backward_shape_limits():
     with pytest.raises(InputError, match="heads_backward: dy must have x's shape"):
         norm.rmsnorm_heads_backward(CPU, np.ones((2, 3, 4), np.float32), np.ones(4, np.float32), 1e-6,
                                     np.ones((2, 3, 5), np.float32))
+
+
+def test_rmsnorm_heads_rope_is_the_norm_then_the_rotation():
+    from rlportable.ops import rope
+
+    cpu = get_backend("cpu")
+    rng = np.random.default_rng(11)
+    tokens, hq, hk, d = 5, 4, 2, 16
+    q = rng.standard_normal((tokens, hq, d)).astype(np.float32)
+    k = rng.standard_normal((tokens, hk, d)).astype(np.float32)
+    q[1, 2, 3] = np.inf  # a non-finite head row: the canonical NaN through both steps
+    wq, wk = (rng.standard_normal(d).astype(np.float32) for _ in range(2))
+    cos, sin = rope.tables(cpu, 32, d, 10000.0)
+    positions = rng.integers(0, 32, tokens).astype(np.int32)
+    got = norm.rmsnorm_heads_rope(cpu, q, k, wq, wk, 1e-6, positions, cos, sin)
+    for x, w, y in zip((q, k), (wq, wk), got):
+        want = rope.apply(cpu, norm.rmsnorm_heads(cpu, x, w, 1e-6), positions, cos, sin)
+        assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(InputError, match="rmsnorm_heads_rope: cos must be float32"):  # k's head_dim is not q's
+        norm.rmsnorm_heads_rope(cpu, q, np.ascontiguousarray(k[:, :, :8]), wq, wk, 1e-6, positions, cos, sin)
+    with pytest.raises(InputError, match="k_weight must be float32"):
+        norm.rmsnorm_heads_rope(cpu, q, k, wq, wk[:8], 1e-6, positions, cos, sin)

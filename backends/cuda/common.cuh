@@ -18,6 +18,16 @@ __device__ __forceinline__ double rlp_pow2_f64(int s) {
 // gives its own, so that code shared word for word by both vendors' headers can call it.
 __device__ __forceinline__ long long rlp_double2ll_rn(double x) { return __double2ll_rn(x); }
 
+// rope.apply's rotation of one pair (contracts/rope.toml): the products exact in float64 (24 x 24
+// bits), each sum rounded once in float64, then to float32; NaN results are the canonical NaN. Shared
+// by the rope family and norm's fused QK-norm + RoPE, so both rotate one way.
+__device__ __forceinline__ void rlp_rope_pair(double first, double second, double c, double s, float* lo, float* hi) {
+    const float a = __double2float_rn(first * c - second * s);
+    const float b = __double2float_rn(second * c + first * s);
+    *lo = (a != a) ? rlp_canonical_nan() : a;
+    *hi = (b != b) ? rlp_canonical_nan() : b;
+}
+
 // fixedpoint.round_to_odd_f64: int64 -> float64, inexact values take the odd neighbour.
 // |s| < 2^62, so the nearest double converts back to int64 without overflow.
 __device__ __forceinline__ double rlp_round_to_odd_f64(long long s) {

@@ -46,6 +46,16 @@ __device__ __forceinline__ float rlp_double2float_rn(double x) { return (float)x
 // rint rounds to an integral double exactly (ties to even), the cast is then exact.
 __device__ __forceinline__ long long rlp_double2ll_rn(double x) { return (long long)rint(x); }
 
+// rope.apply's rotation of one pair (contracts/rope.toml): the products exact in float64 (24 x 24
+// bits), each sum rounded once in float64, then to float32; NaN results are the canonical NaN. Shared
+// by the rope family and norm's fused QK-norm + RoPE, so both rotate one way.
+__device__ __forceinline__ void rlp_rope_pair(double first, double second, double c, double s, float* lo, float* hi) {
+    const float a = rlp_double2float_rn(first * c - second * s);
+    const float b = rlp_double2float_rn(second * c + first * s);
+    *lo = (a != a) ? rlp_canonical_nan() : a;
+    *hi = (b != b) ? rlp_canonical_nan() : b;
+}
+
 // Unsigned max without relying on an overload set that differs between vendors.
 __device__ __forceinline__ unsigned int rlp_max_u32(unsigned int a, unsigned int b) { return a > b ? a : b; }
 

@@ -22,35 +22,70 @@
 //   y_i  = RNE_f32((double(x_i) * r) * double(w_i))
 // sqrt of a double is IEEE (correctly rounded): OCML's sqrt_f64 on AMD (HIP's math API: 0 ulp),
 // CUDA's under the prelude. NaN results are the canonical NaN.
+// One row yr = RMSNorm(xr) by the whole block (every thread calls; largest and total are the block's
+// shared scratch). yr may be shared memory: norm_rmsnorm_heads_rope rotates the row from there.
+__device__ __forceinline__ void rlp_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ w, int h,
+                                                double eps, float* __restrict__ yr, unsigned int* largest,
+                                                unsigned long long* total) {
+    if (threadIdx.x == 0) { *largest = 0u; *total = 0ull; }
+    __syncthreads();
+    const int e = rlp_block_row_exponent(xr, h, largest);
+    if (e == RLP_NONFINITE_EXPONENT) {
+        for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = rlp_canonical_nan();
+    } else {
+        long long local_sum = 0;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            long long q = rlp_quantize(xr[i], RLP_NORM_BITS, e);
+            local_sum += q * q;  // < 2^44 each; the row's sum < 2^62 for H <= 2^18
+        }
+        rlp_block_sum_i64(total, local_sum);
+        __syncthreads();
+        const double ss = rlp_ll2double_rn((long long)*total);
+        const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
+        const double r = 1.0 / sqrt(mean + eps);
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            float v = rlp_double2float_rn(((double)xr[i] * r) * (double)w[i]);
+            yr[i] = (v != v) ? rlp_canonical_nan() : v;
+        }
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float* __restrict__ w, long long rows,
                                         int h, double eps, float* __restrict__ y) {
     __shared__ unsigned int largest;
     __shared__ unsigned long long total;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
+        rlp_rmsnorm_row(x + row * (long long)h, w, h, eps, y + row * (long long)h, &largest, &total);
+}
+
+// Qwen3's QK-norm then RoPE, for q and k in one launch (contracts/norm.toml rmsnorm_heads_rope): the
+// rows are the tokens' q heads, then their k heads, one block per row (grid-stride). Each row is
+// normalised as norm_rmsnorm does (rlp_rmsnorm_row, into shared memory) and rotated as rope_apply
+// does (rlp_rope_pair): bitwise rope_apply(norm_rmsnorm(row)), one launch instead of four.
+// q, q_out: [tokens, hq, d]; k, k_out: [tokens, hk, d]; positions [tokens]; tables [P, d / 2].
+extern "C" __global__ void norm_rmsnorm_heads_rope(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ wq,
+    const float* __restrict__ wk, long long tokens, int hq, int hk, int d, double eps,
+    const int* __restrict__ positions, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+    float* __restrict__ q_out, float* __restrict__ k_out) {
+    extern __shared__ float rlp_norm_row[];  // [d]: the normalised row
+    __shared__ unsigned int largest;
+    __shared__ unsigned long long total;
+    const long long q_rows = tokens * hq, rows = q_rows + tokens * hk;
+    const int half = d / 2;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const float* xr = x + row * (long long)h;
-        float* yr = y + row * (long long)h;
-        if (threadIdx.x == 0) { largest = 0u; total = 0ull; }
-        __syncthreads();
-        const int e = rlp_block_row_exponent(xr, h, &largest);
-        if (e == RLP_NONFINITE_EXPONENT) {
-            for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = rlp_canonical_nan();
-        } else {
-            long long local_sum = 0;
-            for (int i = threadIdx.x; i < h; i += blockDim.x) {
-                long long q = rlp_quantize(xr[i], RLP_NORM_BITS, e);
-                local_sum += q * q;  // < 2^44 each; the row's sum < 2^62 for H <= 2^18
-            }
-            rlp_block_sum_i64(&total, local_sum);
-            __syncthreads();
-            const double ss = rlp_ll2double_rn((long long)total);
-            const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
-            const double r = 1.0 / sqrt(mean + eps);
-            for (int i = threadIdx.x; i < h; i += blockDim.x) {
-                float v = rlp_double2float_rn(((double)xr[i] * r) * (double)w[i]);
-                yr[i] = (v != v) ? rlp_canonical_nan() : v;
-            }
+        const bool is_q = row < q_rows;
+        const long long head_row = is_q ? row : row - q_rows;  // token * heads + head
+        const long long token = head_row / (is_q ? hq : hk);
+        rlp_rmsnorm_row((is_q ? q : k) + head_row * d, is_q ? wq : wk, d, eps, rlp_norm_row, &largest, &total);
+        float* yr = (is_q ? q_out : k_out) + head_row * d;
+        for (int j = threadIdx.x; j < half; j += blockDim.x) {
+            const long long table = (long long)positions[token] * (long long)half + j;
+            rlp_rope_pair((double)rlp_norm_row[j], (double)rlp_norm_row[half + j], (double)cos_table[table],
+                          (double)sin_table[table], yr + j, yr + half + j);
         }
-        __syncthreads();
+        __syncthreads();  // the next row overwrites rlp_norm_row
     }
 }
 

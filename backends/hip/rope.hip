@@ -37,10 +37,7 @@ __device__ __forceinline__ void rlp_rope_rotate(const float* __restrict__ x, con
         const long long base = head_row * 2LL * (long long)half;
         const double first = (double)x[base + j];
         const double second = (double)x[base + half + j];
-        float lo = rlp_double2float_rn(first * c - second * s);
-        float hi = rlp_double2float_rn(second * c + first * s);
-        y[base + j] = (lo != lo) ? rlp_canonical_nan() : lo;
-        y[base + half + j] = (hi != hi) ? rlp_canonical_nan() : hi;
+        rlp_rope_pair(first, second, c, s, y + base + j, y + base + half + j);
     }
 }
 

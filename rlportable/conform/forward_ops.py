@@ -78,6 +78,28 @@ def check_norm_rmsnorm(backend: Backend, rng, quick: bool) -> Tally:
     return tally
 
 
+def check_norm_rmsnorm_heads_rope(backend: Backend, rng, quick: bool) -> Tally:
+    """Qwen3's QK-norm and RoPE of q and k in one launch, against the two references in turn; every
+    row kind (non-finite rows included) in q and in k."""
+    tally = Tally()
+    shapes = ((1, 2, 1, 8, 3), (7, 4, 2, 64, 50), (0, 2, 1, 8, 4)) if quick else \
+        ((1, 2, 1, 8, 3), (7, 4, 2, 64, 50), (33, 16, 8, 128, 4096), (130, 14, 2, 128, 40000), (0, 2, 1, 8, 4))
+    for tokens, hq, hk, d, table_rows in shapes:
+        cos, sin = rope_op.tables(backend, table_rows, d, 1_000_000.0)
+        cos_ref, sin_ref = rope_ref.tables(np.arange(table_rows), rope_ref.inverse_frequencies(d, 1_000_000.0))
+        positions = rng.integers(0, table_rows, size=tokens).astype(np.int32)
+        wq, wk = random_rows(rng, 1, d, "normal")[0], random_rows(rng, 1, d, "normal")[0]
+        for kind in ROW_KINDS:
+            q = random_rows(rng, tokens * hq, d, kind).reshape(tokens, hq, d)
+            k = random_rows(rng, tokens * hk, d, "normal" if kind == "zeros" else kind).reshape(tokens, hk, d)
+            expected = norm_ref.rmsnorm_heads_rope(q, k, wq, wk, 1e-6, cos_ref[positions], sin_ref[positions])
+            got = norm_op.rmsnorm_heads_rope(backend, backend.asarray(q), backend.asarray(k), backend.asarray(wq),
+                                             backend.asarray(wk), 1e-6, backend.asarray(positions), cos, sin)
+            for g, e in zip(got, expected):
+                tally.add(backend.to_numpy(g), e)
+    return tally
+
+
 # (tokens, heads, head_dim, table positions)
 ROPE_SHAPES_QUICK = [(1, 1, 2, 1), (7, 3, 14, 50), (17, 4, 64, 300), (9, 8, 128, 4096), (0, 2, 8, 4)]
 ROPE_SHAPES_FULL = ROPE_SHAPES_QUICK + [(130, 16, 128, 32768), (64, 40, 80, 65536)]
@@ -245,6 +267,7 @@ def check_lm_head_logprobs(backend: Backend, rng, quick: bool) -> Tally:
 FORWARD_OP_CHECKS = [
     ("norm.rmsnorm", check_norm_rmsnorm),
     ("rope.apply", check_rope_apply),
+    ("norm.rmsnorm_heads_rope", check_norm_rmsnorm_heads_rope),
     ("activation.swiglu", check_activation_swiglu),
     ("embedding.gather", check_embedding_gather),
     ("logprob.logprobs_entropy", check_logprob),

@@ -54,6 +54,16 @@ MAX_GRAD_ROWS = 2**24
 
 
 @np.errstate(all="ignore")  # inf * 0 and NaN are defined results, not warnings
+def rmsnorm_heads_rope(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, eps: float,
+                       cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3's QK-norm then RoPE: rope.apply(rmsnorm of each head row) for q [T, hq, D] and k [T, hk, D];
+    cos, sin [T, D / 2] are the tables' rows at the tokens' positions. By definition the two ops in turn."""
+    from rlportable.contract import rope
+
+    return tuple(rope.apply(rmsnorm(x.reshape(-1, x.shape[2]), w, eps).reshape(x.shape), cos, sin)
+                 for x, w in ((q, q_weight), (k, k_weight)))
+
+
 def fixed_point_sums(terms: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(Q int64 [rows], e int64 [rows], finite bool [rows]): the exact sum of each float64 row's
     fixed-point integers, logprob.quantize_f64_rows's encoding (e = ilogb of the largest |term|,

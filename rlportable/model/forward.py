@@ -249,12 +249,19 @@ class Model:
         outputs = gemm.gemm_columns(self.backend, h, stacked, encoded=encoded)
         return [y if bias is None else residual.add_bias(self.backend, y, bias) for y, bias in zip(outputs, biases)]
 
-    def _heads(self, flat, heads: int, head_norm):
-        cfg = self.shape
-        x = flat.reshape(flat.shape[0], heads, cfg.head_dim)
-        if head_norm is not None:  # Qwen3's per-head QK-norm
-            x = norm.rmsnorm_heads(self.backend, x, head_norm, cfg.rms_norm_eps)
-        return x
+    def _rotated_heads(self, layer: DeviceLayer, q_lin, k_lin, positions, cos, sin):
+        """q and k as [tokens, heads, head_dim], QK-normed (Qwen3) and rotated by RoPE: with QK-norm both
+        in one launch (norm.rmsnorm_heads_rope, bitwise the two ops in turn)."""
+        cfg, backend = self.shape, self.backend
+        (device_positions, host_positions), t = positions, q_lin.shape[0]
+        q = q_lin.reshape(t, cfg.num_attention_heads, cfg.head_dim)
+        k = k_lin.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            return norm.rmsnorm_heads_rope(backend, q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
+                                           device_positions, cos, sin, host_positions)
+        if layer.q_norm is not None or layer.k_norm is not None:
+            raise InputError("model: a layer has one of q_norm and k_norm without the other")
+        return tuple(rope.apply(backend, x, device_positions, cos, sin, host_positions) for x in (q, k))
 
     def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None):
         """One decoder layer; positions = (device array, the same on the host). `record`, a dict,
@@ -264,11 +271,7 @@ class Model:
         h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
         q_lin, k_lin, v = self._projections(h1, layer.qkv, (layer.q_bias, layer.k_bias, layer.v_bias))
         v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-        device_positions, host_positions = positions
-        q = rope.apply(backend, self._heads(q_lin, cfg.num_attention_heads, layer.q_norm), device_positions, cos, sin,
-                       host_positions)
-        k = rope.apply(backend, self._heads(k_lin, cfg.num_key_value_heads, layer.k_norm), device_positions, cos, sin,
-                       host_positions)
+        q, k = self._rotated_heads(layer, q_lin, k_lin, positions, cos, sin)
         a = attend(q, k, v)
         x2 = residual.add(backend, x, self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
         h2 = norm.rmsnorm(backend, x2, layer.mlp_norm, cfg.rms_norm_eps)

@@ -16,6 +16,7 @@ from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
 MAX_GRID = 65535
+MAX_FUSED_HEAD_DIM = 4096  # rmsnorm_heads_rope keeps one head row in shared memory
 THREAD_SEGMENT = 32  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
 
 
@@ -60,6 +61,39 @@ def rmsnorm_heads(backend, x, weight, eps: float):
     tokens, heads, head_dim = shape
     y = rmsnorm(backend, x.reshape(tokens * heads, head_dim), weight, eps)
     return y.reshape(tokens, heads, head_dim)
+
+
+def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions, cos, sin, host_positions=None):
+    """(q', k') = (rope.apply(rmsnorm_heads(q, q_weight)), rope.apply(rmsnorm_heads(k, k_weight))), bitwise
+    (contracts/norm.toml rmsnorm_heads_rope): Qwen3's QK-norm and RoPE of both in one device launch.
+    q [tokens, hq, D], k [tokens, hk, D] float32; the weights [D]; positions and tables as rope.apply."""
+    from rlportable.ops import rope  # rope's argument checks; the kernel lives here, in the norm family
+
+    tokens, hq, half, table_rows = rope._check(q, positions, cos, sin, "rmsnorm_heads_rope", "q")
+    _, hk, _, _ = rope._check(k, positions, cos, sin, "rmsnorm_heads_rope", "k")  # q's tokens and head_dim
+    d = 2 * half
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if shape_of(weight) != (d,) or np.dtype(weight.dtype) != np.float32:
+            raise InputError(f"rmsnorm_heads_rope: {name} must be float32 of shape ({d},), got "
+                             f"{np.dtype(weight.dtype).name} of shape {shape_of(weight)}")
+    require_contiguous("rmsnorm_heads_rope: q", q)
+    require_contiguous("rmsnorm_heads_rope: k", k)
+    host_positions = rope._check_positions(backend, positions, host_positions, table_rows)
+    if d > MAX_FUSED_HEAD_DIM:
+        raise InputError(f"rmsnorm_heads_rope: head_dim {d} exceeds {MAX_FUSED_HEAD_DIM} (the kernel keeps a row in "
+                         f"shared memory); use rmsnorm_heads and rope.apply")
+    eps = check_eps(eps)
+    if backend.kernel_vendor is None:
+        cos_rows, sin_rows = (backend.to_numpy(table)[host_positions] for table in (cos, sin))
+        return reference.rmsnorm_heads_rope(*(backend.to_numpy(a) for a in (q, k, q_weight, k_weight)), eps,
+                                            cos_rows, sin_rows)
+    q_out, k_out = backend.empty((tokens, hq, d), np.float32), backend.empty((tokens, hk, d), np.float32)
+    rows = tokens * (hq + hk)
+    if rows and d:
+        backend.launch("norm", "norm_rmsnorm_heads_rope", (min(rows, MAX_GRID),), (row_threads(d),),
+                       (q, k, q_weight, k_weight, np.int64(tokens), np.int32(hq), np.int32(hk), np.int32(d),
+                        np.float64(eps), positions, cos, sin, q_out, k_out), shared_mem=4 * d)
+    return q_out, k_out
 
 
 GRAD_COLUMNS = 256  # threads of the dweight kernels: one column each, consecutive columns for coalescing

@@ -353,3 +353,22 @@ def test_rmsnorm_heads_rope_is_the_norm_then_the_rotation():
         norm.rmsnorm_heads_rope(cpu, q, np.ascontiguousarray(k[:, :, :8]), wq, wk, 1e-6, positions, cos, sin)
     with pytest.raises(InputError, match="k_weight must be float32"):
         norm.rmsnorm_heads_rope(cpu, q, k, wq, wk[:8], 1e-6, positions, cos, sin)
+
+
+def test_add_rmsnorm_is_the_residual_add_then_the_norm():
+    from rlportable.ops import residual
+
+    cpu = get_backend("cpu")
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((6, 40)).astype(np.float32)
+    b = rng.standard_normal((6, 40)).astype(np.float32)
+    a[2, 5], b[2, 5] = 3e38, 3e38  # the sum overflows: that row of y is the canonical NaN
+    a[4, 1], b[4, 1] = np.inf, -np.inf  # inf - inf: a canonical NaN in s
+    w = rng.standard_normal(40).astype(np.float32)
+    total, y = norm.add_rmsnorm(cpu, a, b, w, 1e-6)
+    want_total = residual.add(cpu, a, b)
+    assert np.array_equal(total.view(np.uint32), want_total.view(np.uint32))
+    assert np.array_equal(y.view(np.uint32), norm.rmsnorm(cpu, want_total, w, 1e-6).view(np.uint32))
+    assert total.view(np.uint32)[4, 1] == 0x7FC00000 and np.all(y.view(np.uint32)[2] == 0x7FC00000)
+    with pytest.raises(InputError, match="must be float32 of one shape"):
+        norm.add_rmsnorm(cpu, a, b[:3], w, 1e-6)

@@ -18,6 +18,13 @@ __device__ __forceinline__ double rlp_pow2_f64(int s) {
 // gives its own, so that code shared word for word by both vendors' headers can call it.
 __device__ __forceinline__ long long rlp_double2ll_rn(double x) { return __double2ll_rn(x); }
 
+// residual.add's float32 sum (contracts/residual.toml), NaN canonical. Shared by the residual family
+// and norm's fused add + RMSNorm.
+__device__ __forceinline__ float rlp_add(float a, float b) {
+    const float y = a + b;
+    return (y != y) ? rlp_canonical_nan() : y;
+}
+
 // rope.apply's rotation of one pair (contracts/rope.toml): the products exact in float64 (24 x 24
 // bits), each sum rounded once in float64, then to float32; NaN results are the canonical NaN. Shared
 // by the rope family and norm's fused QK-norm + RoPE, so both rotate one way.

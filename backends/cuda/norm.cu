@@ -55,6 +55,26 @@ extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float
         rlp_rmsnorm_row(x + row * (long long)h, w, h, eps, y + row * (long long)h, &largest, &total);
 }
 
+// The residual add and the next RMSNorm in one launch (contracts/norm.toml add_rmsnorm): per row
+// s = residual.add(a, b) (rlp_add, to `sum` and to shared memory), then y = RMSNorm(s) from there
+// (rlp_rmsnorm_row): bitwise the two ops in turn. One block per row, grid-stride.
+extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const float* __restrict__ b,
+                                            const float* __restrict__ w, long long rows, int h, double eps,
+                                            float* __restrict__ sum, float* __restrict__ y) {
+    extern __shared__ float rlp_norm_row[];  // [h]: the row's sum
+    __shared__ unsigned int largest;
+    __shared__ unsigned long long total;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long base = row * (long long)h;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            const float s = rlp_add(a[base + i], b[base + i]);
+            sum[base + i] = s;
+            rlp_norm_row[i] = s;
+        }
+        rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y + base, &largest, &total);  // syncs before reading the row
+    }
+}
+
 // Qwen3's QK-norm then RoPE, for q and k in one launch (contracts/norm.toml rmsnorm_heads_rope): the
 // rows are the tokens' q heads, then their k heads, one block per row (grid-stride). Each row is
 // normalised as norm_rmsnorm does (rlp_rmsnorm_row, into shared memory) and rotated as rope_apply

@@ -3,11 +3,6 @@
 // NaN payload propagation differs between vendors.
 #include "common.cuh"
 
-__device__ __forceinline__ float rlp_add(float a, float b) {
-    const float y = a + b;
-    return (y != y) ? rlp_canonical_nan() : y;
-}
-
 extern "C" __global__ void residual_add_f32(const float* __restrict__ a, const float* __restrict__ b,
                                             float* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)

@@ -78,6 +78,22 @@ def check_norm_rmsnorm(backend: Backend, rng, quick: bool) -> Tally:
     return tally
 
 
+def check_norm_add_rmsnorm(backend: Backend, rng, quick: bool) -> Tally:
+    """A layer's residual add and the next RMSNorm in one launch, against the two references in turn;
+    every row kind in either operand (overflowing sums and NaN rows included)."""
+    tally = Tally()
+    shapes = ((1, 8), (7, 96), (0, 16)) if quick else ((1, 8), (7, 96), (64, 1024), (130, 4096), (3, 12288), (2, 13000))
+    for rows, h in shapes:
+        w = random_rows(rng, 1, h, "normal")[0]
+        for kind in ROW_KINDS:
+            a, b = random_rows(rng, rows, h, kind), random_rows(rng, rows, h, "normal" if kind == "zeros" else kind)
+            expected = norm_ref.add_rmsnorm(a, b, w, 1e-6)
+            got = norm_op.add_rmsnorm(backend, backend.asarray(a), backend.asarray(b), backend.asarray(w), 1e-6)
+            for g, e in zip(got, expected):
+                tally.add(backend.to_numpy(g), e)
+    return tally
+
+
 def check_norm_rmsnorm_heads_rope(backend: Backend, rng, quick: bool) -> Tally:
     """Qwen3's QK-norm and RoPE of q and k in one launch, against the two references in turn; every
     row kind (non-finite rows included) in q and in k."""
@@ -268,6 +284,7 @@ FORWARD_OP_CHECKS = [
     ("norm.rmsnorm", check_norm_rmsnorm),
     ("rope.apply", check_rope_apply),
     ("norm.rmsnorm_heads_rope", check_norm_rmsnorm_heads_rope),
+    ("norm.add_rmsnorm", check_norm_add_rmsnorm),
     ("activation.swiglu", check_activation_swiglu),
     ("embedding.gather", check_embedding_gather),
     ("logprob.logprobs_entropy", check_logprob),

@@ -54,6 +54,15 @@ MAX_GRAD_ROWS = 2**24
 
 
 @np.errstate(all="ignore")  # inf * 0 and NaN are defined results, not warnings
+def add_rmsnorm(a: np.ndarray, b: np.ndarray, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(s, y): s = residual.add(a, b) (float32 sum, NaN canonical), y = rmsnorm(s, weight): by definition
+    the two ops in turn."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = (np.asarray(a, np.float32) + np.asarray(b, np.float32)).astype(np.float32)
+    total[np.isnan(total)] = fp.CANONICAL_NAN
+    return total, rmsnorm(total, weight, eps)
+
+
 def rmsnorm_heads_rope(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, eps: float,
                        cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Qwen3's QK-norm then RoPE: rope.apply(rmsnorm of each head row) for q [T, hq, D] and k [T, hk, D];

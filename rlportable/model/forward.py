@@ -210,14 +210,19 @@ class Model:
         if device_tokens is None:
             device_tokens = backend.asarray(tokens)
         x = self._embed(device_tokens, tokens)
-        for index, layer in enumerate(self.layers):
+        # h: RMSNorm of x with the weight of what comes next (a layer's attn_norm, then the final norm);
+        # each layer's closing residual add runs in one launch with the next one (norm.add_rmsnorm)
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
+        h = norm.rmsnorm(backend, x, self.layers[0].attn_norm if self.layers else self.final_norm, cfg.rms_norm_eps)
+        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             if saved is not None:
                 saved.append(x)
-            x = self._layer(layer, x, (device_positions, positions), cos, sin,
-                            lambda q, k, v, i=index: attend(q, k, v, i))
+            x2, mlp_out = self._layer(layer, x, (device_positions, positions), cos, sin,
+                                      lambda q, k, v, i=index: attend(q, k, v, i), h1=h)
+            x, h = norm.add_rmsnorm(backend, x2, mlp_out, next_norm, cfg.rms_norm_eps)
         if saved is not None:
             saved.append(x)
-        return norm.rmsnorm(backend, x, self.final_norm, cfg.rms_norm_eps)
+        return h
 
     def _embed(self, device_tokens, tokens: np.ndarray):
         if self.tp.size == 1:
@@ -263,23 +268,26 @@ class Model:
             raise InputError("model: a layer has one of q_norm and k_norm without the other")
         return tuple(rope.apply(backend, x, device_positions, cos, sin, host_positions) for x in (q, k))
 
-    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None):
-        """One decoder layer; positions = (device array, the same on the host). `record`, a dict,
-        receives the intermediate values (the trainer's backward recomputes a layer this way)."""
+    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None, h1=None):
+        """One decoder layer; positions = (device array, the same on the host). Returns (x2, mlp_out): the
+        layer's output is residual.add(x2, mlp_out), left to the caller to run with the next RMSNorm in
+        one launch. h1: RMSNorm(x) with attn_norm when the caller made it so. `record`, a dict, receives
+        the intermediate values (the trainer's backward recomputes a layer this way)."""
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
-        h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
+        if h1 is None:
+            h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
         q_lin, k_lin, v = self._projections(h1, layer.qkv, (layer.q_bias, layer.k_bias, layer.v_bias))
         v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = self._rotated_heads(layer, q_lin, k_lin, positions, cos, sin)
         a = attend(q, k, v)
-        x2 = residual.add(backend, x, self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o))
-        h2 = norm.rmsnorm(backend, x2, layer.mlp_norm, cfg.rms_norm_eps)
+        attn_out = self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o)
+        x2, h2 = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps)
         gate, up = self._projections(h2, layer.gate_up, (None, None))
         mlp = activation.swiglu(backend, gate, up)
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)
-        return residual.add(backend, x2, self._row_parallel(mlp, layer.down))
+        return x2, self._row_parallel(mlp, layer.down)
 
     def transposed_weight(self, w, start: int, stop: int) -> gemm.GemmWeight:
         """(w[start:stop]).T encoded as a GEMM weight, for the backward's dX = dY W; cached until reencode()."""

@@ -16,7 +16,9 @@ from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
 MAX_GRID = 65535
-MAX_FUSED_HEAD_DIM = 4096  # rmsnorm_heads_rope keeps one head row in shared memory
+#: the fused kernels keep one row in shared memory; longer rows run the two ops in turn (the same bits)
+MAX_FUSED_HEAD_DIM = 4096  # rmsnorm_heads_rope
+MAX_FUSED_ROW = 12288  # add_rmsnorm (48 KB)
 THREAD_SEGMENT = 32  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
 
 
@@ -63,6 +65,30 @@ def rmsnorm_heads(backend, x, weight, eps: float):
     return y.reshape(tokens, heads, head_dim)
 
 
+def add_rmsnorm(backend, a, b, weight, eps: float):
+    """(s, y) = (residual.add(a, b), rmsnorm(s, weight)), bitwise (contracts/norm.toml add_rmsnorm): a
+    layer's residual add and the next RMSNorm in one device launch. a, b [rows, H] float32."""
+    from rlportable.ops import residual
+
+    rows, h = require_matrix("add_rmsnorm: a", a)
+    if shape_of(b) != (rows, h) or np.dtype(a.dtype) != np.float32 or np.dtype(b.dtype) != np.float32:
+        raise InputError(f"add_rmsnorm: a {shape_of(a)} {np.dtype(a.dtype).name} and b {shape_of(b)} "
+                         f"{np.dtype(b.dtype).name} must be float32 of one shape")
+    require_contiguous("add_rmsnorm: b", b)
+    if shape_of(weight) != (h,) or np.dtype(weight.dtype) != np.float32:
+        raise InputError(f"add_rmsnorm: weight must be float32 of shape ({h},) to match a {(rows, h)}, "
+                         f"got {np.dtype(weight.dtype).name} of shape {shape_of(weight)}")
+    eps = check_eps(eps)
+    if backend.kernel_vendor is None or h > MAX_FUSED_ROW:  # the reference; rows the kernel cannot hold
+        total = residual.add(backend, a, b)
+        return total, rmsnorm(backend, total, weight, eps)
+    total, y = backend.empty((rows, h), np.float32), backend.empty((rows, h), np.float32)
+    if rows and h:
+        backend.launch("norm", "norm_add_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
+                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y), shared_mem=4 * h)
+    return total, y
+
+
 def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions, cos, sin, host_positions=None):
     """(q', k') = (rope.apply(rmsnorm_heads(q, q_weight)), rope.apply(rmsnorm_heads(k, k_weight))), bitwise
     (contracts/norm.toml rmsnorm_heads_rope): Qwen3's QK-norm and RoPE of both in one device launch.
@@ -79,10 +105,10 @@ def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions,
     require_contiguous("rmsnorm_heads_rope: q", q)
     require_contiguous("rmsnorm_heads_rope: k", k)
     host_positions = rope._check_positions(backend, positions, host_positions, table_rows)
-    if d > MAX_FUSED_HEAD_DIM:
-        raise InputError(f"rmsnorm_heads_rope: head_dim {d} exceeds {MAX_FUSED_HEAD_DIM} (the kernel keeps a row in "
-                         f"shared memory); use rmsnorm_heads and rope.apply")
     eps = check_eps(eps)
+    if d > MAX_FUSED_HEAD_DIM:  # rows the kernel cannot hold: the two ops in turn, the same bits
+        return tuple(rope.apply(backend, rmsnorm_heads(backend, x, w, eps), positions, cos, sin, host_positions)
+                     for x, w in ((q, q_weight), (k, k_weight)))
     if backend.kernel_vendor is None:
         cos_rows, sin_rows = (backend.to_numpy(table)[host_positions] for table in (cos, sin))
         return reference.rmsnorm_heads_rope(*(backend.to_numpy(a) for a in (q, k, q_weight, k_weight)), eps,

@@ -6,6 +6,8 @@
 #   attention: the split-KV decode kernels (CUDA and HIP sources) bitwise against the reference, then
 #           scripts/probe_attention.py (RLP_PROBE_BASELINE=<earlier attention.cu> adds a baseline)
 #   gemm_step: the gemm's checks (every tile, the stacked projections) and the golden digests, then step
+#   fused_step: the norm family's checks (the fused add + RMSNorm, QK-norm + RoPE) on both sources and the
+#           golden digests, then step
 #   step:   one pass over what a decode step runs (quick): the sampling, split-attention and engine
 #           checks on both sources, the engine against the trainer at batch 64, bench decode, the profile
 #   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
@@ -31,7 +33,11 @@ fi
 if [[ $1 == gemm_step ]]; then
     $cli conform --device cuda --only gemm,gemm.invariance,gemm.columns,golden --json "$OUT/conform_cuda_gemm_columns_h200.json" 2>&1 | tail -6
 fi
-if [[ $1 == step || $1 == gemm_step ]]; then
+if [[ $1 == fused_step ]]; then
+    $cli conform --device cuda --only norm,golden --json "$OUT/conform_cuda_norm_fused_h200.json" 2>&1 | tail -6
+    $cli conform --device cuda --kernel-source hip --only norm --json "$OUT/conform_cuda_hipsrc_norm_fused_h200.json" 2>&1 | tail -3
+fi
+if [[ $1 == step || $1 == gemm_step || $1 == fused_step ]]; then
     $cli conform --device cuda --quick --only sampling,attention.split,engine,e2e.batch-64 --json "$OUT/conform_cuda_step_quick_h200.json" 2>&1 | tail -4
     $cli conform --device cuda --kernel-source hip --quick --only sampling,attention.split --json "$OUT/conform_cuda_hipsrc_step_quick_h200.json" 2>&1 | tail -3
     $cli bench decode --device cuda --json "$OUT/decode_h200.json" 2>&1 | tail -12

@@ -534,9 +534,12 @@ def bench_forward(device, json_path, sequences, length, layers):
               help="The engine's sampler; auto: the device sampler on cuda when the engine has one.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay the engine's decode steps as CUDA graphs.")
+@click.option("--async-scheduling/--no-async-scheduling", default=None,
+              help="Plan and launch each decode step while the one before runs (default: the engine's, on "
+                   "with the device sampler and graphs on cuda).")
 @tp_options
 def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler,
-                 cuda_graphs, tp, tp_emulate):
+                 cuda_graphs, async_scheduling, tp, tp_emulate):
     """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound.
 
     With --tp N: the engine at TP=N against TP=1 on the same workload (no HF peer, no time limit)."""
@@ -552,7 +555,7 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
     try:
         result = decode_bench.run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit or None,
                                   sampler, progress=lambda text: click.echo(f"  {text}", err=True),
-                                  cuda_graphs=cuda_graphs)
+                                  cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
     except RlpError as error:
         _fail(error)
 
@@ -579,7 +582,9 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
         engine = ours["engine"]
         graphs = f"CUDA graphs ({engine['graphs']} captured in {engine['graph_capture_s']:.2f} s)" \
             if engine.get("graphs") else "no graphs"
-        click.echo(f"ours per decode step ({engine['sampler']} sampler, {graphs}): " + ", ".join(parts))
+        overlap = f"async scheduling, {ours.get('steps_ahead')} steps ahead" if engine.get("async_scheduling") \
+            else "steps in turn"
+        click.echo(f"ours per decode step ({engine['sampler']} sampler, {graphs}, {overlap}): " + ", ".join(parts))
     if ratios:
         click.echo(f"throughput ratio {number(ratios.get('throughput_ratio'), 1.0, '{:.3f}')} (target >= 10), "
                    f"decode step ratio {number(ratios.get('decode_step_ratio'), 1.0, '{:.3f}')} "

@@ -97,6 +97,18 @@ def test_pure_decode_steps_after_a_staggered_chunked_prefill(cuda_graphs):
     assert all(outputs[i] - outputs[i - 1] == 4 for i in pure)
 
 
+def test_decode_steps_are_timed_with_asynchronous_scheduling():
+    """With async scheduling a step is launched before the one before it is recorded: its timings and its
+    plan still go to its own index of the step log."""
+    config = tiny_config()
+    prompts = decode.random_prompts(config, 4, 6)
+    ours = decode.measure_engine(get_backend("cpu"), config, tiny_weights(config), prompts, 9, sampler="device",
+                                 cuda_graphs=True, async_scheduling=True)
+    assert ours["complete"] and ours["engine"]["async_scheduling"] and ours["steps_ahead"] == 7
+    assert ours["step_log"]["pure_decode"] == list(range(1, 9)) and ours["decode_steps"] == 8
+    assert ours["decode_execute_s_median"] > 0 and ours["decode_runner_wait_s_median"] is not None
+
+
 def test_engine_time_limit_stops_and_reports():
     config = tiny_config()
     prompts = decode.random_prompts(config, 2, 4)
@@ -132,9 +144,9 @@ def test_cli_bench_decode_prints_and_writes_json(tmp_path, monkeypatch):
     config = tiny_config()
 
     def fake_run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler, progress=None,
-                 cuda_graphs=True):
+                 cuda_graphs=True, async_scheduling=None):
         assert (sequences, prompt_len, new_tokens, layers, peer, sampler) == (2, 4, 3, 1, "hf", "auto")
-        assert cuda_graphs is False  # --no-cuda-graphs
+        assert cuda_graphs is False and async_scheduling is False  # --no-cuda-graphs --no-async-scheduling
         return decode.measure(get_backend("cpu"), config, tiny_weights(config), sequences, prompt_len, new_tokens,
                               peer, time_limit, sampler, progress)
 
@@ -142,7 +154,7 @@ def test_cli_bench_decode_prints_and_writes_json(tmp_path, monkeypatch):
     out = tmp_path / "decode.json"
     result = CliRunner().invoke(main, ["bench", "decode", "--device", "cpu", "--sequences", "2", "--prompt-len", "4",
                                        "--new-tokens", "3", "--layers", "1", "--json", str(out),
-                                       "--no-cuda-graphs"])
+                                       "--no-cuda-graphs", "--no-async-scheduling"])
     assert result.exit_code == 0, result.output
     assert "rlportable engine" in result.output and "HF transformers bf16 sdpa" in result.output
     assert "throughput ratio" in result.output and "bound fraction" in result.output

@@ -58,13 +58,15 @@ def test_metrics_are_zero_for_equal_bits_and_follow_verl_and_slime():
 
 
 @pytest.mark.parametrize("name", ["e2e.batch-7", "e2e.packing", "e2e.block-1-token", "e2e.prefix-sharing-on",
-                                  "e2e.cuda-graphs-on"])
+                                  "e2e.cuda-graphs-on", "e2e.async-scheduling-on"])
 def test_engine_logprobs_equal_the_trainer_bitwise(name):
     tally = run_check(name)
     part = tally.details["models"]["tiny"]
     assert tally.mismatches == 0 and tally.compared == part["compared"] > 50
     assert part["metrics"]["max_abs_dlogp"] == 0.0 and part["metrics"]["tokens"] == part["compared"]
     assert "first_divergence" not in part
+    if name == "e2e.async-scheduling-on":
+        assert all(run["steps_ahead"] > 0 for run in part["runs"])
 
 
 def test_packing_compares_every_completion_in_every_packing():

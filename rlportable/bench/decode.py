@@ -290,41 +290,60 @@ class _TimeLimit(Exception):
 
 @contextlib.contextmanager
 def _timed_runner(llm, log: StepLog, timings: dict):
-    """Times the runner's execute (its parts from ModelRunner.last_step) and the host sampler of
-    every step (keyed by the step's index in `log`), and records which steps are pure decodes with
-    their KV lengths, on this LLM only, while the benchmark runs; restores everything afterwards."""
+    """Times the runner's launch and wait of every step (execute_s: both; their parts from
+    ModelRunner.last_step) and the host sampler, keyed by the step's index in `log`, and records which
+    steps are pure decodes with their KV lengths, on this LLM only, while the benchmark runs; restores
+    everything afterwards. Steps are recorded (one `log` entry each) in the order they are launched,
+    with asynchronous scheduling too, so the n-th launch is step n of the log."""
     from rlportable.engine import runner as runner_module
 
-    execute = llm.runner.execute
+    launch, wait = llm.runner.launch, llm.runner.wait
     samplers = {name: getattr(runner_module, name) for name in SAMPLER_FUNCTIONS}
     log.decode_kv = {}
+    index_of: dict[int, int] = {}  # id(launched step) -> its index in the log
+    launched = [0]
+
+    def add(key: str, index: int, seconds: float) -> None:
+        values = timings.setdefault(key, {})
+        values[index] = values.get(index, 0.0) + seconds
 
     def timed(function, key):
         def call(*args, **kwargs):
             start = time.perf_counter()
             result = function(*args, **kwargs)
-            timings.setdefault(key, {})[len(log.times)] = time.perf_counter() - start
+            add(key, len(log.times), time.perf_counter() - start)
             return result
 
         return call
 
-    def execute_and_record(out):
-        index = len(log.times)
+    def launch_and_record(out, after=None):
+        index = launched[0]
+        launched[0] += 1
         if len(out.scheduled) == log.sequences and all(e.is_decode for e in out.scheduled):
             log.decode_kv[index] = [e.end for e in out.scheduled]  # positions 0..start: start + 1 = end
-        result = execute(out)
+        start = time.perf_counter()
+        step = launch(out, after)
+        add("execute_s", index, time.perf_counter() - start)
+        index_of[id(step)] = index
+        return step
+
+    def wait_and_record(step):
+        index = index_of.pop(id(step))
+        start = time.perf_counter()
+        result = wait(step)
+        add("execute_s", index, time.perf_counter() - start)
         for part, key in RUNNER_PARTS.items():
             if part in llm.runner.last_step:
-                timings.setdefault(key, {})[index] = llm.runner.last_step[part]
+                add(key, index, llm.runner.last_step[part])
         return result
 
-    llm.runner.execute = timed(execute_and_record, "execute_s")
+    llm.runner.launch, llm.runner.wait = launch_and_record, wait_and_record
     for name, function in samplers.items():
         setattr(runner_module, name, timed(function, SAMPLER_FUNCTIONS[name]))
     try:
         yield
     finally:
-        del llm.runner.execute
+        del llm.runner.launch, llm.runner.wait
         for name, function in samplers.items():
             setattr(runner_module, name, function)
 
@@ -354,9 +373,10 @@ def random_prompts(config, sequences: int, prompt_len: int, seed: int = 1) -> np
 def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: int, block_size: int = 16,
                    max_num_batched_tokens: int = 4096, time_limit: float | None = None,
                    bandwidth: float | None = None, sampler: str = "auto", progress=None,
-                   cuda_graphs: bool | None = None, group=None) -> dict:
+                   cuda_graphs: bool | None = None, group=None, async_scheduling: bool | None = None) -> dict:
     """Our engine on `backend`: warm-up (and every decode graph captured), then generate
-    `new_tokens` tokens for every prompt. cuda_graphs: the engine's option (None: its default).
+    `new_tokens` tokens for every prompt. cuda_graphs, async_scheduling: the engine's options (None:
+    its defaults).
     group: a tensor-parallel rank (every rank calls this; no time limit then, or the ranks
     would stop at different steps)."""
     from rlportable.engine.llm import LLM
@@ -379,7 +399,7 @@ def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: in
                   num_blocks=sequences * -(-max_len // block_size), max_num_seqs=sequences,
                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
                   loaded=(config, weights, IdsOnlyTokenizer()), cuda_graphs=cuda_graphs, group=group,
-                  **sampler_kwargs)
+                  async_scheduling=async_scheduling, **sampler_kwargs)
         if progress:
             progress("ours: warm-up")
         warm = min(sequences, 4)
@@ -411,8 +431,9 @@ def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: in
     result["engine"] = {"sampler": sampler, "block_size": block_size, "num_blocks": llm.num_blocks,
                         "max_num_seqs": sequences, "max_num_batched_tokens": llm.max_num_batched_tokens,
                         "max_model_len": max_len, "cuda_graphs": llm.runner.cuda_graphs,
-                        "graphs": graphs, "graph_capture_s": capture_s}
+                        "graphs": graphs, "graph_capture_s": capture_s, "async_scheduling": llm.async_scheduling}
     result["preemptions"] = llm.stats.preemptions if outputs is not None else None
+    result["steps_ahead"] = llm.stats.steps_ahead if outputs is not None else None
     if outputs is not None:
         result["all_lengths_equal_new_tokens"] = all(len(c.token_ids) == new_tokens for r in outputs
                                                      for c in r.outputs)
@@ -534,7 +555,7 @@ def _decode_by_index(result: dict) -> dict[int, float]:
 
 def measure(backend, config, weights, sequences: int, prompt_len: int, new_tokens: int, peer: str = "hf",
             time_limit: float | None = None, sampler: str = "auto", progress=None,
-            cuda_graphs: bool | None = None) -> dict:
+            cuda_graphs: bool | None = None, async_scheduling: bool | None = None) -> dict:
     """The whole benchmark on any backend (the CLI's run() checks for cuda): copy bandwidth, ours,
     then the peer (HF on the same device kind) unless peer is "none"."""
     if peer not in ("hf", "none"):
@@ -545,7 +566,7 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
     bandwidth = copy_bandwidth(backend)
     ours = measure_engine(backend, config, weights, prompts, new_tokens, time_limit=time_limit,
                           bandwidth=bandwidth["bytes_per_s"], sampler=sampler, progress=progress,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
     hf, peer_error = None, None
     if peer == "hf":
         try:
@@ -608,7 +629,7 @@ def run_tensor_parallel(backend, group, sequences: int = 256, prompt_len: int = 
 
 def run(backend, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 512, layers: int | None = None,
         peer: str = "hf", time_limit: float | None = 240.0, sampler: str = "auto", progress=None,
-        cuda_graphs: bool = True) -> dict:
+        cuda_graphs: bool = True, async_scheduling: bool | None = None) -> dict:
     """`rlportable bench decode`: the Qwen3-0.6B-shaped model on cuda."""
     if backend.name != "cuda":
         raise RlpError(f"bench decode runs on the cuda backend (peer: HF transformers on CUDA); got {backend.label}")
@@ -617,4 +638,4 @@ def run(backend, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 
         progress("random weights")
     weights = random_weights(config)
     return measure(backend, config, weights, sequences, prompt_len, new_tokens, peer, time_limit, sampler, progress,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)

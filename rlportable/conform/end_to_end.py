@@ -267,7 +267,8 @@ class EngineRun:
                                   np.asarray(c.logprobs, dtype=np.float32),
                                   self.params[r.request_id].temperature or 1.0)
                        for r in outputs for c in r.outputs]
-        return completions, {"steps": llm.stats.steps, "preemptions": llm.stats.preemptions}
+        return completions, {"steps": llm.stats.steps, "preemptions": llm.stats.preemptions,
+                             "steps_ahead": llm.stats.steps_ahead}
 
     def describe(self) -> dict:
         return {"label": self.label, "engine": self.engine, "requests": len(self.prompts),
@@ -444,6 +445,11 @@ SWEEPS = [
     Sweep("cuda-graphs-on", "decode through CUDA/HIP graphs (cpu: padded buckets, eager)",
           {"cuda_graphs": True}, scale="large"),
     Sweep("cuda-graphs-off", "decode eagerly at exact sizes", {"cuda_graphs": False}, scale="large"),
+    Sweep("async-scheduling-on", "the device sampler, decode buckets, each decode step planned and launched while "
+          "the one before runs, fed its tokens on the device",
+          {"sampler": "device", "cuda_graphs": True, "async_scheduling": True}, scale="large"),
+    Sweep("async-scheduling-off", "the device sampler, decode buckets, steps in turn",
+          {"sampler": "device", "cuda_graphs": True, "async_scheduling": False}, scale="large"),
     Sweep("temperature-0.7", "temperature 0.7", scale="large", temperature=0.7),
     Sweep("temperature-1.0", "temperature 1.0", scale="large", temperature=1.0),
     Sweep("temperature-1.3", "temperature 1.3", scale="large", temperature=1.3),

@@ -270,6 +270,32 @@ class BlockManager:
         j = start // bs
         return j < len(table) and start < seq.num_tokens and (start % bs == 0 or self._refs[table[j]] == 1)
 
+    # ---- asynchronous scheduling: a decode step planned while the one before it still runs
+
+    def blocks_needed_ahead(self, seq: Sequence) -> int:
+        """Fresh blocks (0 or 1) that allocate_ahead(seq) takes: a slot for position num_tokens, the
+        token that seq's step in flight is drawing now (it computes num_computed_tokens = num_tokens - 1).
+
+        That slot lies in the block the step in flight writes, which seq holds alone (the step's own
+        allocation made it writable, and nothing forks or shares a partial block while only decode
+        steps run), or it starts a new block. Anything else is a bookkeeping bug."""
+        table, position, bs = seq.block_table, seq.num_tokens, self.block_size
+        if seq.seq_id not in self._seqs or seq.num_computed_tokens != position - 1:
+            raise InvariantError(f"BlockManager: {seq!r} has no decode step in flight to plan ahead of")
+        j = position // bs
+        if j == len(table) and position % bs == 0:
+            return 1
+        if j == len(table) - 1 and position % bs and self._refs[table[j]] == 1:
+            return 0
+        raise InvariantError(f"BlockManager: {seq!r} cannot write position {position} ahead (table {table})")
+
+    def allocate_ahead(self, seq: Sequence) -> None:
+        """Give seq a writable slot for position num_tokens before the token there is known (see
+        blocks_needed_ahead; check the free blocks first). Nothing is hashed until mark_computed, which
+        comes after the token is known and the step that writes the slot has been recorded."""
+        if self.blocks_needed_ahead(seq):
+            seq.block_table.append(self._take_fresh())
+
     def append_slot(self, seq: Sequence) -> tuple[int, BlockCopy | None]:
         """allocate(seq, 1) for a decode token: (the slot of position num_computed_tokens, the copy or None)."""
         copies = self.allocate(seq, 1)

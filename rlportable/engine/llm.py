@@ -17,8 +17,8 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 
 from rlportable.engine.block_manager import BlockManager
-from rlportable.engine.runner import ModelRunner
-from rlportable.engine.scheduler import Scheduler
+from rlportable.engine.runner import LaunchedStep, ModelRunner
+from rlportable.engine.scheduler import Scheduler, SchedulerOutput
 from rlportable.engine.sequence import SamplingParams, Sequence
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
@@ -52,6 +52,8 @@ class GenerationStats:
     output_tokens: int = 0
     preemptions: int = 0
     seconds: float = 0.0
+    steps_ahead: int = 0  # decode steps planned and launched while the step before them ran
+    discarded_tokens: int = 0  # tokens drawn ahead for sequences that had stopped (dropped)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -81,7 +83,7 @@ class LLM:
     def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
                  enable_prefix_caching: bool = False, loaded=None, sampler: str = "host",
-                 cuda_graphs: bool | None = None, group=None):
+                 cuda_graphs: bool | None = None, group=None, async_scheduling: bool | None = None):
         """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer.
         `sampler`: "host" (the contract's NumPy sampler) or "device" (the sampling kernel for rows
         without top-k/top-p/min-p, the host for the others); the same tokens and log-probs either way.
@@ -90,7 +92,12 @@ class LLM:
         True runs the same padded steps eagerly. The same tokens and log-probs either way.
         `group`: this process's (or thread's) tensor-parallel rank (runtime/collectives.py). Every rank
         runs the same engine loop on its shard of the model (the scheduler and the sampler are
-        deterministic, so the ranks agree without talking); the outputs are the same on every rank."""
+        deterministic, so the ranks agree without talking); the outputs are the same on every rank.
+        `async_scheduling`: while a pure decode step runs on the device, plan and launch the next one,
+        fed the tokens it draws on the device, before reading its results (docs/decisions.md "Issue 4:
+        asynchronous scheduling"); needs sampler="device" and decode buckets (cuda_graphs). Other steps
+        run one at a time. None = on where the backend's downloads are asynchronous (cuda) and those
+        hold. The same tokens and log-probs either way."""
         _check_engine_sizes(block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                             num_blocks=num_blocks)
@@ -109,7 +116,18 @@ class LLM:
         self.enable_prefix_caching = enable_prefix_caching
         self.runner = ModelRunner(self.model, self.num_blocks, block_size, sampler=sampler, cuda_graphs=cuda_graphs,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+        self.async_scheduling = self._async_scheduling(async_scheduling)
         self.stats = GenerationStats()
+
+    def _async_scheduling(self, asked: bool | None) -> bool:
+        """The async_scheduling option, checked: it needs tokens drawn on the device and decode buckets."""
+        if asked is not None and not isinstance(asked, bool):
+            raise InputError(f"async_scheduling must be True, False or None (the default), got {asked!r}")
+        possible = self.runner.sampler == "device" and self.runner.cuda_graphs
+        if asked and not possible:
+            raise InputError("async_scheduling needs sampler='device' (tokens drawn on the device feed the next "
+                             "step) and decode buckets (cuda_graphs)")
+        return possible and self.backend.async_downloads if asked is None else asked
 
     def release_kv_cache(self) -> None:
         """Free the KV cache between rollouts (GRPO trains in that memory); generate() needs it back."""
@@ -169,22 +187,61 @@ class LLM:
             groups.append(scheduler.add_request(request_id, ids, p))
         budget = sum(p.n * p.max_tokens for p in params)
         start = time.perf_counter()
+        run = self._run_overlapped if self.async_scheduling else self._run_in_turn
+        steps = run(scheduler, lambda done: progress(done, budget) if progress else None)
+        self.backend.synchronize()
+        for request, group in zip(requests, groups):
+            request.outputs = [self._completion(seq) for seq in group]
+        self._record(groups, steps, scheduler, time.perf_counter() - start)
+        return requests
+
+    def _run_in_turn(self, scheduler: Scheduler, progress: Callable[[int], None]) -> int:
+        """Steps one at a time: schedule, run (waiting for the device), record. Returns the step count."""
         steps = done = 0
         while scheduler.has_unfinished():
-            out = scheduler.schedule()
-            if out.is_empty:
-                raise InputError("the scheduler cannot make progress: the KV cache is too small for one sequence")
+            out = self._schedule(scheduler)
             tokens, logprobs, top = self.runner.execute(out)
             scheduler.postprocess(out, tokens, logprobs, top)
             steps += 1
             done += len(tokens)  # every sample of the step got one token (kept through preemption)
-            if progress:
-                progress(done, budget)
-        self.backend.synchronize()
-        for request, group in zip(requests, groups):
-            request.outputs = [self._completion(seq) for seq in group]
-        self._record(groups, steps, scheduler.num_preemptions, time.perf_counter() - start)
-        return requests
+            progress(done)
+        return steps
+
+    def _run_overlapped(self, scheduler: Scheduler, progress: Callable[[int], None]) -> int:
+        """Asynchronous scheduling: after launching a step whose tokens stay on the device, plan the next
+        decode step (Scheduler.schedule_ahead) and launch it, fed those tokens on the device, before
+        waiting for the first; then record the first while the device runs the second. In steady decode
+        the device always has the next step queued when it finishes one. Returns the step count."""
+        runner = self.runner
+        in_flight: list[tuple[SchedulerOutput, LaunchedStep]] = []  # launched, not yet recorded; oldest first
+        steps = done = 0
+        try:
+            while in_flight or scheduler.has_unfinished():
+                if not in_flight:
+                    out = self._schedule(scheduler)
+                    in_flight.append((out, runner.launch(out)))
+                out, step = in_flight[0]
+                ahead = scheduler.schedule_ahead(out) if step.feeds_next else None
+                if ahead is not None:
+                    in_flight.append((ahead, runner.launch(ahead, after=step)))
+                tokens, logprobs, top = runner.wait(step)
+                in_flight.pop(0)
+                dropped = scheduler.num_discarded
+                scheduler.postprocess(out, tokens, logprobs, top)
+                steps += 1
+                done += len(tokens) - (scheduler.num_discarded - dropped)
+                progress(done)
+        finally:
+            for _, step in in_flight:  # stopped by an error: let the device finish what it has
+                runner.discard(step)
+        return steps
+
+    @staticmethod
+    def _schedule(scheduler: Scheduler) -> SchedulerOutput:
+        out = scheduler.schedule()
+        if out.is_empty:
+            raise InputError("the scheduler cannot make progress: the KV cache is too small for one sequence")
+        return out
 
     def _stop_checker(self, seq: Sequence) -> bool:
         if not seq.params.stop:
@@ -201,8 +258,8 @@ class LLM:
         return CompletionOutput(seq.sample_index, list(seq.output_token_ids), text, list(seq.output_logprobs),
                                 seq.finish_reason, top)
 
-    def _record(self, groups, steps: int, preemptions: int, seconds: float) -> None:
+    def _record(self, groups, steps: int, scheduler: Scheduler, seconds: float) -> None:
         self.stats = GenerationStats(
             steps=steps, prompt_tokens=sum(g[0].num_prompt_tokens for g in groups),
-            output_tokens=sum(s.num_output_tokens for g in groups for s in g), preemptions=preemptions,
-            seconds=seconds)
+            output_tokens=sum(s.num_output_tokens for g in groups for s in g), preemptions=scheduler.num_preemptions,
+            seconds=seconds, steps_ahead=scheduler.num_steps_ahead, discarded_tokens=scheduler.num_discarded)

@@ -18,6 +18,10 @@ Speed (issue 4, section 4):
     bucket's forward + LM head is captured once as a graph and replayed with the step's
     metadata in fixed device buffers. On cpu the same padded steps run eagerly (CI checks the
     padding: tokens and log-prob bits equal those of unpadded steps).
+  * launch() queues a step (upload, forward, sampler, the download of its results) and wait()
+    reads its results, so the host can queue the next step first (asynchronous scheduling, LLM):
+    a step planned ahead takes the tokens the step before drew on the device (feed_tokens) and is
+    queued before the host waits for that step (docs/decisions.md "Issue 4: asynchronous scheduling").
   * Graphs read the weights, the KV cache, the RoPE tables and the upload buffer at the
     addresses they had at capture. Whenever one of those arrays is replaced (release_caches /
     restore_caches, Model.reencode after a training step, a larger upload buffer), the graphs
@@ -30,6 +34,7 @@ Speed (issue 4, section 4):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 import time
@@ -37,7 +42,7 @@ import time
 import numpy as np
 
 from rlportable.contract import sampling
-from rlportable.engine.block_manager import BlockCopy
+from rlportable.engine.block_manager import BlockCopy, InvariantError
 from rlportable.engine.scheduler import SchedulerOutput
 from rlportable.engine.sequence import Sequence
 from rlportable.engine.step_inputs import (DecodeTables, StepPlan, StepUploader, check_decode_plan, decode_buckets,
@@ -92,6 +97,10 @@ class ModelRunner:
         self._graph_arrays: list = []  # the device arrays the graphs read, as captured (_arrays_read_by_graphs)
         self._weights_checked = False  # whether the weights were compared with the captured ones since recheck
         self._device_sampling = None  # the last step's DeviceSampling (reused for the same sequences)
+        # sampling.token_id_table, for steps planned ahead (made here: a copy to the device inside a chain of
+        # steps in flight could wait for them)
+        self._token_ids = sampling_op.token_id_table(self.backend, model.config.vocab_size) if self.cuda_graphs \
+            else None
         #: where the last step's time went: bucket, graph (replayed one), host_s (planning, the
         #: upload and every launch), wait_s (the download: the device finishing the step), finish_s
         self.last_step: dict = {}
@@ -131,11 +140,19 @@ class ModelRunner:
     # ---- one step
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[float], list | None]:
         """Run a scheduled step; returns (token, log-prob, top alternatives or None) per out.samples."""
+        return self.wait(self.launch(out))
+
+    def launch(self, out: SchedulerOutput, after: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue a scheduled step on the device (its upload, copy-on-write copies, forward, sampler and
+        the download of its results) without waiting for it; wait(step) gives the results. A step planned
+        ahead (out.follows, Scheduler.schedule_ahead) needs `after`, the step launched just before it,
+        whose tokens it feeds on the device (after.feeds_next)."""
         if self.caches is None:
             raise InputError("runner: the KV cache is released; call restore_caches() first")
         start = time.perf_counter()
         entries = out.scheduled
         bucket = self._bucket(entries)
+        follows = self._follows(out, bucket, after)
         graph = bucket is not None and self._graphs_on(bucket)
         with self.backend.engine_stream():
             if bucket is None:
@@ -150,13 +167,21 @@ class ModelRunner:
             sampler = self._sampling(out.samples, positions) if plan.sample_rows.size else None
             extra.update(self._copy_uploads(out.copies))
             extra.update(sampler.uploads() if sampler else {})
+            if follows is not None:
+                extra["feed.rows"] = follows
             if graph:
-                self.uploader.reserve(self.uploader.size_of(fixed, extra))  # before capturing on the buffer
+                size = self.uploader.size_of(fixed, extra)
+                if after is not None and not self._replay_ready(bucket, size):
+                    # capturing, or replacing what graphs read, only with nothing in flight
+                    self.backend.synchronize()
+                self.uploader.reserve(size)  # before capturing on the buffer
                 replay = self._graph(bucket)
                 check_decode_plan(plan, len(entries), self.model.config.vocab_size, self.num_blocks,
                                   self.block_size, self.model.rope_tables(self.max_model_len)[0].shape[0])
             views = self.uploader.upload(fixed, extra)
             self._apply_copies(views)
+            if follows is not None:
+                self._feed_tokens(plan, views, after.drawn, follows)
             if graph:
                 replay[0].replay()
                 logits = replay[1][: len(entries)]
@@ -164,18 +189,61 @@ class ModelRunner:
                 logits = self._decode_logits(plan, views)[: len(entries)]
             else:
                 logits = self._step_logits(plan, views)
+            timing = {"bucket": bucket, "graph": graph, "fed": follows is not None}
             if sampler is None:
-                self.last_step = {"bucket": bucket, "graph": graph, "host_s": time.perf_counter() - start,
-                                  "wait_s": 0.0, "finish_s": 0.0}
-                return [], [], None
+                return LaunchedStep(out, None, None, None, {**timing, "host_s": time.perf_counter() - start})
             pending = sampler.launch(self.backend, logits, views)
-            launched = time.perf_counter()
-            host = self.backend.download(pending)  # the step's one wait for the device
+            download = self.backend.start_download(pending)  # the step's results, behind its work
+        if after is not None:
+            after.followed = True
+        drawn = pending[0] if bucket is not None and sampler.draws_all_on_device else None
+        return LaunchedStep(out, sampler, download, drawn, {**timing, "host_s": time.perf_counter() - start})
+
+    def wait(self, step: "LaunchedStep") -> tuple[list[int], list[float], list | None]:
+        """A launched step's results, once the device has made them: (token, log-prob, top alternatives
+        or None) per out.samples. The step's one wait for the device (not for steps launched after it)."""
+        start = time.perf_counter()
+        if step.sampler is None:
+            self.last_step = {**step.timing, "wait_s": 0.0, "finish_s": 0.0}
+            return [], [], None
+        host = step.download.wait()
         waited = time.perf_counter()
-        result = sampler.finish(self.backend, host)
-        self.last_step = {"bucket": bucket, "graph": graph, "host_s": launched - start, "wait_s": waited - launched,
-                          "finish_s": time.perf_counter() - waited}
+        result = step.sampler.finish(self.backend, host, logits_overwritten=step.followed)
+        self.last_step = {**step.timing, "wait_s": waited - start, "finish_s": time.perf_counter() - waited}
         return result
+
+    def discard(self, step: "LaunchedStep") -> None:
+        """Let a launched step finish and drop its results (the caller stopped on an error)."""
+        if step.download is not None:
+            step.download.wait()
+
+    def _follows(self, out: SchedulerOutput, bucket: int | None, after: "LaunchedStep | None") -> np.ndarray | None:
+        """out.follows as int32, checked: a step planned ahead is a decode bucket step right after a step
+        whose tokens were all drawn on the device."""
+        if out.follows is None:
+            return None
+        follows = np.asarray(out.follows, dtype=np.int32)
+        if bucket is None or after is None or not after.feeds_next or follows.size != len(out.scheduled) or (
+                follows.size and (follows.min() < 0 or follows.max() >= len(after.out.samples))):
+            raise InvariantError("runner: a step planned ahead must be a decode step launched right after a step "
+                                 "whose tokens it feeds, all drawn on the device")
+        return follows
+
+    def _feed_tokens(self, plan: StepPlan, views: dict, drawn, follows: np.ndarray) -> None:
+        """A step planned ahead reads the tokens the step before drew, moved on the device into its input
+        (sampling.feed_tokens: a refused row becomes token 0; the host raises when it reads the refusal)."""
+        count = follows.size
+        tokens = views["tokens"][:count]
+        sampling_op.feed_tokens(self.backend, drawn, views["feed.rows"], follows, self._token_ids, tokens)
+        if self.backend.kernel_vendor is None:
+            # the NumPy reference ops read the host's token ids (plan.tokens); on cpu the fed ones are host memory
+            plan.tokens[:count] = tokens
+
+    def _replay_ready(self, bucket: int, upload_bytes: int) -> bool:
+        """Whether a replay of `bucket` needs no capture and no new upload buffer."""
+        buffer = self.uploader.buffer
+        return (bucket in self.graphs and buffer is not None and buffer.shape[0] >= upload_bytes
+                and self._graph_arrays_unchanged())
 
     def _bucket(self, entries) -> int | None:
         """The padded size of a decode step (cuda_graphs on), or None for an exact-size step."""
@@ -301,6 +369,23 @@ def _device_arrays(objects, found: list | None = None) -> list:
 _IS_DATACLASS: dict[type, bool] = {}
 
 
+@dataclasses.dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device whose results the host has not read (ModelRunner.launch)."""
+
+    out: SchedulerOutput
+    sampler: object | None  # its HostSampling or DeviceSampling; None when nothing samples
+    download: object | None  # its results on their way to the host (Backend.start_download)
+    drawn: object | None  # the drawn tokens on the device, when every row was drawn there in a decode bucket
+    timing: dict  # bucket, graph, fed (its tokens came from the step before), host_s (planning, upload, launches)
+    followed: bool = False  # another step was launched before this one's results were read
+
+    @property
+    def feeds_next(self) -> bool:
+        """Whether a step planned ahead can take its tokens from this one on the device."""
+        return self.drawn is not None
+
+
 # ---------------------------------------------------------------- sampling
 
 def _sampling_arrays(samples: list[Sequence]) -> dict:
@@ -355,7 +440,10 @@ class HostSampling:
     def launch(self, backend, logits, views) -> list:
         return [logits]
 
-    def finish(self, backend, host: list[np.ndarray]) -> tuple[list[int], list[float], list | None]:
+    draws_all_on_device = False
+
+    def finish(self, backend, host: list[np.ndarray], logits_overwritten: bool = False
+               ) -> tuple[list[int], list[float], list | None]:
         return sample_tokens(host[0], self.samples)
 
 
@@ -395,19 +483,26 @@ class DeviceSampling:
         self._uploads = self._static
         self._sampled_from: list = []
 
+    @property
+    def draws_all_on_device(self) -> bool:
+        """Whether the kernel draws every row, in order (its tokens are then the step's, on the device)."""
+        return not self.host_rows.size and len(self.groups) == 1 and self.groups[0].size == len(self.samples)
+
     def for_step(self, samples: list[Sequence], positions: np.ndarray | None = None) -> "DeviceSampling":
         """This sampler for a step of the same sequences: their positions now (the token each draws
-        sits at position num_tokens of its sequence; `positions` gives them where the caller has them)."""
+        sits at position num_tokens of its sequence; `positions` gives them where the caller has them).
+        A shallow copy that shares the parameters: two steps in flight each keep their own positions."""
         if positions is None:
             positions = np.fromiter((s.num_tokens for s in samples), dtype=np.int64, count=len(samples))
         positions = positions.astype(np.int64)
         if positions.size and positions.max() >= 1 << 32:
             raise InputError(f"sampling: position must lie in [0, 2^32), got {positions.max()}")
-        self.samples = samples
-        self.arrays["position"] = positions
-        self._uploads = {**self._static, "sampler.position": positions[self.order].astype(np.uint32)}
-        self._sampled_from = []
-        return self
+        step = copy.copy(self)
+        step.samples = samples
+        step.arrays = {**self.arrays, "position": positions}
+        step._uploads = {**self._static, "sampler.position": positions[self.order].astype(np.uint32)}
+        step._sampled_from = []
+        return step
 
     def uploads(self) -> dict[str, np.ndarray]:
         return self._uploads
@@ -430,12 +525,20 @@ class DeviceSampling:
                            embedding.gather(backend, logits, views["sampler.host_rows"], host_ids=self.host_rows))
         return pending
 
-    def finish(self, backend, host: list[np.ndarray]) -> tuple[list[int], list[float], list | None]:
+    def finish(self, backend, host: list[np.ndarray], logits_overwritten: bool = False
+               ) -> tuple[list[int], list[float], list | None]:
+        """The step's tokens, log-probs and top alternatives from its download. logits_overwritten: a later
+        step may have written the logits array since (a graph's fixed output), so a refusal is reported
+        without reading them again."""
         tokens = np.zeros(len(self.samples), dtype=np.int64)
         logprobs = np.zeros(len(self.samples), dtype=np.float32)
         for k, rows in enumerate(self.groups):
             group_tokens, group_logprobs = host[2 * k], host[2 * k + 1]
             if (group_tokens == sampling_op.REFUSED).any():
+                if logits_overwritten:
+                    row = int(np.flatnonzero(group_tokens == sampling_op.REFUSED)[0])
+                    raise InputError(f"sampling: row {row} of the logits was refused by the sampling kernel "
+                                     f"(a NaN, +inf or no finite value)")
                 sampling_op.raise_refused(backend, self._sampled_from[k], group_tokens, self.temperature[rows])
             tokens[rows], logprobs[rows] = group_tokens, group_logprobs
         top = None

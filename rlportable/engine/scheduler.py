@@ -32,6 +32,12 @@ queued as sequences of their own (they recompute the prompt, or hit the prefix c
 
 Tokens never depend on this schedule: a token is a function of (seed, request, sample,
 position) and logits that the exact kernels make independent of how the work was cut.
+
+Asynchronous scheduling (LLM(async_scheduling=...)): while a pure decode step runs on the device,
+schedule_ahead(out) plans the next one before out's tokens are known, and the runner feeds it
+out's tokens on the device; then postprocess(out), then the step after (docs/decisions.md
+"Issue 4: asynchronous scheduling"). At most one step is in flight unrecorded when a step is
+planned, so every sequence has num_computed_tokens = num_tokens - 1 then.
 """
 
 from __future__ import annotations
@@ -56,7 +62,9 @@ class ScheduledSequence:
     """One sequence's work in a step: compute its tokens [start, start + num_new_tokens)."""
 
     seq: Sequence
-    start: int  # = seq.num_computed_tokens when scheduled (and when the runner runs)
+    start: int  # = seq.num_computed_tokens when scheduled (and when the runner runs); a step planned
+    # ahead (Scheduler.schedule_ahead) is scheduled one token early: start = num_computed_tokens + 1 = the
+    # position of the token the step before draws, and = num_computed_tokens at its postprocess
     num_new_tokens: int
     needs_sample: bool  # start + num_new_tokens == seq.num_tokens: the last row's logits give tokens
     sample_seqs: list[Sequence] = field(default_factory=list)  # who draws a token from that row (seq first)
@@ -82,12 +90,17 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
-    """A step's plan. `scheduled`: decodes first (oldest first), then prefill chunks."""
+    """A step's plan. `scheduled`: decodes first (oldest first), then prefill chunks.
+
+    `follows` is set on a step planned ahead (Scheduler.schedule_ahead): entry i feeds the token
+    that the step before it draws for its sample follows[i], which the runner moves on the device
+    (the host does not know it when this step is launched)."""
 
     scheduled: list[ScheduledSequence]
     copies: list[BlockCopy]  # copy-on-write copies to apply before the forward
     preempted: list[Sequence]  # sequences freed this step (now waiting)
     num_batched_tokens: int
+    follows: list[int] | None = None
 
     @functools.cached_property
     def samples(self) -> list[Sequence]:
@@ -131,6 +144,8 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_steps_ahead = 0  # statistics: steps planned by schedule_ahead
+        self.num_discarded = 0  # statistics: tokens drawn ahead for sequences already finished (dropped)
 
     # ---- requests
 
@@ -288,23 +303,71 @@ class Scheduler:
         self.num_steps += 1
         return SchedulerOutput(scheduled, copies, preempted, self.max_num_batched_tokens - budget)
 
+    # ---- asynchronous scheduling: the next decode step, planned while the current one runs
+
+    def schedule_ahead(self, running_step: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after `running_step`, planned while that step runs (launched, its tokens not
+        yet known: call this before postprocess(running_step)), assuming each of its sequences goes on.
+        None when that cannot be planned now; then nothing changed (postprocess, then schedule()).
+
+        Planned when running_step is a pure decode step (one token and one sample per entry) of every
+        running sequence, no waiting sequence could be admitted in a place that opens (none waits, or
+        max_num_seqs run), and the slots fit in the free blocks (this never preempts). Its entries are
+        running_step's sequences, in order, less those whose token in flight is their last by length
+        (max_tokens, max_model_len: known ahead); each feeds that token at position num_tokens (its
+        slot allocated ahead, block_manager.allocate_ahead), drawing the next. A sequence that the token
+        in flight stops otherwise (stop token, eos, stop string) is known only at postprocess: its row
+        in this step is computed and dropped (postprocess skips finished sequences of such a step).
+
+        Tokens are the same as with schedule(): each is a function of its sequence's own history. The
+        schedule differs only in admitting a waiting sequence one step later when a place opens."""
+        entries = running_step.scheduled
+        if not entries or not all(e.num_new_tokens == 1 and e.needs_sample and len(e.sample_seqs) == 1
+                                  for e in entries):
+            return None
+        running = SequenceStatus.RUNNING
+        live = [(row, e.seq) for row, e in enumerate(entries) if e.seq.status is running]
+        if len(live) != len(self.running) or (self.waiting and len(self.running) < self.max_num_seqs):
+            return None  # someone else runs (a prefill to continue) or may be admitted: schedule() decides
+        going_on = [(row, seq) for row, seq in live if not self._last_by_length(seq)]
+        bm = self.block_manager
+        if not going_on or sum(bm.blocks_needed_ahead(seq) for _, seq in going_on) > bm.num_free_blocks:
+            return None
+        for _, seq in going_on:
+            bm.allocate_ahead(seq)
+        scheduled = [ScheduledSequence(seq, seq.num_tokens, 1, True, [seq]) for _, seq in going_on]
+        self.num_steps += 1
+        self.num_steps_ahead += 1
+        return SchedulerOutput(scheduled, [], [], len(scheduled), follows=[row for row, _ in going_on])
+
+    def _last_by_length(self, seq: Sequence) -> bool:
+        """Whether the token seq's step in flight draws ends it by length (_stop_reason's last test)."""
+        return seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
     # ---- results
 
     def postprocess(self, output: SchedulerOutput, token_ids: Seq[int], logprobs: Seq[float] | None = None,
                     top_logprobs: Seq | None = None) -> list[Sequence]:
         """Record a step: its computed tokens, forks, and one sampled token per sequence of
         output.samples (token_ids, and optional logprobs / top_logprobs, in that order).
-        Finishes sequences that hit a stop condition and frees their blocks; returns them."""
+        Finishes sequences that hit a stop condition and frees their blocks; returns them.
+        In a step planned ahead (output.follows), the rows of sequences that finished after it was
+        planned (at the previous postprocess) are dropped: their tokens come after the end."""
         samples = output.samples
         for name, values in (("token_ids", token_ids), ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
             if values is not None and len(values) != len(samples):
                 raise InputError(f"Scheduler.postprocess: {name} has {len(values)} entries for {len(samples)} samples")
         mark_computed = self.block_manager.mark_computed
         running = SequenceStatus.RUNNING
+        ahead = output.follows is not None
         finished: list[Sequence] = []
         k = 0
         for entry in output.scheduled:
             seq = entry.seq
+            if ahead and seq.status is SequenceStatus.FINISHED:
+                k += 1  # one sample per entry in such a step
+                self.num_discarded += 1
+                continue
             if seq.status is not running or seq.num_computed_tokens != entry.start:
                 raise InputError(f"Scheduler.postprocess: {seq!r} does not match this output (postprocess each "
                                  f"schedule() output exactly once, in order)")

@@ -169,3 +169,50 @@ def sample_and_logprobs(backend, logits, temperature, *, seed, request, sample_i
     tokens = sample(backend, logits, temperature, seed=seed, request=request, sample_index=sample_index,
                     position=position)
     return tokens, sampled_logprobs(backend, logits, tokens, temperature)
+
+
+# ---- the engine's asynchronous scheduling: a step's drawn tokens become the next step's input
+
+
+def token_id_table(backend, vocab: int):
+    """int32 [vocab] with entry v = v, a backend array: feed_tokens reads drawn tokens through it."""
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or not 1 <= vocab <= reference.MAX_VOCAB:
+        raise InputError(f"sampling: the vocabulary size must be an integer in [1, 2^25], got {vocab!r}")
+    return backend.asarray(np.arange(int(vocab), dtype=np.int32))
+
+
+def feed_tokens(backend, drawn, rows, host_rows: np.ndarray, id_table, out) -> None:
+    """out[i] = drawn[rows[i]] if that is a token id (in [0, vocab), vocab = id_table's size), else 0,
+    for every i: the tokens one step drew (the sampling kernel's output, which the host has not read)
+    as the next step's input tokens, with no round trip through the host.
+
+    A row the kernel refused (REFUSED) becomes token 0, so the next step reads a real embedding row;
+    the host raises the refusal when it reads the drawn tokens (and drops the next step). drawn: int32
+    [m]; rows: int32 [n] (a backend array) and host_rows its host copy, each in [0, m); id_table:
+    token_id_table(vocab); out: int32 [n], a backend array (a view of the next step's input).
+
+    On a device this is two existing kernels that move 32-bit words and compute nothing: the embedding
+    gather of drawn seen as a table of one-word rows, at rows (skipped when rows is 0, 1, ..., m - 1),
+    then the vocabulary-parallel gather of id_table's one-word rows at those tokens with the whole
+    vocabulary as the shard, which gives 0 for an id outside [0, vocab)."""
+    host_rows = np.asarray(host_rows)
+    m, n, vocab = (shape_of(a)[0] if shape_of(a) else 0 for a in (drawn, host_rows, id_table))
+    for name, array, length in (("drawn", drawn, m), ("rows", rows, n), ("out", out, n), ("id_table", id_table, vocab)):
+        if shape_of(array) != (length,) or np.dtype(array.dtype) != np.int32:
+            raise InputError(f"feed_tokens: {name} must be int32 of shape ({length},), got "
+                             f"{np.dtype(array.dtype).name} of shape {shape_of(array)}")
+    if n and (host_rows.min() < 0 or host_rows.max() >= m):
+        raise InputError(f"feed_tokens: rows must lie in [0, {m}), the rows drawn")
+    if backend.kernel_vendor is None:
+        picked = np.asarray(drawn)[host_rows]
+        out[...] = np.where((picked >= 0) & (picked < vocab), picked, 0)
+        return
+    if not n:
+        return
+    grid, block = (min(-(-n // embedding_op.THREADS), embedding_op.MAX_GRID),), (embedding_op.THREADS,)
+    picked = drawn
+    if n != m or not np.array_equal(host_rows, np.arange(m)):
+        picked = backend.empty((n,), np.int32)
+        backend.launch("embedding", "embedding_gather", grid, block, (drawn, rows, np.int64(n), np.int32(1), picked))
+    backend.launch("embedding", "embedding_gather_shard", grid, block,
+                   (id_table, picked, np.int64(n), np.int32(1), np.int32(0), np.int32(vocab), out))

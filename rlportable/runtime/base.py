@@ -96,9 +96,19 @@ class Backend(ABC):
         array) in stream order, without waiting for the device where the backend can."""
         buffer[: host.size] = host
 
+    #: whether start_download returns before the device has finished the work queued so far (cuda),
+    #: so the host can queue more work meanwhile (the engine's asynchronous scheduling); elsewhere the
+    #: copies are made at once
+    async_downloads: bool = False
+
+    def start_download(self, arrays: list) -> "Download":
+        """Begin copying backend arrays to the host, behind the work queued so far; `.wait()` gives
+        the host copies (C-contiguous). Here the copies are made at once."""
+        return Download([np.array(self.to_numpy(array)) for array in arrays])
+
     def download(self, arrays: list) -> list[np.ndarray]:
         """Host copies of backend arrays (C-contiguous), with one wait for the device where the backend can."""
-        return [np.array(self.to_numpy(array)) for array in arrays]
+        return self.start_download(arrays).wait()
 
     def typed_view(self, buffer, offset: int, shape: tuple[int, ...], dtype):
         """`shape` elements of `dtype` at byte `offset` of a uint8 backend array (offset aligned to the item size)."""
@@ -109,3 +119,15 @@ class Backend(ABC):
     def label(self) -> str:
         """Name shown to users, e.g. 'cuda' or 'cuda (hip sources)'."""
         return self.name
+
+
+class Download:
+    """Host copies of backend arrays, ready (Backend.start_download); a backend that copies
+    asynchronously returns its own kind, whose wait() waits for the copies."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self._arrays = arrays
+
+    def wait(self) -> list[np.ndarray]:
+        """The host copies (the same list at every call)."""
+        return self._arrays

@@ -48,6 +48,7 @@ def probe() -> tuple[bool, str]:
 
 class CudaBackend(Backend):
     name = "cuda"
+    async_downloads = True  # start_download queues the copies and an event; the host waits at wait()
 
     def __init__(self, kernel_source: str = "cuda"):
         available, reason = probe()
@@ -66,7 +67,7 @@ class CudaBackend(Backend):
         self._stream = None  # the engine's stream
         self._graph_pool = None  # memory of captured work (see capture_graph)
         self._uploads: list[list] = []  # [pinned host buffer, event after the last copy from it]
-        self._download = None  # pinned host buffer
+        self._free_downloads: list[_PinnedDownload] = []  # pinned buffers no pending download uses
 
     @property
     def label(self):
@@ -162,26 +163,27 @@ class CudaBackend(Backend):
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
         slot[1].record(stream)
 
-    def download(self, arrays):
-        """Asynchronous device-to-host copies of every array into one pinned buffer, then one wait
-        for the current stream: the step loop's only synchronisation."""
+    def start_download(self, arrays):
+        """Asynchronous device-to-host copies of every array into one pinned buffer, behind the work
+        queued so far on the current stream, and an event after them; the host does not wait here.
+        Each pending download has a pinned buffer of its own (a small pool), so a later step's download
+        never overwrites copies the host has not read yet."""
         cupy = self.cupy
         arrays = [a if a.flags.c_contiguous else cupy.ascontiguousarray(a) for a in arrays]
         offsets, total = [], 0
         for array in arrays:
             offsets.append(total)
             total += -(-int(array.nbytes) // 16) * 16
-        if self._download is None or self._download.size < total:
-            self._download = self._pinned(total, self._download)
-        staging = self._download
+        staging = self._free_downloads.pop() if self._free_downloads else _PinnedDownload(cupy)
+        if staging.buffer is None or staging.buffer.size < total:
+            staging.buffer = self._pinned(total, staging.buffer)
         stream = cupy.cuda.get_current_stream()
         for array, offset in zip(arrays, offsets):
             if array.nbytes:
-                cupy.cuda.runtime.memcpyAsync(staging.ctypes.data + offset, array.data.ptr, int(array.nbytes),
+                cupy.cuda.runtime.memcpyAsync(staging.buffer.ctypes.data + offset, array.data.ptr, int(array.nbytes),
                                               cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        stream.synchronize()
-        return [staging[offset: offset + array.nbytes].view(array.dtype).reshape(array.shape).copy()
-                for array, offset in zip(arrays, offsets)]
+        staging.event.record(stream)
+        return _CudaDownload(self, staging, arrays, offsets)
 
     def capture_graph(self, function):
         """(CudaGraph, function()) with function's kernels captured on the engine stream, not run.
@@ -247,6 +249,35 @@ class CudaBackend(Backend):
             "nvrtc": _nvrtc_version(),
             "cublas": cupy.cuda.cublas.getVersion(self.device.cublas_handle),
         }
+
+
+class _PinnedDownload:
+    """A pinned host buffer that device-to-host copies land in, and the event recorded after them."""
+
+    def __init__(self, cupy):
+        self.buffer = None
+        self.event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+
+
+class _CudaDownload:
+    """A download in flight (CudaBackend.start_download): wait() waits for its event only (not for work
+    queued after it), copies the arrays out of the pinned buffer and gives the buffer back."""
+
+    def __init__(self, backend: CudaBackend, staging: _PinnedDownload, arrays: list, offsets: list[int]):
+        self._backend, self._staging = backend, staging
+        self._arrays = arrays  # kept alive until the copies have run
+        self._offsets = offsets
+        self._result = None
+
+    def wait(self) -> list[np.ndarray]:
+        if self._result is None:
+            staging = self._staging
+            staging.event.synchronize()
+            self._result = [staging.buffer[offset: offset + array.nbytes].view(array.dtype).reshape(array.shape).copy()
+                            for array, offset in zip(self._arrays, self._offsets)]
+            self._arrays = None
+            self._backend._free_downloads.append(staging)
+        return self._result
 
 
 class CudaGraph:

@@ -109,7 +109,7 @@ weight_names.update({id(getattr(layer, name)): name for layer in model.layers fo
 
 def gemm_kind(args):
     weight = args[2]
-    return f"gemm.{weight_names.get(id(weight), f'{weight.n}x{weight.k}')}"
+    return f"gemm.{weight_names.get(id(weight), type(weight).__name__)}"
 
 
 PATCHES = [

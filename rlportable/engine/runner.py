@@ -342,7 +342,7 @@ class ModelRunner:
 
 
 def _device_arrays(objects, found: list | None = None) -> list:
-    """Every array held by these model or cache objects (GemmWeight, KVCache, DeviceLayer and
+    """Every array held by these model or cache objects (GemmWeight, StackedWeight, KVCache, DeviceLayer and
     other dataclasses, arrays). Runs at every graph replay (about 600 arrays for 28 layers), hence
     the plain type tests, the iterables passed down rather than unpacked, and the per-type memo of
     dataclasses.is_dataclass."""
@@ -351,6 +351,8 @@ def _device_arrays(objects, found: list | None = None) -> list:
         kind = type(obj)
         if kind is gemm.GemmWeight:
             found += (obj.encoded.digits, obj.encoded.exponents)
+        elif kind is gemm.StackedWeight:  # its parts are views of the whole
+            found += (obj.whole.encoded.digits, obj.whole.encoded.exponents)
         elif kind is attention.KVCache:
             found += (obj.k_digits, obj.k_exponents, obj.v_digits, obj.v_exponents)
         elif obj is None:

@@ -122,6 +122,8 @@ PATCHES = [
     # rmsnorm_heads (QK-norm) calls rmsnorm on [tokens * heads, head_dim]: told apart by the weight
     (norm, "rmsnorm", lambda a: "norm.qk_norm" if a[2].shape[0] == config.head_dim else "norm.rmsnorm"),
     (rope, "apply", lambda a: "rope.apply"),
+    (norm, "add_rmsnorm", lambda a: "norm.add_rmsnorm"),
+    (norm, "rmsnorm_heads_rope", lambda a: "norm.rmsnorm_heads_rope"),
     (activation, "swiglu", lambda a: "activation.swiglu"),
     (residual, "add", lambda a: "residual.add"),
     (residual, "add_bias", lambda a: "residual.add_bias"),

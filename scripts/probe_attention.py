@@ -41,8 +41,35 @@ def _bounds(anchor: str, blocks: int):
     return lambda s: edit(s, anchor, anchor.replace(built, f"(RLP_ATTS_THREADS, {blocks})"))
 
 
+WEIGHT_SLOT = "offset[u] = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;"
+WEIGHT_EV = "ev[u] = key_ev[rowg * keys + j];"
+WEIGHT_SCORE = "if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];"
+V_LOW = "low[u] = __ldg(reinterpret_cast<const int*>(row));"
+V_HIGH = "high[u] = __ldg(reinterpret_cast<const int*>(row + dp));"
+
+
+def _define(name: str, value: int):
+    return lambda s: edit(s, f"#define {name} ", f"#define {name} {value} //")
+
+
+def _no_weight_loads(s):  # timing only (other bits): the weight phase without its global loads
+    s = edit(s, WEIGHT_SLOT, "offset[u] = (j + 16 * seq) * hkv + g;")
+    s = edit(s, WEIGHT_EV, "ev[u] = 0;")
+    return edit(s, WEIGHT_SCORE, "if (hi < nb) s[u][hi] = 0.0f;")
+
+
+def _no_v_loads(s):  # timing only (other bits): the value phase without its V loads
+    return edit(edit(s, V_LOW, "low[u] = (int)key_offsets[k0 + u * lanes];"), V_HIGH, "high[u] = column;")
+
+
 VARIANTS = {
     "as_built": lambda s: s,
+    "values_no_weight_loads (timing only)": _no_weight_loads,
+    "values_no_v_loads (timing only)": _no_v_loads,
+    "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
+    "value_keys_2": _define("RLP_ATTS_VALUE_KEYS", 2),
+    "weight_keys_4": _define("RLP_ATTS_WEIGHT_KEYS", 4),
+    "tile_256": _define("RLP_ATTS_TILE", 256),
     "score_pieces_2": _pieces(2),
     "score_4_blocks": _bounds(SCORE_BOUNDS, 4),
     "score_6_blocks": _bounds(SCORE_BOUNDS, 6),

@@ -84,10 +84,12 @@ def check_engine_tiny(backend, rng, quick: bool):
                      for r in outputs for c in r.outputs], outputs
 
     _, expected, _ = run("cpu", max_num_seqs=64, block_size=16)
-    # decode graphs (cuda, hip) or padded decode buckets (cpu) on and off, odd batch sizes included
+    # decode graphs (cuda, hip) or padded decode buckets (cpu) on and off, odd batch sizes included; the last:
+    # the device sampler with asynchronous scheduling (decode steps fed the tokens drawn on the device)
     for engine in (dict(max_num_seqs=64, block_size=16), dict(max_num_seqs=2, block_size=32, max_num_batched_tokens=8),
                    dict(max_num_seqs=5, block_size=16, cuda_graphs=True),
-                   dict(max_num_seqs=5, block_size=16, cuda_graphs=False)):
+                   dict(max_num_seqs=5, block_size=16, cuda_graphs=False),
+                   dict(max_num_seqs=5, block_size=16, cuda_graphs=True, sampler="device", async_scheduling=True)):
         llm, got, outputs = run(backend.name, **engine)
         for (tokens, lp), (tokens_ref, lp_ref) in zip(got, expected):
             tally.add(tokens, tokens_ref)

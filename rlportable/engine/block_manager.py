@@ -280,13 +280,13 @@ class BlockManager:
         allocation made it writable, and nothing forks or shares a partial block while only decode
         steps run), or it starts a new block. Anything else is a bookkeeping bug."""
         table, position, bs = seq.block_table, seq.num_tokens, self.block_size
-        if seq.seq_id not in self._seqs or seq.num_computed_tokens != position - 1:
+        if seq.num_computed_tokens != position - 1 or seq.seq_id not in self._seqs:
             raise InvariantError(f"BlockManager: {seq!r} has no decode step in flight to plan ahead of")
-        j = position // bs
-        if j == len(table) and position % bs == 0:
+        j, offset = divmod(position, bs)
+        if offset and j == len(table) - 1 and self._refs[table[j]] == 1:
+            return 0  # most steps: the block being written
+        if not offset and j == len(table):
             return 1
-        if j == len(table) - 1 and position % bs and self._refs[table[j]] == 1:
-            return 0
         raise InvariantError(f"BlockManager: {seq!r} cannot write position {position} ahead (table {table})")
 
     def allocate_ahead(self, seq: Sequence) -> None:

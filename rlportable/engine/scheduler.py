@@ -322,27 +322,28 @@ class Scheduler:
         Tokens are the same as with schedule(): each is a function of its sequence's own history. The
         schedule differs only in admitting a waiting sequence one step later when a place opens."""
         entries = running_step.scheduled
-        if not entries or not all(e.num_new_tokens == 1 and e.needs_sample and len(e.sample_seqs) == 1
-                                  for e in entries):
-            return None
+        if not entries or running_step.follows is None and not all(
+                e.num_new_tokens == 1 and e.needs_sample and len(e.sample_seqs) == 1 for e in entries):
+            return None  # (a step planned ahead is a pure decode step)
         running = SequenceStatus.RUNNING
         live = [(row, e.seq) for row, e in enumerate(entries) if e.seq.status is running]
         if len(live) != len(self.running) or (self.waiting and len(self.running) < self.max_num_seqs):
             return None  # someone else runs (a prefill to continue) or may be admitted: schedule() decides
-        going_on = [(row, seq) for row, seq in live if not self._last_by_length(seq)]
+        # those the token in flight does not end by length (_stop_reason's last test, one token on)
+        max_model_len = self.max_model_len
+        going_on = [(row, seq) for row, seq in live if len(seq.output_token_ids) + 1 < seq.params.max_tokens
+                    and seq.num_tokens + 1 < max_model_len]
         bm = self.block_manager
-        if not going_on or sum(bm.blocks_needed_ahead(seq) for _, seq in going_on) > bm.num_free_blocks:
+        fresh = [bm.blocks_needed_ahead(seq) for _, seq in going_on]
+        if not going_on or sum(fresh) > bm.num_free_blocks:
             return None
-        for _, seq in going_on:
-            bm.allocate_ahead(seq)
+        for (_, seq), count in zip(going_on, fresh):
+            if count:
+                bm.allocate_ahead(seq)
         scheduled = [ScheduledSequence(seq, seq.num_tokens, 1, True, [seq]) for _, seq in going_on]
         self.num_steps += 1
         self.num_steps_ahead += 1
         return SchedulerOutput(scheduled, [], [], len(scheduled), follows=[row for row, _ in going_on])
-
-    def _last_by_length(self, seq: Sequence) -> bool:
-        """Whether the token seq's step in flight draws ends it by length (_stop_reason's last test)."""
-        return seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
     # ---- results
 
@@ -358,13 +359,13 @@ class Scheduler:
             if values is not None and len(values) != len(samples):
                 raise InputError(f"Scheduler.postprocess: {name} has {len(values)} entries for {len(samples)} samples")
         mark_computed = self.block_manager.mark_computed
-        running = SequenceStatus.RUNNING
+        running, stopped = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         ahead = output.follows is not None
         finished: list[Sequence] = []
         k = 0
         for entry in output.scheduled:
             seq = entry.seq
-            if ahead and seq.status is SequenceStatus.FINISHED:
+            if ahead and seq.status is stopped:
                 k += 1  # one sample per entry in such a step
                 self.num_discarded += 1
                 continue

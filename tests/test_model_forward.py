@@ -49,6 +49,38 @@ def test_temperature_and_entropy(tiny):
     assert np.all(ent >= 0) and not np.array_equal(bits(lp1), bits(lp2))
 
 
+def test_the_stacked_projections_get_their_encoding_from_add_rmsnorm(tiny, monkeypatch):
+    """Every stacked gemm but the first layer's q/k/v (whose h comes from rmsnorm) reads the encoding that
+    norm.add_rmsnorm returned with its h: fixedpoint's encoding of that h, to the bit. The final norm's
+    output is not encoded (the LM head encodes only the rows it needs)."""
+    from rlportable.ops import fixedpoint, gemm, norm
+
+    model, _ = tiny
+    seen, requested = [], []
+    columns, add_rmsnorm = gemm.gemm_columns, norm.add_rmsnorm
+
+    def recording_columns(backend, x, stacked, encoded=None, tile=None):
+        seen.append((np.array(x), encoded))
+        return columns(backend, x, stacked, encoded=encoded, tile=tile)
+
+    def recording_add_rmsnorm(*args, encode_bits=None, **kwargs):
+        requested.append(encode_bits)
+        return add_rmsnorm(*args, encode_bits=encode_bits, **kwargs)
+
+    monkeypatch.setattr(gemm, "gemm_columns", recording_columns)
+    monkeypatch.setattr(norm, "add_rmsnorm", recording_add_rmsnorm)
+    tokens = np.arange(1, 12, dtype=np.int32)
+    model.logprobs(tokens, np.array([0, 5, 11]))
+    layers = len(model.layers)
+    assert len(seen) == 2 * layers and seen[0][1] is None
+    for h, encoded in seen[1:]:
+        want = fixedpoint.encode_rows_reference(h, gemm.DEFAULT_BITS_A)
+        assert (encoded.bits, encoded.k, encoded.descending) == (want.bits, want.k, want.descending)
+        assert np.array_equal(encoded.digits, want.digits) and np.array_equal(encoded.exponents, want.exponents)
+    # per layer: the in-layer norm and the closing one, encoded except the final norm's
+    assert requested == [gemm.DEFAULT_BITS_A] * (2 * layers - 1) + [None]
+
+
 def test_bad_packing_is_an_input_error(tiny):
     from rlportable.errors import InputError
 

@@ -372,3 +372,116 @@ def test_add_rmsnorm_is_the_residual_add_then_the_norm():
     assert total.view(np.uint32)[4, 1] == 0x7FC00000 and np.all(y.view(np.uint32)[2] == 0x7FC00000)
     with pytest.raises(InputError, match="must be float32 of one shape"):
         norm.add_rmsnorm(cpu, a, b[:3], w, 1e-6)
+
+
+def _assert_encoded_equal(got, want):
+    assert (got.bits, got.k, got.descending, got.k_padded) == (want.bits, want.k, want.descending, want.k_padded)
+    assert np.array_equal(np.asarray(got.digits), want.digits)
+    assert np.array_equal(np.asarray(got.exponents), want.exponents)
+
+
+def test_add_rmsnorm_with_encode_bits_returns_the_gemm_encoding_of_y():
+    from rlportable.ops import fixedpoint, gemm
+
+    assert norm.FUSED_ENCODE_BITS == gemm.DEFAULT_BITS_A == reference.ENCODE_BITS  # the kernel's one encoding
+    rng = np.random.default_rng(13)
+    a = rng.standard_normal((6, 100)).astype(np.float32)
+    b = rng.standard_normal((6, 100)).astype(np.float32)
+    a[2, 5], b[2, 5] = 3e38, 3e38  # a NaN row of y: the exponent sentinel and zero digits
+    a[3], b[3] = 0.0, -0.0  # an all-zero row: exponent -149
+    a[4, 7] = 1e-42  # subnormal inputs next to normal ones
+    w = rng.standard_normal(100).astype(np.float32)
+    total, y = norm.add_rmsnorm(CPU, a, b, w, 1e-6)
+    for bits in (gemm.DEFAULT_BITS_A, 15):
+        s2, y2, encoded = norm.add_rmsnorm(CPU, a, b, w, 1e-6, encode_bits=bits)
+        assert np.array_equal(s2.view(np.uint32), total.view(np.uint32))
+        assert np.array_equal(y2.view(np.uint32), y.view(np.uint32))
+        _assert_encoded_equal(encoded, fixedpoint.encode_rows_reference(y, bits))
+    encoded = norm.add_rmsnorm(CPU, a, b, w, 1e-6, encode_bits=23)[2]
+    assert encoded.digits.shape == (6, 3, 128) and not np.any(encoded.digits[:, :, 100:])  # K padded to 64
+    assert encoded.exponents[2] == fp.NONFINITE_EXPONENT and not np.any(encoded.digits[2])
+    assert encoded.exponents[3] == fp.ZERO_ROW_EXPONENT
+    empty = norm.add_rmsnorm(CPU, a[:, :0], b[:, :0], w[:0], 1e-6, encode_bits=23)[2]
+    assert empty.digits.shape == (6, 3, 0) and np.all(empty.exponents == fp.ZERO_ROW_EXPONENT)
+    with pytest.raises(InputError, match="encode_bits must be an integer"):
+        norm.add_rmsnorm(CPU, a, b, w, 1e-6, encode_bits=1)
+
+
+class _RecordingDevice:
+    """A backend whose kernels are recorded, not run (NumPy arrays): the device path's launches."""
+
+    label = "fake"
+
+    def __init__(self, vendor: str):
+        self.kernel_vendor = vendor
+        self.launches = []
+
+    def asarray(self, array):
+        return np.array(array)
+
+    def to_numpy(self, array):
+        return np.asarray(array)
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype=dtype)
+
+    def launch(self, family, kernel, grid, block, args, shared_mem=0):
+        self.launches.append((family, kernel, args, shared_mem))
+
+
+def _kernel_parameters(vendor: str, family: str) -> dict[str, list[str]]:
+    """kernel name -> parameter types (the name stripped), from backends/<vendor>/<family>.*."""
+    import re
+
+    from rlportable.resources import resource_dir
+
+    text = (resource_dir("backends") / vendor / f"{family}{'.cu' if vendor == 'cuda' else '.hip'}").read_text()
+    pattern = r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)'
+    return {name: [" ".join(p.replace("__restrict__", "").split()).rsplit(" ", 1)[0] for p in params.split(",")]
+            for name, params in re.findall(pattern, text)}
+
+
+_SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
+_POINTERS = {"float*": np.float32, "const float*": np.float32, "signed char*": np.int8, "int*": np.int32}
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_add_rmsnorm_launches_encode_in_the_norm_kernel_up_to_the_fused_limit(vendor):
+    """One norm_add_rmsnorm launch writes the encoding up to MAX_FUSED_ENCODED_ROW; above it (and without
+    encode_bits) the kernel gets null digits/exponents and fixedpoint_encode_rows runs after. The
+    launches' arguments match the kernels' parameters in both sources."""
+    parameters = {**_kernel_parameters(vendor, "norm"), **_kernel_parameters(vendor, "fixedpoint")}
+    limit = norm.MAX_FUSED_ENCODED_ROW
+    for h, encode_bits, kernels in ((96, None, ["norm_add_rmsnorm"]), (96, 23, ["norm_add_rmsnorm"]),
+                                    (limit, 23, ["norm_add_rmsnorm"]),
+                                    (limit + 64, 23, ["norm_add_rmsnorm", "fixedpoint_encode_rows"]),
+                                    (96, 15, ["norm_add_rmsnorm", "fixedpoint_encode_rows"])):
+        device = _RecordingDevice(vendor)
+        a = np.zeros((3, h), np.float32)
+        result = norm.add_rmsnorm(device, a, a.copy(), np.ones(h, np.float32), 1e-6, encode_bits=encode_bits)
+        assert [launch[1] for launch in device.launches] == kernels, (h, encode_bits)
+        _, kernel, args, shared_mem = device.launches[0]
+        fused = encode_bits == 23 and h <= limit
+        assert shared_mem == (8 if fused else 4) * h
+        if encode_bits is None:
+            assert len(result) == 2
+        else:
+            encoded = result[2]
+            assert (encoded.bits, encoded.k, encoded.descending) == (encode_bits, h, False)
+            assert encoded.digits.shape == (3, fp.slice_count(encode_bits), -(-h // 64) * 64)
+            if fused:
+                assert args[8] is encoded.digits and args[9] is encoded.exponents and args[10] == encoded.k_padded
+        if not fused:
+            assert args[8] is norm.NULL_POINTER and args[9] is norm.NULL_POINTER
+        for _, kernel, args, _ in device.launches:
+            types = parameters[kernel]
+            assert len(args) == len(types), kernel
+            for kind, arg in zip(types, args):
+                if kind.endswith("*"):
+                    assert (arg is norm.NULL_POINTER or isinstance(arg, np.ndarray) and arg.dtype == _POINTERS[kind]
+                            and arg.flags.c_contiguous), (kernel, kind)
+                else:
+                    assert isinstance(arg, np.generic) and arg.dtype == _SCALARS[kind], (kernel, kind, arg)

@@ -2,22 +2,8 @@
 // Contract: contracts/fixedpoint.toml. Reference: rlportable/contract/fixedpoint.py.
 #include "common.cuh"
 
-// The quantize and digit-split loop of one row with exponent e, shared by the
-// encoders (fixedpoint.quantize_rows + split_digits): the block's threads take
-// strided positions; positions k..k_padded-1 and non-finite rows get q = 0.
-// descending != 0 stores the most significant digit first (slot 0).
-__device__ __forceinline__ void rlp_encode_row_digits(
-    const float* xr, int k, int k_padded, int bits, int slices, int descending, int e, signed char* out) {
-    for (int i = threadIdx.x; i < k_padded; i += blockDim.x) {
-        long long q = (i < k && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], bits, e) : 0;
-        for (int j = 0; j < slices; ++j) {
-            long long d = ((q + 128) & 255) - 128;
-            q = (q - d) >> 8;
-            int slot = descending ? slices - 1 - j : j;
-            out[(long long)slot * k_padded + i] = (signed char)d;
-        }
-    }
-}
+// rlp_encode_row_digits (the quantize and digit-split loop of one row) lives in common, shared
+// with norm_add_rmsnorm's fused encoding.
 
 // One block per row (grid-stride over rows). The row maximum is an exact integer
 // max of magnitude bits, so its result is independent of thread count and order.

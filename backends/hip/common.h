@@ -176,4 +176,22 @@ __device__ __forceinline__ int rlp_block_row_exponent(const float* row, int k, u
     return rlp_row_exponent(*largest);
 }
 
+// fixedpoint.quantize_rows + split_digits for one row with exponent e: the quantize and digit-split
+// loop shared by the fixedpoint encoders and norm's fused add + RMSNorm + encoding (one definition,
+// so the two give the same digits). The block's threads take strided positions; positions
+// k..k_padded-1 and non-finite rows get q = 0. descending != 0 stores the most significant digit
+// first (slot 0). out: [slices, k_padded] int8. xr may be global or shared memory.
+__device__ __forceinline__ void rlp_encode_row_digits(
+    const float* xr, int k, int k_padded, int bits, int slices, int descending, int e, signed char* out) {
+    for (int i = threadIdx.x; i < k_padded; i += blockDim.x) {
+        long long q = (i < k && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], bits, e) : 0;
+        for (int j = 0; j < slices; ++j) {
+            long long d = ((q + 128) & 255) - 128;
+            q = (q - d) >> 8;
+            int slot = descending ? slices - 1 - j : j;
+            out[(long long)slot * k_padded + i] = (signed char)d;
+        }
+    }
+}
+
 #endif  // RLP_HIP_COMMON_H

@@ -59,15 +59,30 @@ extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float
         rlp_rmsnorm_row(x + row * (long long)h, w, h, eps, y + row * (long long)h, &largest, &total);
 }
 
+// The gemm's activation encoding that norm_add_rmsnorm may fuse (contracts/norm.toml add_rmsnorm):
+// fixedpoint.encode_rows of y at gemm.DEFAULT_BITS_A = 23 bits, 3 digits, least significant first.
+#define RLP_NORM_ENCODE_BITS 23
+#define RLP_NORM_ENCODE_SLICES 3
+
 // The residual add and the next RMSNorm in one launch (contracts/norm.toml add_rmsnorm): per row
 // s = residual.add(a, b) (rlp_add, to `sum` and to shared memory), then y = RMSNorm(s) from there
 // (rlp_rmsnorm_row): bitwise the two ops in turn. One block per row, grid-stride.
+// digits != nullptr also encodes y for the gemm that reads it (the stacked q/k/v and gate/up
+// projections), bitwise fixedpoint_encode_rows(y, k, k_padded, 23, 3, ascending): the same common
+// helpers (rlp_block_row_exponent, rlp_encode_row_digits) on the same float32 row, kept in a second
+// shared buffer (dynamic shared memory [2h] then), not read back from `y`: global memory this kernel
+// writes, which __restrict__ lets the compiler read through the non-coherent read-only cache.
+// digits [rows, 3, k_padded] int8, exponents [rows] int32. The branch is block-uniform (a kernel
+// argument), as the block reductions require.
 extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const float* __restrict__ b,
                                             const float* __restrict__ w, long long rows, int h, double eps,
-                                            float* __restrict__ sum, float* __restrict__ y) {
-    extern __shared__ float rlp_norm_row[];  // [h]: the row's sum
+                                            float* __restrict__ sum, float* __restrict__ y,
+                                            signed char* __restrict__ digits, int* __restrict__ exponents,
+                                            int k_padded) {
+    extern __shared__ float rlp_norm_row[];  // [h]: the row's sum; encoding, [h] more: its y
     __shared__ unsigned int largest;
     __shared__ unsigned long long total;
+    float* y_row = rlp_norm_row + h;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long base = row * (long long)h;
         for (int i = threadIdx.x; i < h; i += blockDim.x) {
@@ -75,7 +90,19 @@ extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const f
             sum[base + i] = s;
             rlp_norm_row[i] = s;
         }
-        rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y + base, &largest, &total);  // syncs before reading the row
+        if (digits == nullptr) {
+            rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y + base, &largest, &total);  // syncs before reading the row
+        } else {
+            rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y_row, &largest, &total);  // ends synchronised: y_row whole
+            for (int i = threadIdx.x; i < h; i += blockDim.x) y[base + i] = y_row[i];
+            if (threadIdx.x == 0) largest = 0u;  // the norm's reads of `largest` ended before its last sync
+            __syncthreads();
+            const int e = rlp_block_row_exponent(y_row, h, &largest);
+            if (threadIdx.x == 0) exponents[row] = e;
+            rlp_encode_row_digits(y_row, h, k_padded, RLP_NORM_ENCODE_BITS, RLP_NORM_ENCODE_SLICES, 0, e,
+                                  digits + row * (long long)RLP_NORM_ENCODE_SLICES * k_padded);
+            __syncthreads();  // every thread has read `largest` and y_row before the next row resets them
+        }
     }
 }
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rlportable.ops import residual
+
 #: (op, the Model._layer record key of its output), in the order a layer computes them
 LAYER_OPS = (("attn_norm", "h1"), ("q_proj", "q_lin"), ("k_proj", "k_lin"), ("v_proj", "v"),
              ("q_norm_rope", "q"), ("k_norm_rope", "k"), ("attention", "a"), ("o_proj_residual", "x2"),
@@ -91,12 +93,16 @@ class Recorder:
         layer_method, forward_method = model._layer, model._forward
         index = {id(layer): i for i, layer in enumerate(model.layers)}
 
-        def layer(device_layer, x, positions, cos, sin, attend, record=None):
+        def layer(device_layer, x, positions, cos, sin, attend, record=None, **given):
+            # given: h1 (and its gemm encoding) when the caller normalised x itself (Model._forward)
             if self.rows is None:
-                return layer_method(device_layer, x, positions, cos, sin, attend, record)
+                return layer_method(device_layer, x, positions, cos, sin, attend, record, **given)
             record = {} if record is None else record
-            out = layer_method(device_layer, x, positions, cos, sin, attend, record)
-            for key, array in {**record, "x": x, "out": out}.items():
+            out = layer_method(device_layer, x, positions, cos, sin, attend, record, **given)
+            # the layer's output residual.add(x2, mlp_out): the caller adds it in the next norm's launch
+            # (norm.add_rmsnorm, whose sum is bitwise this one)
+            total = residual.add(self.backend, *out)
+            for key, array in {**record, "x": x, "out": total}.items():
                 self.keep(key, index[id(device_layer)], array)
             return out
 

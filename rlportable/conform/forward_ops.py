@@ -17,7 +17,8 @@ from rlportable.contract import (
     rope as rope_ref,
 )
 from rlportable.ops import (
-    activation as activation_op, embedding as embedding_op, logprob as logprob_op, norm as norm_op, rope as rope_op,
+    activation as activation_op, embedding as embedding_op, fixedpoint as fixedpoint_op, logprob as logprob_op,
+    norm as norm_op, rope as rope_op,
 )
 
 # (rows, H): ragged (1x1, 7x13, H not a multiple of 16), model-like, and H = 0
@@ -80,17 +81,33 @@ def check_norm_rmsnorm(backend: Backend, rng, quick: bool) -> Tally:
 
 def check_norm_add_rmsnorm(backend: Backend, rng, quick: bool) -> Tally:
     """A layer's residual add and the next RMSNorm in one launch, against the two references in turn;
-    every row kind in either operand (overflowing sums and NaN rows included)."""
+    every row kind in either operand (overflowing sums and NaN rows included). With encode_bits, also y's
+    gemm encoding (digits and exponents) against fixedpoint's reference encoding of the expected y: the
+    kernel's own (rows up to norm.MAX_FUSED_ENCODED_ROW) and the fallback's (longer rows, H = 0, other
+    bits: encode_rows after the op)."""
     tally = Tally()
-    shapes = ((1, 8), (7, 96), (0, 16)) if quick else ((1, 8), (7, 96), (64, 1024), (130, 4096), (3, 8192), (2, 8194))
+    above = norm_op.MAX_FUSED_ENCODED_ROW + 64  # fused without the encoding, then fixedpoint_encode_rows
+    shapes = ((1, 8), (7, 96), (0, 16), (2, 0), (2, above)) if quick else \
+        ((1, 8), (7, 96), (0, 16), (2, 0), (64, 1024), (130, 4096), (2, above), (3, 8192), (2, 8194))
+    bits = norm_ref.ENCODE_BITS
     for rows, h in shapes:
         w = random_rows(rng, 1, h, "normal")[0]
         for kind in ROW_KINDS:
             a, b = random_rows(rng, rows, h, kind), random_rows(rng, rows, h, "normal" if kind == "zeros" else kind)
             expected = norm_ref.add_rmsnorm(a, b, w, 1e-6)
-            got = norm_op.add_rmsnorm(backend, backend.asarray(a), backend.asarray(b), backend.asarray(w), 1e-6)
+            a_dev, b_dev, w_dev = backend.asarray(a), backend.asarray(b), backend.asarray(w)
+            got = norm_op.add_rmsnorm(backend, a_dev, b_dev, w_dev, 1e-6)
             for g, e in zip(got, expected):
                 tally.add(backend.to_numpy(g), e)
+            for encode_bits in (bits, 15) if kind == "normal" else (bits,):  # 15: not the kernel's, encoded after
+                want = fixedpoint_op.encode_rows_reference(expected[1], encode_bits)
+                s, y, encoded = norm_op.add_rmsnorm(backend, a_dev, b_dev, w_dev, 1e-6, encode_bits=encode_bits)
+                tally.add(backend.to_numpy(s), expected[0])
+                tally.add(backend.to_numpy(y), expected[1])
+                tally.add(backend.to_numpy(encoded.digits), want.digits)
+                tally.add(backend.to_numpy(encoded.exponents), want.exponents)
+                tally.add(np.array([encoded.bits, encoded.k, int(encoded.descending)], np.int64),
+                          np.array([want.bits, want.k, int(want.descending)], np.int64))
     return tally
 
 

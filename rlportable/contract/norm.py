@@ -21,6 +21,8 @@ from rlportable.contract.logprob import quantize_f64_rows
 
 NORM_BITS = 23
 MAX_ROW = 2**18
+#: add_rmsnorm's optional encoding of y (contracts/norm.toml): fixedpoint at gemm.DEFAULT_BITS_A, ascending
+ENCODE_BITS = 23
 
 
 @np.errstate(all="ignore")  # overflow to inf and NaN are defined results, not warnings
@@ -56,7 +58,8 @@ MAX_GRAD_ROWS = 2**24
 @np.errstate(all="ignore")  # inf * 0 and NaN are defined results, not warnings
 def add_rmsnorm(a: np.ndarray, b: np.ndarray, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
     """(s, y): s = residual.add(a, b) (float32 sum, NaN canonical), y = rmsnorm(s, weight): by definition
-    the two ops in turn."""
+    the two ops in turn. The op's optional encoded output (contracts/norm.toml) is by definition the
+    gemm's activation encoding of this y: ops/fixedpoint.py encode_rows_reference(y, ENCODE_BITS)."""
     with np.errstate(over="ignore", invalid="ignore"):
         total = (np.asarray(a, np.float32) + np.asarray(b, np.float32)).astype(np.float32)
     total[np.isnan(total)] = fp.CANONICAL_NAN

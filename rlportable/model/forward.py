@@ -211,15 +211,23 @@ class Model:
             device_tokens = backend.asarray(tokens)
         x = self._embed(device_tokens, tokens)
         # h: RMSNorm of x with the weight of what comes next (a layer's attn_norm, then the final norm);
-        # each layer's closing residual add runs in one launch with the next one (norm.add_rmsnorm)
+        # each layer's closing residual add runs in one launch with the next one (norm.add_rmsnorm), which
+        # also encodes h for the next layer's q/k/v gemm (h_encoded). The first layer's h comes from
+        # rmsnorm and is encoded by _projections; the final norm's feeds the LM head on selected rows
+        # (Model.logits, logprobs' row gather), so it is left unencoded.
         norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
         h = norm.rmsnorm(backend, x, self.layers[0].attn_norm if self.layers else self.final_norm, cfg.rms_norm_eps)
+        h_encoded = None
         for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             if saved is not None:
                 saved.append(x)
             x2, mlp_out = self._layer(layer, x, (device_positions, positions), cos, sin,
-                                      lambda q, k, v, i=index: attend(q, k, v, i), h1=h)
-            x, h = norm.add_rmsnorm(backend, x2, mlp_out, next_norm, cfg.rms_norm_eps)
+                                      lambda q, k, v, i=index: attend(q, k, v, i), h1=h, h1_encoded=h_encoded)
+            if index + 1 < len(self.layers):
+                x, h, h_encoded = norm.add_rmsnorm(backend, x2, mlp_out, next_norm, cfg.rms_norm_eps,
+                                                   encode_bits=gemm.DEFAULT_BITS_A)
+            else:
+                x, h = norm.add_rmsnorm(backend, x2, mlp_out, next_norm, cfg.rms_norm_eps)
         if saved is not None:
             saved.append(x)
         return h
@@ -246,11 +254,12 @@ class Model:
         logits = gemm.gemm(self.backend, hidden_rows, self.lm_head)
         return logits if self.tp.size == 1 else parallel.whole_logits(self.backend, self.group, logits)
 
-    def _projections(self, h, stacked: gemm.StackedWeight, biases) -> list:
+    def _projections(self, h, stacked: gemm.StackedWeight, biases, encoded=None) -> list:
         """h @ W_i.T (+ bias_i) for the parts of a stacked weight; h is encoded once for all of them
-        (devices; the reference quantizes itself)."""
-        encoded = None if self.backend.kernel_vendor is None else fixedpoint.encode_rows(self.backend, h,
-                                                                                          gemm.DEFAULT_BITS_A)
+        (devices; the reference quantizes itself). encoded: h's encoding at gemm.DEFAULT_BITS_A already
+        made (norm.add_rmsnorm's, written by the launch that made h), used instead of encoding again."""
+        if encoded is None and self.backend.kernel_vendor is not None:
+            encoded = fixedpoint.encode_rows(self.backend, h, gemm.DEFAULT_BITS_A)
         outputs = gemm.gemm_columns(self.backend, h, stacked, encoded=encoded)
         return [y if bias is None else residual.add_bias(self.backend, y, bias) for y, bias in zip(outputs, biases)]
 
@@ -268,22 +277,26 @@ class Model:
             raise InputError("model: a layer has one of q_norm and k_norm without the other")
         return tuple(rope.apply(backend, x, device_positions, cos, sin, host_positions) for x in (q, k))
 
-    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None, h1=None):
+    def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None, h1=None,
+               h1_encoded=None):
         """One decoder layer; positions = (device array, the same on the host). Returns (x2, mlp_out): the
         layer's output is residual.add(x2, mlp_out), left to the caller to run with the next RMSNorm in
-        one launch. h1: RMSNorm(x) with attn_norm when the caller made it so. `record`, a dict, receives
+        one launch. h1: RMSNorm(x) with attn_norm when the caller made it so; h1_encoded: its encoding
+        for the q/k/v gemm when the caller has it (norm.add_rmsnorm's). `record`, a dict, receives
         the intermediate values (the trainer's backward recomputes a layer this way)."""
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
         if h1 is None:
-            h1 = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps)
-        q_lin, k_lin, v = self._projections(h1, layer.qkv, (layer.q_bias, layer.k_bias, layer.v_bias))
+            h1, h1_encoded = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps), None
+        q_lin, k_lin, v = self._projections(h1, layer.qkv, (layer.q_bias, layer.k_bias, layer.v_bias), h1_encoded)
         v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = self._rotated_heads(layer, q_lin, k_lin, positions, cos, sin)
         a = attend(q, k, v)
         attn_out = self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o)
-        x2, h2 = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps)
-        gate, up = self._projections(h2, layer.gate_up, (None, None))
+        # h2 comes with its encoding for the gate/up gemm from the same launch (no separate encode)
+        x2, h2, h2_encoded = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps,
+                                              encode_bits=gemm.DEFAULT_BITS_A)
+        gate, up = self._projections(h2, layer.gate_up, (None, None), h2_encoded)
         mlp = activation.swiglu(backend, gate, up)
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)

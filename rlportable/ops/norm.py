@@ -10,15 +10,23 @@ import math
 
 import numpy as np
 
-from rlportable.contract import norm as reference
+from rlportable.contract import fixedpoint as fixedpoint_ref, norm as reference
 from rlportable.errors import InputError
-from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
+from rlportable.ops import fixedpoint
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, round_up, shape_of
 
 NORM_THREADS = 256
 MAX_GRID = 65535
 #: the fused kernels keep one row in shared memory; longer rows run the two ops in turn (the same bits)
 MAX_FUSED_HEAD_DIM = 4096  # rmsnorm_heads_rope
 MAX_FUSED_ROW = 8192  # add_rmsnorm (32 KB: with the static scratch, under the 48 KB a launch may take unasked)
+#: add_rmsnorm with the gemm's encoding of y keeps y as a second shared row: 2 x 4096 floats, the same 32 KB
+MAX_FUSED_ENCODED_ROW = 4096
+#: the one encoding norm_add_rmsnorm computes (RLP_NORM_ENCODE_BITS/_SLICES in backends/*/norm.*):
+#: gemm.DEFAULT_BITS_A, the activations' bits; other bits are encoded by a separate launch
+FUSED_ENCODE_BITS = reference.ENCODE_BITS
+#: a kernel's null pointer argument (an optional output left out): 8 bytes of zero, as a device address
+NULL_POINTER = np.uint64(0)
 THREAD_SEGMENT = 32  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
 
 
@@ -65,11 +73,14 @@ def rmsnorm_heads(backend, x, weight, eps: float):
     return y.reshape(tokens, heads, head_dim)
 
 
-def add_rmsnorm(backend, a, b, weight, eps: float):
+def add_rmsnorm(backend, a, b, weight, eps: float, encode_bits: int | None = None):
     """(s, y) = (residual.add(a, b), rmsnorm(s, weight)), bitwise (contracts/norm.toml add_rmsnorm): a
-    layer's residual add and the next RMSNorm in one device launch. a, b [rows, H] float32."""
-    from rlportable.ops import residual
+    layer's residual add and the next RMSNorm in one device launch. a, b [rows, H] float32.
 
+    encode_bits: also return y's fixed-point encoding for the gemm, (s, y, fixedpoint.encode_rows(y,
+    encode_bits)) (ascending digits): at FUSED_ENCODE_BITS (gemm.DEFAULT_BITS_A) the same launch writes
+    it, saving the gemm's own encode launch; at other bits, for rows longer than MAX_FUSED_ENCODED_ROW
+    or H = 0, encode_rows runs after it (the same bits either way)."""
     rows, h = require_matrix("add_rmsnorm: a", a)
     if shape_of(b) != (rows, h) or np.dtype(a.dtype) != np.float32 or np.dtype(b.dtype) != np.float32:
         raise InputError(f"add_rmsnorm: a {shape_of(a)} {np.dtype(a.dtype).name} and b {shape_of(b)} "
@@ -79,13 +90,37 @@ def add_rmsnorm(backend, a, b, weight, eps: float):
         raise InputError(f"add_rmsnorm: weight must be float32 of shape ({h},) to match a {(rows, h)}, "
                          f"got {np.dtype(weight.dtype).name} of shape {shape_of(weight)}")
     eps = check_eps(eps)
-    if backend.kernel_vendor is None or h > MAX_FUSED_ROW:  # the reference; rows the kernel cannot hold
+    if encode_bits is not None:
+        encode_bits = require_bits("add_rmsnorm: encode_bits", encode_bits)
+    fused_encoding = (encode_bits == FUSED_ENCODE_BITS and backend.kernel_vendor is not None
+                      and 0 < h <= MAX_FUSED_ENCODED_ROW)
+    if not fused_encoding:  # no encoding, or one the kernel does not write: encode_rows after (the reference on cpu)
+        total, y = _add_rmsnorm(backend, a, b, weight, eps, rows, h)
+        return (total, y) if encode_bits is None else (total, y, fixedpoint.encode_rows(backend, y, encode_bits))
+    k_padded = round_up(h, fixedpoint.K_ALIGN)
+    total, y = backend.empty((rows, h), np.float32), backend.empty((rows, h), np.float32)
+    digits = backend.empty((rows, fixedpoint_ref.slice_count(encode_bits), k_padded), np.int8)
+    exponents = backend.empty((rows,), np.int32)
+    if rows:
+        backend.launch("norm", "norm_add_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
+                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y, digits, exponents,
+                        np.int32(k_padded)), shared_mem=2 * 4 * h)  # the sum's row and y's
+    return total, y, fixedpoint.EncodedRows(digits, exponents, encode_bits, h, False)
+
+
+def _add_rmsnorm(backend, a, b, weight, eps: float, rows: int, h: int):
+    """add_rmsnorm's (s, y) without an encoding: the reference on cpu, one launch on devices, the two ops in
+    turn for rows the kernel cannot hold."""
+    from rlportable.ops import residual
+
+    if backend.kernel_vendor is None or h > MAX_FUSED_ROW:
         total = residual.add(backend, a, b)
         return total, rmsnorm(backend, total, weight, eps)
     total, y = backend.empty((rows, h), np.float32), backend.empty((rows, h), np.float32)
     if rows and h:
         backend.launch("norm", "norm_add_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
-                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y), shared_mem=4 * h)
+                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y, NULL_POINTER,
+                        NULL_POINTER, np.int32(0)), shared_mem=4 * h)
     return total, y
 
 

@@ -1124,6 +1124,201 @@ __device__ __forceinline__ void rlp_attention_mma(
 RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d128, 128, 2)
 RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 
+// ---- the split value pass on the tensor cores (CUDA only, sm_80+) ---------------------------------
+// attention_split_values_mma: attention_split_values's contract and bits, N_d = sum_j w_j qv_jd as
+// int8 tensor-core products instead of float64 sums. Same grid and block (one block of
+// RLP_ATTS_THREADS per (query row, kv head g, split)), same prologue (E, flags, m per head). Per
+// chunk of RLP_ATTS_MMA_KEYS keys: the weight phase forms p_j, L's terms and w_j exactly as
+// attention_split_values does and stores w_j <= 2^21 as 3 balanced int8 digits ([digit][head][key],
+// heads as the MMA's 16 rows); the V rows of the chunk are staged transposed ([plane][d][key], 4x4 byte
+// transposes as attention_paged_mma); then warp w multiplies the 8-column tiles w, w + 4, ... with
+// rlp_attm_chunk: 4 shift groups of int8 digit products in int32 (|group| <= 2 * 64 * 2^14 = 2^21),
+// combined exactly in int64 registers (rlp_attm_combine). Every N_d is the same integer as the float64
+// pass's (both exact), so part_num and part_total, and the output, are the same bits. Each (head,
+// column) is owned by one thread: part_num is written without atomics. Dynamic shared memory: the
+// staged V, 2 * dp * RLP_ATTS_MMA_KEYS bytes (ops/attention.py split_values_mma_shared_bytes).
+#define RLP_ATTS_MMA_KEYS 64    // keys per chunk: one rlp_attm_chunk
+#define RLP_ATTS_MMA_HEADS 16   // q heads per round: the MMA's rows
+// TILES: 8-column tiles per warp at most (4 warps: dp <= 32 TILES); the entries: dp <= 128 and 256
+template <int TILES>
+__device__ __forceinline__ void rlp_attention_split_values_mma(
+    const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
+    const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots,
+    const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
+    const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
+    const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
+    long long* __restrict__ part_total, long long* __restrict__ part_num) {
+    extern __shared__ int4 rlp_atts_mma_smem[];  // [plane][dp][RLP_ATTS_MMA_KEYS]: V transposed
+    __shared__ int4 weight_digits[3 * RLP_ATTS_MMA_HEADS * RLP_ATTS_MMA_KEYS / 16];  // [digit][head][key]
+    __shared__ long long key_row[RLP_ATTS_MMA_KEYS];  // the chunk's V rows (slot * hkv + g), -1: none
+    __shared__ unsigned long long head_total[RLP_ATTS_MMA_HEADS];
+    __shared__ float head_m[RLP_ATTS_MMA_HEADS];
+    __shared__ int head_ok[RLP_ATTS_MMA_HEADS];
+    __shared__ unsigned int max_ev;
+    __shared__ unsigned int flags;
+    __shared__ int any_ok;
+    signed char* vt = reinterpret_cast<signed char*>(rlp_atts_mma_smem);
+    signed char* wd = reinterpret_cast<signed char*>(weight_digits);
+    const int group = hq / hkv;
+    const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32, g8 = lane / 4, t4 = lane % 4;
+    const int tiles = dp / 8;  // 8-column tiles; warp w takes w, w + 4, ...
+    const long long keys = (long long)splits * chunk;
+    const long long items = tq * hkv * splits;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long rowg = item / splits;
+        const int split = (int)(item - rowg * splits);
+        const long long token = rowg / hkv;
+        const int g = (int)(rowg - token * hkv);
+        const int seq = q_seq[token];
+        const int t = q_pos[token];
+        const bool bad_row = seq < 0 || seq >= num_seqs || t < 0;
+        const long long lo = (long long)split * chunk;
+        const long long end = bad_row ? lo : min(lo + chunk, (long long)t + 1);
+        if (tid == 0) { max_ev = 0u; flags = 0u; }
+        __syncthreads();
+        unsigned int local_ev = 0u;
+        unsigned int local_flags = 0u;
+        for (int s = tid; s < splits; s += blockDim.x) {
+            const unsigned int info = split_info[rowg * splits + s];
+            local_ev = max(local_ev, info & 0xffffu);
+            local_flags |= info >> 16;
+        }
+        atomicMax(&max_ev, local_ev);
+        atomicOr(&flags, local_flags);
+        __syncthreads();
+        const int e_max = (int)max_ev - RLP_ATT_EV_OFFSET;
+        const bool row_ok = !bad_row && flags == 0u;  // block-uniform
+        for (int h0 = 0; h0 < group; h0 += RLP_ATTS_MMA_HEADS) {
+            const int nb = min(group - h0, RLP_ATTS_MMA_HEADS);
+            const long long qrow0 = token * hq + (long long)g * group + h0;
+            if (tid == 0) any_ok = 0;
+            __syncthreads();
+            for (int hi = tid; hi < nb; hi += blockDim.x) {
+                unsigned int key = 0u;
+                for (int s = 0; s < splits; ++s) key = max(key, split_keys[(qrow0 + hi) * splits + s]);
+                const float m = rlp_att_from_order_key(key);
+                // as attention_paged: m = +-inf (a score overflowed) poisons the row
+                const bool ok = row_ok && query_bad[qrow0 + hi] == 0u && rlp_magnitude_bits(m) < 0x7f800000u;
+                head_m[hi] = m;
+                head_ok[hi] = ok ? 1 : 0;
+                head_total[hi] = 0ull;
+                if (ok) any_ok = 1;
+            }
+            // the rows of heads >= nb stay 0 (no weights), so their products are 0
+            for (int i = tid; i < 3 * RLP_ATTS_MMA_HEADS * RLP_ATTS_MMA_KEYS / 16; i += blockDim.x)
+                weight_digits[i] = make_int4(0, 0, 0, 0);
+            __syncthreads();
+            long long sums[TILES][4];  // N of rows (heads) g8, g8 + 8, columns 2 t4, 2 t4 + 1
+#pragma unroll
+            for (int i = 0; i < TILES; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) sums[i][c] = 0;
+            const bool work = any_ok != 0 && lo < end;  // block-uniform
+            for (long long base = lo; work && base < end; base += RLP_ATTS_MMA_KEYS) {
+                // weights: thread u takes key u % KEYS of head u / KEYS (a warp's keys share a head)
+                for (int u = tid; u < nb * RLP_ATTS_MMA_KEYS; u += blockDim.x) {
+                    const int k = u % RLP_ATTS_MMA_KEYS, hi = u / RLP_ATTS_MMA_KEYS;
+                    const long long j = base + k;
+                    const bool live = j < end;  // a valid slot (flags == 0)
+                    long long term = 0;
+                    int w = 0;
+                    if (live && head_ok[hi]) {
+                        const float s = scores[(rowg * keys + j) * group + h0 + hi];
+                        const double p = (double)rlp_exp_f32(s - head_m[hi]);
+                        term = __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                        w = (int)rint(p * rlp_pow2_f64(key_ev[rowg * keys + j] - e_max + RLP_ATT_P_SHIFT));  // <= 2^21
+                    }
+                    if (hi == 0)
+                        key_row[k] = live ? rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g
+                                          : -1;
+#pragma unroll
+                    for (int i = 0; i < 3; ++i) {  // balanced base-256 digits, least significant first
+                        const int digit = ((w + 128) & 255) - 128;
+                        wd[(i * RLP_ATTS_MMA_HEADS + hi) * RLP_ATTS_MMA_KEYS + k] = (signed char)digit;
+                        w = (w - digit) >> 8;
+                    }
+                    for (int mask = 16; mask > 0; mask >>= 1) term += (long long)rlp_segment_xor_u64((unsigned long long)term, mask);
+                    if (lane == 0 && term != 0) atomicAdd(&head_total[hi], (unsigned long long)term);
+                }
+                __syncthreads();
+                // V rows of the chunk, transposed: 4 keys x 4 columns of bytes per item
+                const int dgroups = dp / 4;
+                for (int p = tid; p < 2 * (RLP_ATTS_MMA_KEYS / 4) * dgroups; p += blockDim.x) {
+                    const int dg = p % dgroups, kg = (p / dgroups) % (RLP_ATTS_MMA_KEYS / 4);
+                    const int plane = p / (dgroups * (RLP_ATTS_MMA_KEYS / 4));
+                    int r[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const long long row = key_row[4 * kg + i];
+                        r[i] = row >= 0 ? __ldg(reinterpret_cast<const int*>(v_digits + row * (2LL * dp) +
+                                                                            (long long)plane * dp + 4 * dg))
+                                        : 0;
+                    }
+                    const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
+                    const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
+                    int* at = reinterpret_cast<int*>(vt + ((long long)plane * dp + 4 * dg) * RLP_ATTS_MMA_KEYS + 4 * kg);
+                    at[0 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t0, t2, 0x5410);
+                    at[1 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t0, t2, 0x7632);
+                    at[2 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t1, t3, 0x5410);
+                    at[3 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t1, t3, 0x7632);
+                }
+                __syncthreads();
+                int4 a[3][2];  // weight digit i, rows (heads) g8 and g8 + 8: bytes [16 t4, 16 t4 + 16) of the chunk
+#pragma unroll
+                for (int i = 0; i < 3; ++i)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        a[i][r] = *reinterpret_cast<const int4*>(wd + (i * RLP_ATTS_MMA_HEADS + g8 + 8 * r) *
+                                                                     RLP_ATTS_MMA_KEYS + 16 * t4);
+#pragma unroll
+                for (int i = 0; i < TILES; ++i) {
+                    const int tile = warp + 4 * i;
+                    if (tile >= tiles) break;  // warp-uniform
+                    int4 b[2];  // V plane j, column 8 tile + g8
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+                        b[j] = *reinterpret_cast<const int4*>(vt + ((long long)j * dp + 8 * tile + g8) * RLP_ATTS_MMA_KEYS +
+                                                              16 * t4);
+                    int acc[4][4] = {};
+                    rlp_attm_chunk(acc, a, b);
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) sums[i][c] += rlp_attm_combine(acc, c);
+                }
+                __syncthreads();  // the next chunk overwrites the weights, rows and staged V
+            }
+            if (tid < nb) part_total[(qrow0 + tid) * splits + split] = (long long)head_total[tid];
+#pragma unroll
+            for (int i = 0; i < TILES; ++i) {
+                const int tile = warp + 4 * i;
+                if (tile >= tiles) break;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int hi = g8 + 8 * (c / 2), col = 8 * tile + 2 * t4 + c % 2;
+                    if (hi < nb && col < d) part_num[((qrow0 + hi) * splits + split) * d + col] = sums[i][c];
+                }
+            }
+            __syncthreads();  // the next round resets the weights and sums
+        }
+    }
+}
+
+#define RLP_ATTS_VALUES_MMA_ENTRY(NAME, TILES)                                                              \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) NAME(                                   \
+        const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp, \
+        const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots, \
+        const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,     \
+        const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,                          \
+        const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,              \
+        long long* __restrict__ part_total, long long* __restrict__ part_num) {                               \
+        rlp_attention_split_values_mma<TILES>(q_seq, q_pos, tq, hq, hkv, d, dp, block_tables, num_seqs,       \
+                                              max_blocks, block_size, num_slots, v_digits, splits, chunk,     \
+                                              scores, key_ev, split_keys, split_info, query_bad, part_total,  \
+                                              part_num);                                                       \
+    }
+
+RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d128, 4)
+RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d256, 8)
+
 // ---------------------------------------------------------------------------
 // Backward (contracts/attention.toml, op "attention_backward"; reference: attention_backward in
 // rlportable/contract/attention.py). Packed sequences: key j of token t's sequence is token j, stored

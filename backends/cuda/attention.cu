@@ -1130,17 +1130,17 @@ RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 // RLP_ATTS_THREADS per (query row, kv head g, split)), same prologue (E, flags, m per head). Per
 // chunk of RLP_ATTS_MMA_KEYS keys: the weight phase forms p_j, L's terms and w_j exactly as
 // attention_split_values does and stores w_j <= 2^21 as 3 balanced int8 digits ([digit][head][key],
-// heads as the MMA's 16 rows); the V rows of the chunk are staged transposed ([plane][d][key], 4x4 byte
-// transposes as attention_paged_mma); then warp w multiplies the 8-column tiles w, w + 4, ... with
-// rlp_attm_chunk: 4 shift groups of int8 digit products in int32 (|group| <= 2 * 64 * 2^14 = 2^21),
-// combined exactly in int64 registers (rlp_attm_combine). Every N_d is the same integer as the float64
-// pass's (both exact), so part_num and part_total, and the output, are the same bits. Each (head,
-// column) is owned by one thread: part_num is written without atomics. Dynamic shared memory: the
-// staged V, 2 * dp * RLP_ATTS_MMA_KEYS bytes (ops/attention.py split_values_mma_shared_bytes).
-#define RLP_ATTS_MMA_KEYS 64    // keys per chunk: one rlp_attm_chunk
+// heads as the MMA's 16 rows) and the keys' V rows; then each warp loads the V bytes of its columns
+// straight into registers, transposes them to the MMA's B fragments (4x4 byte transposes, as
+// attention_paged_mma stages them) and multiplies with rlp_attm_chunk: 4 shift groups of int8 digit
+// products in int32 (|group| <= 2 * 64 * 2^14 = 2^21 per 64 keys), combined exactly in int64 registers
+// (rlp_attm_combine). Every N_d is the same integer as the float64 pass's (both exact), so part_num
+// and part_total, and the output, are the same bits. Each (head, column) is owned by one thread:
+// part_num is written without atomics.
+#define RLP_ATTS_MMA_KEYS 128   // keys per weight phase (a multiple of 64: rlp_attm_chunk's)
 #define RLP_ATTS_MMA_HEADS 16   // q heads per round: the MMA's rows
-// TILES: 8-column tiles per warp at most (4 warps: dp <= 32 TILES); the entries: dp <= 128 and 256
-template <int TILES>
+// BLOCKS: 32-column blocks per warp at most (4 warps: dp <= 128 BLOCKS); the entries: dp <= 128 and 256
+template <int BLOCKS>
 __device__ __forceinline__ void rlp_attention_split_values_mma(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots,
@@ -1148,7 +1148,6 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
     const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num) {
-    extern __shared__ int4 rlp_atts_mma_smem[];  // [plane][dp][RLP_ATTS_MMA_KEYS]: V transposed
     __shared__ int4 weight_digits[3 * RLP_ATTS_MMA_HEADS * RLP_ATTS_MMA_KEYS / 16];  // [digit][head][key]
     __shared__ long long key_row[RLP_ATTS_MMA_KEYS];  // the chunk's V rows (slot * hkv + g), -1: none
     __shared__ unsigned long long head_total[RLP_ATTS_MMA_HEADS];
@@ -1157,11 +1156,9 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
     __shared__ unsigned int max_ev;
     __shared__ unsigned int flags;
     __shared__ int any_ok;
-    signed char* vt = reinterpret_cast<signed char*>(rlp_atts_mma_smem);
     signed char* wd = reinterpret_cast<signed char*>(weight_digits);
     const int group = hq / hkv;
     const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32, g8 = lane / 4, t4 = lane % 4;
-    const int tiles = dp / 8;  // 8-column tiles; warp w takes w, w + 4, ...
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -1208,11 +1205,15 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
             for (int i = tid; i < 3 * RLP_ATTS_MMA_HEADS * RLP_ATTS_MMA_KEYS / 16; i += blockDim.x)
                 weight_digits[i] = make_int4(0, 0, 0, 0);
             __syncthreads();
-            long long sums[TILES][4];  // N of rows (heads) g8, g8 + 8, columns 2 t4, 2 t4 + 1
+            // N of column block i, column tile c, MMA element e: head g8 + 8 (e / 2), column
+            // 32 (warp + 4 i) + 4 (2 t4 + e % 2) + c
+            long long sums[BLOCKS][4][4];
 #pragma unroll
-            for (int i = 0; i < TILES; ++i)
+            for (int i = 0; i < BLOCKS; ++i)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) sums[i][c] = 0;
+                for (int c = 0; c < 4; ++c)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sums[i][c][e] = 0;
             const bool work = any_ok != 0 && lo < end;  // block-uniform
             for (long long base = lo; work && base < end; base += RLP_ATTS_MMA_KEYS) {
                 // weights: thread u takes key u % KEYS of head u / KEYS (a warp's keys share a head)
@@ -1241,68 +1242,86 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
                     if (lane == 0 && term != 0) atomicAdd(&head_total[hi], (unsigned long long)term);
                 }
                 __syncthreads();
-                // V rows of the chunk, transposed: 4 keys x 4 columns of bytes per item
-                const int dgroups = dp / 4;
-                for (int p = tid; p < 2 * (RLP_ATTS_MMA_KEYS / 4) * dgroups; p += blockDim.x) {
-                    const int dg = p % dgroups, kg = (p / dgroups) % (RLP_ATTS_MMA_KEYS / 4);
-                    const int plane = p / (dgroups * (RLP_ATTS_MMA_KEYS / 4));
-                    int r[4];
+                // The chunk's products, 64 keys at a time. Warp w takes the column blocks [32 (w + 4 i), +32)
+                // (i < BLOCKS, while < dp); thread (g8, t4) loads columns 4 g8 .. 4 g8 + 3 of a block for the
+                // keys [16 t4, 16 t4 + 16) of the 64, both planes, and transposes each 4 keys x 4 columns of
+                // bytes in registers (as attention_paged_mma stages them): column c's word holds 4 keys in
+                // order. B fragment of column tile c (columns 4 n + c of the block, n = 0..7 the MMA's) is
+                // then keys [16 t4, 16 t4 + 16) of column 4 g8 + c: the same keys, in the same order, as the
+                // A fragments (bytes [16 t4, 16 t4 + 16) of the weight rows).
+                for (int kc = 0; kc < RLP_ATTS_MMA_KEYS; kc += 64) {
+                    int4 a[3][2];  // weight digit i, rows (heads) g8 and g8 + 8
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const long long row = key_row[4 * kg + i];
-                        r[i] = row >= 0 ? __ldg(reinterpret_cast<const int*>(v_digits + row * (2LL * dp) +
-                                                                            (long long)plane * dp + 4 * dg))
-                                        : 0;
+                    for (int i = 0; i < 3; ++i)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r)
+                            a[i][r] = *reinterpret_cast<const int4*>(wd + (i * RLP_ATTS_MMA_HEADS + g8 + 8 * r) *
+                                                                         RLP_ATTS_MMA_KEYS + kc + 16 * t4);
+                    const signed char* rows[16];  // this thread's 16 keys' V rows at its 4 columns (0: no key)
+#pragma unroll
+                    for (int k = 0; k < 16; ++k) {
+                        const long long row = key_row[kc + 16 * t4 + k];
+                        rows[k] = row >= 0 ? v_digits + row * (2LL * dp) + 4 * g8 : nullptr;
                     }
-                    const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
-                    const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
-                    int* at = reinterpret_cast<int*>(vt + ((long long)plane * dp + 4 * dg) * RLP_ATTS_MMA_KEYS + 4 * kg);
-                    at[0 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t0, t2, 0x5410);
-                    at[1 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t0, t2, 0x7632);
-                    at[2 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t1, t3, 0x5410);
-                    at[3 * RLP_ATTS_MMA_KEYS / 4] = (int)__byte_perm(t1, t3, 0x7632);
+#pragma unroll
+                    for (int i = 0; i < BLOCKS; ++i) {
+                        const int c0 = 32 * (warp + 4 * i);
+                        if (c0 >= dp) break;  // warp-uniform
+                        int words[2][16];  // [plane][key]: 4 columns of bytes
+#pragma unroll
+                        for (int plane = 0; plane < 2; ++plane)
+#pragma unroll
+                            for (int k = 0; k < 16; ++k)
+                                words[plane][k] = rows[k] ? __ldg(reinterpret_cast<const int*>(rows[k] + plane * dp + c0)) : 0;
+                        int4 b[2][4];  // [plane][column c]: keys [16 t4, 16 t4 + 16) of column c0 + 4 g8 + c
+#pragma unroll
+                        for (int plane = 0; plane < 2; ++plane)
+#pragma unroll
+                            for (int q = 0; q < 4; ++q) {
+                                const int* r = words[plane] + 4 * q;
+                                const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
+                                const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
+                                const int column[4] = {(int)__byte_perm(t0, t2, 0x5410), (int)__byte_perm(t0, t2, 0x7632),
+                                                       (int)__byte_perm(t1, t3, 0x5410), (int)__byte_perm(t1, t3, 0x7632)};
+#pragma unroll
+                                for (int c = 0; c < 4; ++c) {
+                                    if (q == 0) b[plane][c].x = column[c];
+                                    else if (q == 1) b[plane][c].y = column[c];
+                                    else if (q == 2) b[plane][c].z = column[c];
+                                    else b[plane][c].w = column[c];
+                                }
+                            }
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            const int4 planes[2] = {b[0][c], b[1][c]};
+                            int acc[4][4] = {};
+                            rlp_attm_chunk(acc, a, planes);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) sums[i][c][e] += rlp_attm_combine(acc, e);
+                        }
+                    }
                 }
-                __syncthreads();
-                int4 a[3][2];  // weight digit i, rows (heads) g8 and g8 + 8: bytes [16 t4, 16 t4 + 16) of the chunk
-#pragma unroll
-                for (int i = 0; i < 3; ++i)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        a[i][r] = *reinterpret_cast<const int4*>(wd + (i * RLP_ATTS_MMA_HEADS + g8 + 8 * r) *
-                                                                     RLP_ATTS_MMA_KEYS + 16 * t4);
-#pragma unroll
-                for (int i = 0; i < TILES; ++i) {
-                    const int tile = warp + 4 * i;
-                    if (tile >= tiles) break;  // warp-uniform
-                    int4 b[2];  // V plane j, column 8 tile + g8
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-                        b[j] = *reinterpret_cast<const int4*>(vt + ((long long)j * dp + 8 * tile + g8) * RLP_ATTS_MMA_KEYS +
-                                                              16 * t4);
-                    int acc[4][4] = {};
-                    rlp_attm_chunk(acc, a, b);
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) sums[i][c] += rlp_attm_combine(acc, c);
-                }
-                __syncthreads();  // the next chunk overwrites the weights, rows and staged V
+                __syncthreads();  // the next chunk overwrites the weights and rows
             }
             if (tid < nb) part_total[(qrow0 + tid) * splits + split] = (long long)head_total[tid];
 #pragma unroll
-            for (int i = 0; i < TILES; ++i) {
-                const int tile = warp + 4 * i;
-                if (tile >= tiles) break;
+            for (int i = 0; i < BLOCKS; ++i) {
+                const int c0 = 32 * (warp + 4 * i);
+                if (c0 >= dp) break;
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int hi = g8 + 8 * (c / 2), col = 8 * tile + 2 * t4 + c % 2;
-                    if (hi < nb && col < d) part_num[((qrow0 + hi) * splits + split) * d + col] = sums[i][c];
-                }
+                for (int c = 0; c < 4; ++c)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int hi = g8 + 8 * (e / 2), col = c0 + 4 * (2 * t4 + e % 2) + c;
+                        if (hi < nb && col < d) part_num[((qrow0 + hi) * splits + split) * d + col] = sums[i][c][e];
+                    }
             }
             __syncthreads();  // the next round resets the weights and sums
         }
     }
 }
 
-#define RLP_ATTS_VALUES_MMA_ENTRY(NAME, TILES)                                                              \
+#define RLP_ATTS_VALUES_MMA_ENTRY(NAME, BLOCKS)                                                              \
     extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) NAME(                                   \
         const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp, \
         const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots, \
@@ -1310,14 +1329,14 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
         const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,                          \
         const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,              \
         long long* __restrict__ part_total, long long* __restrict__ part_num) {                               \
-        rlp_attention_split_values_mma<TILES>(q_seq, q_pos, tq, hq, hkv, d, dp, block_tables, num_seqs,       \
+        rlp_attention_split_values_mma<BLOCKS>(q_seq, q_pos, tq, hq, hkv, d, dp, block_tables, num_seqs,       \
                                               max_blocks, block_size, num_slots, v_digits, splits, chunk,     \
                                               scores, key_ev, split_keys, split_info, query_bad, part_total,  \
                                               part_num);                                                       \
     }
 
-RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d128, 4)
-RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d256, 8)
+RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d128, 1)
+RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d256, 2)
 
 // ---------------------------------------------------------------------------
 // Backward (contracts/attention.toml, op "attention_backward"; reference: attention_backward in

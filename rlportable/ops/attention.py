@@ -267,17 +267,15 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
 #: the split value pass on the tensor cores where the sources are CUDA's (the same bits as the float64
 #: pass; scripts/probe_attention.py turns it off to time the other)
 SPLIT_VALUES_MMA = True
-SPLIT_VALUES_MMA_KEYS = 64  # RLP_ATTS_MMA_KEYS: keys per staged chunk
 
 
-def split_values_kernel(backend: Backend, head_dim_padded: int) -> tuple[str, int]:
+def split_values_kernel(backend: Backend, group: int, head_dim_padded: int) -> tuple[str, int]:
     """(kernel, dynamic shared memory) of the split value pass: attention_split_values_mma_d128/_d256
-    (int8 tensor cores, CUDA sources, padded head_dim <= 256: V staged transposed, 2 * 64 * dp bytes),
-    else attention_split_values (float64 sums, both vendors)."""
+    (int8 tensor cores, CUDA sources, padded head_dim <= 256; no dynamic shared memory), else
+    attention_split_values (float64 sums, both vendors)."""
     if SPLIT_VALUES_MMA and backend.kernel_vendor == "cuda" and head_dim_padded <= MMA_MAX_HEAD_DIM_PADDED:
-        kernel = "attention_split_values_mma_d128" if head_dim_padded <= 128 else "attention_split_values_mma_d256"
-        return kernel, 2 * SPLIT_VALUES_MMA_KEYS * head_dim_padded
-    return "attention_split_values", 0
+        return ("attention_split_values_mma_d128" if head_dim_padded <= 128 else "attention_split_values_mma_d256"), 0
+    return "attention_split_values", split_values_shared_bytes(group, head_dim_padded)
 
 
 def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
@@ -367,11 +365,11 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +
                    (scores, key_ev, split_keys, split_info, query_bad))
-    values_kernel, values_shared = split_values_kernel(backend, dp)
+    values_kernel, values_shared = split_values_kernel(backend, hq // hkv, dp)
     backend.launch("attention", values_kernel, grid, block,
                    (q_seq, q_pos) + sizes + table + (cache.v_digits,) + cut +
                    (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num),
-                   shared_mem=values_shared or split_values_shared_bytes(hq // hkv, dp))
+                   shared_mem=values_shared)
     backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,
                    (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(splits), split_keys,
                     split_info, query_bad, part_total, part_num, out))

@@ -138,8 +138,8 @@ def test_the_mma_value_pass_takes_the_float64_value_pass_parameters():
     entry_params = entry[entry.index("NAME(") + 5:entry.index(") {")].replace("\\", " ")
     types = [" ".join(p.split()).rsplit(" ", 1)[0] for p in entry_params.split(",")]
     assert types == kernel_parameters("cuda")["attention_split_values"]
-    assert "RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d128, 4)" in text
-    assert "RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d256, 8)" in text
+    assert "RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d128, 1)" in text
+    assert "RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d256, 2)" in text
 
 
 def test_split_launch_shapes_do_not_depend_on_the_lengths():

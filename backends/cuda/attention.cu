@@ -1129,16 +1129,17 @@ RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 // int8 tensor-core products instead of float64 sums. Same grid and block (one block of
 // RLP_ATTS_THREADS per (query row, kv head g, split)), same prologue (E, flags, m per head). Per
 // chunk of RLP_ATTS_MMA_KEYS keys: the weight phase forms p_j, L's terms and w_j exactly as
-// attention_split_values does and stores w_j <= 2^21 as 3 balanced int8 digits ([digit][head][key],
-// heads as the MMA's 16 rows) and the keys' V rows; then each warp loads the V bytes of its columns
-// straight into registers, transposes them to the MMA's B fragments (4x4 byte transposes, as
-// attention_paged_mma stages them) and multiplies with rlp_attm_chunk: 4 shift groups of int8 digit
-// products in int32 (|group| <= 2 * 64 * 2^14 = 2^21 per 64 keys), combined exactly in int64 registers
-// (rlp_attm_combine). Every N_d is the same integer as the float64 pass's (both exact), so part_num
-// and part_total, and the output, are the same bits. Each (head, column) is owned by one thread:
-// part_num is written without atomics.
+// attention_split_values does and stores w_j <= 2^21 as 3 balanced int8 digits, one MMA row per
+// (head, digit) ([3 head + digit][key]), and the keys' V rows; then each warp loads the V bytes of its
+// columns straight into registers, transposes them to the MMA's B fragments (4x4 byte transposes, as
+// attention_paged_mma stages them) and multiplies each V digit plane (mma.sync m16n8k32 s8: |sum| <=
+// 64 * 2^14 per 64 keys, exact in int32); S = P0 + 256 P1 per row in int64 registers, and at the end
+// N_d of head h = sum_i 256^i S of row 3 h + i through int64 shared-memory atomics. Every sum is an
+// exact integer sum, so N_d is the same integer as the float64 pass's: part_num and part_total, and
+// the output, are the same bits. V rows are indexed in int32 (ops/attention.py takes this kernel only
+// for caches of fewer than 2^31 rows). Dynamic shared memory: the numerators, min(group, 5) * 8 * dp.
 #define RLP_ATTS_MMA_KEYS 128   // keys per weight phase (a multiple of 64: rlp_attm_chunk's)
-#define RLP_ATTS_MMA_HEADS 16   // q heads per round: the MMA's rows
+#define RLP_ATTS_MMA_HEADS 5    // q heads per round: 3 weight-digit rows each of the MMA's 16
 // BLOCKS: 32-column blocks per warp at most (4 warps: dp <= 128 BLOCKS); the entries: dp <= 128 and 256
 template <int BLOCKS>
 __device__ __forceinline__ void rlp_attention_split_values_mma(
@@ -1148,14 +1149,16 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
     const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num) {
-    __shared__ int4 weight_digits[3 * RLP_ATTS_MMA_HEADS * RLP_ATTS_MMA_KEYS / 16];  // [digit][head][key]
-    __shared__ long long key_row[RLP_ATTS_MMA_KEYS];  // the chunk's V rows (slot * hkv + g), -1: none
+    extern __shared__ unsigned long long rlp_atts_mma_numerator[];  // [head of the round][dp]: N_d
+    __shared__ int4 weight_digits[16 * RLP_ATTS_MMA_KEYS / 16];  // [row = 3 head + digit][key]
+    __shared__ int key_row[RLP_ATTS_MMA_KEYS];  // the chunk's V rows (slot * hkv + g), -1: none
     __shared__ unsigned long long head_total[RLP_ATTS_MMA_HEADS];
     __shared__ float head_m[RLP_ATTS_MMA_HEADS];
     __shared__ int head_ok[RLP_ATTS_MMA_HEADS];
     __shared__ unsigned int max_ev;
     __shared__ unsigned int flags;
     __shared__ int any_ok;
+    unsigned long long* numerator = rlp_atts_mma_numerator;
     signed char* wd = reinterpret_cast<signed char*>(weight_digits);
     const int group = hq / hkv;
     const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32, g8 = lane / 4, t4 = lane % 4;
@@ -1201,12 +1204,12 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
                 head_total[hi] = 0ull;
                 if (ok) any_ok = 1;
             }
-            // the rows of heads >= nb stay 0 (no weights), so their products are 0
-            for (int i = tid; i < 3 * RLP_ATTS_MMA_HEADS * RLP_ATTS_MMA_KEYS / 16; i += blockDim.x)
-                weight_digits[i] = make_int4(0, 0, 0, 0);
+            // rows 3 nb .. 15 stay 0 (no weights), so their products are 0
+            for (int i = tid; i < RLP_ATTS_MMA_KEYS; i += blockDim.x) weight_digits[i] = make_int4(0, 0, 0, 0);
+            for (int i = tid; i < nb * dp; i += blockDim.x) numerator[i] = 0ull;
             __syncthreads();
-            // N of column block i, column tile c, MMA element e: head g8 + 8 (e / 2), column
-            // 32 (warp + 4 i) + 4 (2 t4 + e % 2) + c
+            // S of column block i, column tile c, MMA element e: row (3 head + digit) g8 + 8 (e / 2), column
+            // 32 (warp + 4 i) + 4 (2 t4 + e % 2) + c; S = P0 + 256 P1 over the two V planes
             long long sums[BLOCKS][4][4];
 #pragma unroll
             for (int i = 0; i < BLOCKS; ++i)
@@ -1230,12 +1233,12 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
                         w = (int)rint(p * rlp_pow2_f64(key_ev[rowg * keys + j] - e_max + RLP_ATT_P_SHIFT));  // <= 2^21
                     }
                     if (hi == 0)
-                        key_row[k] = live ? rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g
+                        key_row[k] = live ? (int)(rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g)
                                           : -1;
 #pragma unroll
                     for (int i = 0; i < 3; ++i) {  // balanced base-256 digits, least significant first
                         const int digit = ((w + 128) & 255) - 128;
-                        wd[(i * RLP_ATTS_MMA_HEADS + hi) * RLP_ATTS_MMA_KEYS + k] = (signed char)digit;
+                        wd[(3 * hi + i) * RLP_ATTS_MMA_KEYS + k] = (signed char)digit;
                         w = (w - digit) >> 8;
                     }
                     for (int mask = 16; mask > 0; mask >>= 1) term += (long long)rlp_segment_xor_u64((unsigned long long)term, mask);
@@ -1244,66 +1247,61 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
                 __syncthreads();
                 // The chunk's products, 64 keys at a time. Warp w takes the column blocks [32 (w + 4 i), +32)
                 // (i < BLOCKS, while < dp); thread (g8, t4) loads columns 4 g8 .. 4 g8 + 3 of a block for the
-                // keys [16 t4, 16 t4 + 16) of the 64, both planes, and transposes each 4 keys x 4 columns of
-                // bytes in registers (as attention_paged_mma stages them): column c's word holds 4 keys in
-                // order. B fragment of column tile c (columns 4 n + c of the block, n = 0..7 the MMA's) is
+                // keys [16 t4, 16 t4 + 16) of the 64, plane by plane, and transposes each 4 keys x 4 columns
+                // of bytes in registers (as attention_paged_mma stages them): column c's word holds 4 keys in
+                // order. The B fragment of column tile c (columns 4 n + c of the block, n = 0..7 the MMA's) is
                 // then keys [16 t4, 16 t4 + 16) of column 4 g8 + c: the same keys, in the same order, as the
-                // A fragments (bytes [16 t4, 16 t4 + 16) of the weight rows).
+                // A fragment (bytes [16 t4, 16 t4 + 16) of the weight rows g8 and g8 + 8).
                 for (int kc = 0; kc < RLP_ATTS_MMA_KEYS; kc += 64) {
-                    int4 a[3][2];  // weight digit i, rows (heads) g8 and g8 + 8
+                    int4 a[2];
 #pragma unroll
-                    for (int i = 0; i < 3; ++i)
+                    for (int r = 0; r < 2; ++r)
+                        a[r] = *reinterpret_cast<const int4*>(wd + (g8 + 8 * r) * RLP_ATTS_MMA_KEYS + kc + 16 * t4);
+                    int rows[16];  // this thread's 16 keys' V rows (-1: no key)
 #pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            a[i][r] = *reinterpret_cast<const int4*>(wd + (i * RLP_ATTS_MMA_HEADS + g8 + 8 * r) *
-                                                                         RLP_ATTS_MMA_KEYS + kc + 16 * t4);
-                    const signed char* rows[16];  // this thread's 16 keys' V rows at its 4 columns (0: no key)
-#pragma unroll
-                    for (int k = 0; k < 16; ++k) {
-                        const long long row = key_row[kc + 16 * t4 + k];
-                        rows[k] = row >= 0 ? v_digits + row * (2LL * dp) + 4 * g8 : nullptr;
-                    }
+                    for (int k = 0; k < 16; ++k) rows[k] = key_row[kc + 16 * t4 + k];
 #pragma unroll
                     for (int i = 0; i < BLOCKS; ++i) {
                         const int c0 = 32 * (warp + 4 * i);
                         if (c0 >= dp) break;  // warp-uniform
-                        int words[2][16];  // [plane][key]: 4 columns of bytes
+                        int acc[2][4][4] = {};  // [plane][column tile c][MMA element]
 #pragma unroll
-                        for (int plane = 0; plane < 2; ++plane)
+                        for (int plane = 0; plane < 2; ++plane) {
+                            int words[16];  // 4 columns of bytes per key
 #pragma unroll
                             for (int k = 0; k < 16; ++k)
-                                words[plane][k] = rows[k] ? __ldg(reinterpret_cast<const int*>(rows[k] + plane * dp + c0)) : 0;
-                        int4 b[2][4];  // [plane][column c]: keys [16 t4, 16 t4 + 16) of column c0 + 4 g8 + c
-#pragma unroll
-                        for (int plane = 0; plane < 2; ++plane)
+                                words[k] = rows[k] >= 0 ? __ldg(reinterpret_cast<const int*>(
+                                                              v_digits + (long long)rows[k] * (2LL * dp) + plane * dp + c0 + 4 * g8))
+                                                        : 0;
+                            int b[4][4];  // [column c][key group q]
 #pragma unroll
                             for (int q = 0; q < 4; ++q) {
-                                const int* r = words[plane] + 4 * q;
+                                const int* r = words + 4 * q;
                                 const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
                                 const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
-                                const int column[4] = {(int)__byte_perm(t0, t2, 0x5410), (int)__byte_perm(t0, t2, 0x7632),
-                                                       (int)__byte_perm(t1, t3, 0x5410), (int)__byte_perm(t1, t3, 0x7632)};
-#pragma unroll
-                                for (int c = 0; c < 4; ++c) {
-                                    if (q == 0) b[plane][c].x = column[c];
-                                    else if (q == 1) b[plane][c].y = column[c];
-                                    else if (q == 2) b[plane][c].z = column[c];
-                                    else b[plane][c].w = column[c];
-                                }
+                                b[0][q] = (int)__byte_perm(t0, t2, 0x5410);
+                                b[1][q] = (int)__byte_perm(t0, t2, 0x7632);
+                                b[2][q] = (int)__byte_perm(t1, t3, 0x5410);
+                                b[3][q] = (int)__byte_perm(t1, t3, 0x7632);
                             }
 #pragma unroll
-                        for (int c = 0; c < 4; ++c) {
-                            const int4 planes[2] = {b[0][c], b[1][c]};
-                            int acc[4][4] = {};
-                            rlp_attm_chunk(acc, a, planes);
+                            for (int c = 0; c < 4; ++c)
 #pragma unroll
-                            for (int e = 0; e < 4; ++e) sums[i][c][e] += rlp_attm_combine(acc, e);
+                                for (int step = 0; step < 2; ++step)
+                                    rlp_attm_mma(acc[plane][c], rlp_attm_word(a[0], 2 * step), rlp_attm_word(a[1], 2 * step),
+                                                 rlp_attm_word(a[0], 2 * step + 1), rlp_attm_word(a[1], 2 * step + 1),
+                                                 b[c][2 * step], b[c][2 * step + 1]);
                         }
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)  // |acc| <= 64 * 2^14 per 64 keys: exact in int32
+                                sums[i][c][e] += (long long)acc[0][c][e] + 256LL * (long long)acc[1][c][e];
                     }
                 }
                 __syncthreads();  // the next chunk overwrites the weights and rows
             }
-            if (tid < nb) part_total[(qrow0 + tid) * splits + split] = (long long)head_total[tid];
+            // N_d of head h = sum over its rows 3 h + i of 256^i S: exact int64 atomics (any order)
 #pragma unroll
             for (int i = 0; i < BLOCKS; ++i) {
                 const int c0 = 32 * (warp + 4 * i);
@@ -1312,9 +1310,18 @@ __device__ __forceinline__ void rlp_attention_split_values_mma(
                 for (int c = 0; c < 4; ++c)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int hi = g8 + 8 * (e / 2), col = c0 + 4 * (2 * t4 + e % 2) + c;
-                        if (hi < nb && col < d) part_num[((qrow0 + hi) * splits + split) * d + col] = sums[i][c][e];
+                        const int row = g8 + 8 * (e / 2), col = c0 + 4 * (2 * t4 + e % 2) + c;
+                        if (row < 3 * nb && sums[i][c][e] != 0)
+                            atomicAdd(&numerator[(row / 3) * dp + col],
+                                      (unsigned long long)(sums[i][c][e] * (1LL << (8 * (row % 3)))));
                     }
+            }
+            __syncthreads();
+            if (tid < nb) part_total[(qrow0 + tid) * splits + split] = (long long)head_total[tid];
+            for (int u = tid; u < nb * d; u += blockDim.x) {
+                const int hi = u / d;
+                const int i = u - hi * d;
+                part_num[((qrow0 + hi) * splits + split) * d + i] = (long long)numerator[hi * dp + i];
             }
             __syncthreads();  // the next round resets the weights and sums
         }

@@ -267,14 +267,18 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
 #: the split value pass on the tensor cores where the sources are CUDA's (the same bits as the float64
 #: pass; scripts/probe_attention.py turns it off to time the other)
 SPLIT_VALUES_MMA = True
+SPLIT_VALUES_MMA_HEADS = 5  # RLP_ATTS_MMA_HEADS: q heads per round of the MMA value pass
 
 
-def split_values_kernel(backend: Backend, group: int, head_dim_padded: int) -> tuple[str, int]:
+def split_values_kernel(backend: Backend, group: int, head_dim_padded: int, cache_rows: int) -> tuple[str, int]:
     """(kernel, dynamic shared memory) of the split value pass: attention_split_values_mma_d128/_d256
-    (int8 tensor cores, CUDA sources, padded head_dim <= 256; no dynamic shared memory), else
-    attention_split_values (float64 sums, both vendors)."""
-    if SPLIT_VALUES_MMA and backend.kernel_vendor == "cuda" and head_dim_padded <= MMA_MAX_HEAD_DIM_PADDED:
-        return ("attention_split_values_mma_d128" if head_dim_padded <= 128 else "attention_split_values_mma_d256"), 0
+    (int8 tensor cores, CUDA sources, padded head_dim <= 256, cache rows indexed in int32; the int64
+    numerators of up to SPLIT_VALUES_MMA_HEADS heads), else attention_split_values (float64 sums, both
+    vendors)."""
+    if (SPLIT_VALUES_MMA and backend.kernel_vendor == "cuda" and head_dim_padded <= MMA_MAX_HEAD_DIM_PADDED
+            and cache_rows < 2**31):
+        kernel = "attention_split_values_mma_d128" if head_dim_padded <= 128 else "attention_split_values_mma_d256"
+        return kernel, min(group, SPLIT_VALUES_MMA_HEADS) * 8 * head_dim_padded
     return "attention_split_values", split_values_shared_bytes(group, head_dim_padded)
 
 
@@ -365,7 +369,7 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +
                    (scores, key_ev, split_keys, split_info, query_bad))
-    values_kernel, values_shared = split_values_kernel(backend, hq // hkv, dp)
+    values_kernel, values_shared = split_values_kernel(backend, hq // hkv, dp, cache.num_slots * hkv)
     backend.launch("attention", values_kernel, grid, block,
                    (q_seq, q_pos) + sizes + table + (cache.v_digits,) + cut +
                    (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num),

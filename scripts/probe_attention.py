@@ -28,6 +28,7 @@ KV_LENGTHS = (384, 1024)
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
 KEYS_PER_SPLIT = (512, 256, 128)  # the kernels as built, with the keys cut into more splits than split_plan's
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
+VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores"
 
 
@@ -63,12 +64,17 @@ def _no_v_loads(s):  # timing only (other bits): the value phase without its V l
 
 VARIANTS = {
     "as_built": lambda s: s,
-    "values_float64": lambda s: s,  # the float64 value pass (attention_split_values) instead of the MMA one
-    "values_float64_no_weight_loads (timing only)": _no_weight_loads,
-    "values_float64_no_v_loads (timing only)": _no_v_loads,
+    "values_no_weight_loads (timing only)": _no_weight_loads,
+    "values_no_v_loads (timing only)": _no_v_loads,
+    "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
+    "value_keys_2": _define("RLP_ATTS_VALUE_KEYS", 2),
+    "weight_keys_4": _define("RLP_ATTS_WEIGHT_KEYS", 4),
+    "tile_256": _define("RLP_ATTS_TILE", 256),
     "score_pieces_2": _pieces(2),
     "score_4_blocks": _bounds(SCORE_BOUNDS, 4),
     "score_6_blocks": _bounds(SCORE_BOUNDS, 6),
+    "value_4_blocks": _bounds(VALUE_BOUNDS, 4),
+    "value_8_blocks": _bounds(VALUE_BOUNDS, 8),
 }
 
 
@@ -136,7 +142,6 @@ def main():
         q_pos = cp.full(SEQUENCES, kv_length - 1, np.int32)
         for variant, (text, shared, keys) in variants(source).items():
             module = load(text, "attention", options)
-            attention.SPLIT_VALUES_MMA = not variant.startswith("values_float64")
             attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
             backend._modules["attention"], backend._functions = module, {}
             run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split",

@@ -109,10 +109,7 @@ def test_split_launches_match_the_kernel_parameters(vendor):
     out = decode_call(backend, rows=5, hq=6, hkv=2, d=20, width=9)
     assert out.shape == (5, 6, 20) and out.dtype == np.float32
     parameters = kernel_parameters(vendor)
-    # CUDA sources run the value pass on the tensor cores (the same parameters: see the next test)
-    values = "attention_split_values_mma_d128" if vendor == "cuda" else "attention_split_values"
-    parameters.setdefault(values, parameters["attention_split_values"])
-    assert [launch[0] for launch in backend.launches] == [SPLIT_KERNELS[0], values, SPLIT_KERNELS[2]]
+    assert [launch[0] for launch in backend.launches] == list(SPLIT_KERNELS)
     for kernel, grid, block, args in backend.launches:
         assert block == (op.SPLIT_THREADS,)
         types = parameters[kernel]
@@ -130,16 +127,6 @@ def test_split_launches_match_the_kernel_parameters(vendor):
     part_total, part_num = backend.launches[1][3][-2:]
     assert part_total.dtype == np.int64 and part_num.size == 5 * 6 * splits * 20 and query_bad.size == 5 * 6
     assert backend.launches[0][1] == (5 * 2 * splits,) and backend.launches[2][1] == (5 * 6,)
-
-
-def test_the_mma_value_pass_takes_the_float64_value_pass_parameters():
-    text = (resource_dir("backends") / "cuda" / "attention.cu").read_text()
-    entry = text[text.index("#define RLP_ATTS_VALUES_MMA_ENTRY"):]
-    entry_params = entry[entry.index("NAME(") + 5:entry.index(") {")].replace("\\", " ")
-    types = [" ".join(p.split()).rsplit(" ", 1)[0] for p in entry_params.split(",")]
-    assert types == kernel_parameters("cuda")["attention_split_values"]
-    assert "RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d128, 1)" in text
-    assert "RLP_ATTS_VALUES_MMA_ENTRY(attention_split_values_mma_d256, 2)" in text
 
 
 def test_split_launch_shapes_do_not_depend_on_the_lengths():

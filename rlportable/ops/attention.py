@@ -264,24 +264,6 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
     return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
 
 
-#: the split value pass on the tensor cores where the sources are CUDA's (the same bits as the float64
-#: pass; scripts/probe_attention.py turns it off to time the other)
-SPLIT_VALUES_MMA = True
-SPLIT_VALUES_MMA_HEADS = 5  # RLP_ATTS_MMA_HEADS: q heads per round of the MMA value pass
-
-
-def split_values_kernel(backend: Backend, group: int, head_dim_padded: int, cache_rows: int) -> tuple[str, int]:
-    """(kernel, dynamic shared memory) of the split value pass: attention_split_values_mma_d128/_d256
-    (int8 tensor cores, CUDA sources, padded head_dim <= 256, cache rows indexed in int32; the int64
-    numerators of up to SPLIT_VALUES_MMA_HEADS heads), else attention_split_values (float64 sums, both
-    vendors)."""
-    if (SPLIT_VALUES_MMA and backend.kernel_vendor == "cuda" and head_dim_padded <= MMA_MAX_HEAD_DIM_PADDED
-            and cache_rows < 2**31):
-        kernel = "attention_split_values_mma_d128" if head_dim_padded <= 128 else "attention_split_values_mma_d256"
-        return kernel, min(group, SPLIT_VALUES_MMA_HEADS) * 8 * head_dim_padded
-    return "attention_split_values", split_values_shared_bytes(group, head_dim_padded)
-
-
 def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
     """Dynamic shared memory of attention_split_values: the int64 numerators [dp] of each head of its
     largest round (the weights and row offsets of a tile are static arrays)."""
@@ -369,11 +351,10 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +
                    (scores, key_ev, split_keys, split_info, query_bad))
-    values_kernel, values_shared = split_values_kernel(backend, hq // hkv, dp, cache.num_slots * hkv)
-    backend.launch("attention", values_kernel, grid, block,
+    backend.launch("attention", "attention_split_values", grid, block,
                    (q_seq, q_pos) + sizes + table + (cache.v_digits,) + cut +
                    (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num),
-                   shared_mem=values_shared)
+                   shared_mem=split_values_shared_bytes(hq // hkv, dp))
     backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,
                    (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(splits), split_keys,
                     split_info, query_bad, part_total, part_num, out))

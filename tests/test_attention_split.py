@@ -10,51 +10,15 @@ and the launches' arguments against the kernels' parameter lists in both sources
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
+from recording_device import RecordingDevice, kernel_parameters
 
 from rlportable.errors import InputError
 from rlportable.ops import attention as op
-from rlportable.resources import resource_dir
 
 SPLIT_KERNELS = ("attention_split_scores", "attention_split_values", "attention_split_combine")
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
-
-
-class FakeDevice:
-    """A backend with device kernels whose launches are recorded, not run (NumPy arrays)."""
-
-    label = "fake"
-
-    def __init__(self, vendor: str = "cuda"):
-        self.kernel_vendor = vendor
-        self.launches = []
-
-    def asarray(self, array):
-        return np.array(array)
-
-    def to_numpy(self, array):
-        return np.asarray(array)
-
-    def empty(self, shape, dtype):
-        return np.empty(shape, dtype=dtype)
-
-    def zeros(self, shape, dtype):
-        return np.zeros(shape, dtype=dtype)
-
-    def launch(self, family, kernel, grid, block, args, shared_mem=0):
-        self.launches.append((kernel, tuple(grid), tuple(block), args))
-
-
-def kernel_parameters(vendor: str) -> dict[str, list[str]]:
-    """kernel name -> parameter types (the name stripped), from backends/<vendor>/attention.*."""
-    suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
-    text = (resource_dir("backends") / vendor / f"attention{suffix}").read_text()
-    return {name: [" ".join(p.split()).rsplit(" ", 1)[0] for p in params.split(",")]
-            for name, params in _KERNEL.findall(text)}
 
 
 def decode_call(backend, rows: int, hq: int, hkv: int, d: int, width: int, block_size: int = 16,
@@ -88,9 +52,9 @@ def test_split_plan_covers_the_tables_and_fills_the_device():
 
 
 def test_methods_pick_split_for_decode():
-    cpu = FakeDevice(None)
-    hip = FakeDevice("hip")
-    cuda = FakeDevice("cuda")
+    cpu = RecordingDevice(None)
+    hip = RecordingDevice("hip")
+    cuda = RecordingDevice("cuda")
     assert op.available_methods(cpu, 128) == ("portable",)
     assert op.available_methods(hip, 128) == ("portable", "split")
     assert op.available_methods(hip, 512) == ("portable", "split")
@@ -105,12 +69,12 @@ def test_methods_pick_split_for_decode():
 
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_split_launches_match_the_kernel_parameters(vendor):
-    backend = FakeDevice(vendor)
+    backend = RecordingDevice(vendor)
     out = decode_call(backend, rows=5, hq=6, hkv=2, d=20, width=9)
     assert out.shape == (5, 6, 20) and out.dtype == np.float32
-    parameters = kernel_parameters(vendor)
-    assert [launch[0] for launch in backend.launches] == list(SPLIT_KERNELS)
-    for kernel, grid, block, args in backend.launches:
+    parameters = kernel_parameters(vendor, "attention")
+    assert [launch.kernel for launch in backend.launches] == list(SPLIT_KERNELS)
+    for _, kernel, grid, block, args, _ in backend.launches:
         assert block == (op.SPLIT_THREADS,)
         types = parameters[kernel]
         assert len(args) == len(types), kernel
@@ -121,12 +85,12 @@ def test_split_launches_match_the_kernel_parameters(vendor):
                 assert type(arg) is _SCALARS[kind], (kernel, position, kind, type(arg))
     # the scratch arrays the kernels index: scores [tq * hkv, splits * chunk, group], part_num [tq * hq, splits, d]
     splits, chunk = op.split_plan(5, 2, 9 * 16)
-    scores, key_ev, split_keys, split_info, query_bad = backend.launches[0][3][-5:]
+    scores, key_ev, split_keys, split_info, query_bad = backend.launches[0].args[-5:]
     assert scores.size == 5 * 2 * splits * chunk * 3 and key_ev.size == 5 * 2 * splits * chunk
     assert split_keys.dtype == np.uint32 and split_keys.size == 5 * 6 * splits and split_info.size == 5 * 2 * splits
-    part_total, part_num = backend.launches[1][3][-2:]
+    part_total, part_num = backend.launches[1].args[-2:]
     assert part_total.dtype == np.int64 and part_num.size == 5 * 6 * splits * 20 and query_bad.size == 5 * 6
-    assert backend.launches[0][1] == (5 * 2 * splits,) and backend.launches[2][1] == (5 * 6,)
+    assert backend.launches[0].grid == (5 * 2 * splits,) and backend.launches[2].grid == (5 * 6,)
 
 
 def test_split_launch_shapes_do_not_depend_on_the_lengths():
@@ -134,10 +98,10 @@ def test_split_launch_shapes_do_not_depend_on_the_lengths():
     grids and scalar arguments whatever the positions (they live in device buffers)."""
     shapes = []
     for positions in ([0, 0, 0], [5, 300, 17], [399, 399, 399]):
-        backend = FakeDevice("cuda")
+        backend = RecordingDevice("cuda")
         decode_call(backend, rows=3, hq=16, hkv=8, d=128, width=25, positions=positions)
         shapes.append([(kernel, grid, block, tuple(a for a in args if not isinstance(a, np.ndarray)))
-                       for kernel, grid, block, args in backend.launches])
+                       for _, kernel, grid, block, args, _ in backend.launches])
     assert shapes[0] == shapes[1] == shapes[2]
 
 
@@ -146,18 +110,18 @@ def test_split_scratch_is_cut_into_row_slices(monkeypatch):
     splits, chunk = op.split_plan(10, 2, 64 * 16)
     per_row = (4 + 2) * splits * chunk * 4
     monkeypatch.setattr(op, "SPLIT_SCRATCH_BYTES", 3 * per_row)
-    backend = FakeDevice("hip")
+    backend = RecordingDevice("hip")
     out = decode_call(backend, rows=10, hq=4, hkv=2, d=64, width=64)
-    kernels = [launch[0] for launch in backend.launches]
+    kernels = [launch.kernel for launch in backend.launches]
     assert kernels == list(SPLIT_KERNELS) * 4  # rows 0-2, 3-5, 6-8, 9
-    firsts = [args[0] for kernel, _, _, args in backend.launches if kernel == "attention_split_scores"]
+    firsts = [args[0] for _, kernel, _, _, args, _ in backend.launches if kernel == "attention_split_scores"]
     assert [q.shape[0] for q in firsts] == [3, 3, 3, 1]
-    outs = [args[-1] for kernel, _, _, args in backend.launches if kernel == "attention_split_combine"]
+    outs = [args[-1] for _, kernel, _, _, args, _ in backend.launches if kernel == "attention_split_combine"]
     assert all(np.shares_memory(o, out) for o in outs)
 
 
 def test_keys_per_split_is_checked_on_every_backend():
-    cpu = FakeDevice(None)
+    cpu = RecordingDevice(None)
     with pytest.raises(InputError, match="keys_per_split"):
         op.attention_paged(cpu, np.zeros((1, 2, 16), np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32),
                            op.KVCache.allocate(cpu, 16, 1, 16, 16), np.zeros((1, 1), np.int32), keys_per_split=0)

@@ -9,10 +9,12 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-
 from exact_oracle import ilogb, quantize, round_fraction_to_f32
+from recording_device import RecordingDevice, kernel_parameters
+
 from rlportable.conform.inputs import random_rows
-from rlportable.contract import fixedpoint as fp, norm as reference
+from rlportable.contract import fixedpoint as fp
+from rlportable.contract import norm as reference
 from rlportable.errors import InputError
 from rlportable.ops import norm
 from rlportable.runtime import get_backend
@@ -407,43 +409,6 @@ def test_add_rmsnorm_with_encode_bits_returns_the_gemm_encoding_of_y():
         norm.add_rmsnorm(CPU, a, b, w, 1e-6, encode_bits=1)
 
 
-class _RecordingDevice:
-    """A backend whose kernels are recorded, not run (NumPy arrays): the device path's launches."""
-
-    label = "fake"
-
-    def __init__(self, vendor: str):
-        self.kernel_vendor = vendor
-        self.launches = []
-
-    def asarray(self, array):
-        return np.array(array)
-
-    def to_numpy(self, array):
-        return np.asarray(array)
-
-    def empty(self, shape, dtype):
-        return np.empty(shape, dtype=dtype)
-
-    def zeros(self, shape, dtype):
-        return np.zeros(shape, dtype=dtype)
-
-    def launch(self, family, kernel, grid, block, args, shared_mem=0):
-        self.launches.append((family, kernel, args, shared_mem))
-
-
-def _kernel_parameters(vendor: str, family: str) -> dict[str, list[str]]:
-    """kernel name -> parameter types (the name stripped), from backends/<vendor>/<family>.*."""
-    import re
-
-    from rlportable.resources import resource_dir
-
-    text = (resource_dir("backends") / vendor / f"{family}{'.cu' if vendor == 'cuda' else '.hip'}").read_text()
-    pattern = r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)'
-    return {name: [" ".join(p.replace("__restrict__", "").split()).rsplit(" ", 1)[0] for p in params.split(",")]
-            for name, params in re.findall(pattern, text)}
-
-
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
 _POINTERS = {"float*": np.float32, "const float*": np.float32, "signed char*": np.int8, "int*": np.int32}
 
@@ -453,17 +418,17 @@ def test_add_rmsnorm_launches_encode_in_the_norm_kernel_up_to_the_fused_limit(ve
     """One norm_add_rmsnorm launch writes the encoding up to MAX_FUSED_ENCODED_ROW; above it (and without
     encode_bits) the kernel gets null digits/exponents and fixedpoint_encode_rows runs after. The
     launches' arguments match the kernels' parameters in both sources."""
-    parameters = {**_kernel_parameters(vendor, "norm"), **_kernel_parameters(vendor, "fixedpoint")}
+    parameters = {**kernel_parameters(vendor, "norm"), **kernel_parameters(vendor, "fixedpoint")}
     limit = norm.MAX_FUSED_ENCODED_ROW
     for h, encode_bits, kernels in ((96, None, ["norm_add_rmsnorm"]), (96, 23, ["norm_add_rmsnorm"]),
                                     (limit, 23, ["norm_add_rmsnorm"]),
                                     (limit + 64, 23, ["norm_add_rmsnorm", "fixedpoint_encode_rows"]),
                                     (96, 15, ["norm_add_rmsnorm", "fixedpoint_encode_rows"])):
-        device = _RecordingDevice(vendor)
+        device = RecordingDevice(vendor)
         a = np.zeros((3, h), np.float32)
         result = norm.add_rmsnorm(device, a, a.copy(), np.ones(h, np.float32), 1e-6, encode_bits=encode_bits)
-        assert [launch[1] for launch in device.launches] == kernels, (h, encode_bits)
-        _, kernel, args, shared_mem = device.launches[0]
+        assert [launch.kernel for launch in device.launches] == kernels, (h, encode_bits)
+        args, shared_mem = device.launches[0].args, device.launches[0].shared_mem
         fused = encode_bits == 23 and h <= limit
         assert shared_mem == (8 if fused else 4) * h
         if encode_bits is None:
@@ -476,7 +441,7 @@ def test_add_rmsnorm_launches_encode_in_the_norm_kernel_up_to_the_fused_limit(ve
                 assert args[8] is encoded.digits and args[9] is encoded.exponents and args[10] == encoded.k_padded
         if not fused:
             assert args[8] is norm.NULL_POINTER and args[9] is norm.NULL_POINTER
-        for _, kernel, args, _ in device.launches:
+        for _, kernel, _, _, args, _ in device.launches:
             types = parameters[kernel]
             assert len(args) == len(types), kernel
             for kind, arg in zip(types, args):

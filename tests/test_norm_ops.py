@@ -410,7 +410,8 @@ def test_add_rmsnorm_with_encode_bits_returns_the_gemm_encoding_of_y():
 
 
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
-_POINTERS = {"float*": np.float32, "const float*": np.float32, "signed char*": np.int8, "int*": np.int32}
+_POINTERS = {"float*": np.float32, "const float*": np.float32, "signed char*": np.int8, "int*": np.int32,
+             "const int*": np.int32}
 
 
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
@@ -441,12 +442,44 @@ def test_add_rmsnorm_launches_encode_in_the_norm_kernel_up_to_the_fused_limit(ve
                 assert args[8] is encoded.digits and args[9] is encoded.exponents and args[10] == encoded.k_padded
         if not fused:
             assert args[8] is norm.NULL_POINTER and args[9] is norm.NULL_POINTER
-        for _, kernel, _, _, args, _ in device.launches:
-            types = parameters[kernel]
-            assert len(args) == len(types), kernel
-            for kind, arg in zip(types, args):
-                if kind.endswith("*"):
-                    assert (arg is norm.NULL_POINTER or isinstance(arg, np.ndarray) and arg.dtype == _POINTERS[kind]
-                            and arg.flags.c_contiguous), (kernel, kind)
-                else:
-                    assert isinstance(arg, np.generic) and arg.dtype == _SCALARS[kind], (kernel, kind, arg)
+        _assert_arguments_match(parameters, device.launches)
+
+
+def _assert_arguments_match(parameters: dict, launches) -> None:
+    """Every launch passes as many arguments as its kernel takes, each of the parameter's type."""
+    for _, kernel, _, _, args, _ in launches:
+        types = parameters[kernel]
+        assert len(args) == len(types), kernel
+        for kind, arg in zip(types, args):
+            if kind.endswith("*"):
+                assert (arg is norm.NULL_POINTER or isinstance(arg, np.ndarray) and arg.dtype == _POINTERS[kind]
+                        and arg.flags.c_contiguous), (kernel, kind)
+            else:
+                assert isinstance(arg, np.generic) and arg.dtype == _SCALARS[kind], (kernel, kind, arg)
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_rmsnorm_heads_rope_launches_one_kernel_up_to_the_fused_head_dim(vendor):
+    """One norm_rmsnorm_heads_rope launch for q and k (rows: q's heads, then k's; one row of shared memory)
+    up to MAX_FUSED_HEAD_DIM, its arguments matching the kernel's parameters in both sources; above it,
+    norm_rmsnorm then rope_apply for each."""
+    parameters = {**kernel_parameters(vendor, "norm"), **kernel_parameters(vendor, "rope")}
+    tokens, hq, hk = 3, 4, 2
+    for d, kernels in ((128, ["norm_rmsnorm_heads_rope"]),
+                       (norm.MAX_FUSED_HEAD_DIM + 2, ["norm_rmsnorm", "rope_apply"] * 2)):
+        device = RecordingDevice(vendor)
+        q, k = np.zeros((tokens, hq, d), np.float32), np.zeros((tokens, hk, d), np.float32)
+        cos, sin = np.ones((8, d // 2), np.float32), np.zeros((8, d // 2), np.float32)
+        positions = np.array([0, 7, 3], np.int32)
+        q_out, k_out = norm.rmsnorm_heads_rope(device, q, k, np.ones(d, np.float32), np.ones(d, np.float32), 1e-6,
+                                               positions, cos, sin)
+        assert [launch.kernel for launch in device.launches] == kernels, d
+        assert (q_out.shape, k_out.shape) == (q.shape, k.shape)
+        _assert_arguments_match(parameters, device.launches)
+        if len(kernels) == 1:
+            launch = device.launches[0]
+            assert launch.grid == (tokens * (hq + hk),) and launch.shared_mem == 4 * d
+            assert all(launch.args[i] is array for i, array in ((0, q), (1, k), (-2, q_out), (-1, k_out)))
+        with pytest.raises(InputError, match="position 8 is outside"):
+            norm.rmsnorm_heads_rope(device, q, k, np.ones(d, np.float32), np.ones(d, np.float32), 1e-6,
+                                    np.array([0, 8, 3], np.int32), cos, sin)

@@ -239,6 +239,31 @@ def test_stacked_weight_parts_are_their_own_encodings_and_gemm_columns_their_gem
         gemm_op.encode_stacked_weight(cpu, [parts[0], np.ascontiguousarray(parts[1][:, :30])])
 
 
+def test_gemm_columns_is_one_wgmma_launch_writing_every_part_on_hopper():
+    """The device path of gemm_columns without a GPU (launches recorded): one wgmma launch that writes the
+    parts' own arrays from the shared encoding (none made when one is given), the tile chosen for the
+    stacked N and K; a forced non-wgmma tile gives one gemm per part in that tile."""
+    from recording_device import RecordingDevice
+
+    from rlportable.ops import fixedpoint
+
+    cpu = get_backend("cpu")
+    stacked = gemm_op.encode_stacked_weight(cpu, [np.ones((n, 256), np.float32) for n in (128, 64, 64)])
+    x = np.ones((256, 256), np.float32)
+    hopper = RecordingDevice("cuda")
+    hopper.compute_capability = "90"
+    ys = gemm_op.gemm_columns(hopper, x, stacked, encoded=fixedpoint.encode_rows(cpu, x, gemm_op.DEFAULT_BITS_A))
+    [launch] = hopper.launches
+    assert launch.kernel == "gemm_wgmma_a3w2_64x32" and launch.grid == (4, 8)
+    assert [y.shape for y in ys] == [(256, 128), (256, 64), (256, 64)]
+    assert all(arg is y for arg, y in zip(launch.args[8:11], ys))
+    assert [int(c) for c in launch.args[11:]] == [128, 192]
+    hopper.launches.clear()
+    gemm_op.gemm_columns(hopper, x, stacked, tile="16x16k8")  # encodes x once, then a gemm per part
+    assert [launch.kernel for launch in hopper.launches] == ["fixedpoint_encode_rows"] + ["gemm_fused_a3w2_16x16k8"] * 3
+    assert all(launch.args[1] is part.encoded.digits for launch, part in zip(hopper.launches[1:], stacked.parts))
+
+
 def fixedpoint_encode_ones(k):
     from rlportable.ops import fixedpoint
 

@@ -109,19 +109,20 @@ def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: Encoded
     """[X @ W_0.T, X @ W_1.T, ...] for the parts of a stacked weight, each its own [M, N_i] array:
     the projections of the same activations (q, k and v; gate and up). Where the wgmma gemm runs,
     one launch writes all of them; elsewhere one gemm per part. The columns of the exact gemm are
-    independent, so every part has the bits of its own gemm. `tile` forces a wgmma tile."""
+    independent, so every part has the bits of its own gemm. `tile` forces a fused tile (for the
+    one launch when it is a wgmma tile, else for each part's gemm)."""
     m, k = require_matrix("x", x)
     check_gemm_shapes((m, k), stacked.whole, DEFAULT_BITS_A)
     joint = (backend.kernel_vendor is not None and m and k and
              resolve_method(backend, m, DEFAULT_BITS_A, stacked.whole, "auto") == "fused")
     spec = tile_spec(tile or pick_tile(m, stacked.whole.n, has_wgmma(backend), k)) if joint else None
-    if spec is None or spec.kind != "wgmma":
-        return [gemm(backend, x, part, encoded=encoded) for part in stacked.parts]
-    if encoded is None:
-        encoded = encode_rows(backend, x, DEFAULT_BITS_A)
-    elif (encoded.bits, encoded.rows, encoded.k) != (DEFAULT_BITS_A, m, k):
+    if encoded is not None and (encoded.bits, encoded.rows, encoded.k) != (DEFAULT_BITS_A, m, k):
         raise InputError(f"gemm_columns: the shared encoding is {encoded.rows}x{encoded.k} at {encoded.bits} bits; "
                          f"x is {m}x{k} at {DEFAULT_BITS_A} bits")
+    if encoded is None and backend.kernel_vendor is not None and m and k:
+        encoded = encode_rows(backend, x, DEFAULT_BITS_A)  # once for every part (the reference quantizes itself)
+    if spec is None or spec.kind != "wgmma":
+        return [gemm(backend, x, part, encoded=encoded, tile=tile) for part in stacked.parts]
     outputs = [backend.empty((m, part.n), np.float32) for part in stacked.parts]
     launch_fused(backend, spec, encoded, stacked.whole, outputs, _scale_offset(DEFAULT_BITS_A, stacked.whole.bits))
     return outputs

@@ -1,6 +1,8 @@
-// Kernel family "norm": RMSNorm (and the per-head QK-norm: rows = tokens * heads).
-// Contract: contracts/norm.toml. Reference: rlportable/contract/norm.py (rmsnorm, and
-// rmsnorm_backward: the gradient, dx per row and dweight over rows).
+// Kernel family "norm": RMSNorm (and the per-head QK-norm: rows = tokens * heads), and two fused
+// compositions: add_rmsnorm (the residual add, RMSNorm, optionally the gemm's encoding of the result)
+// and rmsnorm_heads_rope (QK-norm, then RoPE). Contract: contracts/norm.toml. Reference:
+// rlportable/contract/norm.py (rmsnorm, add_rmsnorm, rmsnorm_heads_rope, and rmsnorm_backward: the
+// gradient, dx per row and dweight over rows).
 // backends/hip/norm.hip is the same logic, line for line, in HIP spellings.
 #include "common.cuh"
 

@@ -1,9 +1,11 @@
 #ifndef RLP_HIP_ON_CUDA
 #include <hip/hip_runtime.h>
 #endif
-// Kernel family "norm": RMSNorm (and the per-head QK-norm: rows = tokens * heads).
-// Contract: contracts/norm.toml. Reference: rlportable/contract/norm.py (rmsnorm, and
-// rmsnorm_backward: the gradient, dx per row and dweight over rows).
+// Kernel family "norm": RMSNorm (and the per-head QK-norm: rows = tokens * heads), and two fused
+// compositions: add_rmsnorm (the residual add, RMSNorm, optionally the gemm's encoding of the result)
+// and rmsnorm_heads_rope (QK-norm, then RoPE). Contract: contracts/norm.toml. Reference:
+// rlportable/contract/norm.py (rmsnorm, add_rmsnorm, rmsnorm_heads_rope, and rmsnorm_backward: the
+// gradient, dx per row and dweight over rows).
 // Line-by-line port of backends/cuda/norm.cu (no warp-width assumption anywhere).
 #include "common.h"
 

@@ -480,6 +480,6 @@ def test_rmsnorm_heads_rope_launches_one_kernel_up_to_the_fused_head_dim(vendor)
             launch = device.launches[0]
             assert launch.grid == (tokens * (hq + hk),) and launch.shared_mem == 4 * d
             assert all(launch.args[i] is array for i, array in ((0, q), (1, k), (-2, q_out), (-1, k_out)))
-        with pytest.raises(InputError, match="position 8 is outside"):
+        with pytest.raises(InputError, match="rmsnorm_heads_rope: position 8 is outside"):
             norm.rmsnorm_heads_rope(device, q, k, np.ones(d, np.float32), np.ones(d, np.float32), 1e-6,
                                     np.array([0, 8, 3], np.int32), cos, sin)

@@ -139,7 +139,7 @@ def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions,
                              f"{np.dtype(weight.dtype).name} of shape {shape_of(weight)}")
     require_contiguous("rmsnorm_heads_rope: q", q)
     require_contiguous("rmsnorm_heads_rope: k", k)
-    host_positions = rope._check_positions(backend, positions, host_positions, table_rows)
+    host_positions = rope._check_positions(backend, positions, host_positions, table_rows, "rmsnorm_heads_rope")
     eps = check_eps(eps)
     if d > MAX_FUSED_HEAD_DIM:  # rows the kernel cannot hold: the two ops in turn, the same bits
         return tuple(rope.apply(backend, rmsnorm_heads(backend, x, w, eps), positions, cos, sin, host_positions)

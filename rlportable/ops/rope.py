@@ -48,11 +48,11 @@ def _check(x, positions, cos, sin, op: str = "rope", name: str = "x") -> tuple[i
     return tokens, heads, head_dim // 2, shape_of(cos)[0]
 
 
-def _check_positions(backend, positions, host_positions, table_rows: int) -> np.ndarray:
+def _check_positions(backend, positions, host_positions, table_rows: int, op: str = "rope") -> np.ndarray:
     host_positions = np.asarray(backend.to_numpy(positions) if host_positions is None else host_positions)
     if host_positions.size and (host_positions.min() < 0 or host_positions.max() >= table_rows):
         bad = host_positions[(host_positions < 0) | (host_positions >= table_rows)][0]
-        raise InputError(f"rope: position {int(bad)} is outside the tables' [0, {table_rows})")
+        raise InputError(f"{op}: position {int(bad)} is outside the tables' [0, {table_rows})")
     return host_positions
 
 
@@ -74,7 +74,7 @@ def apply_backward(backend, dy, positions, cos, sin, host_positions=None):
 
 def _rotate(backend, x, positions, cos, sin, host_positions, op: str, name: str, kernel: str, reference_fn):
     tokens, heads, half, table_rows = _check(x, positions, cos, sin, op, name)
-    host_positions = _check_positions(backend, positions, host_positions, table_rows)
+    host_positions = _check_positions(backend, positions, host_positions, table_rows, op)
     if backend.kernel_vendor is None:
         cos, sin = backend.to_numpy(cos), backend.to_numpy(sin)
         return reference_fn(backend.to_numpy(x), cos[host_positions], sin[host_positions])

@@ -217,6 +217,9 @@ def test_wgmma_launch_splits_k_over_clusters_and_writes_column_ranges():
     gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x32"), encoded, weight, [np.empty((4, 100), np.float32)],
                             -34)
     assert [int(c) for c in backend.launches[1][2][11:]] == [100, 100]  # one output: c1 = c2 = N
+    with pytest.raises(InputError, match="output 1 must be a contiguous float32"):
+        gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x64"), encoded, weight,
+                                [outputs[0], np.empty((3, 24), np.float32), outputs[2]], -34)
     with pytest.raises(InputError, match="do not add up"):
         gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x64"), encoded, weight, outputs[:2], -34)
     with pytest.raises(InputError, match="writes one output"):

@@ -149,7 +149,7 @@ def launch_fused(backend, spec: Tile, a: EncodedRows, weight, outputs: list, sca
             raise InputError(f"gemm: tile {spec.kernel} needs compute capability 9.0 (wgmma); "
                              f"this device is {backend.label}")
         grid = (grid[1] * spec.splits, grid[0])  # row blocks fastest: the blocks sharing a weight tile run together
-        operands += _column_outputs(outputs, weight.n)
+        operands += _column_outputs(outputs, a.rows, weight.n)
     elif len(outputs) != 1:
         raise InputError(f"gemm: tile {spec.kernel} writes one output; {len(outputs)} were given")
     else:
@@ -157,10 +157,18 @@ def launch_fused(backend, spec: Tile, a: EncodedRows, weight, outputs: list, sca
     backend.launch("gemm", spec.kernel, grid, (spec.threads,), operands, shared_mem=spec.shared_bytes)
 
 
-def _column_outputs(outputs: list, n: int) -> tuple:
-    """(y0, y1, y2, c1, c2) of the wgmma kernels: output i takes the columns [c_i, c_(i+1))."""
+def _column_outputs(outputs: list, m: int, n: int) -> tuple:
+    """(y0, y1, y2, c1, c2) of the wgmma kernels: output i takes the columns [c_i, c_(i+1)). Each output
+    must be a contiguous float32 [m, N_i] (the kernel writes its rows at stride N_i)."""
     if not 1 <= len(outputs) <= WGMMA_OUTPUTS:
         raise InputError(f"gemm: the wgmma kernels write 1 to {WGMMA_OUTPUTS} outputs; {len(outputs)} were given")
+    for i, y in enumerate(outputs):
+        shape = tuple(int(s) for s in y.shape)
+        flags = getattr(y, "flags", None)
+        if len(shape) != 2 or shape[0] != m or np.dtype(y.dtype) != np.float32 or \
+                (flags is not None and not flags["C_CONTIGUOUS"]):
+            raise InputError(f"gemm: output {i} must be a contiguous float32 [{m}, N_{i}], got "
+                             f"{np.dtype(y.dtype).name} {list(shape)}")
     ends = np.cumsum([int(y.shape[1]) for y in outputs])
     if ends[-1] != n:
         raise InputError(f"gemm: the outputs' widths {[int(y.shape[1]) for y in outputs]} do not add up to N={n}")

@@ -172,3 +172,44 @@ def test_backward_input_errors():
         activation.swiglu_backward(CPU, ones, ones, np.ones(2, np.float32))
     with pytest.raises(InputError, match="swiglu_backward: dy must have dtype float32"):
         activation.swiglu_backward(CPU, ones, ones, np.ones((2, 3), np.float64))
+
+
+def test_swiglu_encode_is_swiglu_then_the_gemm_encoding():
+    from rlportable.ops import fixedpoint
+
+    cpu = get_backend("cpu")
+    gate = random_rows(np.random.default_rng(3), 6, 40, "massive")
+    up = random_rows(np.random.default_rng(4), 6, 40, "normal")
+    gate[2, 7] = np.nan  # a non-finite row: the sentinel exponent, zero digits
+    y, encoded = activation.swiglu_encode(cpu, gate, up)
+    want = fixedpoint.encode_rows_reference(reference.swiglu(gate, up), 23)
+    assert np.array_equal(y.view(np.uint32), reference.swiglu(gate, up).view(np.uint32))
+    assert np.array_equal(encoded.digits, want.digits) and np.array_equal(encoded.exponents, want.exponents)
+    assert (encoded.bits, encoded.k, encoded.descending) == (23, 40, False)
+    y_ref, q, e = reference.swiglu_encode(gate, up)
+    assert np.array_equal(e, want.exponents) and np.array_equal(q, fixedpoint.joined_integers(want))
+    with pytest.raises(InputError, match="swiglu_encode: gate"):
+        activation.swiglu_encode(cpu, gate[0], up[0])
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_swiglu_encode_launches_one_kernel_up_to_the_fused_limit(vendor):
+    from recording_device import RecordingDevice, kernel_parameters
+
+    parameters = {**kernel_parameters(vendor, "activation"), **kernel_parameters(vendor, "fixedpoint")}
+    limit = activation.MAX_FUSED_ENCODED_ROW
+    for h, bits, kernels in ((96, 23, ["activation_swiglu_encode"]), (limit, 23, ["activation_swiglu_encode"]),
+                             (limit + 64, 23, ["activation_swiglu", "fixedpoint_encode_rows"]),
+                             (96, 15, ["activation_swiglu", "fixedpoint_encode_rows"])):
+        device = RecordingDevice(vendor)
+        gate = np.zeros((3, h), np.float32)
+        y, encoded = activation.swiglu_encode(device, gate, gate.copy(), bits)
+        assert [launch.kernel for launch in device.launches] == kernels, (h, bits)
+        assert encoded.digits.shape == (3, -(-bits // 8), -(-h // 64) * 64) and encoded.bits == bits
+        for launch in device.launches:
+            types = parameters[launch.kernel]
+            assert len(launch.args) == len(types), launch.kernel
+        if kernels[0] == "activation_swiglu_encode":
+            args = device.launches[0].args
+            assert args[5] is y and args[6] is encoded.digits and args[7] is encoded.exponents
+            assert device.launches[0].shared_mem == 4 * h and int(args[4]) == encoded.k_padded

@@ -7,15 +7,46 @@
 // y = RNE_f32((double(g) / (1 + double(exp_f32(-g)))) * double(u)): the contract's exp
 // (rlp_exp_f32, contract_math.cuh), then IEEE float64 add, divide, multiply, one conversion.
 // Elementwise, grid-stride: any grid and block size gives the same bits. NaN -> canonical NaN.
+__device__ __forceinline__ float rlp_swiglu(float g, float u) {
+    const double e = (double)rlp_exp_f32(-g);
+    const double silu = (double)g / (1.0 + e);
+    const float v = __double2float_rn(silu * (double)u);
+    return (v != v) ? rlp_canonical_nan() : v;
+}
+
 extern "C" __global__ void activation_swiglu(const float* __restrict__ gate, const float* __restrict__ up,
                                              long long n, float* __restrict__ y) {
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float g = gate[i];
-        const double e = (double)rlp_exp_f32(-g);
-        const double silu = (double)g / (1.0 + e);
-        float v = __double2float_rn(silu * (double)up[i]);
-        y[i] = (v != v) ? rlp_canonical_nan() : v;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = rlp_swiglu(gate[i], up[i]);
+}
+
+// SwiGLU of rows with the gemm's encoding of the result (contracts/activation.toml swiglu_encode): one
+// block per row (grid-stride); y as activation_swiglu computes it (rlp_swiglu), written out and kept in
+// shared memory; then encoded as fixedpoint_encode_rows encodes it (23 bits, 3 ascending digits: the
+// row's exponent an integer max, rlp_encode_row_digits). Bitwise swiglu then encode_rows, one launch.
+// digits [rows, 3, k_padded] int8, exponents [rows] int32.
+#define RLP_ACTIVATION_ENCODE_BITS 23
+#define RLP_ACTIVATION_ENCODE_SLICES 3
+extern "C" __global__ void activation_swiglu_encode(const float* __restrict__ gate, const float* __restrict__ up,
+                                                    long long rows, int h, int k_padded, float* __restrict__ y,
+                                                    signed char* __restrict__ digits, int* __restrict__ exponents) {
+    extern __shared__ float rlp_activation_row[];  // [h]: the row's y
+    __shared__ unsigned int largest;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long base = row * (long long)h;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            const float v = rlp_swiglu(gate[base + i], up[base + i]);
+            y[base + i] = v;
+            rlp_activation_row[i] = v;
+        }
+        if (threadIdx.x == 0) largest = 0u;
+        __syncthreads();
+        const int e = rlp_block_row_exponent(rlp_activation_row, h, &largest);
+        if (threadIdx.x == 0) exponents[row] = e;
+        rlp_encode_row_digits(rlp_activation_row, h, k_padded, RLP_ACTIVATION_ENCODE_BITS, RLP_ACTIVATION_ENCODE_SLICES,
+                              0, e, digits + row * (long long)RLP_ACTIVATION_ENCODE_SLICES * k_padded);
+        __syncthreads();  // the next row overwrites the shared row and resets largest
     }
 }
 

@@ -176,6 +176,25 @@ def rope_bit_patterns(backend: Backend, rng, tally: Tally, op, reference) -> Non
 ACTIVATION_SHAPES = [(1, 1), (7, 13), (33, 257), (16, 3072)]
 
 
+def check_activation_swiglu_encode(backend: Backend, rng, quick: bool) -> Tally:
+    """SwiGLU with the down projection's encoding in one launch, against swiglu then encode_rows (the
+    references); every row kind, a row above the fused limit and other bits."""
+    tally = Tally()
+    limit = activation_op.MAX_FUSED_ENCODED_ROW
+    shapes = ((1, 8, 23), (7, 96, 23), (0, 16, 23), (5, 40, 15)) if quick else \
+        ((1, 8, 23), (7, 96, 23), (256, 3072, 23), (3, limit, 23), (2, limit + 64, 23), (0, 16, 23), (5, 40, 15))
+    for rows, h, bits in shapes:
+        for kind in ROW_KINDS:
+            gate, up = random_rows(rng, rows, h, kind), random_rows(rng, rows, h, "normal")
+            y_ref = activation_ref.swiglu(gate, up)
+            expected = fixedpoint_op.encode_rows_reference(y_ref, bits)
+            y, encoded = activation_op.swiglu_encode(backend, backend.asarray(gate), backend.asarray(up), bits)
+            tally.add(backend.to_numpy(y), y_ref)
+            tally.add(backend.to_numpy(encoded.digits), expected.digits)
+            tally.add(backend.to_numpy(encoded.exponents), expected.exponents)
+    return tally
+
+
 def check_activation_swiglu(backend: Backend, rng, quick: bool) -> Tally:
     tally = Tally()
     for shape in _sizes(backend, quick, ACTIVATION_SHAPES, ACTIVATION_SHAPES + [(257, 11008)]):
@@ -303,6 +322,7 @@ FORWARD_OP_CHECKS = [
     ("norm.rmsnorm_heads_rope", check_norm_rmsnorm_heads_rope),
     ("norm.add_rmsnorm", check_norm_add_rmsnorm),
     ("activation.swiglu", check_activation_swiglu),
+    ("activation.swiglu_encode", check_activation_swiglu_encode),
     ("embedding.gather", check_embedding_gather),
     ("logprob.logprobs_entropy", check_logprob),
     ("logprob.lm_head_logprobs", check_lm_head_logprobs),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlportable.contract.elementwise import exp_f32
-from rlportable.contract.fixedpoint import CANONICAL_NAN
+from rlportable.contract.fixedpoint import CANONICAL_NAN, quantize_rows
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -26,6 +26,14 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 @np.errstate(all="ignore")  # overflow to inf and NaN (signalling ones included) are defined results, not warnings
+def swiglu_encode(gate: np.ndarray, up: np.ndarray, bits: int = 23) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(y, q, e): y = swiglu(gate, up) of rows, and its fixed-point encoding (fixedpoint.quantize_rows:
+    the integers q and row exponents e the gemm's digits split). By definition the two in turn."""
+    y = swiglu(gate, up)
+    q, e = quantize_rows(y, bits)
+    return y, q, e
+
+
 def swiglu_backward(gate: np.ndarray, up: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(dgate, dup) float32 of y = swiglu(gate, up) for the upstream dy, elementwise:
       E = float64(exp_f32(-g)),  d = 1 + E,  silu = g / d,  sig = 1 / d

@@ -237,10 +237,12 @@ class Model:
             return embedding.gather(self.backend, self.embed, device_tokens, host_ids=tokens)
         return parallel.embed_tokens(self.backend, self.group, self.embed, self.vocab_start, device_tokens, tokens)
 
-    def _row_parallel(self, x, weight: gemm.GemmWeight):
-        """x @ W.T for the o and down projections: K-sharded under tensor parallelism."""
+    def _row_parallel(self, x, weight: gemm.GemmWeight, encoded=None):
+        """x @ W.T for the o and down projections: K-sharded under tensor parallelism. encoded: x's
+        encoding when its producer made it (one device only: the shards are encoded with the
+        all-reduced exponents)."""
         if self.tp.size == 1:
-            return gemm.gemm(self.backend, x, weight)
+            return gemm.gemm(self.backend, x, weight, encoded=encoded)
         return parallel.row_parallel_gemm(self.backend, self.group, x, weight)
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> list:
@@ -297,10 +299,17 @@ class Model:
         x2, h2, h2_encoded = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps,
                                               encode_bits=gemm.DEFAULT_BITS_A)
         gate, up = self._projections(h2, layer.gate_up, (None, None), h2_encoded)
-        mlp = activation.swiglu(backend, gate, up)
+        mlp, mlp_rows = self._activation(gate, up)
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)
-        return x2, self._row_parallel(mlp, layer.down)
+        return x2, self._row_parallel(mlp, layer.down, encoded=mlp_rows)
+
+    def _activation(self, gate, up):
+        """(swiglu(gate, up), its encoding for the down projection or None): on one device the same launch
+        encodes it (activation.swiglu_encode); the reference and the K-sharded gemm encode themselves."""
+        if self.backend.kernel_vendor is None or self.tp.size > 1:
+            return activation.swiglu(self.backend, gate, up), None
+        return activation.swiglu_encode(self.backend, gate, up, gemm.DEFAULT_BITS_A)
 
     def transposed_weight(self, w, start: int, stop: int) -> gemm.GemmWeight:
         """(w[start:stop]).T encoded as a GEMM weight, for the backward's dX = dY W; cached until reencode()."""

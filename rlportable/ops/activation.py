@@ -10,22 +10,59 @@ import math
 
 import numpy as np
 
-from rlportable.contract import activation as reference
+from rlportable.contract import activation as reference, fixedpoint as fixedpoint_ref
 from rlportable.errors import InputError
-from rlportable.ops.checks import shape_of
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, round_up, shape_of
 
 THREADS = 256
 MAX_GRID = 4096
+#: swiglu_encode keeps a row of y in shared memory (32 KB); longer rows run swiglu then encode_rows
+MAX_FUSED_ENCODED_ROW = 8192
+#: the one encoding activation_swiglu_encode computes (RLP_ACTIVATION_ENCODE_BITS in backends/*/activation.*):
+#: gemm.DEFAULT_BITS_A, the activations' bits
+FUSED_ENCODE_BITS = 23
+ENCODE_THREADS = 256
 
 
-def swiglu(backend, gate, up):
-    """y = silu(gate) * up, float32, any shape (gate and up alike)."""
+def _check(gate, up) -> tuple[int, ...]:
     shape = shape_of(gate)
     for name, array in (("gate", gate), ("up", up)):
         if np.dtype(array.dtype) != np.float32:
             raise InputError(f"swiglu: {name} must have dtype float32, got {np.dtype(array.dtype).name}")
     if shape_of(up) != shape:
         raise InputError(f"swiglu: gate {shape} and up {shape_of(up)} must have the same shape")
+    return shape
+
+
+def swiglu_encode(backend, gate, up, bits: int = FUSED_ENCODE_BITS):
+    """(y, fixedpoint.encode_rows(y, bits)) for y = swiglu(gate, up) of rows [M, H] (contracts/activation.toml
+    swiglu_encode): the MLP's activation with the down projection's encoding of it. On devices at
+    FUSED_ENCODE_BITS one launch writes both (the gemm's own encode launch saved); otherwise, and for
+    rows longer than MAX_FUSED_ENCODED_ROW, swiglu then encode_rows (the same bits either way)."""
+    from rlportable.ops import fixedpoint
+
+    rows, h = require_matrix("swiglu_encode: gate", gate)
+    _check(gate, up)
+    require_contiguous("swiglu_encode: gate", gate)
+    require_contiguous("swiglu_encode: up", up)
+    bits = require_bits("swiglu_encode: bits", bits)
+    if backend.kernel_vendor is None or bits != FUSED_ENCODE_BITS or not 0 < h <= MAX_FUSED_ENCODED_ROW:
+        y = swiglu(backend, gate, up)
+        return y, fixedpoint.encode_rows(backend, y, bits)
+    k_padded = round_up(h, fixedpoint.K_ALIGN)
+    y = backend.empty((rows, h), np.float32)
+    digits = backend.empty((rows, fixedpoint_ref.slice_count(bits), k_padded), np.int8)
+    exponents = backend.empty((rows,), np.int32)
+    if rows:
+        backend.launch("activation", "activation_swiglu_encode", (min(rows, 65535),), (ENCODE_THREADS,),
+                       (gate, up, np.int64(rows), np.int32(h), np.int32(k_padded), y, digits, exponents),
+                       shared_mem=4 * h)
+    return y, fixedpoint.EncodedRows(digits, exponents, bits, h, False)
+
+
+def swiglu(backend, gate, up):
+    """y = silu(gate) * up, float32, any shape (gate and up alike)."""
+    shape = _check(gate, up)
     if backend.kernel_vendor is None:
         return reference.swiglu(backend.to_numpy(gate), backend.to_numpy(up))
     y = backend.empty(shape, np.float32)

@@ -40,13 +40,9 @@ extern "C" __global__ void activation_swiglu_encode(const float* __restrict__ ga
             y[base + i] = v;
             rlp_activation_row[i] = v;
         }
-        if (threadIdx.x == 0) largest = 0u;
-        __syncthreads();
-        const int e = rlp_block_row_exponent(rlp_activation_row, h, &largest);
-        if (threadIdx.x == 0) exponents[row] = e;
-        rlp_encode_row_digits(rlp_activation_row, h, k_padded, RLP_ACTIVATION_ENCODE_BITS, RLP_ACTIVATION_ENCODE_SLICES,
-                              0, e, digits + row * (long long)RLP_ACTIVATION_ENCODE_SLICES * k_padded);
-        __syncthreads();  // the next row overwrites the shared row and resets largest
+        // syncs before reading the row, and after (the next row overwrites it)
+        rlp_block_encode_row(rlp_activation_row, h, k_padded, RLP_ACTIVATION_ENCODE_BITS, RLP_ACTIVATION_ENCODE_SLICES, 0,
+                             &largest, exponents + row, digits + row * (long long)RLP_ACTIVATION_ENCODE_SLICES * k_padded);
     }
 }
 

@@ -13,14 +13,8 @@ extern "C" __global__ void fixedpoint_encode_rows(
     int descending, signed char* __restrict__ digits, int* __restrict__ exponents) {
     __shared__ unsigned int largest;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const float* xr = x + row * (long long)k;
-        if (threadIdx.x == 0) largest = 0u;
-        __syncthreads();
-        const int e = rlp_block_row_exponent(xr, k, &largest);
-        if (threadIdx.x == 0) exponents[row] = e;
-        rlp_encode_row_digits(xr, k, k_padded, bits, slices, descending, e,
-                              digits + row * (long long)slices * k_padded);
-        __syncthreads();
+        rlp_block_encode_row(x + row * (long long)k, k, k_padded, bits, slices, descending, &largest, exponents + row,
+                             digits + row * (long long)slices * k_padded);
     }
 }
 

@@ -194,4 +194,19 @@ __device__ __forceinline__ void rlp_encode_row_digits(
     }
 }
 
+// fixedpoint_encode_rows's row: the block (every thread calling, the row complete in xr) takes the row's
+// exponent as an integer max (largest: the block's scratch; to *exponent) and writes its digits. Ends
+// synchronised, so the caller may overwrite xr or reuse largest. Shared by the encoders and the fused
+// kernels that encode their output (norm_add_rmsnorm, activation_swiglu_encode).
+__device__ __forceinline__ void rlp_block_encode_row(const float* xr, int k, int k_padded, int bits, int slices,
+                                                     int descending, unsigned int* largest, int* exponent,
+                                                     signed char* out) {
+    if (threadIdx.x == 0) *largest = 0u;
+    __syncthreads();
+    const int e = rlp_block_row_exponent(xr, k, largest);
+    if (threadIdx.x == 0) *exponent = e;
+    rlp_encode_row_digits(xr, k, k_padded, bits, slices, descending, e, out);
+    __syncthreads();
+}
+
 #endif  // RLP_HIP_COMMON_H

@@ -97,13 +97,9 @@ extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const f
         } else {
             rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y_row, &largest, &total);  // ends synchronised: y_row whole
             for (int i = threadIdx.x; i < h; i += blockDim.x) y[base + i] = y_row[i];
-            if (threadIdx.x == 0) largest = 0u;  // the norm's reads of `largest` ended before its last sync
-            __syncthreads();
-            const int e = rlp_block_row_exponent(y_row, h, &largest);
-            if (threadIdx.x == 0) exponents[row] = e;
-            rlp_encode_row_digits(y_row, h, k_padded, RLP_NORM_ENCODE_BITS, RLP_NORM_ENCODE_SLICES, 0, e,
-                                  digits + row * (long long)RLP_NORM_ENCODE_SLICES * k_padded);
-            __syncthreads();  // every thread has read `largest` and y_row before the next row resets them
+            // the norm's reads of `largest` ended before its last sync; the encoding ends synchronised
+            rlp_block_encode_row(y_row, h, k_padded, RLP_NORM_ENCODE_BITS, RLP_NORM_ENCODE_SLICES, 0, &largest,
+                                 exponents + row, digits + row * (long long)RLP_NORM_ENCODE_SLICES * k_padded);
         }
     }
 }

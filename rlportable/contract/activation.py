@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlportable.contract.elementwise import exp_f32
-from rlportable.contract.fixedpoint import CANONICAL_NAN, quantize_rows
+from rlportable.contract.fixedpoint import ACTIVATION_BITS, CANONICAL_NAN, quantize_rows
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -26,7 +26,7 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 @np.errstate(all="ignore")  # overflow to inf and NaN (signalling ones included) are defined results, not warnings
-def swiglu_encode(gate: np.ndarray, up: np.ndarray, bits: int = 23) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def swiglu_encode(gate: np.ndarray, up: np.ndarray, bits: int = ACTIVATION_BITS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(y, q, e): y = swiglu(gate, up) of rows, and its fixed-point encoding (fixedpoint.quantize_rows:
     the integers q and row exponents e the gemm's digits split). By definition the two in turn."""
     y = swiglu(gate, up)

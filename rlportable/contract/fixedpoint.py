@@ -43,6 +43,9 @@ MAX_FINITE_EXPONENT = 127  # ilogb(FLT_MAX)
 CANONICAL_NAN_BITS = np.uint32(0x7FC00000)
 CANONICAL_NAN = CANONICAL_NAN_BITS.view(np.float32)
 MAX_BITS = 53  # q * 2^(B-2-e) must stay an exact float64 integer
+#: the gemm's activation encoding (ops/gemm.py DEFAULT_BITS_A): 3 int8 digits; the fused kernels that
+#: hand their output to a gemm encoded (norm add_rmsnorm, activation swiglu_encode) write this one
+ACTIVATION_BITS = 23
 
 
 def slice_count(bits: int) -> int:

@@ -22,7 +22,7 @@ from rlportable.contract.logprob import quantize_f64_rows
 NORM_BITS = 23
 MAX_ROW = 2**18
 #: add_rmsnorm's optional encoding of y (contracts/norm.toml): fixedpoint at gemm.DEFAULT_BITS_A, ascending
-ENCODE_BITS = 23
+ENCODE_BITS = fp.ACTIVATION_BITS
 
 
 @np.errstate(all="ignore")  # overflow to inf and NaN are defined results, not warnings

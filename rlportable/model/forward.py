@@ -22,7 +22,7 @@ from rlportable.errors import InputError
 from rlportable.model import parallel
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import LayerWeights, ModelWeights
-from rlportable.ops import activation, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope
+from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
 from rlportable.runtime.base import Backend
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -257,11 +257,9 @@ class Model:
         return logits if self.tp.size == 1 else parallel.whole_logits(self.backend, self.group, logits)
 
     def _projections(self, h, stacked: gemm.StackedWeight, biases, encoded=None) -> list:
-        """h @ W_i.T (+ bias_i) for the parts of a stacked weight; h is encoded once for all of them
-        (devices; the reference quantizes itself). encoded: h's encoding at gemm.DEFAULT_BITS_A already
+        """h @ W_i.T (+ bias_i) for the parts of a stacked weight; gemm_columns encodes h once for all of
+        them (devices; the reference quantizes itself). encoded: h's encoding at gemm.DEFAULT_BITS_A already
         made (norm.add_rmsnorm's, written by the launch that made h), used instead of encoding again."""
-        if encoded is None and self.backend.kernel_vendor is not None:
-            encoded = fixedpoint.encode_rows(self.backend, h, gemm.DEFAULT_BITS_A)
         outputs = gemm.gemm_columns(self.backend, h, stacked, encoded=encoded)
         return [y if bias is None else residual.add_bias(self.backend, y, bias) for y, bias in zip(outputs, biases)]
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from rlportable.contract import activation as reference, fixedpoint as fixedpoint_ref
 from rlportable.errors import InputError
-from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, round_up, shape_of
+from rlportable.ops import fixedpoint
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
 
 THREADS = 256
 MAX_GRID = 4096
@@ -20,7 +21,7 @@ MAX_GRID = 4096
 MAX_FUSED_ENCODED_ROW = 8192
 #: the one encoding activation_swiglu_encode computes (RLP_ACTIVATION_ENCODE_BITS in backends/*/activation.*):
 #: gemm.DEFAULT_BITS_A, the activations' bits
-FUSED_ENCODE_BITS = 23
+FUSED_ENCODE_BITS = fixedpoint_ref.ACTIVATION_BITS
 ENCODE_THREADS = 256
 
 
@@ -39,8 +40,6 @@ def swiglu_encode(backend, gate, up, bits: int = FUSED_ENCODE_BITS):
     swiglu_encode): the MLP's activation with the down projection's encoding of it. On devices at
     FUSED_ENCODE_BITS one launch writes both (the gemm's own encode launch saved); otherwise, and for
     rows longer than MAX_FUSED_ENCODED_ROW, swiglu then encode_rows (the same bits either way)."""
-    from rlportable.ops import fixedpoint
-
     rows, h = require_matrix("swiglu_encode: gate", gate)
     _check(gate, up)
     require_contiguous("swiglu_encode: gate", gate)
@@ -49,15 +48,12 @@ def swiglu_encode(backend, gate, up, bits: int = FUSED_ENCODE_BITS):
     if backend.kernel_vendor is None or bits != FUSED_ENCODE_BITS or not 0 < h <= MAX_FUSED_ENCODED_ROW:
         y = swiglu(backend, gate, up)
         return y, fixedpoint.encode_rows(backend, y, bits)
-    k_padded = round_up(h, fixedpoint.K_ALIGN)
-    y = backend.empty((rows, h), np.float32)
-    digits = backend.empty((rows, fixedpoint_ref.slice_count(bits), k_padded), np.int8)
-    exponents = backend.empty((rows,), np.int32)
+    y, encoded = backend.empty((rows, h), np.float32), fixedpoint.empty_encoding(backend, rows, h, bits)
     if rows:
         backend.launch("activation", "activation_swiglu_encode", (min(rows, 65535),), (ENCODE_THREADS,),
-                       (gate, up, np.int64(rows), np.int32(h), np.int32(k_padded), y, digits, exponents),
-                       shared_mem=4 * h)
-    return y, fixedpoint.EncodedRows(digits, exponents, bits, h, False)
+                       (gate, up, np.int64(rows), np.int32(h), np.int32(encoded.k_padded), y, encoded.digits,
+                        encoded.exponents), shared_mem=4 * h)
+    return y, encoded
 
 
 def swiglu(backend, gate, up):

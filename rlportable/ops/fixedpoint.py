@@ -104,19 +104,26 @@ def encode_rows(backend: Backend, x, bits: int, descending: bool = False, expone
     if backend.kernel_vendor is None:
         return encode_rows_reference(backend.to_numpy(x), bits, descending,
                                      None if exponents is None else backend.to_numpy(exponents))
+    if exponents is None:
+        encoded = empty_encoding(backend, rows, k, bits, descending)
+        _launch_encode(backend, x, bits, descending, encoded.digits, encoded.exponents)
+        return encoded
     slices = fp.slice_count(bits)
     digits = backend.empty((rows, slices, round_up(k, K_ALIGN)), np.int8)
-    if exponents is not None:
-        if rows:
-            backend.launch(
-                "fixedpoint", "fixedpoint_encode_rows_given", (min(rows, 65535),), (ENCODE_THREADS,),
-                (x, np.int64(rows), np.int32(k), np.int32(digits.shape[2]), np.int32(bits),
-                 np.int32(slices), np.int32(int(descending)), exponents, digits),
-            )
-        return EncodedRows(digits, exponents, bits, k, descending)
-    exponents = backend.empty((rows,), np.int32)
-    _launch_encode(backend, x, bits, descending, digits, exponents)
+    if rows:
+        backend.launch(
+            "fixedpoint", "fixedpoint_encode_rows_given", (min(rows, 65535),), (ENCODE_THREADS,),
+            (x, np.int64(rows), np.int32(k), np.int32(digits.shape[2]), np.int32(bits),
+             np.int32(slices), np.int32(int(descending)), exponents, digits),
+        )
     return EncodedRows(digits, exponents, bits, k, descending)
+
+
+def empty_encoding(backend: Backend, rows: int, k: int, bits: int, descending: bool = False) -> EncodedRows:
+    """An EncodedRows of `rows` rows of length k at `bits` bits, its arrays allocated, not written: for the
+    kernels that write an encoding (the encoders here, and the fused ones that encode their output)."""
+    digits = backend.empty((rows, fp.slice_count(bits), round_up(k, K_ALIGN)), np.int8)
+    return EncodedRows(digits, backend.empty((rows,), np.int32), bits, k, descending)
 
 
 def encode_rows_into(backend: Backend, x, bits: int, descending: bool, digits, exponents) -> None:

@@ -28,15 +28,15 @@ import numpy as np
 
 from rlportable.contract import exact, fixedpoint as fp
 from rlportable.errors import InputError
-from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, round_up, shape_of
-from rlportable.ops.fixedpoint import K_ALIGN, EncodedRows, encode_rows, encode_rows_into, joined_integers
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
+from rlportable.ops.fixedpoint import EncodedRows, empty_encoding, encode_rows, encode_rows_into, joined_integers
 from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
 from rlportable.runtime.base import Backend
 
 #: Chosen by measurement (docs/decisions.md, tests/test_gemm.py): 23-bit activations (3 int8
 #: digits) keep rows with massive activations more accurate than bf16; 15-bit weights are
 #: 2 int8 digits, the same bytes per weight as bf16.
-DEFAULT_BITS_A = 23
+DEFAULT_BITS_A = fp.ACTIVATION_BITS
 DEFAULT_BITS_W = 15
 METHODS = ("auto", "blas", "fused")
 FUSED_DIGITS = (3, 2)  # (activation digits, weight digits) the fused kernel is built for
@@ -85,9 +85,7 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
     check_gemm_shapes((m, k), weight, bits_a)
     if method not in METHODS:
         raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
-    if encoded is not None and (encoded.bits, encoded.rows, encoded.k) != (bits_a, m, k):
-        raise InputError(f"gemm: the shared encoding is {encoded.rows}x{encoded.k} at {encoded.bits} bits; "
-                         f"x is {m}x{k} at {bits_a} bits")
+    _check_shared_encoding("gemm", encoded, m, k, bits_a)
     if backend.kernel_vendor is None:
         return _gemm_reference(backend.to_numpy(x), weight, bits_a)
     method = resolve_method(backend, m, bits_a, weight, method)
@@ -116,9 +114,7 @@ def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: Encoded
     joint = (backend.kernel_vendor is not None and m and k and
              resolve_method(backend, m, DEFAULT_BITS_A, stacked.whole, "auto") == "fused")
     spec = tile_spec(tile or pick_tile(m, stacked.whole.n, has_wgmma(backend), k)) if joint else None
-    if encoded is not None and (encoded.bits, encoded.rows, encoded.k) != (DEFAULT_BITS_A, m, k):
-        raise InputError(f"gemm_columns: the shared encoding is {encoded.rows}x{encoded.k} at {encoded.bits} bits; "
-                         f"x is {m}x{k} at {DEFAULT_BITS_A} bits")
+    _check_shared_encoding("gemm_columns", encoded, m, k, DEFAULT_BITS_A)
     if encoded is None and backend.kernel_vendor is not None and m and k:
         encoded = encode_rows(backend, x, DEFAULT_BITS_A)  # once for every part (the reference quantizes itself)
     if spec is None or spec.kind != "wgmma":
@@ -150,14 +146,21 @@ def encode_stacked_weight(backend: Backend, weights: list, bits: int = DEFAULT_B
         digits = np.concatenate([part.digits for part in encoded])
         exponents = np.concatenate([part.exponents for part in encoded])
     else:
-        digits = backend.empty((int(starts[-1]), fp.slice_count(bits), round_up(k, K_ALIGN)), np.int8)
-        exponents = backend.empty((int(starts[-1]),), np.int32)
+        stacked = empty_encoding(backend, int(starts[-1]), k, bits, descending=True)
+        digits, exponents = stacked.digits, stacked.exponents
         for start, stop, w in zip(starts[:-1], starts[1:], weights):
             encode_rows_into(backend, w, bits, True, digits[start:stop], exponents[start:stop])
     whole = GemmWeight(EncodedRows(digits, exponents, bits, k, True), int(starts[-1]), k)
     parts = [GemmWeight(EncodedRows(digits[start:stop], exponents[start:stop], bits, k, True), int(stop - start), k)
              for start, stop in zip(starts[:-1], starts[1:])]
     return StackedWeight(whole, parts)
+
+
+def _check_shared_encoding(op: str, encoded: EncodedRows | None, m: int, k: int, bits_a: int) -> None:
+    """A given encoding of x (shared by several products, or written by x's producer) must be x's."""
+    if encoded is not None and (encoded.bits, encoded.rows, encoded.k) != (bits_a, m, k):
+        raise InputError(f"{op}: the shared encoding is {encoded.rows}x{encoded.k} at {encoded.bits} bits; "
+                         f"x is {m}x{k} at {bits_a} bits")
 
 
 def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarray:

@@ -10,10 +10,10 @@ import math
 
 import numpy as np
 
-from rlportable.contract import fixedpoint as fixedpoint_ref, norm as reference
+from rlportable.contract import norm as reference
 from rlportable.errors import InputError
 from rlportable.ops import fixedpoint
-from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, round_up, shape_of
+from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
 MAX_GRID = 65535
@@ -97,15 +97,8 @@ def add_rmsnorm(backend, a, b, weight, eps: float, encode_bits: int | None = Non
     if not fused_encoding:  # no encoding, or one the kernel does not write: encode_rows after (the reference on cpu)
         total, y = _add_rmsnorm(backend, a, b, weight, eps, rows, h)
         return (total, y) if encode_bits is None else (total, y, fixedpoint.encode_rows(backend, y, encode_bits))
-    k_padded = round_up(h, fixedpoint.K_ALIGN)
-    total, y = backend.empty((rows, h), np.float32), backend.empty((rows, h), np.float32)
-    digits = backend.empty((rows, fixedpoint_ref.slice_count(encode_bits), k_padded), np.int8)
-    exponents = backend.empty((rows,), np.int32)
-    if rows:
-        backend.launch("norm", "norm_add_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
-                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y, digits, exponents,
-                        np.int32(k_padded)), shared_mem=2 * 4 * h)  # the sum's row and y's
-    return total, y, fixedpoint.EncodedRows(digits, exponents, encode_bits, h, False)
+    encoded = fixedpoint.empty_encoding(backend, rows, h, encode_bits)
+    return (*_launch_add_rmsnorm(backend, a, b, weight, eps, encoded), encoded)
 
 
 def _add_rmsnorm(backend, a, b, weight, eps: float, rows: int, h: int):
@@ -116,11 +109,22 @@ def _add_rmsnorm(backend, a, b, weight, eps: float, rows: int, h: int):
     if backend.kernel_vendor is None or h > MAX_FUSED_ROW:
         total = residual.add(backend, a, b)
         return total, rmsnorm(backend, total, weight, eps)
+    return _launch_add_rmsnorm(backend, a, b, weight, eps, None)
+
+
+def _launch_add_rmsnorm(backend, a, b, weight, eps: float, encoded):
+    """(s, y) from one norm_add_rmsnorm launch; encoded (empty_encoding at FUSED_ENCODE_BITS) or None: the
+    kernel also writes y's encoding there (y kept as a second shared row) or gets null pointers."""
+    rows, h = shape_of(a)
     total, y = backend.empty((rows, h), np.float32), backend.empty((rows, h), np.float32)
+    if encoded is None:
+        outputs, shared_rows = (NULL_POINTER, NULL_POINTER, np.int32(0)), 1
+    else:
+        outputs, shared_rows = (encoded.digits, encoded.exponents, np.int32(encoded.k_padded)), 2
     if rows and h:
         backend.launch("norm", "norm_add_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
-                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y, NULL_POINTER,
-                        NULL_POINTER, np.int32(0)), shared_mem=4 * h)
+                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y) + outputs,
+                       shared_mem=shared_rows * 4 * h)  # the sum's row (and y's)
     return total, y
 
 

@@ -19,7 +19,7 @@ from rlportable.errors import InputError
 from rlportable.model.load import load_model
 from rlportable.ops import sampling as sampling_op
 from rlportable.runtime.cpu import CpuBackend
-from test_scheduler import check_against_expected, chain, fake_token, make_workload
+from test_scheduler import check_against_expected, chain, fake_token, make_workload, tight_num_blocks
 
 
 class FakeDevice:
@@ -115,8 +115,7 @@ def run_async(requests, *, block_size, num_blocks, max_num_seqs, max_batched, pr
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_async_tokens_equal_the_synchronous_ones_under_every_configuration(block_size, prefix_caching):
     requests = make_workload(seed=block_size + prefix_caching)
-    biggest = max(len(p) + params.max_tokens for _, _, p, params in requests)
-    tight = -(-biggest // block_size) + 1  # one sequence fits: preemption all the time
+    tight = tight_num_blocks(requests, block_size)
     ahead = dropped = preemptions = 0
     for max_num_seqs, max_batched in ((1, 5), (3, 16), (64, 64)):
         for num_blocks in (400, tight):

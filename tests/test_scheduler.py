@@ -79,6 +79,12 @@ class FakeRunner:
         return tokens, logprobs
 
 
+def tight_num_blocks(requests, block_size: int) -> int:
+    """KV blocks for the longest request plus one: one sequence fits, so there is preemption all the time."""
+    biggest = max(len(p) + params.max_tokens for _, _, p, params in requests)
+    return -(-biggest // block_size) + 1
+
+
 def make_workload(seed, num_requests=24, ignore_eos=True):
     rng = random.Random(seed)
     shared = [[rng.randrange(VOCAB) for _ in range(40)] for _ in range(3)]
@@ -142,8 +148,7 @@ def check_against_expected(requests, results, eos=()):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_tokens_do_not_depend_on_the_schedule(block_size, prefix_caching):
     requests = make_workload(seed=block_size + prefix_caching)
-    biggest = max(len(p) + params.max_tokens for _, _, p, params in requests)
-    tight = -(-biggest // block_size) + 1  # one sequence fits: preemption all the time
+    tight = tight_num_blocks(requests, block_size)
     reference = None
     preemptions = 0
     for max_num_seqs, max_batched in ((1, 5), (3, 16), (64, 64)):

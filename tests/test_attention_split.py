@@ -120,6 +120,64 @@ def test_split_scratch_is_cut_into_row_slices(monkeypatch):
     assert all(np.shares_memory(o, out) for o in outs)
 
 
+def test_leading_single_rows_counts_the_decodes_before_the_prefill_chunks():
+    assert op.leading_single_rows(np.array([], np.int32)) == 0
+    assert op.leading_single_rows(np.array([3, 1, 2], np.int32)) == 3  # a decode step
+    assert op.leading_single_rows(np.array([0, 1, 2, 2, 2, 3, 3], np.int32)) == 2
+    assert op.leading_single_rows(np.array([4, 4, 5], np.int32)) == 0  # a prefill chunk first
+    # a sequence whose rows are not adjacent is not a decode
+    assert op.leading_single_rows(np.array([7, 8, 7], np.int32)) == 0
+
+
+def mixed_step_call(backend, decodes: int, chunk: int, block_size: int = 16):
+    """attention_step over `decodes` decode rows (sequences 0..decodes-1) then a `chunk`-row prefill chunk
+    of sequence `decodes`, hq 4, hkv 2, d 64 (the mma kernel's width)."""
+    width = -(-max(chunk, 1) // block_size) + 1
+    cache = op.KVCache.allocate(backend, (width + 1) * block_size, 2, 64, block_size)
+    tables = np.tile(np.arange(width, dtype=np.int32), (decodes + 1, 1))
+    q_seq = np.concatenate([np.arange(decodes), np.full(chunk, decodes)]).astype(np.int32)
+    q_pos = np.concatenate([np.full(decodes, 5), np.arange(chunk)]).astype(np.int32)
+    q = np.zeros((decodes + chunk, 4, 64), np.float32)
+    return op.attention_step(backend, q, q_seq, q_pos, cache, tables, q_seq)
+
+
+def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma():
+    backend = RecordingDevice("cuda")
+    out = mixed_step_call(backend, decodes=3, chunk=100)
+    kernels = [launch.kernel for launch in backend.launches]
+    assert kernels == list(SPLIT_KERNELS) + ["attention_paged_mma_d128"]
+    assert backend.launches[0].args[3] == 3  # tq of the split launch: the decode rows
+    mma = backend.launches[-1]
+    assert mma.args[3] == 100 and mma.grid == (2, 4)
+    # each call writes its own rows of the one output
+    combine_out, mma_out = backend.launches[2].args[-1], mma.args[-1]
+    assert combine_out.shape == (3, 4, 64) and mma_out.shape == (100, 4, 64)
+    assert np.shares_memory(combine_out, out) and np.shares_memory(mma_out, out)
+    assert combine_out.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+    assert mma_out.__array_interface__["data"][0] == out[3:].__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("decodes, chunk, kernels", [
+    (4, 0, list(SPLIT_KERNELS)),  # a decode step: one call
+    (0, 100, ["attention_paged_mma_d128"]),  # prefill only: one call
+])
+def test_a_step_of_one_kind_is_one_call(decodes, chunk, kernels):
+    backend = RecordingDevice("cuda")
+    mixed_step_call(backend, decodes, chunk)
+    assert [launch.kernel for launch in backend.launches] == kernels
+
+
+def test_attention_out_must_fit_the_rows():
+    backend = RecordingDevice("cuda")
+    cache = op.KVCache.allocate(backend, 32, 1, 16, 16)
+    args = (np.zeros((2, 2, 16), np.float32), np.zeros(2, np.int32), np.zeros(2, np.int32), cache,
+            np.zeros((1, 2), np.int32))
+    with pytest.raises(InputError, match=r"out must be a C-contiguous float32 array of shape \[2, 2, 16\]"):
+        op.attention_paged(backend, *args, out=np.zeros((3, 2, 16), np.float32))
+    with pytest.raises(InputError, match="out= is for device backends"):
+        op.attention_paged(RecordingDevice(None), *args, out=np.zeros((2, 2, 16), np.float32))
+
+
 def test_keys_per_split_is_checked_on_every_backend():
     cpu = RecordingDevice(None)
     with pytest.raises(InputError, match="keys_per_split"):

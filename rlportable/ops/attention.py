@@ -271,22 +271,28 @@ def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
 
 
 def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,
-                    method: str = "auto", keys_per_split: int | None = None):
+                    method: str = "auto", keys_per_split: int | None = None, num_seqs: int | None = None,
+                    out=None):
     """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
     0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32).
     method: "auto", "portable", "mma" or "split" (METHODS; all give the same bits). threads: the
     portable kernel's block size. keys_per_split: the split kernels' key range per block (None:
-    split_plan's choice; any value gives the same bits)."""
+    split_plan's choice; any value gives the same bits). num_seqs: how many sequences the rows
+    belong to, for "auto" (None: every row of block_tables). out: a C-contiguous float32 [Tq, Hq, D]
+    device array to write o into (a slice of a larger output; devices only), else a new one."""
     tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
-    method = resolve_method(backend, tq, shape_of(block_tables)[0], cache.head_dim, method)
+    seqs = shape_of(block_tables)[0] if num_seqs is None else num_seqs
+    method = resolve_method(backend, tq, seqs, cache.head_dim, method)
     _check_keys_per_split(keys_per_split)
     dim = cache.head_dim
     if backend.kernel_vendor is None:
+        if out is not None:
+            raise InputError("attention: out= is for device backends (the reference returns a new array)")
         return _attention_paged_reference(backend.to_numpy(q), np.asarray(q_seq), np.asarray(q_pos), cache,
                                           np.asarray(block_tables))
-    out = backend.empty((tq, hq, dim), np.float32)
+    out = _output(backend, out, (tq, hq, dim))
     if tq == 0:
         return out
     q_seq, q_pos, block_tables = (backend.asarray(a) if isinstance(a, np.ndarray) else a
@@ -307,6 +313,45 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                     np.int32(cache.head_dim_padded), scale, block_tables, np.int32(num_seqs), np.int32(max_blocks),
                     np.int32(cache.block_size), np.int64(cache.num_slots), cache.k_digits, cache.k_exponents,
                     cache.v_digits, cache.v_exponents, out), shared_mem=shared)
+    return out
+
+
+def _output(backend: Backend, out, shape: tuple[int, int, int]):
+    if out is None:
+        return backend.empty(shape, np.float32)
+    if shape_of(out) != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise InputError(f"attention: out must be a C-contiguous float32 array of shape {list(shape)}, got "
+                         f"{out.dtype} {list(shape_of(out))}")
+    return out
+
+
+def leading_single_rows(q_seq: np.ndarray) -> int:
+    """How many leading query rows belong to sequences with exactly one row in the call: an engine
+    step's decodes, which the scheduler puts before its prefill chunks."""
+    q_seq = np.asarray(q_seq)
+    if not q_seq.size:
+        return 0
+    _, inverse, counts = np.unique(q_seq, return_inverse=True, return_counts=True)
+    repeated = np.flatnonzero(counts[inverse] != 1)
+    return int(repeated[0]) if repeated.size else int(q_seq.size)
+
+
+def attention_step(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, host_q_seq: np.ndarray):
+    """attention_paged over an engine step's query rows, each kind by the kernels built for it: the
+    leading decode rows (one per sequence, leading_single_rows(host_q_seq)) and the prefill chunks
+    after them in separate calls, so that the decodes of a mixed step do not fall into the prefill
+    kernel's 64-row tiles (the mma kernel serves the sequences of a tile one per round: 64 decode rows
+    would cost 64 rounds). Each row's bits are those of one call over all rows (the contract's batch
+    invariance; every method gives the same bits)."""
+    host_q_seq = np.asarray(host_q_seq)
+    tq = int(host_q_seq.size)
+    decodes = leading_single_rows(host_q_seq)
+    if backend.kernel_vendor is None or decodes in (0, tq):
+        return attention_paged(backend, q, q_seq, q_pos, cache, block_tables)
+    out = backend.empty(shape_of(q), np.float32)
+    for rows in (slice(0, decodes), slice(decodes, tq)):
+        attention_paged(backend, q[rows], q_seq[rows], q_pos[rows], cache, block_tables,
+                        num_seqs=len(np.unique(host_q_seq[rows])), out=out[rows])
     return out
 
 

@@ -9,7 +9,7 @@ multiprocessor) compiled with the runtime's options; each runs ops/attention.att
 (method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
 variant's output is compared bitwise with the unedited kernels' (the tunings must not move a bit;
 conform checks those against the reference). One JSON line per measurement.
-With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
+RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants. With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
 runs first as variant "baseline", with enough dynamic shared memory for the earlier value kernel.
 """
 import os
@@ -123,6 +123,9 @@ def variants(source: str) -> dict:
     split or None: split_plan's choice)."""
     made = {name: (change(source), None, None) for name, change in VARIANTS.items()}
     made.update({f"keys_per_split_{keys}": (source, None, keys) for keys in KEYS_PER_SPLIT})
+    chosen = os.environ.get("RLP_PROBE_VARIANTS")  # a comma-separated subset of the names
+    if chosen:
+        made = {name: made[name] for name in chosen.split(",")}
     baseline = os.environ.get("RLP_PROBE_BASELINE")
     if baseline:
         text = _inline_includes(open(baseline).read(), kernel_source_path("cuda", "attention").parent, seen=set())

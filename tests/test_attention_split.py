@@ -18,7 +18,13 @@ from rlportable.errors import InputError
 from rlportable.ops import attention as op
 
 SPLIT_KERNELS = ("attention_split_scores", "attention_split_values", "attention_split_combine")
+ONE_SPLIT_KERNELS = SPLIT_KERNELS[:2]  # one split: the value kernel writes o, no combine
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
+
+
+def same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    """a is b or a whole view of it (the op passes its output sliced by rows)."""
+    return a.shape == b.shape and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def decode_call(backend, rows: int, hq: int, hkv: int, d: int, width: int, block_size: int = 16,
@@ -88,9 +94,22 @@ def test_split_launches_match_the_kernel_parameters(vendor):
     scores, key_ev, split_keys, split_info, query_bad = backend.launches[0].args[-5:]
     assert scores.size == 5 * 2 * splits * chunk * 3 and key_ev.size == 5 * 2 * splits * chunk
     assert split_keys.dtype == np.uint32 and split_keys.size == 5 * 6 * splits and split_info.size == 5 * 2 * splits
-    part_total, part_num = backend.launches[1].args[-2:]
+    assert splits > 1
+    part_total, part_num, values_out = backend.launches[1].args[-3:]
     assert part_total.dtype == np.int64 and part_num.size == 5 * 6 * splits * 20 and query_bad.size == 5 * 6
+    assert same_array(values_out, out) and same_array(backend.launches[2].args[-1], out)
     assert backend.launches[0].grid == (5 * 2 * splits,) and backend.launches[2].grid == (5 * 6,)
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_one_split_writes_o_from_the_value_kernel(vendor):
+    backend = RecordingDevice(vendor)
+    out = decode_call(backend, rows=128, hq=16, hkv=8, d=128, width=25)
+    assert op.split_plan(128, 8, 25 * 16)[0] == 1
+    assert [launch.kernel for launch in backend.launches] == list(ONE_SPLIT_KERNELS)
+    parameters = kernel_parameters(vendor, "attention")["attention_split_values"]
+    args = backend.launches[1].args
+    assert len(args) == len(parameters) and same_array(args[-1], out)
 
 
 def test_split_launch_shapes_do_not_depend_on_the_lengths():
@@ -145,12 +164,12 @@ def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma
     backend = RecordingDevice("cuda")
     out = mixed_step_call(backend, decodes=3, chunk=100)
     kernels = [launch.kernel for launch in backend.launches]
-    assert kernels == list(SPLIT_KERNELS) + ["attention_paged_mma_d128"]
+    assert kernels == list(ONE_SPLIT_KERNELS) + ["attention_paged_mma_d128"]
     assert backend.launches[0].args[3] == 3  # tq of the split launch: the decode rows
     mma = backend.launches[-1]
     assert mma.args[3] == 100 and mma.grid == (2, 4)
     # each call writes its own rows of the one output
-    combine_out, mma_out = backend.launches[2].args[-1], mma.args[-1]
+    combine_out, mma_out = backend.launches[1].args[-1], mma.args[-1]
     assert combine_out.shape == (3, 4, 64) and mma_out.shape == (100, 4, 64)
     assert np.shares_memory(combine_out, out) and np.shares_memory(mma_out, out)
     assert combine_out.__array_interface__["data"][0] == out.__array_interface__["data"][0]
@@ -158,7 +177,7 @@ def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma
 
 
 @pytest.mark.parametrize("decodes, chunk, kernels", [
-    (4, 0, list(SPLIT_KERNELS)),  # a decode step: one call
+    (4, 0, list(ONE_SPLIT_KERNELS)),  # a decode step: one call
     (0, 100, ["attention_paged_mma_d128"]),  # prefill only: one call
 ])
 def test_a_step_of_one_kind_is_one_call(decodes, chunk, kernels):

@@ -72,6 +72,13 @@ __device__ __forceinline__ float rlp_att_score(long long s, int eq, int ek, doub
 
 // A float32's bits mapped to an unsigned key with the same order (-inf < ... < -0 < +0 < ... < +inf),
 // so the maximum score is an integer atomicMax.
+// o_d = RNE_f32((N_d 2^(E - 13)) / L): the float64 product is exact (a power of two), then one IEEE
+// divide and one conversion. L < 2^53 and |N_d| < 2^53 convert exactly.
+__device__ __forceinline__ float rlp_att_output(long long numerator, int e_max, long long total) {
+    return __double2float_rn((__ll2double_rn(numerator) * rlp_pow2_f64(e_max - RLP_ATT_V_SHIFT)) /
+                             __ll2double_rn(total));
+}
+
 __device__ __forceinline__ unsigned int rlp_att_order_key(float x) {
     unsigned int bits = (unsigned int)__float_as_int(x);
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
@@ -187,10 +194,8 @@ extern "C" __global__ void attention_paged(
                 }
                 atomicAdd(&total, (unsigned long long)local_total);
                 __syncthreads();
-                const double denominator = __ll2double_rn((long long)total);  // exact: L < 2^53
-                const double unit = rlp_pow2_f64(e_max - RLP_ATT_V_SHIFT);
                 for (int i = threadIdx.x; i < d; i += blockDim.x)
-                    orow[i] = __double2float_rn((__ll2double_rn((long long)numerator[i]) * unit) / denominator);
+                    orow[i] = rlp_att_output((long long)numerator[i], e_max, (long long)total);
             } else {
                 for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = rlp_canonical_nan();
             }
@@ -269,10 +274,13 @@ extern "C" __global__ void attention_write_kv(
 //   S = G0 + 2^8 G1 + 2^16 G2 + 2^24 G3, G_k the sum of a_i b_j over i + j = k, |G_k| <= 2 * 512 * 2^14
 //   = 2^24: exact in int32. The threads of one key each take a 16-byte piece of both digit planes; their
 //   parts of S meet through xor shuffles of int64 (exact).
-//   N_d = sum_j w_j qv_jd in float64: w_j = RNE(p_j 2^(ev_j - E + 21)) is an integer <= 2^21 and
-//   |qv_jd| < 2^14, so every product is an integer below 2^35 and every partial sum of at most 2^14 keys
-//   (ops/attention.py SPLIT_MAX_KEYS) an integer below 2^49: float64 holds each exactly, so the fused
-//   multiply-adds round nothing and the sums are exact in any order; they become int64 exactly.
+//   N_d = sum_j w_j qv_jd through float64: w_j = RNE(p_j 2^(ev_j - E + 21)) is an integer <= 2^21 and
+//   each value enters as (qv_jd + B) 2^-1074 with 0 <= qv_jd + B < 2^16 (rlp_atts_biased_values), so
+//   every product is an integer multiple of 2^-1074 below 2^37 of them and every partial sum of at most
+//   2^14 keys (ops/attention.py SPLIT_MAX_KEYS) one below 2^51: float64 holds each exactly (subnormal or
+//   normal, the unit 2^-1074 is within its precision below 2^53 units), so the fused multiply-adds round
+//   nothing and the sums are exact in any order. They become int64 exactly, and N_d = that sum - B W
+//   with W = sum_j w_j, exact integers.
 // Scratch (ops/attention.py allocates it; every element read is written first):
 //   scores      float32 [tq * hkv, splits * chunk, group]  s_j of (row, kv head; key; head of the group)
 //   key_ev      int32   [tq * hkv, splits * chunk]         ev_j (written for keys with finite rows)
@@ -281,6 +289,7 @@ extern "C" __global__ void attention_write_kv(
 //   query_bad   uint32  [tq * hq]              1: a non-finite q row, or a row with no keys in the tables
 //   part_total  int64   [tq * hq, splits]      sum of RNE(p_j 2^21) over the split's keys
 //   part_num    int64   [tq * hq, splits, d]   sum of RNE(p_j 2^(ev_j - E + 21)) qv_jd over them
+//   (part_total and part_num only with splits > 1: one split's values kernel writes o)
 #define RLP_ATTS_THREADS 128     // the kernels' block size (ops/attention.py launches exactly this)
 #define RLP_ATTS_SCORE_HEADS 4   // q heads per round of attention_split_scores (register sums)
 #define RLP_ATTS_SCORE_PIECES 4  // 16-byte pieces of each digit plane per thread and key in attention_split_scores
@@ -341,15 +350,25 @@ __device__ __forceinline__ int rlp_atts_key_threads(int pieces) {
     return threads;
 }
 
-// 2^52 + x (0 <= x < 2^32) from its bits, minus 2^52 + bias: x - bias exactly, without a conversion
-// instruction (integer-to-float64 conversions issue at a quarter of the float64 add rate).
-__device__ __forceinline__ double rlp_atts_small_double(int x, double bias) {
-    return __hiloint2double(0x43300000, x) - bias;
+// The 4 values qv = d0 + 2^8 d1 of a V row's 4 columns (low: their d0 bytes, high: their d1 bytes) as
+// (qv + RLP_ATTS_VALUE_BIAS) 2^-1074: the float64 whose bits are the integer (a subnormal, exact). With
+// each byte's sign bit flipped (d + 128, unsigned), qv + bias = (d0 + 128) + 2^8 (d1 + 128): a byte
+// permute packs two columns' 16 bits, and no conversion instruction or float64 add is needed.
+#define RLP_ATTS_VALUE_BIAS 32896  // 128 + 2^8 128: qv + bias lies in [0, 2^16)
+__device__ __forceinline__ void rlp_atts_biased_values(double (&value)[4], int low, int high) {
+    const unsigned int lo = (unsigned int)low ^ 0x80808080u, hi = (unsigned int)high ^ 0x80808080u;
+    const unsigned int c01 = __byte_perm(lo, hi, 0x5140u), c23 = __byte_perm(lo, hi, 0x7362u);
+    value[0] = __hiloint2double(0, (int)(c01 & 0xffffu));
+    value[1] = __hiloint2double(0, (int)(c01 >> 16));
+    value[2] = __hiloint2double(0, (int)(c23 & 0xffffu));
+    value[3] = __hiloint2double(0, (int)(c23 >> 16));
 }
-#define RLP_ATTS_VALUE_BIAS 32768  // |qv| < 2^15: qv + bias lies in [0, 2^16)
 
-// The signed byte c (0..3) of a word.
-__device__ __forceinline__ int rlp_atts_byte(int word, int c) { return (word << (24 - 8 * c)) >> 24; }
+// An exact float64 sum of biased values' products (an integer multiple of 2^-1074 below 2^-1021) as
+// that integer: two exact scalings by powers of two, then an exact conversion.
+__device__ __forceinline__ long long rlp_atts_biased_integer(double sum) {
+    return __double2ll_rn(sum * rlp_pow2_f64(537) * rlp_pow2_f64(537));
+}
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of
 // RLP_ATTS_SCORE_HEADS. Per round: the q rows' exponents (integer maxima) and 3 balanced digits in
@@ -504,21 +523,23 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
 // (RLP_ATTS_WEIGHT_KEYS in flight each) form p_j and add RNE(p_j 2^21) to their own sums of L; the
 // weights w_j (float64, exact integers) and the V rows' offsets go to shared memory. Then the threads of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns
 // each: together one 128-byte line per digit plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in
-// flight, and add w_j qv_jd into float64 sums per (head, column) (exact: the section's comment). A key
-// past the split's last one reads row 0 of the cache with weight 0. The sums meet in shared memory as
-// int64 atomics (exact, any order). Dynamic shared memory: the numerators (ops/attention.py
-// split_values_shared_bytes).
+// flight, and add w_j (qv_jd + B) 2^-1074 into float64 sums per (head, column) (exact: the section's
+// comment). A key past the split's last one reads row 0 of the cache with weight 0. The sums meet in
+// shared memory as int64 atomics (exact, any order), less B W. With one split the block writes o itself,
+// as attention_split_combine would (ops/attention.py then launches no combine). Dynamic shared memory:
+// the numerators (ops/attention.py split_values_shared_bytes).
 extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots,
     const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
-    long long* __restrict__ part_total, long long* __restrict__ part_num) {
-    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [head of the round][dp]: N_d
+    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
+    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [head of the round][dp]: N_d + B W
     __shared__ double weights[RLP_ATTS_VALUE_HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
     __shared__ long long key_offsets[RLP_ATTS_TILE];                 // the V row's byte offset
     __shared__ unsigned long long head_total[RLP_ATTS_VALUE_HEADS];  // L's partial sum
+    __shared__ unsigned long long head_weights[RLP_ATTS_VALUE_HEADS];  // W's partial sum: sum of w_j
     __shared__ float head_m[RLP_ATTS_VALUE_HEADS];
     __shared__ int head_ok[RLP_ATTS_VALUE_HEADS];
     __shared__ unsigned int max_ev;
@@ -531,7 +552,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
     const int lane = (int)threadIdx.x / row_threads;  // >= lanes: no key row (only where dp does not divide)
     const int column = RLP_ATTS_COLUMNS * ((int)threadIdx.x - lane * row_threads);
     const int stride = RLP_ATTS_VALUE_KEYS * lanes;  // divides RLP_ATTS_TILE
-    const double bias = 4503599627370496.0 + RLP_ATTS_VALUE_BIAS;  // 2^52 + bias
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -572,20 +592,24 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                 head_m[hi] = m;
                 head_ok[hi] = ok ? 1 : 0;
                 head_total[hi] = 0ull;
+                head_weights[hi] = 0ull;
                 if (ok) any_ok = 1;
             }
             for (int i = threadIdx.x; i < nb * dp; i += blockDim.x) numerator[i] = 0ull;
             __syncthreads();
             double sums[RLP_ATTS_VALUE_HEADS][RLP_ATTS_COLUMNS];
-            long long totals[RLP_ATTS_VALUE_HEADS];  // this thread's keys' RNE(p 2^21)
 #pragma unroll
             for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
-                totals[hi] = 0;
 #pragma unroll
                 for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) sums[hi][c] = 0.0;
             }
             const bool work = any_ok != 0 && lo < end;  // block-uniform
             for (long long base = lo; work && base < end; base += RLP_ATTS_TILE) {
+                // this thread's keys' sums of RNE(p 2^21) (L's part) and of w (W's part) in one int64 per
+                // head, as L part + 2^32 W part: the tile's at most 2^9 keys give each part below 2^30
+                long long parts[RLP_ATTS_VALUE_HEADS];
+#pragma unroll
+                for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) parts[hi] = 0;
                 for (int k0 = threadIdx.x; k0 < RLP_ATTS_TILE; k0 += RLP_ATTS_WEIGHT_KEYS * blockDim.x) {
                     long long offset[RLP_ATTS_WEIGHT_KEYS];
                     int ev[RLP_ATTS_WEIGHT_KEYS];
@@ -615,12 +639,19 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                             double w = 0.0;
                             if (live && head_ok[hi]) {
                                 const double p = (double)rlp_exp_f32(s[u][hi] - head_m[hi]);
-                                totals[hi] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
                                 w = rint(p * rlp_pow2_f64(ev[u] - e_max + RLP_ATT_P_SHIFT));  // an integer <= 2^21
+                                parts[hi] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) + (__double2ll_rn(w) << 32);
                             }
                             weights[hi * RLP_ATTS_TILE + k] = w;
                         }
                     }
+                }
+#pragma unroll
+                for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                    if (hi >= nb) continue;
+                    if (parts[hi] == 0) continue;
+                    atomicAdd(&head_total[hi], (unsigned long long)parts[hi] & 0xffffffffull);
+                    atomicAdd(&head_weights[hi], (unsigned long long)parts[hi] >> 32);
                 }
                 __syncthreads();
                 const int span = (int)min(end - base, (long long)RLP_ATTS_TILE);
@@ -635,10 +666,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
 #pragma unroll
                     for (int u = 0; u < RLP_ATTS_VALUE_KEYS; ++u) {
                         double value[RLP_ATTS_COLUMNS];
-#pragma unroll
-                        for (int c = 0; c < RLP_ATTS_COLUMNS; ++c)
-                            value[c] = rlp_atts_small_double(
-                                rlp_atts_byte(low[u], c) + 256 * rlp_atts_byte(high[u], c) + RLP_ATTS_VALUE_BIAS, bias);
+                        rlp_atts_biased_values(value, low[u], high[u]);
 #pragma unroll
                         for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
                             if (hi >= nb) continue;
@@ -653,20 +681,32 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
 #pragma unroll
             for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
                 if (hi >= nb) continue;
-                if (totals[hi] != 0) atomicAdd(&head_total[hi], (unsigned long long)totals[hi]);
                 if (lane >= lanes) continue;
 #pragma unroll
                 for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) {
-                    const long long n = __double2ll_rn(sums[hi][c]);  // an integer below 2^49: exact
+                    const long long n = rlp_atts_biased_integer(sums[hi][c]);  // below 2^51: exact
                     if (n != 0) atomicAdd(&numerator[hi * dp + column + c], (unsigned long long)n);
                 }
             }
             __syncthreads();
-            if (threadIdx.x < nb) part_total[(qrow0 + threadIdx.x) * splits + split] = (long long)head_total[threadIdx.x];
-            for (int u = threadIdx.x; u < nb * d; u += blockDim.x) {
-                const int hi = u / d;
-                const int i = u - hi * d;
-                part_num[((qrow0 + hi) * splits + split) * d + i] = (long long)numerator[hi * dp + i];
+            if (splits == 1) {  // the split's sums are L and N_d: o as attention_split_combine would write it
+                for (int u = threadIdx.x; u < nb * d; u += blockDim.x) {
+                    const int hi = u / d;
+                    const int i = u - hi * d;
+                    const long long n = (long long)(numerator[hi * dp + i] -
+                                                    RLP_ATTS_VALUE_BIAS * head_weights[hi]);
+                    out[(qrow0 + hi) * d + i] = head_ok[hi] ? rlp_att_output(n, e_max, (long long)head_total[hi])
+                                                            : rlp_canonical_nan();
+                }
+            } else {
+                if (threadIdx.x < nb)
+                    part_total[(qrow0 + threadIdx.x) * splits + split] = (long long)head_total[threadIdx.x];
+                for (int u = threadIdx.x; u < nb * d; u += blockDim.x) {
+                    const int hi = u / d;
+                    const int i = u - hi * d;
+                    part_num[((qrow0 + hi) * splits + split) * d + i] =
+                        (long long)(numerator[hi * dp + i] - RLP_ATTS_VALUE_BIAS * head_weights[hi]);
+                }
             }
             __syncthreads();  // the next round resets the sums
         }
@@ -709,12 +749,10 @@ extern "C" __global__ void attention_split_combine(
         const float m = rlp_att_from_order_key(max_key);
         float* orow = out + item * (long long)d;
         if (query_bad[item] == 0u && flags == 0u && rlp_magnitude_bits(m) < 0x7f800000u) {  // block-uniform
-            const double denominator = __ll2double_rn((long long)total);  // exact: L < 2^53
-            const double unit = rlp_pow2_f64((int)max_ev - RLP_ATT_EV_OFFSET - RLP_ATT_V_SHIFT);
             for (int i = threadIdx.x; i < d; i += blockDim.x) {
                 long long n = 0;
                 for (int s = 0; s < splits; ++s) n += part_num[(item * splits + s) * d + i];
-                orow[i] = __double2float_rn((__ll2double_rn(n) * unit) / denominator);
+                orow[i] = rlp_att_output(n, (int)max_ev - RLP_ATT_EV_OFFSET, (long long)total);
             }
         } else {
             for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = rlp_canonical_nan();

@@ -372,9 +372,10 @@ def _attention_paged_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, bl
 
 def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, scale,
                   keys_per_split: int | None, out) -> None:
-    """The three split kernels over these query rows: scores with each split's maxima, then the global
-    maxima and each split's exact partial sums, then their exact sums and o. The scratch arrays come
-    from the backend's allocator (in a graph capture, the capture's pool)."""
+    """The split kernels over these query rows: scores with each split's maxima, then the global
+    maxima and each split's exact partial sums, then their exact sums and o (with one split, the value
+    kernel's sums are whole and it writes o: no combine). The scratch arrays come from the backend's
+    allocator (in a graph capture, the capture's pool)."""
     tq, hq, dim = shape_of(q)
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     num_seqs, max_blocks = shape_of(block_tables)
@@ -385,8 +386,10 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
     split_keys = backend.empty((rows * splits,), np.uint32)
     split_info = backend.empty((group_rows * splits,), np.uint32)
     query_bad = backend.empty((rows,), np.uint32)
-    part_total = backend.empty((rows * splits,), np.int64)
-    part_num = backend.empty((rows * splits * dim,), np.int64)
+    # the splits' partial sums (one split: the value kernel writes o, and there is no combine)
+    partials = splits > 1
+    part_total = backend.empty((rows * splits if partials else 1,), np.int64)
+    part_num = backend.empty((rows * splits * dim if partials else 1,), np.int64)
     sizes = (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(dp))
     table = (block_tables, np.int32(num_seqs), np.int32(max_blocks), np.int32(cache.block_size),
              np.int64(cache.num_slots))
@@ -398,11 +401,12 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
                    (scores, key_ev, split_keys, split_info, query_bad))
     backend.launch("attention", "attention_split_values", grid, block,
                    (q_seq, q_pos) + sizes + table + (cache.v_digits,) + cut +
-                   (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num),
+                   (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num, out),
                    shared_mem=split_values_shared_bytes(hq // hkv, dp))
-    backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,
-                   (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(splits), split_keys,
-                    split_info, query_bad, part_total, part_num, out))
+    if partials:
+        backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,
+                       (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(splits), split_keys,
+                        split_info, query_bad, part_total, part_num, out))
 
 
 def _decode_rows(digits: np.ndarray, dim: int) -> np.ndarray:

@@ -41,8 +41,7 @@ def _bounds(anchor: str, blocks: int):
     return lambda s: edit(s, anchor, anchor.replace(built, f"(RLP_ATTS_THREADS, {blocks})"))
 
 
-WEIGHT_SLOT = "offset[u] = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;"
-WEIGHT_EV = "ev[u] = key_ev[rowg * keys + j];"
+WEIGHT_ROW = "const long long info = key_rows[rowg * keys + j];"
 WEIGHT_SCORE = "if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];"
 V_LOW = "low[u] = __ldg(reinterpret_cast<const int*>(row));"
 V_HIGH = "high[u] = __ldg(reinterpret_cast<const int*>(row + dp));"
@@ -53,8 +52,7 @@ def _define(name: str, value: int):
 
 
 def _no_weight_loads(s):  # timing only (other bits): the weight phase without its global loads
-    s = edit(s, WEIGHT_SLOT, "offset[u] = (j + 16 * seq) * hkv + g;")
-    s = edit(s, WEIGHT_EV, "ev[u] = 0;")
+    s = edit(s, WEIGHT_ROW, "const long long info = (((j + 16 * seq) * hkv + g) << 16) | RLP_ATT_EV_OFFSET;")
     return edit(s, WEIGHT_SCORE, "if (hi < nb) s[u][hi] = 0.0f;")
 
 

@@ -91,8 +91,9 @@ def test_split_launches_match_the_kernel_parameters(vendor):
                 assert type(arg) is _SCALARS[kind], (kernel, position, kind, type(arg))
     # the scratch arrays the kernels index: scores [tq * hkv, splits * chunk, group], part_num [tq * hq, splits, d]
     splits, chunk = op.split_plan(5, 2, 9 * 16)
-    scores, key_ev, split_keys, split_info, query_bad = backend.launches[0].args[-5:]
-    assert scores.size == 5 * 2 * splits * chunk * 3 and key_ev.size == 5 * 2 * splits * chunk
+    scores, key_rows, split_keys, split_info, query_bad = backend.launches[0].args[-5:]
+    assert scores.size == 5 * 2 * splits * chunk * 3 and key_rows.size == 5 * 2 * splits * chunk
+    assert key_rows.dtype == np.int64
     assert split_keys.dtype == np.uint32 and split_keys.size == 5 * 6 * splits and split_info.size == 5 * 2 * splits
     assert splits > 1
     part_total, part_num, values_out = backend.launches[1].args[-3:]
@@ -127,7 +128,7 @@ def test_split_launch_shapes_do_not_depend_on_the_lengths():
 def test_split_scratch_is_cut_into_row_slices(monkeypatch):
     """More rows than SPLIT_SCRATCH_BYTES of scores hold run as several launches over row slices."""
     splits, chunk = op.split_plan(10, 2, 64 * 16)
-    per_row = (4 + 2) * splits * chunk * 4
+    per_row = (4 * 4 + 2 * 8) * splits * chunk  # scores (float32, hq = 4) and key rows (int64, hkv = 2)
     monkeypatch.setattr(op, "SPLIT_SCRATCH_BYTES", 3 * per_row)
     backend = RecordingDevice("hip")
     out = decode_call(backend, rows=10, hq=4, hkv=2, d=64, width=64)

@@ -289,7 +289,9 @@ extern "C" __global__ void attention_write_kv(
 //   with W = sum_j w_j, exact integers.
 // Scratch (ops/attention.py allocates it; every element read is written first):
 //   scores      float32 [tq * hkv, splits * chunk, group]  s_j of (row, kv head; key; head of the group)
-//   key_ev      int32   [tq * hkv, splits * chunk]         ev_j (written for keys with finite rows)
+//   key_rows    int64   [tq * hkv, splits * chunk]         (r_j << 16) | (ev_j + RLP_ATT_EV_OFFSET): the key's
+//                                                          cache row r_j = slot * hkv + g and its ev (keys with
+//                                                          finite rows)
 //   split_keys  uint32  [tq * hq, splits]      largest order key of the split's scores (0: none)
 //   split_info  uint32  [tq * hkv, splits]     (flags << 16) | (largest ev + RLP_ATT_EV_OFFSET) (0: none)
 //   query_bad   uint32  [tq * hq]              1: a non-finite q row, or a row with no keys in the tables
@@ -391,13 +393,14 @@ __device__ __forceinline__ long long rlp_atts_biased_integer(double sum) {
 // loads of one step are contiguous): slot, exponents, flags, E's candidate, the digit-group
 // dot products of the piece, the parts added by xor shuffles within the set; its first thread forms the
 // scores and each head's largest order key. Writes split_keys, split_info, query_bad (split 0), the
-// scores and key_ev (so the value pass waits on one load per key, not on the slot and then the exponent).
+// scores and key_rows (so the value pass loads each key's row and ev at once, not the slot and then
+// the exponent).
 extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_scores(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const int* __restrict__ v_exponents, int splits, int chunk,
-    float* __restrict__ scores, int* __restrict__ key_ev, unsigned int* __restrict__ split_keys,
+    float* __restrict__ scores, long long* __restrict__ key_rows, unsigned int* __restrict__ split_keys,
     unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad) {
     __shared__ int4 q_digits[RLP_ATTS_SCORE_HEADS * 3 * (RLP_ATT_MAX_HEAD_DIM / 16)];  // [head][digit][dp / 16]
     __shared__ unsigned int largest[RLP_ATTS_SCORE_HEADS];
@@ -463,27 +466,27 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
             unsigned int local_ev = 0u;
             unsigned int local_flags = 0u;
             // Block-uniform loop: every thread reaches the shuffles. A key past the split's end, or one
-            // whose row is missing or non-finite, is computed on row 0 of the cache and never written.
+            // whose slot is missing, is computed on row 0 of the cache and never written; a key's K row is
+            // read as soon as its slot is known, with the exponents (a row found non-finite gives no score).
             for (long long base = lo; base < end; base += lanes) {
                 const long long j = base + lane;
-                long long row = 0;
+                const long long slot =
+                    j < end ? rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) : -1;
+                const long long row = slot >= 0 ? slot * hkv + g : 0;
                 bool live = false;
                 int ek = 0;
                 if (j < end) {
-                    const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j);
                     if (slot < 0) {
                         local_flags |= RLP_ATT_BAD_INDEX;
                     } else {
-                        const long long r = slot * hkv + g;
-                        const int ev = v_exponents[r];
-                        ek = k_exponents[r];
+                        const int ev = v_exponents[row];
+                        ek = k_exponents[row];
                         if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) {
                             local_flags |= RLP_ATT_BAD_KV;
                         } else {
                             live = true;
-                            row = r;
                             local_ev = rlp_max_u32(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
-                            if (h0 == 0 && leader) key_ev[rowg * keys + j] = ev;
+                            if (h0 == 0 && leader) key_rows[rowg * keys + j] = (row << 16) | (ev + RLP_ATT_EV_OFFSET);
                         }
                     }
                 }
@@ -544,9 +547,8 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
 // the numerators (ops/attention.py split_values_shared_bytes).
 extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_values(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
-    const int* __restrict__ block_tables, int num_seqs, int max_blocks, int block_size, long long num_slots,
-    const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
-    const int* __restrict__ key_ev, const unsigned int* __restrict__ split_keys,
+    int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
+    const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [head of the round][dp]: N_d + B W
@@ -634,8 +636,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
                         const long long j = base + k;
                         offset[u] = -1;  // past the tile or the split: no key (a valid slot otherwise: flags == 0)
                         if (k < RLP_ATTS_TILE && j < end) {
-                            offset[u] = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) * hkv + g;
-                            ev[u] = key_ev[rowg * keys + j];
+                            const long long info = key_rows[rowg * keys + j];
+                            offset[u] = info >> 16;
+                            ev[u] = (int)(info & 0xffff) - RLP_ATT_EV_OFFSET;
 #pragma unroll
                             for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi)
                                 if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];

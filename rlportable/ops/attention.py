@@ -362,7 +362,7 @@ def _attention_paged_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, bl
     tq, hq, _ = shape_of(q)
     capacity = shape_of(block_tables)[1] * cache.block_size
     splits, chunk = split_plan(tq, cache.num_kv_heads, capacity, keys_per_split)
-    per_row = (hq + cache.num_kv_heads) * splits * chunk * 4  # scores and key_ev of one query row
+    per_row = (hq * 4 + cache.num_kv_heads * 8) * splits * chunk  # scores and key_rows of one query row
     step = max(1, min(tq, SPLIT_SCRATCH_BYTES // per_row))
     for start in range(0, tq, step):
         stop = min(start + step, tq)
@@ -382,7 +382,7 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
     splits, chunk = split_plan(tq, hkv, max_blocks * cache.block_size, keys_per_split)
     group_rows, rows = tq * hkv, tq * hq
     scores = backend.empty((group_rows * splits * chunk * (hq // hkv),), np.float32)
-    key_ev = backend.empty((group_rows * splits * chunk,), np.int32)
+    key_rows = backend.empty((group_rows * splits * chunk,), np.int64)
     split_keys = backend.empty((rows * splits,), np.uint32)
     split_info = backend.empty((group_rows * splits,), np.uint32)
     query_bad = backend.empty((rows,), np.uint32)
@@ -398,10 +398,10 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
     backend.launch("attention", "attention_split_scores", grid, block,
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +
-                   (scores, key_ev, split_keys, split_info, query_bad))
+                   (scores, key_rows, split_keys, split_info, query_bad))
     backend.launch("attention", "attention_split_values", grid, block,
-                   (q_seq, q_pos) + sizes + table + (cache.v_digits,) + cut +
-                   (scores, key_ev, split_keys, split_info, query_bad, part_total, part_num, out),
+                   (q_seq, q_pos) + sizes + (np.int32(num_seqs), cache.v_digits) + cut +
+                   (scores, key_rows, split_keys, split_info, query_bad, part_total, part_num, out),
                    shared_mem=split_values_shared_bytes(hq // hkv, dp))
     if partials:
         backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,

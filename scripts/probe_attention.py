@@ -9,7 +9,8 @@ multiprocessor) compiled with the runtime's options; each runs ops/attention.att
 (method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
 variant's output is compared bitwise with the unedited kernels' (the tunings must not move a bit;
 conform checks those against the reference). One JSON line per measurement.
-RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants. With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
+RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants; RLP_PROBE_EXPONENTS=flat gives
+every cache row exponent 0 (scores of a model's spread; default "spread", see EXPONENTS). With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
 runs first as variant "baseline", with enough dynamic shared memory for the earlier value kernel.
 """
 import os
@@ -26,7 +27,11 @@ from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_v
 SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
 KV_LENGTHS = (384, 1024)
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
-KEYS_PER_SPLIT = (512, 256, 128)  # the kernels as built, with the keys cut into more splits than split_plan's
+KEYS_PER_SPLIT = (512, 256, 128)
+# RLP_PROBE_EXPONENTS: "spread" (K/V row exponents in [-4, 4): scores over a range so wide that most
+# weights underflow, the exp's shortcut; the probes before 2026-11-30 23:10 ran so) or "flat" (all 0:
+# q.k / sqrt(D) within a few units, every weight through the whole exp, as in a model)
+EXPONENTS = os.environ.get("RLP_PROBE_EXPONENTS", "spread")  # the kernels as built, with the keys cut into more splits than split_plan's
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores"
@@ -56,6 +61,11 @@ def _no_weight_loads(s):  # timing only (other bits): the weight phase without i
     return edit(s, WEIGHT_SCORE, "if (hi < nb) s[u][hi] = 0.0f;")
 
 
+def _fast_exp(s):  # timing only (other bits): the weights' exp by the hardware's approximation
+    return edit(s, "const double p = (double)rlp_exp_f32(s[u][hi] - head_m[hi]);",
+                "const double p = (double)__expf(s[u][hi] - head_m[hi]);")
+
+
 def _no_v_loads(s):  # timing only (other bits): the value phase without its V loads
     return edit(edit(s, V_LOW, "low[u] = (int)key_offsets[k0 + u * lanes];"), V_HIGH, "high[u] = column;")
 
@@ -64,6 +74,7 @@ VARIANTS = {
     "as_built": lambda s: s,
     "values_no_weight_loads (timing only)": _no_weight_loads,
     "values_no_v_loads (timing only)": _no_v_loads,
+    "values_fast_exp (timing only)": _fast_exp,
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_keys_2": _define("RLP_ATTS_VALUE_KEYS", 2),
     "weight_keys_4": _define("RLP_ATTS_WEIGHT_KEYS", 4),
@@ -83,8 +94,9 @@ def random_cache(backend, kv_length: int):
     cache = attention.KVCache.allocate(backend, SEQUENCES * blocks_per_seq * BLOCK, HKV, HEAD_DIM, BLOCK)
     for digits in (cache.k_digits, cache.v_digits):
         digits[...] = cp.random.randint(-128, 128, digits.shape, dtype=np.int32).astype(np.int8)
-    for exponents in (cache.k_exponents, cache.v_exponents):
-        exponents[...] = cp.random.randint(-4, 4, exponents.shape, dtype=np.int32)
+    if EXPONENTS == "spread":  # else all 0: every score within a few units of the maximum (a model's spread)
+        for exponents in (cache.k_exponents, cache.v_exponents):
+            exponents[...] = cp.random.randint(-4, 4, exponents.shape, dtype=np.int32)
     rng = np.random.default_rng(0)
     tables = np.zeros((SEQUENCES, MAX_BLOCKS), np.int32)
     tables[:, :blocks_per_seq] = rng.permutation(SEQUENCES * blocks_per_seq).reshape(SEQUENCES, blocks_per_seq)

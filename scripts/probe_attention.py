@@ -66,6 +66,13 @@ def _fast_exp(s):  # timing only (other bits): the weights' exp by the hardware'
                 "const double p = (double)__expf(s[u][hi] - head_m[hi]);")
 
 
+def _normal_values(s):  # timing only (other bits): the values as normal float64 (2^52 + x), not subnormal
+    for c, word in (("0", "c01 & 0xffffu"), ("1", "c01 >> 16"), ("2", "c23 & 0xffffu"), ("3", "c23 >> 16")):
+        s = edit(s, f"value[{c}] = __hiloint2double(0, (int)({word}));",
+                 f"value[{c}] = __hiloint2double(0x43300000, (int)({word}));")
+    return s
+
+
 def _no_v_loads(s):  # timing only (other bits): the value phase without its V loads
     return edit(edit(s, V_LOW, "low[u] = (int)key_offsets[k0 + u * lanes];"), V_HIGH, "high[u] = column;")
 
@@ -75,6 +82,7 @@ VARIANTS = {
     "values_no_weight_loads (timing only)": _no_weight_loads,
     "values_no_v_loads (timing only)": _no_v_loads,
     "values_fast_exp (timing only)": _fast_exp,
+    "values_normal_doubles (timing only)": _normal_values,
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_keys_2": _define("RLP_ATTS_VALUE_KEYS", 2),
     "weight_keys_4": _define("RLP_ATTS_WEIGHT_KEYS", 4),

@@ -73,6 +73,15 @@ def _normal_values(s):  # timing only (other bits): the values as normal float64
     return s
 
 
+def _zero_weights(s):  # timing only (other bits): every weight stored as 0 (the products' operands zero)
+    return edit(s, "weights[hi * RLP_ATTS_TILE + k] = w;", "weights[hi * RLP_ATTS_TILE + k] = w * 0.0;")
+
+
+def _no_value_products(s):  # timing only (other bits): the value phase without its float64 products
+    return edit(s, "for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) sums[hi][c] = fma(w, value[c], sums[hi][c]);",
+                "for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) sums[hi][c] = __longlong_as_double(__double_as_longlong(sums[hi][c]) ^ __double_as_longlong(w) ^ __double_as_longlong(value[c]));")
+
+
 def _no_v_loads(s):  # timing only (other bits): the value phase without its V loads
     return edit(edit(s, V_LOW, "low[u] = (int)key_offsets[k0 + u * lanes];"), V_HIGH, "high[u] = column;")
 
@@ -83,6 +92,8 @@ VARIANTS = {
     "values_no_v_loads (timing only)": _no_v_loads,
     "values_fast_exp (timing only)": _fast_exp,
     "values_normal_doubles (timing only)": _normal_values,
+    "values_zero_weights (timing only)": _zero_weights,
+    "values_no_products (timing only)": _no_value_products,
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_keys_2": _define("RLP_ATTS_VALUE_KEYS", 2),
     "weight_keys_4": _define("RLP_ATTS_WEIGHT_KEYS", 4),

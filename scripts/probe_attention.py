@@ -93,6 +93,7 @@ VARIANTS = {
     "values_fast_exp (timing only)": _fast_exp,
     "values_normal_doubles (timing only)": _normal_values,
     "values_zero_weights (timing only)": _zero_weights,
+    "values_fast_exp_zero_weights (timing only)": lambda s: _zero_weights(_fast_exp(s)),
     "values_no_products (timing only)": _no_value_products,
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_keys_2": _define("RLP_ATTS_VALUE_KEYS", 2),

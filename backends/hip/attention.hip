@@ -440,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
                 unsigned int local = 0u;
                 for (int i = threadIdx.x; i < d; i += blockDim.x)
                     local = rlp_max_u32(local, rlp_magnitude_bits(q[(qrow0 + hi) * d + i]));
-                atomicMax(&largest[hi], local);
+                rlp_block_max_u32(&largest[hi], local);
             }
             __syncthreads();
             signed char* digits = reinterpret_cast<signed char*>(q_digits);
@@ -522,9 +522,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
             }
 #pragma unroll
             for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
-                if (hi < nb) atomicMax(&head_key[hi], local_key[hi]);
-            atomicMax(&max_ev, local_ev);
-            atomicOr(&flags, local_flags);
+                if (hi < nb) rlp_block_max_u32(&head_key[hi], local_key[hi]);
+            rlp_block_max_u32(&max_ev, local_ev);
+            rlp_block_or_u32(&flags, local_flags);
             __syncthreads();
             if (threadIdx.x < nb) split_keys[(qrow0 + threadIdx.x) * splits + split] = head_key[threadIdx.x];
             __syncthreads();  // the next round resets largest and head_key
@@ -589,8 +589,8 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
             local_ev = rlp_max_u32(local_ev, info & 0xffffu);
             local_flags |= info >> 16;
         }
-        atomicMax(&max_ev, local_ev);
-        atomicOr(&flags, local_flags);
+        rlp_block_max_u32(&max_ev, local_ev);
+        rlp_block_or_u32(&flags, local_flags);
         __syncthreads();
         const int e_max = (int)max_ev - RLP_ATT_EV_OFFSET;
         const bool row_ok = !bad_row && flags == 0u;  // block-uniform
@@ -665,10 +665,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
                 }
 #pragma unroll
                 for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
-                    if (hi >= nb) continue;
-                    if (parts[hi] == 0) continue;
-                    atomicAdd(&head_total[hi], (unsigned long long)parts[hi] & 0xffffffffull);
-                    atomicAdd(&head_weights[hi], (unsigned long long)parts[hi] >> 32);
+                    if (hi >= nb) continue;  // block-uniform: every thread reaches the block sums
+                    rlp_block_sum_i64(&head_total[hi], (long long)((unsigned long long)parts[hi] & 0xffffffffull));
+                    rlp_block_sum_i64(&head_weights[hi], (long long)((unsigned long long)parts[hi] >> 32));
                 }
                 __syncthreads();
                 const int span = (int)rlp_atts_min_ll(end - base, (long long)RLP_ATTS_TILE);
@@ -758,10 +757,10 @@ extern "C" __global__ void attention_split_combine(
             local_flags |= info >> 16;
             local_total += part_total[item * splits + s];
         }
-        atomicMax(&max_key, local_key);
-        atomicMax(&max_ev, local_ev);
-        atomicOr(&flags, local_flags);
-        if (local_total != 0) atomicAdd(&total, (unsigned long long)local_total);
+        rlp_block_max_u32(&max_key, local_key);
+        rlp_block_max_u32(&max_ev, local_ev);
+        rlp_block_or_u32(&flags, local_flags);
+        rlp_block_sum_i64(&total, local_total);
         __syncthreads();
         const float m = rlp_att_from_order_key(max_key);
         float* orow = out + item * (long long)d;

@@ -214,3 +214,12 @@ def test_split_conform_checks_run_on_cpu(name):
     check = dict(ATTENTION_CHECKS)[name]
     tally = check(get_backend("cpu"), np.random.default_rng(0), True)
     assert tally.compared > 0 and tally.mismatches == 0
+
+
+@pytest.mark.parametrize("dp", [64, 128, 192, 256, 512])
+def test_value_kernel_keeps_one_numerator_part_per_key_lane(dp):
+    """attention_split_values adds its key lanes' numerators without atomics: [lanes, heads, dp] int64
+    parts in dynamic shared memory, lanes = threads / (dp / 4 columns per thread); at most 16 KB."""
+    lanes = op.SPLIT_THREADS // (dp // op.SPLIT_COLUMNS)
+    assert op.split_values_shared_bytes(8, dp) == lanes * op.SPLIT_VALUE_HEADS * 8 * dp <= 16384
+    assert op.split_values_shared_bytes(2, dp) == lanes * 2 * 8 * dp

@@ -380,6 +380,15 @@ __device__ __forceinline__ void rlp_atts_biased_values(double (&value)[4], int l
     value[3] = __hiloint2double(0, (int)(c23 >> 16));
 }
 
+// N_d of head hi, column i: the key lanes' parts [lane][head][dp] added (exact integers, in int64 mod 2^64:
+// the true sum lies within int64) less B W.
+__device__ __forceinline__ long long rlp_atts_lane_sum(const unsigned long long* parts, int lanes, int nb, int dp,
+                                                       int hi, int i, unsigned long long weight_sum) {
+    unsigned long long n = 0ull;
+    for (int l = 0; l < lanes; ++l) n += parts[(l * nb + hi) * dp + i];
+    return (long long)(n - RLP_ATTS_VALUE_BIAS * weight_sum);
+}
+
 // An exact float64 sum of biased values' products (an integer multiple of 2^-1074 below 2^-1021) as
 // that integer: two exact scalings by powers of two, then an exact conversion.
 __device__ __forceinline__ long long rlp_atts_biased_integer(double sum) {
@@ -542,7 +551,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
 // each: together one 128-byte line per digit plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in
 // flight, and add w_j (qv_jd + B) 2^-1074 into float64 sums per (head, column) (exact: the section's
 // comment). A key past the split's last one reads row 0 of the cache with weight 0. The sums meet in
-// shared memory as int64 atomics (exact, any order), less B W. With one split the block writes o itself,
+// shared memory, one int64 per (key lane, head, column), added per column less B W (exact, any order). With one split the block writes o itself,
 // as attention_split_combine would (ops/attention.py then launches no combine). Dynamic shared memory:
 // the numerators (ops/attention.py split_values_shared_bytes).
 extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_values(
@@ -551,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
-    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [head of the round][dp]: N_d + B W
+    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
     __shared__ double weights[RLP_ATTS_VALUE_HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
     __shared__ long long key_offsets[RLP_ATTS_TILE];                 // the V row's byte offset
     __shared__ unsigned long long head_total[RLP_ATTS_VALUE_HEADS];  // L's partial sum
@@ -611,7 +620,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
                 head_weights[hi] = 0ull;
                 if (ok) any_ok = 1;
             }
-            for (int i = threadIdx.x; i < nb * dp; i += blockDim.x) numerator[i] = 0ull;
             __syncthreads();
             double sums[RLP_ATTS_VALUE_HEADS][RLP_ATTS_COLUMNS];
 #pragma unroll
@@ -699,18 +707,15 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
                 if (hi >= nb) continue;
                 if (lane >= lanes) continue;
 #pragma unroll
-                for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) {
-                    const long long n = rlp_atts_biased_integer(sums[hi][c]);  // below 2^51: exact
-                    if (n != 0) atomicAdd(&numerator[hi * dp + column + c], (unsigned long long)n);
-                }
+                for (int c = 0; c < RLP_ATTS_COLUMNS; ++c)  // below 2^51: exact
+                    numerator[(lane * nb + hi) * dp + column + c] = (unsigned long long)rlp_atts_biased_integer(sums[hi][c]);
             }
             __syncthreads();
             if (splits == 1) {  // the split's sums are L and N_d: o as attention_split_combine would write it
                 for (int u = threadIdx.x; u < nb * d; u += blockDim.x) {
                     const int hi = u / d;
                     const int i = u - hi * d;
-                    const long long n = (long long)(numerator[hi * dp + i] -
-                                                    RLP_ATTS_VALUE_BIAS * head_weights[hi]);
+                    const long long n = rlp_atts_lane_sum(numerator, lanes, nb, dp, hi, i, head_weights[hi]);
                     out[(qrow0 + hi) * d + i] = head_ok[hi] ? rlp_att_output(n, e_max, (long long)head_total[hi])
                                                             : rlp_canonical_nan();
                 }
@@ -721,7 +726,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
                     const int hi = u / d;
                     const int i = u - hi * d;
                     part_num[((qrow0 + hi) * splits + split) * d + i] =
-                        (long long)(numerator[hi * dp + i] - RLP_ATTS_VALUE_BIAS * head_weights[hi]);
+                        rlp_atts_lane_sum(numerator, lanes, nb, dp, hi, i, head_weights[hi]);
                 }
             }
             __syncthreads();  // the next round resets the sums

@@ -65,6 +65,7 @@ SPLIT_MIN_KEYS = 128  # keys per split at least: more, emptier splits cost more 
 SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's float64 sums below 2^49, exact
 SPLIT_SCRATCH_BYTES = 256 << 20  # scores and key exponents per launch at most (more rows: several launches)
 SPLIT_VALUE_HEADS = 4  # RLP_ATTS_VALUE_HEADS: q heads per round of attention_split_values at most
+SPLIT_COLUMNS = 4  # RLP_ATTS_COLUMNS: value columns per thread of attention_split_values
 
 
 @dataclass
@@ -265,9 +266,11 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
 
 
 def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
-    """Dynamic shared memory of attention_split_values: the int64 numerators [dp] of each head of its
-    largest round (the weights and row offsets of a tile are static arrays)."""
-    return min(group, SPLIT_VALUE_HEADS) * 8 * head_dim_padded
+    """Dynamic shared memory of attention_split_values: the int64 numerators [lanes, heads, dp] of its
+    largest round, one part per key lane (SPLIT_THREADS // (dp / SPLIT_COLUMNS) lanes of threads walk
+    the keys; the weights and row offsets of a tile are static arrays)."""
+    lanes = SPLIT_THREADS // (head_dim_padded // SPLIT_COLUMNS)
+    return lanes * min(group, SPLIT_VALUE_HEADS) * 8 * head_dim_padded
 
 
 def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,

@@ -98,7 +98,6 @@ VARIANTS = {
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_heads_2": _define("RLP_ATTS_VALUE_HEADS", 2),
     "value_heads_2_keys_8": lambda s: _define("RLP_ATTS_VALUE_KEYS", 8)(_define("RLP_ATTS_VALUE_HEADS", 2)(s)),
-    "value_heads_2_keys_6": lambda s: _define("RLP_ATTS_VALUE_KEYS", 6)(_define("RLP_ATTS_VALUE_HEADS", 2)(s)),
     "value_keys_2": _define("RLP_ATTS_VALUE_KEYS", 2),
     "weight_keys_4": _define("RLP_ATTS_WEIGHT_KEYS", 4),
     "tile_256": _define("RLP_ATTS_TILE", 256),

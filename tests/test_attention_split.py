@@ -17,8 +17,9 @@ from recording_device import RecordingDevice, kernel_parameters
 from rlportable.errors import InputError
 from rlportable.ops import attention as op
 
-SPLIT_KERNELS = ("attention_split_scores", "attention_split_values", "attention_split_combine")
-ONE_SPLIT_KERNELS = SPLIT_KERNELS[:2]  # one split: the value kernel writes o, no combine
+SPLIT_KERNELS = ("attention_split_scores", "attention_split_values", "attention_split_combine")  # groups > 2
+PAIR_SPLIT_KERNELS = ("attention_split_scores", "attention_split_values_h2", "attention_split_combine")
+ONE_SPLIT_KERNELS = PAIR_SPLIT_KERNELS[:2]  # one split (groups of 2 here): the value kernel writes o, no combine
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
 
 
@@ -108,9 +109,24 @@ def test_one_split_writes_o_from_the_value_kernel(vendor):
     out = decode_call(backend, rows=128, hq=16, hkv=8, d=128, width=25)
     assert op.split_plan(128, 8, 25 * 16)[0] == 1
     assert [launch.kernel for launch in backend.launches] == list(ONE_SPLIT_KERNELS)
-    parameters = kernel_parameters(vendor, "attention")["attention_split_values"]
+    parameters = kernel_parameters(vendor, "attention")["attention_split_values_h2"]
     args = backend.launches[1].args
     assert len(args) == len(parameters) and same_array(args[-1], out)
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_the_value_kernels_take_the_same_parameters(vendor):
+    parameters = kernel_parameters(vendor, "attention")
+    assert parameters["attention_split_values_h2"] == parameters["attention_split_values"]
+
+
+@pytest.mark.parametrize("group, kernel", [(1, "attention_split_values_h2"), (2, "attention_split_values_h2"),
+                                           (3, "attention_split_values"), (8, "attention_split_values")])
+def test_groups_of_two_take_the_pair_value_kernel(group, kernel):
+    assert op.split_values_kernel(group) == kernel
+    backend = RecordingDevice("cuda")
+    decode_call(backend, rows=3, hq=2 * group, hkv=2, d=64, width=4)
+    assert backend.launches[1].kernel == kernel
 
 
 def test_split_launch_shapes_do_not_depend_on_the_lengths():
@@ -133,7 +149,7 @@ def test_split_scratch_is_cut_into_row_slices(monkeypatch):
     backend = RecordingDevice("hip")
     out = decode_call(backend, rows=10, hq=4, hkv=2, d=64, width=64)
     kernels = [launch.kernel for launch in backend.launches]
-    assert kernels == list(SPLIT_KERNELS) * 4  # rows 0-2, 3-5, 6-8, 9
+    assert kernels == list(PAIR_SPLIT_KERNELS) * 4  # rows 0-2, 3-5, 6-8, 9
     firsts = [args[0] for _, kernel, _, _, args, _ in backend.launches if kernel == "attention_split_scores"]
     assert [q.shape[0] for q in firsts] == [3, 3, 3, 1]
     outs = [args[-1] for _, kernel, _, _, args, _ in backend.launches if kernel == "attention_split_combine"]

@@ -298,7 +298,7 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_TILE 512        // keys per tile of attention_split_values
 #define RLP_ATTS_WEIGHT_KEYS 1   // keys per thread in flight while attention_split_values forms weights
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
-#define RLP_ATTS_VALUE_KEYS 4    // keys per thread in flight in attention_split_values
+#define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
 // attention_split_scores is built for 8 blocks of RLP_ATTS_THREADS per multiprocessor (64 registers, an
 // 8-byte spill), attention_split_values for 6 (80 registers, no spill): the fastest occupancies in
@@ -530,33 +530,34 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
 }
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
-// RLP_ATTS_VALUE_HEADS. E and the flags from every split's split_info, m per head from every split's
-// split_keys; then the split's keys in tiles of RLP_ATTS_TILE. Per tile, threads over keys
-// (RLP_ATTS_WEIGHT_KEYS in flight each) form p_j and add RNE(p_j 2^21) to their own sums of L; the
-// weights w_j (float64, exact integers) and the V rows' offsets go to shared memory. Then the threads of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns
-// each: together one 128-byte line per digit plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in
-// flight, and add w_j (qv_jd + B) 2^-1074 into float64 sums per (head, column) (exact: the section's
-// comment). A key past the split's last one reads row 0 of the cache with weight 0. The sums meet in
-// shared memory, one int64 per (key lane, head, column), added per column less B W (exact, any order). With one split the block writes o itself,
-// as attention_split_combine would (ops/attention.py then launches no combine). Dynamic shared memory:
-// the numerators (ops/attention.py split_values_shared_bytes).
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values(
+// HEADS. E and the flags from every split's split_info, m per head from every split's split_keys; then
+// the split's keys in tiles of RLP_ATTS_TILE. Per tile, threads over keys (RLP_ATTS_WEIGHT_KEYS in
+// flight each) form p_j, RNE(p_j 2^21) and the weight w_j, whose sums L and W meet through block sums;
+// the weights (float64, exact integers) and the V rows' offsets go to shared memory. Then the threads
+// of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns each: together one 128-byte line per digit
+// plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in flight, and add w_j (qv_jd + B) 2^-1074 into
+// float64 sums per (head, column) (exact: the section's comment). A key past the split's last one reads
+// row 0 of the cache with weight 0. The sums meet in shared memory, one int64 per (key lane, head,
+// column), added per column less B W (exact, any order). With one split the block writes o itself, as
+// attention_split_combine would (ops/attention.py then launches no combine). numerator: the dynamic
+// shared memory [lanes][HEADS][dp] (ops/attention.py split_values_shared_bytes).
+template <int HEADS>
+__device__ __forceinline__ void rlp_atts_values(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
-    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
-    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
-    __shared__ double weights[RLP_ATTS_VALUE_HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
-    __shared__ long long key_offsets[RLP_ATTS_TILE];                 // the V row's byte offset
-    __shared__ unsigned long long head_total[RLP_ATTS_VALUE_HEADS];  // L's partial sum
-    __shared__ unsigned long long head_weights[RLP_ATTS_VALUE_HEADS];  // W's partial sum: sum of w_j
-    __shared__ float head_m[RLP_ATTS_VALUE_HEADS];
-    __shared__ int head_ok[RLP_ATTS_VALUE_HEADS];
+    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out,
+    unsigned long long* numerator) {
+    __shared__ double weights[HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
+    __shared__ long long key_offsets[RLP_ATTS_TILE];    // the V row's byte offset
+    __shared__ unsigned long long head_total[HEADS];  // L's partial sum
+    __shared__ unsigned long long head_weights[HEADS];  // W's partial sum: sum of w_j
+    __shared__ float head_m[HEADS];
+    __shared__ int head_ok[HEADS];
     __shared__ unsigned int max_ev;
     __shared__ unsigned int flags;
     __shared__ int any_ok;
-    unsigned long long* numerator = rlp_atts_values_smem;
     const int group = hq / hkv;
     const int row_threads = dp / RLP_ATTS_COLUMNS;  // threads of one key row
     const int lanes = (int)blockDim.x / row_threads;  // key rows in flight per block (1, 2, 4 or 8)
@@ -589,8 +590,8 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
         __syncthreads();
         const int e_max = (int)max_ev - RLP_ATT_EV_OFFSET;
         const bool row_ok = !bad_row && flags == 0u;  // block-uniform
-        for (int h0 = 0; h0 < group; h0 += RLP_ATTS_VALUE_HEADS) {
-            const int nb = min(group - h0, RLP_ATTS_VALUE_HEADS);
+        for (int h0 = 0; h0 < group; h0 += HEADS) {
+            const int nb = min(group - h0, HEADS);
             const long long qrow0 = token * hq + (long long)g * group + h0;
             if (threadIdx.x == 0) any_ok = 0;
             __syncthreads();
@@ -607,9 +608,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                 if (ok) any_ok = 1;
             }
             __syncthreads();
-            double sums[RLP_ATTS_VALUE_HEADS][RLP_ATTS_COLUMNS];
+            double sums[HEADS][RLP_ATTS_COLUMNS];
 #pragma unroll
-            for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+            for (int hi = 0; hi < HEADS; ++hi) {
 #pragma unroll
                 for (int c = 0; c < RLP_ATTS_COLUMNS; ++c) sums[hi][c] = 0.0;
             }
@@ -617,13 +618,13 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
             for (long long base = lo; work && base < end; base += RLP_ATTS_TILE) {
                 // this thread's keys' sums of RNE(p 2^21) (L's part) and of w (W's part) in one int64 per
                 // head, as L part + 2^32 W part: the tile's at most 2^9 keys give each part below 2^30
-                long long parts[RLP_ATTS_VALUE_HEADS];
+                long long parts[HEADS];
 #pragma unroll
-                for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) parts[hi] = 0;
+                for (int hi = 0; hi < HEADS; ++hi) parts[hi] = 0;
                 for (int k0 = threadIdx.x; k0 < RLP_ATTS_TILE; k0 += RLP_ATTS_WEIGHT_KEYS * blockDim.x) {
                     long long offset[RLP_ATTS_WEIGHT_KEYS];
                     int ev[RLP_ATTS_WEIGHT_KEYS];
-                    float s[RLP_ATTS_WEIGHT_KEYS][RLP_ATTS_VALUE_HEADS];
+                    float s[RLP_ATTS_WEIGHT_KEYS][HEADS];
 #pragma unroll
                     for (int u = 0; u < RLP_ATTS_WEIGHT_KEYS; ++u) {  // the loads first, then the arithmetic
                         const int k = k0 + u * (int)blockDim.x;
@@ -634,7 +635,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                             offset[u] = info >> 16;
                             ev[u] = (int)(info & 0xffff) - RLP_ATT_EV_OFFSET;
 #pragma unroll
-                            for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi)
+                            for (int hi = 0; hi < HEADS; ++hi)
                                 if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];
                         }
                     }
@@ -645,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                         const bool live = offset[u] >= 0;
                         key_offsets[k] = live ? offset[u] * (2LL * dp) : 0;  // no key: row 0, weight 0
 #pragma unroll
-                        for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                        for (int hi = 0; hi < HEADS; ++hi) {
                             if (hi >= nb) continue;
                             double w = 0.0;
                             if (live && head_ok[hi]) {
@@ -658,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                     }
                 }
 #pragma unroll
-                for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                for (int hi = 0; hi < HEADS; ++hi) {
                     if (hi >= nb) continue;  // block-uniform: every thread reaches the block sums
                     rlp_block_sum_i64(&head_total[hi], (long long)((unsigned long long)parts[hi] & 0xffffffffull));
                     rlp_block_sum_i64(&head_weights[hi], (long long)((unsigned long long)parts[hi] >> 32));
@@ -678,7 +679,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                         double value[RLP_ATTS_COLUMNS];
                         rlp_atts_biased_values(value, low[u], high[u]);
 #pragma unroll
-                        for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+                        for (int hi = 0; hi < HEADS; ++hi) {
                             if (hi >= nb) continue;
                             const double w = weights[hi * RLP_ATTS_TILE + k0 + u * lanes];
 #pragma unroll
@@ -689,7 +690,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
                 __syncthreads();  // the next tile overwrites the weights and offsets
             }
 #pragma unroll
-            for (int hi = 0; hi < RLP_ATTS_VALUE_HEADS; ++hi) {
+            for (int hi = 0; hi < HEADS; ++hi) {
                 if (hi >= nb) continue;
                 if (lane >= lanes) continue;
 #pragma unroll
@@ -718,6 +719,33 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
             __syncthreads();  // the next round resets the sums
         }
     }
+}
+
+// rlp_atts_values with rounds of up to RLP_ATTS_VALUE_HEADS q heads (any group).
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values(
+    const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
+    int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
+    const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
+    const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
+    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
+    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
+    rlp_atts_values<RLP_ATTS_VALUE_HEADS>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
+                                          scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
+                                          out, rlp_atts_values_smem);
+}
+
+// rlp_atts_values with rounds of up to 2 q heads, for groups of 1 or 2 (ops/attention.py picks it): half
+// the register sums of the 4-head build, the same bits.
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values_h2(
+    const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
+    int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
+    const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
+    const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
+    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
+    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
+    rlp_atts_values<2>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
+                       scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
+                       out, rlp_atts_values_smem);
 }
 
 // One block per (query row, q head), grid-stride: m, E and the flags over the splits, L and N_d as

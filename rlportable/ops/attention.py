@@ -2,7 +2,8 @@
 
 Contract: contracts/attention.toml; reference: rlportable/contract/attention.py;
 kernels: backends/{cuda,hip}/attention.* (attention_paged, attention_write_kv; the split-KV decode
-path attention_split_scores / _values / _combine, METHODS "split").
+path attention_split_scores / _values (or _values_h2 for groups of at most 2 q heads per kv head) /
+_combine, METHODS "split").
 
 The KV cache stores every (slot, kv head) row of K and V ENCODED, exactly as
 fixedpoint_encode_rows writes rows with 15 bits and 2 ascending digits:
@@ -265,6 +266,12 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
     return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
 
 
+def split_values_kernel(group: int) -> str:
+    """The value kernel for a group of q heads per kv head: groups of 1 or 2 take the build with 2 heads
+    per round (half the register sums, more keys in flight), larger groups rounds of SPLIT_VALUE_HEADS."""
+    return "attention_split_values_h2" if group <= 2 else "attention_split_values"
+
+
 def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
     """Dynamic shared memory of attention_split_values: the int64 numerators [lanes, heads, dp] of its
     largest round, one part per key lane (SPLIT_THREADS // (dp / SPLIT_COLUMNS) lanes of threads walk
@@ -402,7 +409,7 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +
                    (scores, key_rows, split_keys, split_info, query_bad))
-    backend.launch("attention", "attention_split_values", grid, block,
+    backend.launch("attention", split_values_kernel(hq // hkv), grid, block,
                    (q_seq, q_pos) + sizes + (np.int32(num_seqs), cache.v_digits) + cut +
                    (scores, key_rows, split_keys, split_info, query_bad, part_total, part_num, out),
                    shared_mem=split_values_shared_bytes(hq // hkv, dp))

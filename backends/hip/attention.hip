@@ -304,7 +304,7 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_TILE 512        // keys per tile of attention_split_values
 #define RLP_ATTS_WEIGHT_KEYS 1   // keys per thread in flight while attention_split_values forms weights
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
-#define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values
+#define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values (twice that with 2 heads)
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
 // CUDA builds the score and value kernels for 8 and 6 blocks per multiprocessor (its __launch_bounds__
 // minimum, chosen on the H200); HIP's second __launch_bounds__ argument means waves per execution unit,
@@ -549,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
 // flight each) form p_j, RNE(p_j 2^21) and the weight w_j, whose sums L and W meet through block sums;
 // the weights (float64, exact integers) and the V rows' offsets go to shared memory. Then the threads
 // of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns each: together one 128-byte line per digit
-// plane) walk the tile's keys, RLP_ATTS_VALUE_KEYS in flight, and add w_j (qv_jd + B) 2^-1074 into
+// plane) walk the tile's keys, KEYS in flight (RLP_ATTS_VALUE_KEYS, twice that for HEADS = 2), and add w_j (qv_jd + B) 2^-1074 into
 // float64 sums per (head, column) (exact: the section's comment). A key past the split's last one reads
 // row 0 of the cache with weight 0. The sums meet in shared memory, one int64 per (key lane, head,
 // column), added per column less B W (exact, any order). With one split the block writes o itself, as
@@ -577,7 +577,8 @@ __device__ __forceinline__ void rlp_atts_values(
     const int lanes = (int)blockDim.x / row_threads;  // key rows in flight per block (1, 2, 4 or 8)
     const int lane = (int)threadIdx.x / row_threads;  // >= lanes: no key row (only where dp does not divide)
     const int column = RLP_ATTS_COLUMNS * ((int)threadIdx.x - lane * row_threads);
-    const int stride = RLP_ATTS_VALUE_KEYS * lanes;  // divides RLP_ATTS_TILE
+    constexpr int KEYS = HEADS <= 2 ? 2 * RLP_ATTS_VALUE_KEYS : RLP_ATTS_VALUE_KEYS;  // the registers 2 heads free
+    const int stride = KEYS * lanes;  // divides RLP_ATTS_TILE
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
@@ -681,15 +682,15 @@ __device__ __forceinline__ void rlp_atts_values(
                 __syncthreads();
                 const int span = (int)rlp_atts_min_ll(end - base, (long long)RLP_ATTS_TILE);
                 for (int k0 = lane; lane < lanes && k0 < span; k0 += stride) {
-                    int low[RLP_ATTS_VALUE_KEYS], high[RLP_ATTS_VALUE_KEYS];
+                    int low[KEYS], high[KEYS];
 #pragma unroll
-                    for (int u = 0; u < RLP_ATTS_VALUE_KEYS; ++u) {  // keys up to the tile's end: weights 0
+                    for (int u = 0; u < KEYS; ++u) {  // keys up to the tile's end: weights 0
                         const signed char* row = v_digits + key_offsets[k0 + u * lanes] + column;
                         low[u] = *reinterpret_cast<const int*>(row);
                         high[u] = *reinterpret_cast<const int*>(row + dp);
                     }
 #pragma unroll
-                    for (int u = 0; u < RLP_ATTS_VALUE_KEYS; ++u) {
+                    for (int u = 0; u < KEYS; ++u) {
                         double value[RLP_ATTS_COLUMNS];
                         rlp_atts_biased_values(value, low[u], high[u]);
 #pragma unroll

@@ -9,6 +9,9 @@
 // fixedpoint.CANONICAL_NAN: the one NaN every contract returns.
 __device__ __forceinline__ float rlp_canonical_nan() { return __int_as_float(0x7fc00000); }
 
+// a * b + c with one rounding to nearest even (IEEE 754 fusedMultiplyAdd; CUDA's __fma_rn).
+__device__ __forceinline__ double rlp_fma_f64(double a, double b, double c) { return __fma_rn(a, b, c); }
+
 // fixedpoint.pow2_f64: 2^s built from exponent bits, s in [-1022, 1023].
 __device__ __forceinline__ double rlp_pow2_f64(int s) {
     return __longlong_as_double((long long)(s + 1023) << 52);

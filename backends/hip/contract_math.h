@@ -270,8 +270,8 @@ __device__ __forceinline__ float rlp_exp_f32_full(float xf) {
 // float64 ulps of T e^r (the roundings: 2^-52 at the last add, below 2^-58 elsewhere). Unless y lies within
 // RLP_EXP_FAST_WINDOW float64 ulps of a float32 rounding boundary (the low 29 bits of its significand
 // near 2^28: about 2.4e-7 of inputs), RNE_f32(y 2^(n >> 6)) is the correctly rounded e^x; otherwise, and
-// outside the range, the full evaluation above decides. Fused multiply-adds are exact operations of IEEE
-// 754 on both vendors (HIP __builtin_fma), so the fast path is also the same on both.
+// outside the range, the full evaluation above decides. The fused multiply-add is one IEEE 754 operation
+// on both vendors (rlp_fma_f64, common header), so the fast path is also the same on both.
 #define RLP_EXP_FAST_X_BITS 0x42AE0000u  /* 87.0f */
 #define RLP_EXP_LN2_64_HI 0x1.62e42fefa39efp-7
 #define RLP_EXP_LN2_64_LO 0x1.abc9e3b39803fp-62
@@ -279,17 +279,17 @@ __device__ __forceinline__ float rlp_exp_f32_full(float xf) {
 __device__ __forceinline__ float rlp_exp_f32(float xf) {
     if (rlp_magnitude_bits(xf) > RLP_EXP_FAST_X_BITS) return rlp_exp_f32_full(xf);  // also NaN and inf
     const double x = (double)xf;
-    const double t = __builtin_fma(x, RLP_EXP_INV_LN2_64, RLP_EW_SHIFT);
+    const double t = rlp_fma_f64(x, RLP_EXP_INV_LN2_64, RLP_EW_SHIFT);
     const long long n = __double_as_longlong(t) - RLP_EW_SHIFT_BITS;
     const double fn = t - RLP_EW_SHIFT;
-    const double r = __builtin_fma(-fn, RLP_EXP_LN2_64_LO, __builtin_fma(-fn, RLP_EXP_LN2_64_HI, x));
-    double c = __builtin_fma(r, RLP_EXP_P6, RLP_EXP_P5);
-    c = __builtin_fma(r, c, RLP_EXP_P4);
-    c = __builtin_fma(r, c, RLP_EXP_P3);
-    c = __builtin_fma(r, c, RLP_EXP_P2);
-    const double p = __builtin_fma(r * r, c, r);
+    const double r = rlp_fma_f64(-fn, RLP_EXP_LN2_64_LO, rlp_fma_f64(-fn, RLP_EXP_LN2_64_HI, x));
+    double c = rlp_fma_f64(r, RLP_EXP_P6, RLP_EXP_P5);
+    c = rlp_fma_f64(r, c, RLP_EXP_P4);
+    c = rlp_fma_f64(r, c, RLP_EXP_P3);
+    c = rlp_fma_f64(r, c, RLP_EXP_P2);
+    const double p = rlp_fma_f64(r * r, c, r);
     const int j = (int)(n & 63LL);
-    const double y = rlp_exp_t_hi[j] + __builtin_fma(rlp_exp_t_hi[j], p, rlp_exp_t_lo[j]);
+    const double y = rlp_exp_t_hi[j] + rlp_fma_f64(rlp_exp_t_hi[j], p, rlp_exp_t_lo[j]);
     const long long low = __double_as_longlong(y) & ((1LL << 29) - 1);
     if (low - (1LL << 28) <= RLP_EXP_FAST_WINDOW && (1LL << 28) - low <= RLP_EXP_FAST_WINDOW)
         return rlp_exp_f32_full(xf);

@@ -230,7 +230,7 @@ extern "C" __global__ void attention_write_kv(
         __syncthreads();
         unsigned int local = 0u;
         for (int i = threadIdx.x; i < d; i += blockDim.x) local = max(local, rlp_magnitude_bits(xr[i]));
-        atomicMax(&largest, local);
+        rlp_block_max_u32(&largest, local);
         __syncthreads();
         if (threadIdx.x == 0) {
             exponent = rlp_row_exponent(largest);

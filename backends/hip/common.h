@@ -31,8 +31,9 @@
 // fixedpoint.CANONICAL_NAN: the one NaN every contract returns.
 __device__ __forceinline__ float rlp_canonical_nan() { return __int_as_float(0x7fc00000); }
 
-// a * b + c with one rounding to nearest even (IEEE 754 fusedMultiplyAdd; the compiler builtin, not OCML).
-__device__ __forceinline__ double rlp_fma_f64(double a, double b, double c) { return __builtin_fma(a, b, c); }
+// a * b + c with one rounding to nearest even (IEEE 754 fusedMultiplyAdd, HIP's __fma_rn: the hardware's
+// fused multiply-add, exact by IEEE 754 whatever library provides it).
+__device__ __forceinline__ double rlp_fma_f64(double a, double b, double c) { return __fma_rn(a, b, c); }
 
 // fixedpoint.pow2_f64: 2^s built from exponent bits, s in [-1022, 1023].
 __device__ __forceinline__ double rlp_pow2_f64(int s) {

@@ -7,7 +7,7 @@
 // (-ffp-contract=off, and the pragma below), no math library (no OCML). Integer
 // manipulation of bits builds powers of two, reads exponents and rounds to odd.
 // rlp_exp_f32 first tries a shorter evaluation with explicit fused multiply-adds
-// (__builtin_fma: the IEEE operation, no library) and keeps its result only where its
+// (rlp_fma_f64: the IEEE operation) and keeps its result only where its
 // float32 rounding is certain (the same bits: both are correctly rounded; see its comment).
 // backends/cuda/contract_math.cuh is the same logic, line for line. Nothing here depends on
 // the warp width.

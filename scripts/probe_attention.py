@@ -35,6 +35,7 @@ EXPONENTS = os.environ.get("RLP_PROBE_EXPONENTS", "spread")  # the kernels as bu
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores"
+VALUE_H2_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values_h2("
 
 
 def _pieces(count: int):
@@ -98,6 +99,10 @@ VARIANTS = {
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_heads_2": _define("RLP_ATTS_VALUE_HEADS", 2),
     "value_keys_16": _define("RLP_ATTS_VALUE_KEYS", 16),
+    "weight_keys_2": _define("RLP_ATTS_WEIGHT_KEYS", 2),
+    "value_h2_7_blocks": _bounds(VALUE_H2_BOUNDS, 7),
+    "value_h2_8_blocks": _bounds(VALUE_H2_BOUNDS, 8),
+    "value_h2_5_blocks": _bounds(VALUE_H2_BOUNDS, 5),
     "score_heads_2": _define("RLP_ATTS_SCORE_HEADS", 2),
     "score_heads_2_6_blocks": lambda s: _bounds(SCORE_BOUNDS, 6)(_define("RLP_ATTS_SCORE_HEADS", 2)(s)),
     "score_heads_2_pieces_8": lambda s: _pieces(8)(_define("RLP_ATTS_SCORE_HEADS", 2)(s)),

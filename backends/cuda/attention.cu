@@ -300,9 +300,10 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
 #define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values (twice that with 2 heads)
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
-// attention_split_scores is built for 8 blocks of RLP_ATTS_THREADS per multiprocessor (64 registers, an
-// 8-byte spill), attention_split_values for 6 (80 registers, no spill): the fastest occupancies in
-// scripts/probe_attention.py's sweeps on the H200.
+// attention_split_scores is built for 8 blocks of RLP_ATTS_THREADS per multiprocessor (64 registers, no
+// spill), the value kernels for 6 (80 registers; no spill in attention_split_values_h2, 16 bytes in the
+// 4-head build since the exp's fast path): the fastest occupancies in scripts/probe_attention.py's sweeps
+// on the H200 (RLP_PROBE_EXPONENTS=flat for the 2-head build: 5, 7 and 8 blocks were slower).
 
 // c + the four products of the signed bytes of a and b, exact in int32.
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) { return __dp4a(a, b, c); }

@@ -97,7 +97,7 @@ def ops_ms(made: ModelRunner, out: SchedulerOutput) -> dict:
     return {name: 1e3 * s for name, s in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def one_attention_call(backend_, q, q_seq, q_pos, cache, block_tables, host_q_seq):
+def one_attention_call(backend_, q, q_seq, q_pos, cache, block_tables, parts):
     return attention.attention_paged(backend_, q, q_seq, q_pos, cache, block_tables)
 
 

@@ -174,7 +174,7 @@ def mixed_step_call(backend, decodes: int, chunk: int, block_size: int = 16):
     q_seq = np.concatenate([np.arange(decodes), np.full(chunk, decodes)]).astype(np.int32)
     q_pos = np.concatenate([np.full(decodes, 5), np.arange(chunk)]).astype(np.int32)
     q = np.zeros((decodes + chunk, 4, 64), np.float32)
-    return op.attention_step(backend, q, q_seq, q_pos, cache, tables, q_seq)
+    return op.attention_step(backend, q, q_seq, q_pos, cache, tables, op.step_parts(q_seq))
 
 
 def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma():

@@ -536,8 +536,8 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
 // flight each) form p_j, RNE(p_j 2^21) and the weight w_j, whose sums L and W meet through block sums;
 // the weights (float64, exact integers) and the V rows' offsets go to shared memory. Then the threads
 // of a key row (dp / RLP_ATTS_COLUMNS of them, 4 columns each: together one 128-byte line per digit
-// plane) walk the tile's keys, KEYS in flight (RLP_ATTS_VALUE_KEYS, twice that for HEADS = 2), and add w_j (qv_jd + B) 2^-1074 into
-// float64 sums per (head, column) (exact: the section's comment). A key past the split's last one reads
+// plane) walk the tile's keys, KEYS in flight (RLP_ATTS_VALUE_KEYS, twice that for HEADS = 2), and
+// add w_j (qv_jd + B) 2^-1074 into float64 sums per (head, column) (exact: the section's comment). A key past the split's last one reads
 // row 0 of the cache with weight 0. The sums meet in shared memory, one int64 per (key lane, head,
 // column), added per column less B W (exact, any order). With one split the block writes o itself, as
 // attention_split_combine would (ops/attention.py then launches no combine). numerator: the dynamic

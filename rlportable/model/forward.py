@@ -188,12 +188,12 @@ class Model:
             device = StepInputs(*(backend.asarray(np.asarray(a, np.int32))
                                   for a in (tokens, positions, q_seq, block_tables, slots)))
 
-        host_q_seq = np.asarray(q_seq)
+        parts = attention.step_parts(q_seq)  # the decodes and the prefill chunks, once for every layer
 
         def paged(q, k, v, index):
             attention.write_kv(backend, caches[index], k, v, device.slots)
             return attention.attention_step(backend, q, device.q_seq, device.positions, caches[index],
-                                            device.block_tables, host_q_seq)
+                                            device.block_tables, parts)
 
         return self._forward(tokens, positions, paged, device.positions, device_tokens=device.tokens)
 

@@ -63,7 +63,7 @@ MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run t
 SPLIT_THREADS = 128  # RLP_ATTS_THREADS: the split kernels' block size (their shared arrays are sized for it)
 SPLIT_TARGET_BLOCKS = 1024  # (row, kv head, split) blocks wanted per pass: several per SM of the largest GPUs
 SPLIT_MIN_KEYS = 128  # keys per split at least: more, emptier splits cost more than they spread (probe_attention)
-SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's float64 sums below 2^49, exact
+SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's float64 sums below 2^51, exact
 SPLIT_SCRATCH_BYTES = 256 << 20  # scores and key exponents per launch at most (more rows: several launches)
 SPLIT_VALUE_HEADS = 4  # RLP_ATTS_VALUE_HEADS: q heads per round of attention_split_values at most
 SPLIT_COLUMNS = 4  # RLP_ATTS_COLUMNS: value columns per thread of attention_split_values
@@ -346,22 +346,32 @@ def leading_single_rows(q_seq: np.ndarray) -> int:
     return int(repeated[0]) if repeated.size else int(q_seq.size)
 
 
-def attention_step(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, host_q_seq: np.ndarray):
-    """attention_paged over an engine step's query rows, each kind by the kernels built for it: the
-    leading decode rows (one per sequence, leading_single_rows(host_q_seq)) and the prefill chunks
-    after them in separate calls, so that the decodes of a mixed step do not fall into the prefill
-    kernel's 64-row tiles (the mma kernel serves the sequences of a tile one per round: 64 decode rows
-    would cost 64 rounds). Each row's bits are those of one call over all rows (the contract's batch
-    invariance; every method gives the same bits)."""
+def step_parts(host_q_seq: np.ndarray) -> tuple[tuple[slice, int | None], ...]:
+    """An engine step's query rows as attention_step runs them, each range with its number of
+    sequences: the leading decodes (one row per sequence, leading_single_rows) and the prefill chunks
+    after them; a step of one kind is one range (None: attention_paged's default count). Made once per
+    step on the host, not per layer."""
     host_q_seq = np.asarray(host_q_seq)
     tq = int(host_q_seq.size)
     decodes = leading_single_rows(host_q_seq)
-    if backend.kernel_vendor is None or decodes in (0, tq):
+    if decodes in (0, tq):
+        return ((slice(0, tq), None),)
+    return (slice(0, decodes), decodes), (slice(decodes, tq), len(np.unique(host_q_seq[decodes:])))
+
+
+def attention_step(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables,
+                   parts: tuple[tuple[slice, int | None], ...]):
+    """attention_paged over an engine step's query rows, each kind by the kernels built for it: the
+    ranges of step_parts (the leading decodes, then the prefill chunks) in separate calls, so that the
+    decodes of a mixed step do not fall into the prefill kernel's 64-row tiles (the mma kernel serves
+    the sequences of a tile one per round: 64 decode rows would cost 64 rounds). Each row's bits are
+    those of one call over all rows (the contract's batch invariance; every method gives the same bits)."""
+    if backend.kernel_vendor is None or len(parts) == 1:
         return attention_paged(backend, q, q_seq, q_pos, cache, block_tables)
     out = backend.empty(shape_of(q), np.float32)
-    for rows in (slice(0, decodes), slice(decodes, tq)):
-        attention_paged(backend, q[rows], q_seq[rows], q_pos[rows], cache, block_tables,
-                        num_seqs=len(np.unique(host_q_seq[rows])), out=out[rows])
+    for rows, num_seqs in parts:
+        attention_paged(backend, q[rows], q_seq[rows], q_pos[rows], cache, block_tables, num_seqs=num_seqs,
+                        out=out[rows])
     return out
 
 

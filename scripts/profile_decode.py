@@ -15,6 +15,8 @@ with random encoded rows. Prints one JSON object:
     of several calls, with CUDA graphs and without (exact-size eager step), with the runner's
     own split (host: planning + upload + launches; wait: the one download; finish: host work);
     graph_replay_ms: one replay of the captured forward alone.
+  * RLP_PROFILE_NVTX=1: one more replay inside an NVTX range "replay", so that
+    `ncu --nvtx --nvtx-include replay/` times the graph's kernels one by one.
   * bound_ms: the step's bytes (bench decode's step_bytes) over the measured copy bandwidth.
 """
 
@@ -125,6 +127,7 @@ PATCHES = [
     (norm, "add_rmsnorm", lambda a: "norm.add_rmsnorm"),
     (norm, "rmsnorm_heads_rope", lambda a: "norm.rmsnorm_heads_rope"),
     (activation, "swiglu", lambda a: "activation.swiglu"),
+    (activation, "swiglu_encode", lambda a: "activation.swiglu_encode"),
     (residual, "add", lambda a: "residual.add"),
     (residual, "add_bias", lambda a: "residual.add_bias"),
     (embedding, "gather", lambda a: "embedding.gather"),
@@ -204,6 +207,11 @@ def graph_replay_ms(made: ModelRunner) -> float:
     graph = made.graphs[made.buckets[-1]][0]
     stream = backend.engine_stream()
     samples = []
+    if os.environ.get("RLP_PROFILE_NVTX"):  # one replay in an NVTX range "replay", for ncu --nvtx-include replay/
+        cupy.cuda.nvtx.RangePush("replay")
+        graph.replay()
+        stream.synchronize()
+        cupy.cuda.nvtx.RangePop()
     for _ in range(REPEATS):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(stream)

@@ -429,9 +429,10 @@ def test_add_rmsnorm_launches_encode_in_the_norm_kernel_up_to_the_fused_limit(ve
         a = np.zeros((3, h), np.float32)
         result = norm.add_rmsnorm(device, a, a.copy(), np.ones(h, np.float32), 1e-6, encode_bits=encode_bits)
         assert [launch.kernel for launch in device.launches] == kernels, (h, encode_bits)
-        args, shared_mem = device.launches[0].args, device.launches[0].shared_mem
+        args, launch = device.launches[0].args, device.launches[0]
         fused = encode_bits == 23 and h <= limit
-        assert shared_mem == (8 if fused else 4) * h
+        # one segment of 32 lanes per row, no shared memory
+        assert (launch.grid, launch.block, launch.shared_mem) == ((1,), (256,), 0)
         if encode_bits is None:
             assert len(result) == 2
         else:
@@ -460,7 +461,7 @@ def _assert_arguments_match(parameters: dict, launches) -> None:
 
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_rmsnorm_heads_rope_launches_one_kernel_up_to_the_fused_head_dim(vendor):
-    """One norm_rmsnorm_heads_rope launch for q and k (rows: q's heads, then k's; one row of shared memory)
+    """One norm_rmsnorm_heads_rope launch for q and k (rows: q's heads, then k's; a segment of 32 lanes each)
     up to MAX_FUSED_HEAD_DIM, its arguments matching the kernel's parameters in both sources; above it,
     norm_rmsnorm then rope_apply for each."""
     parameters = {**kernel_parameters(vendor, "norm"), **kernel_parameters(vendor, "rope")}
@@ -478,7 +479,7 @@ def test_rmsnorm_heads_rope_launches_one_kernel_up_to_the_fused_head_dim(vendor)
         _assert_arguments_match(parameters, device.launches)
         if len(kernels) == 1:
             launch = device.launches[0]
-            assert launch.grid == (tokens * (hq + hk),) and launch.shared_mem == 4 * d
+            assert (launch.grid, launch.block, launch.shared_mem) == ((-(-tokens * (hq + hk) // 8),), (256,), 0)
             assert all(launch.args[i] is array for i, array in ((0, q), (1, k), (-2, q_out), (-1, k_out)))
         with pytest.raises(InputError, match="rmsnorm_heads_rope: position 8 is outside"):
             norm.rmsnorm_heads_rope(device, q, k, np.ones(d, np.float32), np.ones(d, np.float32), 1e-6,

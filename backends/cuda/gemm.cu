@@ -506,24 +506,37 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     const int kb_first = split * kblocks_all / SPLITS;
     const int kblocks = (split + 1) * kblocks_all / SPLITS - kb_first;
 
+    // A thread's pieces: v = threadIdx.x + t THREADS for t = 0, 1, ...; with THREADS a multiple of 8 its
+    // 16-byte piece of a 128-byte row (v % 8) and that row's swizzle phase ((v / 8) % 8) never change, so
+    // the loads below take 32-bit offsets inside this block's rows and no division: the main loop's
+    // load issue is most of the kernel's instructions at decode sizes.
+    static_assert(THREADS % 64 == 0, "every thread keeps one piece and one swizzle phase");
+    const signed char* a_rows = xd + (long long)m0 * a_row_stride;
+    const signed char* w_rows = wd + (long long)n0 * w_row_stride;
+    const int piece = threadIdx.x % 8, swizzled = (piece ^ ((threadIdx.x / 8) % 8)) << 4;
+    const int a_stride = RLP_A_DIGITS * kp, w_stride = RLP_W_DIGITS * kp, a_valid_rows = m - m0, w_valid_rows = n - n0;
+    constexpr int A_PIECES = RLP_A_DIGITS * RLP_WGMMA_ROWS * 8, W_PIECES = RLP_W_DIGITS * BN * 8;
     auto stage_in = [&](int kb, int stage) {
         signed char* s = slab + stage * STAGE;
-        const int k0 = (kb_first + kb) * RLP_WGMMA_KBLOCK;
-#pragma unroll 1
-        for (int v = threadIdx.x; v < RLP_A_DIGITS * RLP_WGMMA_ROWS * 8; v += THREADS) {
-            const int digit = v / (RLP_WGMMA_ROWS * 8), row = (v / 8) % RLP_WGMMA_ROWS, piece = v % 8;
-            const int grow = m0 + row, k = k0 + 16 * piece;
-            const bool valid = grow < m && k < kp;
-            rlp_cp_async16(s + digit * A_TILE + rlp_swizzle128(row, piece),
-                           xd + (valid ? grow * a_row_stride + digit * (long long)kp + k : 0), valid);
+        const int k = (kb_first + kb) * RLP_WGMMA_KBLOCK + 16 * piece;
+        const bool k_valid = k < kp;
+#pragma unroll
+        for (int t = 0; t < (A_PIECES + THREADS - 1) / THREADS; ++t) {
+            const int v = threadIdx.x + t * THREADS;
+            if (A_PIECES % THREADS != 0 && v >= A_PIECES) break;
+            const int digit = v / (RLP_WGMMA_ROWS * 8), row = (v / 8) % RLP_WGMMA_ROWS;
+            const bool valid = k_valid && row < a_valid_rows;
+            rlp_cp_async16(s + digit * A_TILE + row * 128 + swizzled,
+                           a_rows + (valid ? row * a_stride + digit * kp + k : 0), valid);
         }
-#pragma unroll 1
-        for (int v = threadIdx.x; v < RLP_W_DIGITS * BN * 8; v += THREADS) {
-            const int slot = v / (BN * 8), row = (v / 8) % BN, piece = v % 8;
-            const int gcol = n0 + row, k = k0 + 16 * piece;
-            const bool valid = gcol < n && k < kp;
-            rlp_cp_async16(s + RLP_A_DIGITS * A_TILE + slot * W_TILE + rlp_swizzle128(row, piece),
-                           wd + (valid ? gcol * w_row_stride + slot * (long long)kp + k : 0), valid);
+#pragma unroll
+        for (int t = 0; t < (W_PIECES + THREADS - 1) / THREADS; ++t) {
+            const int v = threadIdx.x + t * THREADS;
+            if (W_PIECES % THREADS != 0 && v >= W_PIECES) break;
+            const int slot = v / (BN * 8), row = (v / 8) % BN;
+            const bool valid = k_valid && row < w_valid_rows;
+            rlp_cp_async16(s + RLP_A_DIGITS * A_TILE + slot * W_TILE + row * 128 + swizzled,
+                           w_rows + (valid ? row * w_stride + slot * kp + k : 0), valid);
         }
     };
 

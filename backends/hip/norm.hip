@@ -16,49 +16,45 @@
 
 #define RLP_NORM_BITS 23
 
-// One block per row (grid-stride over rows). The row's exponent is an integer max and its
-// sum of squares an exact int64 sum, both combined by common's rlp_block_* (segments of 32
-// lanes, then one shared-memory atomic per segment): exact and order-free, whatever the block
-// size (a multiple of 32, every thread calling) or warp width. Then the reference's float64 steps:
+// One segment of 32 lanes per row (grid-stride over rows; common's rlp_segment_* helpers). The row's
+// exponent is an integer max and its sum of squares an exact int64 sum, both made by xor shuffles
+// within the segment: exact and order-free, whatever the block size or warp width. Then the
+// reference's float64 steps:
 //   mean = (double(ss) * 2^(2(e-21))) / double(H);  r = 1 / sqrt(mean + eps)
 //   y_i  = RNE_f32((double(x_i) * r) * double(w_i))
 // sqrt of a double is IEEE (correctly rounded): OCML's sqrt_f64 on AMD (HIP's math API: 0 ulp),
 // CUDA's under the prelude. NaN results are the canonical NaN.
-// One row yr = RMSNorm(xr) by the whole block (every thread calls; largest and total are the block's
-// shared scratch). yr may be shared memory: norm_rmsnorm_heads_rope rotates the row from there.
-__device__ __forceinline__ void rlp_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ w, int h,
-                                                double eps, float* __restrict__ yr, unsigned int* largest,
-                                                unsigned long long* total) {
-    if (threadIdx.x == 0) { *largest = 0u; *total = 0ull; }
-    __syncthreads();
-    const int e = rlp_block_row_exponent(xr, h, largest);
-    if (e == RLP_NONFINITE_EXPONENT) {
-        for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = rlp_canonical_nan();
-    } else {
-        long long local_sum = 0;
-        for (int i = threadIdx.x; i < h; i += blockDim.x) {
-            long long q = rlp_quantize(xr[i], RLP_NORM_BITS, e);
-            local_sum += q * q;  // < 2^44 each; the row's sum < 2^62 for H <= 2^18
-        }
-        rlp_block_sum_i64(total, local_sum);
-        __syncthreads();
-        const double ss = rlp_ll2double_rn((long long)*total);
-        const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
-        const double r = 1.0 / sqrt(mean + eps);
-        for (int i = threadIdx.x; i < h; i += blockDim.x) {
-            float v = rlp_double2float_rn(((double)xr[i] * r) * (double)w[i]);
-            yr[i] = (v != v) ? rlp_canonical_nan() : v;
-        }
+
+// y_i from x_i, the row's r and w_i; NaN results the canonical NaN.
+__device__ __forceinline__ float rlp_rmsnorm_value(float x, double r, float w) {
+    const float v = rlp_double2float_rn(((double)x * r) * (double)w);
+    return (v != v) ? rlp_canonical_nan() : v;
+}
+
+// r of the row value(0 .. h-1), by its segment; every lane returns it. A non-finite row (exponent the
+// sentinel) gives r = NaN, which makes every y_i the canonical NaN, as the reference's NaN row.
+template <typename Value>
+__device__ __forceinline__ double rlp_segment_rmsnorm_factor(Value value, int h, double eps) {
+    const int e = rlp_segment_row_exponent(value, h);
+    if (e == RLP_NONFINITE_EXPONENT) return (double)rlp_canonical_nan();
+    long long local_sum = 0;
+    for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) {
+        const long long q = rlp_quantize(value(i), RLP_NORM_BITS, e);
+        local_sum += q * q;  // < 2^44 each; the row's sum < 2^62 for H <= 2^18
     }
-    __syncthreads();
+    const double ss = rlp_ll2double_rn((long long)rlp_segment_sum_u64((unsigned long long)local_sum));
+    const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
+    return 1.0 / sqrt(mean + eps);
 }
 
 extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float* __restrict__ w, long long rows,
                                         int h, double eps, float* __restrict__ y) {
-    __shared__ unsigned int largest;
-    __shared__ unsigned long long total;
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
-        rlp_rmsnorm_row(x + row * (long long)h, w, h, eps, y + row * (long long)h, &largest, &total);
+    for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
+        const float* xr = x + row * (long long)h;
+        float* yr = y + row * (long long)h;
+        const double r = rlp_segment_rmsnorm_factor(RlpRowValues{xr}, h, eps);
+        for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) yr[i] = rlp_rmsnorm_value(xr[i], r, w[i]);
+    }
 }
 
 // The gemm's activation encoding that norm_add_rmsnorm may fuse (contracts/norm.toml add_rmsnorm):
@@ -67,70 +63,57 @@ extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float
 #define RLP_NORM_ENCODE_SLICES 3
 
 // The residual add and the next RMSNorm in one launch (contracts/norm.toml add_rmsnorm): per row
-// s = residual.add(a, b) (rlp_add, to `sum` and to shared memory), then y = RMSNorm(s) from there
-// (rlp_rmsnorm_row): bitwise the two ops in turn. One block per row, grid-stride.
+// s_i = residual.add(a_i, b_i) (rlp_add) to `sum`, then y = RMSNorm(s) as norm_rmsnorm computes it,
+// from s_i computed again (not read back): bitwise the two ops in turn. One segment per row.
 // digits != nullptr also encodes y for the gemm that reads it (the stacked q/k/v and gate/up
-// projections), bitwise fixedpoint_encode_rows(y, k, k_padded, 23, 3, ascending): the same common
-// helpers (rlp_block_row_exponent, rlp_encode_row_digits) on the same float32 row, kept in a second
-// shared buffer (dynamic shared memory [2h] then), not read back from `y`: global memory this kernel
-// writes, which __restrict__ lets the compiler read through the non-coherent read-only cache.
-// digits [rows, 3, k_padded] int8, exponents [rows] int32. The branch is block-uniform (a kernel
-// argument), as the block reductions require.
+// projections), bitwise fixedpoint_encode_rows(y, k, k_padded, 23, 3, ascending): the same helper
+// (rlp_segment_encode_row) on the same y_i, again computed, not read back.
+// digits [rows, 3, k_padded] int8, exponents [rows] int32.
 extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const float* __restrict__ b,
                                             const float* __restrict__ w, long long rows, int h, double eps,
                                             float* __restrict__ sum, float* __restrict__ y,
                                             signed char* __restrict__ digits, int* __restrict__ exponents,
                                             int k_padded) {
-    extern __shared__ float rlp_norm_row[];  // [h]: the row's sum; encoding, [h] more: its y
-    __shared__ unsigned int largest;
-    __shared__ unsigned long long total;
-    float* y_row = rlp_norm_row + h;
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
         const long long base = row * (long long)h;
-        for (int i = threadIdx.x; i < h; i += blockDim.x) {
-            const float s = rlp_add(a[base + i], b[base + i]);
-            sum[base + i] = s;
-            rlp_norm_row[i] = s;
-        }
-        if (digits == nullptr) {
-            rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y + base, &largest, &total);  // syncs before reading the row
-        } else {
-            rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y_row, &largest, &total);  // ends synchronised: y_row whole
-            for (int i = threadIdx.x; i < h; i += blockDim.x) y[base + i] = y_row[i];
-            // the norm's reads of `largest` ended before its last sync; the encoding ends synchronised
-            rlp_block_encode_row(y_row, h, k_padded, RLP_NORM_ENCODE_BITS, RLP_NORM_ENCODE_SLICES, 0, &largest,
-                                 exponents + row, digits + row * (long long)RLP_NORM_ENCODE_SLICES * k_padded);
-        }
+        const float* ar = a + base;
+        const float* br = b + base;
+        auto s_at = [&](int i) { return rlp_add(ar[i], br[i]); };
+        for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) sum[base + i] = s_at(i);
+        const double r = rlp_segment_rmsnorm_factor(s_at, h, eps);
+        auto y_at = [&](int i) { return rlp_rmsnorm_value(s_at(i), r, w[i]); };
+        for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) y[base + i] = y_at(i);
+        if (digits != nullptr)
+            rlp_segment_encode_row(y_at, h, k_padded, RLP_NORM_ENCODE_BITS, RLP_NORM_ENCODE_SLICES, 0, exponents + row,
+                                   digits + row * (long long)RLP_NORM_ENCODE_SLICES * k_padded);
     }
 }
 
 // Qwen3's QK-norm then RoPE, for q and k in one launch (contracts/norm.toml rmsnorm_heads_rope): the
-// rows are the tokens' q heads, then their k heads, one block per row (grid-stride). Each row is
-// normalised as norm_rmsnorm does (rlp_rmsnorm_row, into shared memory) and rotated as rope_apply
-// does (rlp_rope_pair): bitwise rope_apply(norm_rmsnorm(row)), one launch instead of four.
+// rows are the tokens' q heads, then their k heads, one segment per row (grid-stride). Each row is
+// normalised as norm_rmsnorm does (its r, then y_i) and each pair (y_j, y_{j + d/2}) rotated as
+// rope_apply does (rlp_rope_pair): bitwise rope_apply(norm_rmsnorm(row)), one launch instead of four.
 // q, q_out: [tokens, hq, d]; k, k_out: [tokens, hk, d]; positions [tokens]; tables [P, d / 2].
 extern "C" __global__ void norm_rmsnorm_heads_rope(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ wq,
     const float* __restrict__ wk, long long tokens, int hq, int hk, int d, double eps,
     const int* __restrict__ positions, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
     float* __restrict__ q_out, float* __restrict__ k_out) {
-    extern __shared__ float rlp_norm_row[];  // [d]: the normalised row
-    __shared__ unsigned int largest;
-    __shared__ unsigned long long total;
     const long long q_rows = tokens * hq, rows = q_rows + tokens * hk;
     const int half = d / 2;
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
         const bool is_q = row < q_rows;
         const long long head_row = is_q ? row : row - q_rows;  // token * heads + head
         const long long token = head_row / (is_q ? hq : hk);
-        rlp_rmsnorm_row((is_q ? q : k) + head_row * d, is_q ? wq : wk, d, eps, rlp_norm_row, &largest, &total);
+        const float* xr = (is_q ? q : k) + head_row * d;
+        const float* wr = is_q ? wq : wk;
+        const double r = rlp_segment_rmsnorm_factor(RlpRowValues{xr}, d, eps);
         float* yr = (is_q ? q_out : k_out) + head_row * d;
-        for (int j = threadIdx.x; j < half; j += blockDim.x) {
-            const long long table = (long long)positions[token] * (long long)half + j;
-            rlp_rope_pair((double)rlp_norm_row[j], (double)rlp_norm_row[half + j], (double)cos_table[table],
-                          (double)sin_table[table], yr + j, yr + half + j);
+        const long long table_row = (long long)positions[token] * (long long)half;
+        for (int j = rlp_segment_lane(); j < half; j += RLP_SEGMENT) {
+            rlp_rope_pair((double)rlp_rmsnorm_value(xr[j], r, wr[j]), (double)rlp_rmsnorm_value(xr[half + j], r, wr[half + j]),
+                          (double)cos_table[table_row + j], (double)sin_table[table_row + j], yr + j, yr + half + j);
         }
-        __syncthreads();  // the next row overwrites rlp_norm_row
     }
 }
 

@@ -174,14 +174,45 @@ __device__ __forceinline__ int rlp_block_row_exponent(const float* row, int k, u
     return rlp_row_exponent(*largest);
 }
 
-// ---- Rows given to segments: a kernel over many short rows (the norms, the QK-norm + RoPE, the
-// encoders) gives each row to one segment of 32 lanes, which walks it at stride 32 (lane l takes
-// positions l, l + 32, ...) and reduces it with the segment helpers above: no shared memory, no
-// barrier, and the same exact integers as a block would get. A row's values come as value(i), a
-// function of the position: a row in memory, or values the kernel computes again where it needs
-// them (a kernel never reads back the memory it writes). Preconditions: a one-dimensional block of
-// a multiple of 32 threads; the 32 lanes of a segment take one path (segments of one 64-wide
-// wavefront may part: each keeps to its own lanes).
+// fixedpoint.quantize_rows + split_digits for one row with exponent e: the quantize and digit-split
+// loop shared by the fixedpoint encoders and norm's fused add + RMSNorm + encoding (one definition,
+// so the two give the same digits). The block's threads take strided positions; positions
+// k..k_padded-1 and non-finite rows get q = 0. descending != 0 stores the most significant digit
+// first (slot 0). out: [slices, k_padded] int8. xr may be global or shared memory.
+__device__ __forceinline__ void rlp_encode_row_digits(
+    const float* xr, int k, int k_padded, int bits, int slices, int descending, int e, signed char* out) {
+    for (int i = threadIdx.x; i < k_padded; i += blockDim.x) {
+        long long q = (i < k && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], bits, e) : 0;
+        for (int j = 0; j < slices; ++j) {
+            long long d = ((q + 128) & 255) - 128;
+            q = (q - d) >> 8;
+            int slot = descending ? slices - 1 - j : j;
+            out[(long long)slot * k_padded + i] = (signed char)d;
+        }
+    }
+}
+
+// fixedpoint_encode_rows's row: the block (every thread calling, the row complete in xr) takes the row's
+// exponent as an integer max (largest: the block's scratch; to *exponent) and writes its digits. Ends
+// synchronised, so the caller may overwrite xr or reuse largest. Shared by the encoders and the fused
+// kernels that encode their output (norm_add_rmsnorm, activation_swiglu_encode).
+__device__ __forceinline__ void rlp_block_encode_row(const float* xr, int k, int k_padded, int bits, int slices,
+                                                     int descending, unsigned int* largest, int* exponent,
+                                                     signed char* out) {
+    if (threadIdx.x == 0) *largest = 0u;
+    __syncthreads();
+    const int e = rlp_block_row_exponent(xr, k, largest);
+    if (threadIdx.x == 0) *exponent = e;
+    rlp_encode_row_digits(xr, k, k_padded, bits, slices, descending, e, out);
+    __syncthreads();
+}
+
+// ---- Rows given to segments: a kernel over many short rows (the QK-norm + RoPE's head rows) gives
+// each row to one segment of 32 lanes, which walks it at stride 32 (lane l takes positions l, l + 32,
+// ...) and reduces it with the segment helpers above: no shared memory, no barrier, and the same
+// exact integers as a block would get. Preconditions: a one-dimensional block of a multiple of 32
+// threads; the 32 lanes of a segment take one path (segments of one 64-wide wavefront may part: each
+// keeps to its own lanes).
 
 __device__ __forceinline__ int rlp_segment_lane() { return threadIdx.x & (RLP_SEGMENT - 1); }
 
@@ -193,61 +224,9 @@ __device__ __forceinline__ long long rlp_segment_row_stride() {
     return (long long)gridDim.x * (blockDim.x / RLP_SEGMENT);
 }
 
-// fixedpoint.row_exponents of the row value(0 .. k-1), by its segment; every lane returns it.
-template <typename Value>
-__device__ __forceinline__ int rlp_segment_row_exponent(Value value, int k) {
+// fixedpoint.row_exponents of row[0 .. k-1], by its segment; every lane returns it.
+__device__ __forceinline__ int rlp_segment_row_exponent(const float* row, int k) {
     unsigned int local = 0u;
-    for (int i = rlp_segment_lane(); i < k; i += RLP_SEGMENT) local = max(local, rlp_magnitude_bits(value(i)));
+    for (int i = rlp_segment_lane(); i < k; i += RLP_SEGMENT) local = max(local, rlp_magnitude_bits(row[i]));
     return rlp_row_exponent(rlp_segment_max_u32(local));
-}
-
-// fixedpoint.quantize_rows + split_digits for one row with exponent e: the quantize and digit-split
-// loop of every encoder (one definition, so they all give the same digits), over the positions
-// first, first + stride, ... (a segment's lane and 32, or a block's thread and its size). Positions
-// k..k_padded-1 and non-finite rows get q = 0. descending != 0 stores the most significant digit
-// first (slot 0). out: [slices, k_padded] int8.
-template <typename Value>
-__device__ __forceinline__ void rlp_encode_row_digits(Value value, int k, int k_padded, int bits, int slices,
-                                                      int descending, int e, int first, int stride, signed char* out) {
-    for (int i = first; i < k_padded; i += stride) {
-        long long q = (i < k && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(value(i), bits, e) : 0;
-        for (int j = 0; j < slices; ++j) {
-            long long d = ((q + 128) & 255) - 128;
-            q = (q - d) >> 8;
-            int slot = descending ? slices - 1 - j : j;
-            out[(long long)slot * k_padded + i] = (signed char)d;
-        }
-    }
-}
-
-// fixedpoint_encode_rows's row by its segment: the row's exponent (an integer max; lane 0 stores it to
-// *exponent) and its digits. Shared by the encoder and the kernels that encode their own output
-// (norm_add_rmsnorm).
-template <typename Value>
-__device__ __forceinline__ void rlp_segment_encode_row(Value value, int k, int k_padded, int bits, int slices,
-                                                       int descending, int* exponent, signed char* out) {
-    const int e = rlp_segment_row_exponent(value, k);
-    if (rlp_segment_lane() == 0) *exponent = e;
-    rlp_encode_row_digits(value, k, k_padded, bits, slices, descending, e, rlp_segment_lane(), RLP_SEGMENT, out);
-}
-
-// A row in memory as a row's values (value(i) = row[i]).
-struct RlpRowValues {
-    const float* row;
-    __device__ __forceinline__ float operator()(int i) const { return row[i]; }
-};
-
-// fixedpoint_encode_rows's row by a whole block (every thread calling, the row complete in xr, which may
-// be shared memory): the row's exponent as an integer max (largest: the block's scratch; to *exponent),
-// then its digits. Ends synchronised, so the caller may overwrite xr or reuse largest. For the kernels
-// that keep one long row per block (activation_swiglu_encode).
-__device__ __forceinline__ void rlp_block_encode_row(const float* xr, int k, int k_padded, int bits, int slices,
-                                                     int descending, unsigned int* largest, int* exponent,
-                                                     signed char* out) {
-    if (threadIdx.x == 0) *largest = 0u;
-    __syncthreads();
-    const int e = rlp_block_row_exponent(xr, k, largest);
-    if (threadIdx.x == 0) *exponent = e;
-    rlp_encode_row_digits(RlpRowValues{xr}, k, k_padded, bits, slices, descending, e, threadIdx.x, blockDim.x, out);
-    __syncthreads();
 }

@@ -16,14 +16,25 @@
 
 #define RLP_NORM_BITS 23
 
-// One segment of 32 lanes per row (grid-stride over rows; common's rlp_segment_* helpers). The row's
-// exponent is an integer max and its sum of squares an exact int64 sum, both made by xor shuffles
-// within the segment: exact and order-free, whatever the block size or warp width. Then the
+// The row's exponent e is an integer max and its sum of squares ss an exact int64 sum, both made
+// by common's exact integer reductions: order-free, whatever the block size or warp width. Then the
 // reference's float64 steps:
 //   mean = (double(ss) * 2^(2(e-21))) / double(H);  r = 1 / sqrt(mean + eps)
 //   y_i  = RNE_f32((double(x_i) * r) * double(w_i))
 // sqrt of a double is IEEE (correctly rounded): OCML's sqrt_f64 on AMD (HIP's math API: 0 ulp),
-// CUDA's under the prelude. NaN results are the canonical NaN.
+// CUDA's under the prelude. NaN results are the canonical NaN. A
+// non-finite row (e the sentinel) takes r = NaN, which makes every y_i the canonical NaN, as the
+// reference's NaN row. Two ways to walk rows, the same bits: norm_rmsnorm and norm_add_rmsnorm give a
+// row to a whole block (hidden-size rows, a few hundred per decode step: eight warps a row keep a
+// step's few rows busy), norm_rmsnorm_heads_rope to one segment of 32 lanes (many head rows of
+// 64..256: no shared memory and no barrier; bench/results/row_kernels_probe_h200.json).
+
+// r from the row's exponent and exact sum of squares.
+__device__ __forceinline__ double rlp_rmsnorm_factor(int e, long long ss, int h, double eps) {
+    if (e == RLP_NONFINITE_EXPONENT) return (double)rlp_canonical_nan();
+    const double mean = (rlp_ll2double_rn(ss) * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
+    return 1.0 / sqrt(mean + eps);
+}
 
 // y_i from x_i, the row's r and w_i; NaN results the canonical NaN.
 __device__ __forceinline__ float rlp_rmsnorm_value(float x, double r, float w) {
@@ -31,30 +42,45 @@ __device__ __forceinline__ float rlp_rmsnorm_value(float x, double r, float w) {
     return (v != v) ? rlp_canonical_nan() : v;
 }
 
-// r of the row value(0 .. h-1), by its segment; every lane returns it. A non-finite row (exponent the
-// sentinel) gives r = NaN, which makes every y_i the canonical NaN, as the reference's NaN row.
-template <typename Value>
-__device__ __forceinline__ double rlp_segment_rmsnorm_factor(Value value, int h, double eps) {
-    const int e = rlp_segment_row_exponent(value, h);
-    if (e == RLP_NONFINITE_EXPONENT) return (double)rlp_canonical_nan();
+// A row's ss at exponent e: each caller's share of q_i^2, q_i = the 23-bit quantization of x_i.
+__device__ __forceinline__ long long rlp_rmsnorm_square(float x, int e) {
+    const long long q = rlp_quantize(x, RLP_NORM_BITS, e);
+    return q * q;  // < 2^44 each; the row's sum < 2^62 for H <= 2^18
+}
+
+// One row yr = RMSNorm(xr) by the whole block (every thread calls; largest and total are the block's
+// shared scratch). xr may be shared memory (norm_add_rmsnorm's sums). Ends synchronised.
+__device__ __forceinline__ void rlp_rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ w, int h,
+                                                double eps, float* __restrict__ yr, unsigned int* largest,
+                                                unsigned long long* total) {
+    if (threadIdx.x == 0) { *largest = 0u; *total = 0ull; }
+    __syncthreads();
+    const int e = rlp_block_row_exponent(xr, h, largest);
     long long local_sum = 0;
-    for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) {
-        const long long q = rlp_quantize(value(i), RLP_NORM_BITS, e);
-        local_sum += q * q;  // < 2^44 each; the row's sum < 2^62 for H <= 2^18
-    }
-    const double ss = rlp_ll2double_rn((long long)rlp_segment_sum_u64((unsigned long long)local_sum));
-    const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
-    return 1.0 / sqrt(mean + eps);
+    if (e != RLP_NONFINITE_EXPONENT)
+        for (int i = threadIdx.x; i < h; i += blockDim.x) local_sum += rlp_rmsnorm_square(xr[i], e);
+    rlp_block_sum_i64(total, local_sum);
+    __syncthreads();
+    const double r = rlp_rmsnorm_factor(e, (long long)*total, h, eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = rlp_rmsnorm_value(xr[i], r, w[i]);
+    __syncthreads();
+}
+
+// r of the row xr[0 .. h-1] by its segment (every lane returns it).
+__device__ __forceinline__ double rlp_segment_rmsnorm_factor(const float* __restrict__ xr, int h, double eps) {
+    const int e = rlp_segment_row_exponent(xr, h);
+    long long local_sum = 0;
+    if (e != RLP_NONFINITE_EXPONENT)
+        for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) local_sum += rlp_rmsnorm_square(xr[i], e);
+    return rlp_rmsnorm_factor(e, (long long)rlp_segment_sum_u64((unsigned long long)local_sum), h, eps);
 }
 
 extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float* __restrict__ w, long long rows,
                                         int h, double eps, float* __restrict__ y) {
-    for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
-        const float* xr = x + row * (long long)h;
-        float* yr = y + row * (long long)h;
-        const double r = rlp_segment_rmsnorm_factor(RlpRowValues{xr}, h, eps);
-        for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) yr[i] = rlp_rmsnorm_value(xr[i], r, w[i]);
-    }
+    __shared__ unsigned int largest;
+    __shared__ unsigned long long total;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
+        rlp_rmsnorm_row(x + row * (long long)h, w, h, eps, y + row * (long long)h, &largest, &total);
 }
 
 // The gemm's activation encoding that norm_add_rmsnorm may fuse (contracts/norm.toml add_rmsnorm):
@@ -63,29 +89,40 @@ extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float
 #define RLP_NORM_ENCODE_SLICES 3
 
 // The residual add and the next RMSNorm in one launch (contracts/norm.toml add_rmsnorm): per row
-// s_i = residual.add(a_i, b_i) (rlp_add) to `sum`, then y = RMSNorm(s) as norm_rmsnorm computes it,
-// from s_i computed again (not read back): bitwise the two ops in turn. One segment per row.
+// s = residual.add(a, b) (rlp_add, to `sum` and to shared memory), then y = RMSNorm(s) from there
+// (rlp_rmsnorm_row): bitwise the two ops in turn. One block per row, grid-stride.
 // digits != nullptr also encodes y for the gemm that reads it (the stacked q/k/v and gate/up
-// projections), bitwise fixedpoint_encode_rows(y, k, k_padded, 23, 3, ascending): the same helper
-// (rlp_segment_encode_row) on the same y_i, again computed, not read back.
-// digits [rows, 3, k_padded] int8, exponents [rows] int32.
+// projections), bitwise fixedpoint_encode_rows(y, k, k_padded, 23, 3, ascending): the same common
+// helper (rlp_block_encode_row) on the same float32 row, kept in a second shared buffer (dynamic
+// shared memory [2h] then), not read back from `y`: global memory this kernel writes, which
+// __restrict__ lets the compiler read through the non-coherent read-only cache.
+// digits [rows, 3, k_padded] int8, exponents [rows] int32. The branch is block-uniform (a kernel
+// argument), as the block reductions require.
 extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const float* __restrict__ b,
                                             const float* __restrict__ w, long long rows, int h, double eps,
                                             float* __restrict__ sum, float* __restrict__ y,
                                             signed char* __restrict__ digits, int* __restrict__ exponents,
                                             int k_padded) {
-    for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
+    extern __shared__ float rlp_norm_row[];  // [h]: the row's sum; encoding, [h] more: its y
+    __shared__ unsigned int largest;
+    __shared__ unsigned long long total;
+    float* y_row = rlp_norm_row + h;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long base = row * (long long)h;
-        const float* ar = a + base;
-        const float* br = b + base;
-        auto s_at = [&](int i) { return rlp_add(ar[i], br[i]); };
-        for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) sum[base + i] = s_at(i);
-        const double r = rlp_segment_rmsnorm_factor(s_at, h, eps);
-        auto y_at = [&](int i) { return rlp_rmsnorm_value(s_at(i), r, w[i]); };
-        for (int i = rlp_segment_lane(); i < h; i += RLP_SEGMENT) y[base + i] = y_at(i);
-        if (digits != nullptr)
-            rlp_segment_encode_row(y_at, h, k_padded, RLP_NORM_ENCODE_BITS, RLP_NORM_ENCODE_SLICES, 0, exponents + row,
-                                   digits + row * (long long)RLP_NORM_ENCODE_SLICES * k_padded);
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            const float s = rlp_add(a[base + i], b[base + i]);
+            sum[base + i] = s;
+            rlp_norm_row[i] = s;
+        }
+        if (digits == nullptr) {
+            rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y + base, &largest, &total);  // syncs before reading the row
+        } else {
+            rlp_rmsnorm_row(rlp_norm_row, w, h, eps, y_row, &largest, &total);  // ends synchronised: y_row whole
+            for (int i = threadIdx.x; i < h; i += blockDim.x) y[base + i] = y_row[i];
+            // the norm's reads of `largest` ended before its last sync; the encoding ends synchronised
+            rlp_block_encode_row(y_row, h, k_padded, RLP_NORM_ENCODE_BITS, RLP_NORM_ENCODE_SLICES, 0, &largest,
+                                 exponents + row, digits + row * (long long)RLP_NORM_ENCODE_SLICES * k_padded);
+        }
     }
 }
 
@@ -107,7 +144,7 @@ extern "C" __global__ void norm_rmsnorm_heads_rope(
         const long long token = head_row / (is_q ? hq : hk);
         const float* xr = (is_q ? q : k) + head_row * d;
         const float* wr = is_q ? wq : wk;
-        const double r = rlp_segment_rmsnorm_factor(RlpRowValues{xr}, d, eps);
+        const double r = rlp_segment_rmsnorm_factor(xr, d, eps);
         float* yr = (is_q ? q_out : k_out) + head_row * d;
         const long long table_row = (long long)positions[token] * (long long)half;
         for (int j = rlp_segment_lane(); j < half; j += RLP_SEGMENT) {

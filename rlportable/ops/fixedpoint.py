@@ -18,15 +18,7 @@ from rlportable.runtime.base import Backend
 
 #: K is padded with zero digits to a multiple of this, so integer GEMMs see aligned rows.
 K_ALIGN = 64
-#: the row kernels (these encoders, the norms) give each row to one segment of 32 lanes
-#: (backends/*/common: rlp_segment_*), 8 segments to a block of SEGMENT_BLOCK threads
-SEGMENT, SEGMENT_BLOCK, MAX_GRID = 32, 256, 65535
-
-
-def segment_launch_shape(rows: int) -> tuple[tuple[int], tuple[int]]:
-    """(grid, block) of a kernel that walks `rows` rows (> 0) one segment of 32 lanes per row, grid-stride.
-    The bits do not depend on it: a row's reductions are exact integers."""
-    return (min(-(-rows // (SEGMENT_BLOCK // SEGMENT)), MAX_GRID),), (SEGMENT_BLOCK,)
+ENCODE_THREADS = 256
 
 
 @dataclass
@@ -78,7 +70,7 @@ def row_exponents(backend: Backend, x):
         return fp.row_exponents(backend.to_numpy(x))
     exponents = backend.empty((rows,), np.int32)
     if rows:
-        backend.launch("fixedpoint", "fixedpoint_row_exponents", *segment_launch_shape(rows),
+        backend.launch("fixedpoint", "fixedpoint_row_exponents", (min(rows, 65535),), (ENCODE_THREADS,),
                        (x, np.int64(rows), np.int32(k), exponents))
     return exponents
 
@@ -120,7 +112,7 @@ def encode_rows(backend: Backend, x, bits: int, descending: bool = False, expone
     digits = backend.empty((rows, slices, round_up(k, K_ALIGN)), np.int8)
     if rows:
         backend.launch(
-            "fixedpoint", "fixedpoint_encode_rows_given", *segment_launch_shape(rows),
+            "fixedpoint", "fixedpoint_encode_rows_given", (min(rows, 65535),), (ENCODE_THREADS,),
             (x, np.int64(rows), np.int32(k), np.int32(digits.shape[2]), np.int32(bits),
              np.int32(slices), np.int32(int(descending)), exponents, digits),
         )
@@ -153,7 +145,7 @@ def _launch_encode(backend: Backend, x, bits: int, descending: bool, digits, exp
     rows, k = shape_of(x)
     if rows:
         backend.launch(
-            "fixedpoint", "fixedpoint_encode_rows", *segment_launch_shape(rows),
+            "fixedpoint", "fixedpoint_encode_rows", (min(rows, 65535),), (ENCODE_THREADS,),
             (x, np.int64(rows), np.int32(k), np.int32(digits.shape[2]), np.int32(bits),
              np.int32(fp.slice_count(bits)), np.int32(int(descending)), digits, exponents),
         )

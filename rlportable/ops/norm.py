@@ -17,17 +17,33 @@ from rlportable.ops.checks import require_bits, require_contiguous, require_matr
 
 NORM_THREADS = 256
 MAX_GRID = 65535
-#: rows up to these lengths run fused; longer ones as the ops in turn (the same bits). The fused kernels give
-#: a row to one segment of 32 lanes (fixedpoint.segment_launch_shape), which suits a model's hidden and head
-#: sizes; the limits keep a far longer row from one segment (and keep the tested fallbacks reachable)
+#: rows up to these lengths run fused, longer ones as the ops in turn (the same bits): add_rmsnorm keeps
+#: its row in shared memory; rmsnorm_heads_rope gives a head row to one segment of 32 lanes
 MAX_FUSED_HEAD_DIM = 4096  # rmsnorm_heads_rope
-MAX_FUSED_ROW = 8192  # add_rmsnorm
-MAX_FUSED_ENCODED_ROW = 4096  # add_rmsnorm with the gemm's encoding of y
+MAX_FUSED_ROW = 8192  # add_rmsnorm (32 KB: with the static scratch, under the 48 KB a launch may take unasked)
+#: add_rmsnorm with the gemm's encoding of y keeps y as a second shared row: 2 x 4096 floats, the same 32 KB
+MAX_FUSED_ENCODED_ROW = 4096
 #: the one encoding norm_add_rmsnorm computes (RLP_NORM_ENCODE_BITS/_SLICES in backends/*/norm.*):
 #: gemm.DEFAULT_BITS_A, the activations' bits; other bits are encoded by a separate launch
 FUSED_ENCODE_BITS = reference.ENCODE_BITS
 #: a kernel's null pointer argument (an optional output left out): 8 bytes of zero, as a device address
 NULL_POINTER = np.uint64(0)
+THREAD_SEGMENT = 32  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
+#: norm_rmsnorm_heads_rope gives each head row to one segment of 32 lanes, 8 segments to a block: the head
+#: rows are many and short (bench/results/row_kernels_probe_h200.json: 12.4 -> 7.1 us at 256 tokens)
+SEGMENT_BLOCK = 256
+
+
+def segment_launch_shape(rows: int) -> tuple[tuple[int], tuple[int]]:
+    """(grid, block) of a kernel that walks `rows` rows (> 0) one segment of 32 lanes per row, grid-stride.
+    The bits do not depend on it: a row's reductions are exact integers."""
+    return (min(-(-rows // (SEGMENT_BLOCK // THREAD_SEGMENT)), MAX_GRID),), (SEGMENT_BLOCK,)
+
+
+def row_threads(h: int) -> int:
+    """Threads of one row's block: enough for h (QK-norm rows are 64..256 floats) up to NORM_THREADS,
+    a multiple of THREAD_SEGMENT as the block reductions require. The bits do not depend on it."""
+    return min(NORM_THREADS, -(-h // THREAD_SEGMENT) * THREAD_SEGMENT)
 
 
 def check_eps(eps) -> float:
@@ -52,7 +68,7 @@ def rmsnorm(backend, x, weight, eps: float):
         return reference.rmsnorm(backend.to_numpy(x), backend.to_numpy(weight), eps)
     y = backend.empty((rows, h), np.float32)
     if rows and h:
-        backend.launch("norm", "norm_rmsnorm", *fixedpoint.segment_launch_shape(rows),
+        backend.launch("norm", "norm_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
                        (x, weight, np.int64(rows), np.int32(h), np.float64(eps), y))
     return y
 
@@ -112,12 +128,13 @@ def _launch_add_rmsnorm(backend, a, b, weight, eps: float, encoded):
     rows, h = shape_of(a)
     total, y = backend.empty((rows, h), np.float32), backend.empty((rows, h), np.float32)
     if encoded is None:
-        outputs = (NULL_POINTER, NULL_POINTER, np.int32(0))
+        outputs, shared_rows = (NULL_POINTER, NULL_POINTER, np.int32(0)), 1
     else:
-        outputs = (encoded.digits, encoded.exponents, np.int32(encoded.k_padded))
+        outputs, shared_rows = (encoded.digits, encoded.exponents, np.int32(encoded.k_padded)), 2
     if rows and h:
-        backend.launch("norm", "norm_add_rmsnorm", *fixedpoint.segment_launch_shape(rows),
-                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y) + outputs)
+        backend.launch("norm", "norm_add_rmsnorm", (min(rows, MAX_GRID),), (row_threads(h),),
+                       (a, b, weight, np.int64(rows), np.int32(h), np.float64(eps), total, y) + outputs,
+                       shared_mem=shared_rows * 4 * h)  # the sum's row (and y's)
     return total, y
 
 
@@ -148,7 +165,7 @@ def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions,
     q_out, k_out = backend.empty((tokens, hq, d), np.float32), backend.empty((tokens, hk, d), np.float32)
     rows = tokens * (hq + hk)
     if rows and d:
-        backend.launch("norm", "norm_rmsnorm_heads_rope", *fixedpoint.segment_launch_shape(rows),
+        backend.launch("norm", "norm_rmsnorm_heads_rope", *segment_launch_shape(rows),
                        (q, k, q_weight, k_weight, np.int64(tokens), np.int32(hq), np.int32(hk), np.int32(d),
                         np.float64(eps), positions, cos, sin, q_out, k_out))
     return q_out, k_out

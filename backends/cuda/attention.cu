@@ -208,37 +208,26 @@ extern "C" __global__ void attention_paged(
 
 // Encode new key and value rows into cache slots (contracts/fixedpoint.toml with bits = 15,
 // 2 ascending digits: the rows fixedpoint_encode_rows writes). k, v: [tokens, hkv, d] float32;
-// slots: [tokens] int32; a slot outside [0, num_slots) writes nothing. One block per
-// (K or V, token, kv head), grid-stride; the row exponent is an exact integer max.
+// slots: [tokens] int32; a slot outside [0, num_slots) writes nothing. One segment of 32 lanes per
+// (K or V, token, kv head) row, grid-stride (the rows are many and short: no shared memory, no
+// barrier); the row exponent is an exact integer max (common's rlp_segment_row_exponent).
 extern "C" __global__ void attention_write_kv(
     const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ slots, long long tokens,
     int hkv, int d, int dp, long long num_slots, signed char* __restrict__ k_digits, int* __restrict__ k_exponents,
     signed char* __restrict__ v_digits, int* __restrict__ v_exponents) {
-    __shared__ unsigned int largest;
-    __shared__ int exponent;
     const long long rows = tokens * hkv;
-    for (long long item = blockIdx.x; item < 2 * rows; item += gridDim.x) {
+    for (long long item = rlp_segment_first_row(); item < 2 * rows; item += rlp_segment_row_stride()) {
         const bool is_value = item >= rows;
         const long long r = is_value ? item - rows : item;
         const long long token = r / hkv;
         const long long slot = slots[token];
-        if (slot < 0 || slot >= num_slots) continue;  // block-uniform: no shared memory touched
+        if (slot < 0 || slot >= num_slots) continue;  // segment-uniform
         const long long cache_row = slot * hkv + (r - token * hkv);
         const float* xr = (is_value ? v : k) + r * (long long)d;
         signed char* out = (is_value ? v_digits : k_digits) + cache_row * (2LL * dp);
-        if (threadIdx.x == 0) largest = 0u;
-        __syncthreads();
-        unsigned int local = 0u;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) local = max(local, rlp_magnitude_bits(xr[i]));
-        rlp_block_max_u32(&largest, local);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            exponent = rlp_row_exponent(largest);
-            (is_value ? v_exponents : k_exponents)[cache_row] = exponent;
-        }
-        __syncthreads();
-        const int e = exponent;
-        for (int i = threadIdx.x; i < dp; i += blockDim.x) {
+        const int e = rlp_segment_row_exponent(xr, d);
+        if (rlp_segment_lane() == 0) (is_value ? v_exponents : k_exponents)[cache_row] = e;
+        for (int i = rlp_segment_lane(); i < dp; i += RLP_SEGMENT) {
             long long qv = (i < d && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], RLP_ATT_KV_BITS, e) : 0;
             for (int j = 0; j < RLP_ATT_KV_SLICES; ++j) {
                 long long digit = ((qv + 128) & 255) - 128;
@@ -246,7 +235,6 @@ extern "C" __global__ void attention_write_kv(
                 out[(long long)j * dp + i] = (signed char)digit;
             }
         }
-        __syncthreads();
     }
 }
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from rlportable.contract import attention as reference, fixedpoint as fp
 from rlportable.errors import InputError
+from rlportable.ops import segments
 from rlportable.ops.checks import round_up, shape_of
 from rlportable.ops.fixedpoint import K_ALIGN, encode_rows_reference
 from rlportable.runtime.base import Backend
@@ -45,7 +46,6 @@ MAX_HEAD_DIM = 512  # the kernel's shared-memory arrays (RLP_ATT_MAX_HEAD_DIM)
 MAX_KEYS = reference.MAX_KEYS
 THREADS = 256  # attention_paged block size (any value in [1, MAX_THREADS] gives the same bits)
 MAX_THREADS = 1024
-WRITE_THREADS = 128
 GRID_LIMIT = 1 << 20  # grid-stride beyond this many blocks
 #: Kernel variants of attention_paged (every one gives the reference's bits):
 #:   "portable": attention_paged, one block per (query, head), scalar int64 arithmetic (CUDA and HIP);
@@ -206,7 +206,7 @@ def write_kv(backend: Backend, cache: KVCache, k, v, slots) -> None:
         slots = backend.asarray(slots)
     rows = 2 * tokens * cache.num_kv_heads
     if rows:
-        backend.launch("attention", "attention_write_kv", (min(rows, GRID_LIMIT),), (WRITE_THREADS,),
+        backend.launch("attention", "attention_write_kv", *segments.segment_launch_shape(rows),
                        (k, v, slots, np.int64(tokens), np.int32(cache.num_kv_heads), np.int32(cache.head_dim),
                         np.int32(cache.head_dim_padded), np.int64(cache.num_slots), cache.k_digits,
                         cache.k_exponents, cache.v_digits, cache.v_exponents))

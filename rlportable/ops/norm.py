@@ -12,10 +12,13 @@ import numpy as np
 
 from rlportable.contract import norm as reference
 from rlportable.errors import InputError
-from rlportable.ops import fixedpoint
+from rlportable.ops import fixedpoint, segments
 from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
+#: the forward row kernels' blocks: at decode's 256 rows of 1024, 512 threads a row beat 256 and 1024
+#: (bench/results/row_threads_probe_h200.json: add_rmsnorm with the encoding 7.55 -> 7.0 us)
+ROW_THREADS = 512
 MAX_GRID = 65535
 #: rows up to these lengths run fused, longer ones as the ops in turn (the same bits): add_rmsnorm keeps
 #: its row in shared memory; rmsnorm_heads_rope gives a head row to one segment of 32 lanes
@@ -29,21 +32,10 @@ FUSED_ENCODE_BITS = reference.ENCODE_BITS
 #: a kernel's null pointer argument (an optional output left out): 8 bytes of zero, as a device address
 NULL_POINTER = np.uint64(0)
 THREAD_SEGMENT = 32  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
-#: norm_rmsnorm_heads_rope gives each head row to one segment of 32 lanes, 8 segments to a block: the head
-#: rows are many and short (bench/results/row_kernels_probe_h200.json: 12.4 -> 7.1 us at 256 tokens)
-SEGMENT_BLOCK = 256
-
-
-def segment_launch_shape(rows: int) -> tuple[tuple[int], tuple[int]]:
-    """(grid, block) of a kernel that walks `rows` rows (> 0) one segment of 32 lanes per row, grid-stride.
-    The bits do not depend on it: a row's reductions are exact integers."""
-    return (min(-(-rows // (SEGMENT_BLOCK // THREAD_SEGMENT)), MAX_GRID),), (SEGMENT_BLOCK,)
-
-
 def row_threads(h: int) -> int:
-    """Threads of one row's block: enough for h (QK-norm rows are 64..256 floats) up to NORM_THREADS,
-    a multiple of THREAD_SEGMENT as the block reductions require. The bits do not depend on it."""
-    return min(NORM_THREADS, -(-h // THREAD_SEGMENT) * THREAD_SEGMENT)
+    """Threads of one row's block (norm_rmsnorm, norm_add_rmsnorm): enough for h up to ROW_THREADS, a
+    multiple of THREAD_SEGMENT as the block reductions require. The bits do not depend on it."""
+    return min(ROW_THREADS, -(-h // THREAD_SEGMENT) * THREAD_SEGMENT)
 
 
 def check_eps(eps) -> float:
@@ -165,7 +157,7 @@ def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions,
     q_out, k_out = backend.empty((tokens, hq, d), np.float32), backend.empty((tokens, hk, d), np.float32)
     rows = tokens * (hq + hk)
     if rows and d:
-        backend.launch("norm", "norm_rmsnorm_heads_rope", *segment_launch_shape(rows),
+        backend.launch("norm", "norm_rmsnorm_heads_rope", *segments.segment_launch_shape(rows),
                        (q, k, q_weight, k_weight, np.int64(tokens), np.int32(hq), np.int32(hk), np.int32(d),
                         np.float64(eps), positions, cos, sin, q_out, k_out))
     return q_out, k_out

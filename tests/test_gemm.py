@@ -156,13 +156,14 @@ def _encoded_weight(n, k):
 
 def test_method_choice_by_device_and_shape():
     hopper, ampere = _FakeCuda("90"), _FakeCuda("80")
-    narrow, wide_k = _encoded_weight(8, 1024), _encoded_weight(8, 2048)
+    narrow, wide_k, wider_k = _encoded_weight(8, 1024), _encoded_weight(8, 2048), _encoded_weight(8, 4096)
     # below BLAS_FROM_M always fused (decode steps are captured in graphs: no vendor BLAS inside)
     assert gemm_op.resolve_method(ampere, 256, 23, wide_k, "auto") == "fused"
     assert gemm_op.resolve_method(hopper, 256, 23, wide_k, "auto") == "fused"
     # large M: the wgmma kernel up to WGMMA_LARGE_M_MAX_K, the vendor GEMM beyond and without wgmma
     assert gemm_op.resolve_method(hopper, 4096, 23, narrow, "auto") == "fused"
-    assert gemm_op.resolve_method(hopper, 4096, 23, wide_k, "auto") == "blas"
+    assert gemm_op.resolve_method(hopper, 4096, 23, wide_k, "auto") == "fused"
+    assert gemm_op.resolve_method(hopper, 4096, 23, wider_k, "auto") == "blas"
     assert gemm_op.resolve_method(ampere, 4096, 23, narrow, "auto") == "blas"
     with pytest.raises(InputError, match="fused kernel exists"):
         gemm_op.resolve_method(ampere, 4, 15, narrow, "fused")  # 2 activation digits

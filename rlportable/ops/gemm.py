@@ -235,8 +235,10 @@ def _check_encoded_operands(a: EncodedRows, weight: GemmWeight) -> None:
 #: it the fused kernels are always taken (so decode steps can be captured in graphs)
 BLAS_FROM_M = 1024
 #: On wgmma devices the fused wgmma kernel also beats the vendor GEMM from BLAS_FROM_M on, up to
-#: this K (H200, bench/results/gemm_sweep_wgmma_h200.json: K = 1024 faster, K = 2048 and 3072 slower)
-WGMMA_LARGE_M_MAX_K = 1024
+#: this K (H200, bench/results/gemm_sweep_large_m_loads_h200.json, since the kernel's loads lost their
+#: divisions: M = 4096, K = 2048 181 against 211 us, K = 3072 246 against 264; M = 16384, K = 2048 716
+#: against 742, K = 3072 976 against 954, even; longer K was not measured)
+WGMMA_LARGE_M_MAX_K = 3072
 
 
 def resolve_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, method: str) -> str:

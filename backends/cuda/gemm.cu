@@ -505,6 +505,14 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     const int kblocks_all = (kp + RLP_WGMMA_KBLOCK - 1) / RLP_WGMMA_KBLOCK;
     const int kb_first = split * kblocks_all / SPLITS;
     const int kblocks = (split + 1) * kblocks_all / SPLITS - kb_first;
+    // The exponents of the tile's rows and columns, read once before the main loop (whose barriers make
+    // them visible): the epilogue then reads them from shared memory, not as dependent global loads
+    // behind its per-pair branches (which cost about as much as the main loop: probe_wgmma_phases).
+    __shared__ int tile_ea[RLP_WGMMA_ROWS], tile_ew[BN];
+    for (int i = threadIdx.x; i < RLP_WGMMA_ROWS + BN; i += THREADS) {
+        if (i < RLP_WGMMA_ROWS) tile_ea[i] = m0 + i < m ? ea[m0 + i] : 0;
+        else tile_ew[i - RLP_WGMMA_ROWS] = n0 + i - RLP_WGMMA_ROWS < n ? ew[n0 + i - RLP_WGMMA_ROWS] : 0;
+    }
 
     // A thread's pieces: v = threadIdx.x + t THREADS for t = 0, 1, ...; with THREADS a multiple of 8 its
     // 16-byte piece of a 128-byte row (v % 8) and that row's swizzle phase ((v / 8) % 8) never change, so
@@ -607,7 +615,8 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 #pragma unroll
             for (int b = 0; b < SPLITS; ++b)
                 s += parts[b][i] + 256LL * (parts[b][R * 128 + i] + 256LL * parts[b][2 * R * 128 + i]);
-            out[c] = col + c < n ? rlp_gemm_output_small(s, ea[row], ew[col + c], scale_offset) : 0.0f;
+            out[c] = col + c < n ? rlp_gemm_output_small(s, tile_ea[row - m0], tile_ew[col + c - n0], scale_offset)
+                                 : 0.0f;
         }
         // col is even: with every segment's width even, both columns share a segment and the
         // pair is 8-byte aligned

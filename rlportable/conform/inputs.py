@@ -43,4 +43,7 @@ ROW_KINDS = ("normal", "massive", "tiny", "huge", "zeros", "special", "nonfinite
 
 # (M, K, N): ragged shapes (1x1, 7x13, K not a multiple of 16) and model-like ones
 GEMM_SHAPES_QUICK = [(1, 1, 1), (7, 13, 5), (3, 100, 17), (17, 257, 33), (64, 1024, 96), (5, 0, 3)]
-GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [(130, 1000, 70), (256, 2048, 256), (33, 3072, 129), (1024, 1024, 1024)]
+#: (1100, 2048, 200): large M with a long K, which `auto` gives the wgmma kernel on compute capability 9.0
+#: (ops/gemm.py WGMMA_LARGE_M_MAX_K) and the vendor int8 GEMM elsewhere
+GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [(130, 1000, 70), (256, 2048, 256), (33, 3072, 129), (1024, 1024, 1024),
+                                        (1100, 2048, 200)]

@@ -121,6 +121,26 @@ def test_refactored_reference_is_bit_identical(kind):
 
 # ---- the KV cache format
 
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_write_kv_launch_gives_each_row_a_segment(vendor):
+    """attention_write_kv walks the 2 * tokens * hkv K and V rows one segment of 32 lanes each (8 to a
+    256-thread block, grid-stride, no shared memory), its arguments matching the kernel's parameters."""
+    from recording_device import RecordingDevice, kernel_parameters
+
+    from rlportable.ops import segments
+
+    device = RecordingDevice(vendor)
+    tokens, hkv, d = 5, 3, 16
+    cache = op.KVCache.allocate(CPU, 32, hkv, d, block_size=4)
+    k, v = np.zeros((tokens, hkv, d), np.float32), np.zeros((tokens, hkv, d), np.float32)
+    op.write_kv(device, cache, k, v, np.arange(tokens, dtype=np.int32))
+    (launch,) = device.launches
+    assert launch.kernel == "attention_write_kv"
+    assert (launch.grid, launch.block, launch.shared_mem) == ((-(-2 * tokens * hkv // 8),), (256,), 0)
+    assert len(launch.args) == len(kernel_parameters(vendor, "attention")["attention_write_kv"])
+    assert segments.segment_launch_shape(10 ** 9) == ((segments.MAX_GRID,), (segments.SEGMENT_BLOCK,))
+
+
 def test_write_kv_stores_fixedpoint_rows_in_slots():
     rng = np.random.default_rng(1)
     hkv, d, tokens = 2, 20, 9

@@ -69,14 +69,7 @@ OUTPUTS = """    const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
             out[c] = col + c < n ? rlp_gemm_output_small(s, tile_ea[row - m0], tile_ew[col + c - n0], scale_offset)
                                  : 0.0f;
         }
-        int end;
-        float* dst = rlp_column_output(y0, y1, y2, c1, c2, n, row, col, end);
-        if (col + 1 < end && ((c1 | c2 | n) & 1) == 0) {
-            *reinterpret_cast<float2*>(dst) = make_float2(out[0], out[1]);
-        } else {
-            if (col < n) *dst = out[0];
-            if (col + 1 < n) *rlp_column_output(y0, y1, y2, c1, c2, n, row, col + 1, end) = out[1];
-        }
+        rlp_store_column_pair(y0, y1, y2, c1, c2, n, row, col, out);
     }
 """
 

@@ -62,8 +62,6 @@ def main():
               for name, text in variants(fn).items()}
     configs = sorted({(bn, stages, splits) for _, _, _, bn, stages, splits in SHAPES})
     extra = "".join(copies.values()) + "".join(entry(v, *c) for v in copies for c in configs)
-    tail = source.index(END)
-    end_of_file = len(source)
     module = load(source + "\n" + extra, "gemm", backend.compile_options())
     rng = np.random.default_rng(0)
     results = []

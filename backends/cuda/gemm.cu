@@ -482,6 +482,44 @@ __device__ __forceinline__ float* rlp_column_output(float* y0, float* y1, float*
     return y2 + (long long)row * (n - c2) + (col - c2);
 }
 
+// out[0] and out[1], row `row`'s outputs at the even column col and col + 1, to their arrays: with every
+// segment's width even, both columns share a segment and the pair is 8-byte aligned (one float2 store).
+__device__ __forceinline__ void rlp_store_column_pair(float* y0, float* y1, float* y2, int c1, int c2, int n, int row,
+                                                      int col, const float (&out)[2]) {
+    int end;
+    float* dst = rlp_column_output(y0, y1, y2, c1, c2, n, row, col, end);
+    if (col + 1 < end && ((c1 | c2 | n) & 1) == 0) {
+        *reinterpret_cast<float2*>(dst) = make_float2(out[0], out[1]);
+    } else {
+        if (col < n) *dst = out[0];
+        if (col + 1 < n) *rlp_column_output(y0, y1, y2, c1, c2, n, row, col + 1, end) = out[1];
+    }
+}
+
+#ifdef RLP_HAS_WGMMA
+// One operand's share of a wgmma stage: PLANES digit planes of ROWS rows, each row's 16-byte pieces put at
+// their 128-byte-swizzled places in tile ([plane][row][128 bytes]) from rows (the block's first operand row,
+// rows row_stride bytes apart, planes kp bytes apart). A thread's pieces are v = threadIdx.x + t THREADS: with
+// THREADS a multiple of 64, its piece of a row (v % 8) and that row's swizzle phase ((v / 8) % 8) never change,
+// so the caller computes `swizzled` once and the loads take 32-bit offsets and no division (the main loop's
+// load issue was most of the kernel's instructions at decode sizes).
+template <int PLANES, int ROWS, int THREADS>
+__device__ __forceinline__ void rlp_wgmma_stage_operand(signed char* tile, const signed char* rows, int row_stride,
+                                                        int kp, int k, bool k_valid, int valid_rows, int swizzled) {
+    static_assert(THREADS % 64 == 0, "every thread keeps one piece and one swizzle phase");
+    constexpr int PIECES = PLANES * ROWS * 8;
+#pragma unroll
+    for (int t = 0; t < (PIECES + THREADS - 1) / THREADS; ++t) {
+        const int v = threadIdx.x + t * THREADS;
+        if (PIECES % THREADS != 0 && v >= PIECES) break;
+        const int plane = v / (ROWS * 8), row = (v / 8) % ROWS;
+        const bool valid = k_valid && row < valid_rows;
+        rlp_cp_async16(tile + plane * (ROWS * 128) + row * 128 + swizzled,
+                       rows + (valid ? row * row_stride + plane * kp + k : 0), valid);
+    }
+}
+#endif
+
 template <int BN, int STAGES, int SPLITS>
 __device__ __forceinline__ void rlp_gemm_wgmma(
     const signed char* __restrict__ xd, const signed char* __restrict__ wd,
@@ -514,38 +552,16 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
         else tile_ew[i - RLP_WGMMA_ROWS] = n0 + i - RLP_WGMMA_ROWS < n ? ew[n0 + i - RLP_WGMMA_ROWS] : 0;
     }
 
-    // A thread's pieces: v = threadIdx.x + t THREADS for t = 0, 1, ...; with THREADS a multiple of 8 its
-    // 16-byte piece of a 128-byte row (v % 8) and that row's swizzle phase ((v / 8) % 8) never change, so
-    // the loads below take 32-bit offsets inside this block's rows and no division: the main loop's
-    // load issue is most of the kernel's instructions at decode sizes.
-    static_assert(THREADS % 64 == 0, "every thread keeps one piece and one swizzle phase");
     const signed char* a_rows = xd + (long long)m0 * a_row_stride;
     const signed char* w_rows = wd + (long long)n0 * w_row_stride;
     const int piece = threadIdx.x % 8, swizzled = (piece ^ ((threadIdx.x / 8) % 8)) << 4;
-    const int a_stride = RLP_A_DIGITS * kp, w_stride = RLP_W_DIGITS * kp, a_valid_rows = m - m0, w_valid_rows = n - n0;
-    constexpr int A_PIECES = RLP_A_DIGITS * RLP_WGMMA_ROWS * 8, W_PIECES = RLP_W_DIGITS * BN * 8;
     auto stage_in = [&](int kb, int stage) {
         signed char* s = slab + stage * STAGE;
         const int k = (kb_first + kb) * RLP_WGMMA_KBLOCK + 16 * piece;
-        const bool k_valid = k < kp;
-#pragma unroll
-        for (int t = 0; t < (A_PIECES + THREADS - 1) / THREADS; ++t) {
-            const int v = threadIdx.x + t * THREADS;
-            if (A_PIECES % THREADS != 0 && v >= A_PIECES) break;
-            const int digit = v / (RLP_WGMMA_ROWS * 8), row = (v / 8) % RLP_WGMMA_ROWS;
-            const bool valid = k_valid && row < a_valid_rows;
-            rlp_cp_async16(s + digit * A_TILE + row * 128 + swizzled,
-                           a_rows + (valid ? row * a_stride + digit * kp + k : 0), valid);
-        }
-#pragma unroll
-        for (int t = 0; t < (W_PIECES + THREADS - 1) / THREADS; ++t) {
-            const int v = threadIdx.x + t * THREADS;
-            if (W_PIECES % THREADS != 0 && v >= W_PIECES) break;
-            const int slot = v / (BN * 8), row = (v / 8) % BN;
-            const bool valid = k_valid && row < w_valid_rows;
-            rlp_cp_async16(s + RLP_A_DIGITS * A_TILE + slot * W_TILE + row * 128 + swizzled,
-                           w_rows + (valid ? row * w_stride + slot * kp + k : 0), valid);
-        }
+        rlp_wgmma_stage_operand<RLP_A_DIGITS, RLP_WGMMA_ROWS, THREADS>(s, a_rows, RLP_A_DIGITS * kp, kp, k, k < kp,
+                                                                       m - m0, swizzled);
+        rlp_wgmma_stage_operand<RLP_W_DIGITS, BN, THREADS>(s + RLP_A_DIGITS * A_TILE, w_rows, RLP_W_DIGITS * kp, kp, k,
+                                                           k < kp, n - n0, swizzled);
     };
 
     int acc[RLP_W_DIGITS][R];
@@ -618,16 +634,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
             out[c] = col + c < n ? rlp_gemm_output_small(s, tile_ea[row - m0], tile_ew[col + c - n0], scale_offset)
                                  : 0.0f;
         }
-        // col is even: with every segment's width even, both columns share a segment and the
-        // pair is 8-byte aligned
-        int end;
-        float* dst = rlp_column_output(y0, y1, y2, c1, c2, n, row, col, end);
-        if (col + 1 < end && ((c1 | c2 | n) & 1) == 0) {
-            *reinterpret_cast<float2*>(dst) = make_float2(out[0], out[1]);
-        } else {
-            if (col < n) *dst = out[0];
-            if (col + 1 < n) *rlp_column_output(y0, y1, y2, c1, c2, n, row, col + 1, end) = out[1];
-        }
+        rlp_store_column_pair(y0, y1, y2, c1, c2, n, row, col, out);
     }
     if constexpr (SPLITS > 1) rlp_cluster_sync();  // no block leaves while its partials are read
 #else

@@ -36,7 +36,6 @@ SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores"
 VALUE_H2_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values_h2("
-MMA_SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores_mma"
 
 
 def _pieces(count: int):
@@ -56,15 +55,6 @@ V_HIGH = "high[u] = __ldg(reinterpret_cast<const int*>(row + dp));"
 
 def _define(name: str, value: int):
     return lambda s: edit(s, f"#define {name} ", f"#define {name} {value} //")
-
-
-def _scores_dp4a(s):  # the dp4a score kernel under the tensor-core kernel's name (the op launches that name)
-    s = edit(s, ") attention_split_scores_mma(", ") attention_split_scores_mma_unused(")
-    return edit(s, ") attention_split_scores(", ") attention_split_scores_mma(")
-
-
-def _mma_tiles(tiles: int, blocks: int):
-    return lambda s: _bounds(MMA_SCORE_BOUNDS, blocks)(_define("RLP_ATTS_MMA_TILES", tiles)(s))
 
 
 def _no_weight_loads(s):  # timing only (other bits): the weight phase without its global loads
@@ -106,11 +96,6 @@ VARIANTS = {
     "values_zero_weights (timing only)": _zero_weights,
     "values_fast_exp_zero_weights (timing only)": lambda s: _zero_weights(_fast_exp(s)),
     "values_no_products (timing only)": _no_value_products,
-    "scores_dp4a": _scores_dp4a,
-    "scores_mma_tiles_1_8_blocks": _mma_tiles(1, 8),
-    "scores_mma_tiles_1_6_blocks": _mma_tiles(1, 6),
-    "scores_mma_tiles_2_8_blocks": _mma_tiles(2, 8),
-    "scores_mma_tiles_4_4_blocks": _mma_tiles(4, 4),
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_heads_2": _define("RLP_ATTS_VALUE_HEADS", 2),
     "value_keys_16": _define("RLP_ATTS_VALUE_KEYS", 16),

@@ -17,10 +17,9 @@ from recording_device import RecordingDevice, kernel_parameters
 from rlportable.errors import InputError
 from rlportable.ops import attention as op
 
-SCORE_KERNEL = {"cuda": "attention_split_scores_mma", "hip": "attention_split_scores"}  # CUDA: the tensor cores
-SPLIT_KERNELS = ("attention_split_values", "attention_split_combine")  # after the score kernel, groups > 2
-PAIR_SPLIT_KERNELS = ("attention_split_values_h2", "attention_split_combine")
-ONE_SPLIT_KERNELS = PAIR_SPLIT_KERNELS[:1]  # one split (groups of 2 here): the value kernel writes o, no combine
+SPLIT_KERNELS = ("attention_split_scores", "attention_split_values", "attention_split_combine")  # groups > 2
+PAIR_SPLIT_KERNELS = ("attention_split_scores", "attention_split_values_h2", "attention_split_combine")
+ONE_SPLIT_KERNELS = PAIR_SPLIT_KERNELS[:2]  # one split (groups of 2 here): the value kernel writes o, no combine
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
 
 
@@ -81,7 +80,7 @@ def test_split_launches_match_the_kernel_parameters(vendor):
     out = decode_call(backend, rows=5, hq=6, hkv=2, d=20, width=9)
     assert out.shape == (5, 6, 20) and out.dtype == np.float32
     parameters = kernel_parameters(vendor, "attention")
-    assert [launch.kernel for launch in backend.launches] == [SCORE_KERNEL[vendor], *SPLIT_KERNELS]
+    assert [launch.kernel for launch in backend.launches] == list(SPLIT_KERNELS)
     for _, kernel, grid, block, args, _ in backend.launches:
         assert block == (op.SPLIT_THREADS,)
         types = parameters[kernel]
@@ -109,7 +108,7 @@ def test_one_split_writes_o_from_the_value_kernel(vendor):
     backend = RecordingDevice(vendor)
     out = decode_call(backend, rows=128, hq=16, hkv=8, d=128, width=25)
     assert op.split_plan(128, 8, 25 * 16)[0] == 1
-    assert [launch.kernel for launch in backend.launches] == [SCORE_KERNEL[vendor], *ONE_SPLIT_KERNELS]
+    assert [launch.kernel for launch in backend.launches] == list(ONE_SPLIT_KERNELS)
     parameters = kernel_parameters(vendor, "attention")["attention_split_values_h2"]
     args = backend.launches[1].args
     assert len(args) == len(parameters) and same_array(args[-1], out)
@@ -119,13 +118,6 @@ def test_one_split_writes_o_from_the_value_kernel(vendor):
 def test_the_value_kernels_take_the_same_parameters(vendor):
     parameters = kernel_parameters(vendor, "attention")
     assert parameters["attention_split_values_h2"] == parameters["attention_split_values"]
-    if vendor == "cuda":  # the tensor-core score kernel is a drop-in for the dp4a one
-        assert parameters["attention_split_scores_mma"] == parameters["attention_split_scores"]
-
-
-def test_cuda_sources_take_the_tensor_core_score_kernel():
-    assert op.split_scores_kernel(RecordingDevice("cuda")) == "attention_split_scores_mma"
-    assert op.split_scores_kernel(RecordingDevice("hip")) == "attention_split_scores"
 
 
 @pytest.mark.parametrize("group, kernel", [(1, "attention_split_values_h2"), (2, "attention_split_values_h2"),
@@ -157,7 +149,7 @@ def test_split_scratch_is_cut_into_row_slices(monkeypatch):
     backend = RecordingDevice("hip")
     out = decode_call(backend, rows=10, hq=4, hkv=2, d=64, width=64)
     kernels = [launch.kernel for launch in backend.launches]
-    assert kernels == [SCORE_KERNEL["hip"], *PAIR_SPLIT_KERNELS] * 4  # rows 0-2, 3-5, 6-8, 9
+    assert kernels == list(PAIR_SPLIT_KERNELS) * 4  # rows 0-2, 3-5, 6-8, 9
     firsts = [args[0] for _, kernel, _, _, args, _ in backend.launches if kernel == "attention_split_scores"]
     assert [q.shape[0] for q in firsts] == [3, 3, 3, 1]
     outs = [args[-1] for _, kernel, _, _, args, _ in backend.launches if kernel == "attention_split_combine"]
@@ -189,7 +181,7 @@ def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma
     backend = RecordingDevice("cuda")
     out = mixed_step_call(backend, decodes=3, chunk=100)
     kernels = [launch.kernel for launch in backend.launches]
-    assert kernels == [SCORE_KERNEL["cuda"], *ONE_SPLIT_KERNELS, "attention_paged_mma_d128"]
+    assert kernels == list(ONE_SPLIT_KERNELS) + ["attention_paged_mma_d128"]
     assert backend.launches[0].args[3] == 3  # tq of the split launch: the decode rows
     mma = backend.launches[-1]
     assert mma.args[3] == 100 and mma.grid == (2, 4)
@@ -202,7 +194,7 @@ def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma
 
 
 @pytest.mark.parametrize("decodes, chunk, kernels", [
-    (4, 0, [SCORE_KERNEL["cuda"], *ONE_SPLIT_KERNELS]),  # a decode step: one call
+    (4, 0, list(ONE_SPLIT_KERNELS)),  # a decode step: one call
     (0, 100, ["attention_paged_mma_d128"]),  # prefill only: one call
 ])
 def test_a_step_of_one_kind_is_one_call(decodes, chunk, kernels):

@@ -370,67 +370,6 @@ __device__ __forceinline__ long long rlp_atts_biased_integer(double sum) {
     return __double2ll_rn(sum * rlp_pow2_f64(537) * rlp_pow2_f64(537));
 }
 
-// One round of a score kernel's q rows (heads h0 .. h0 + nb - 1 of the group, the first at q row qrow0):
-// their exponents (integer maxima into largest[hi], zeroed and synchronised by the caller), their 3
-// balanced digits to digits, one row of dp bytes per (head, digit) ([head][digit][dp]), digit rows
-// 3 nb .. rows - 1 zero; query_bad on the first split. Every thread of the block calls it; it ends
-// with a barrier.
-__device__ __forceinline__ void rlp_atts_round_q(const float* __restrict__ q, long long qrow0, int d, int dp, int nb,
-                                                 int rows, bool bad_row, bool first_split, unsigned int* largest,
-                                                 signed char* digits, unsigned int* __restrict__ query_bad) {
-    for (int hi = 0; hi < nb; ++hi) {
-        unsigned int local = 0u;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) local = max(local, rlp_magnitude_bits(q[(qrow0 + hi) * d + i]));
-        rlp_block_max_u32(&largest[hi], local);
-    }
-    __syncthreads();
-    for (int u = threadIdx.x; u < nb * dp; u += blockDim.x) {
-        const int hi = u / dp;
-        const int i = u - hi * dp;
-        const int eq = rlp_row_exponent(largest[hi]);
-        const long long v = (!bad_row && eq != RLP_NONFINITE_EXPONENT && i < d)
-                                ? rlp_quantize(q[(qrow0 + hi) * d + i], RLP_ATT_Q_BITS, eq) : 0;
-        rlp_atts_digits3(v, digits + hi * 3 * dp + i, dp);
-    }
-    for (int u = 3 * nb * dp + threadIdx.x; u < rows * dp; u += blockDim.x) digits[u] = 0;
-    if (first_split && threadIdx.x < nb)
-        query_bad[qrow0 + threadIdx.x] =
-            (bad_row || rlp_row_exponent(largest[threadIdx.x]) == RLP_NONFINITE_EXPONENT) ? 1u : 0u;
-    __syncthreads();
-}
-
-// Key j of a score kernel's split (a key of the row where j < end): returns its cache row (row 0 where
-// j >= end or its slot is missing: computed on, never written), with live (a finite K and V row) and
-// its ek; local_flags and local_ev (E's candidate) take it in, and with `record` its key_rows entry
-// (row << 16 | ev + offset) goes to row_keys[j] for the value pass.
-__device__ __forceinline__ long long rlp_atts_key(const int* __restrict__ block_tables, int max_blocks, int block_size,
-                                                  long long num_slots, int seq, int hkv, int g, long long j,
-                                                  long long end, const int* __restrict__ k_exponents,
-                                                  const int* __restrict__ v_exponents, bool record,
-                                                  long long* __restrict__ row_keys, bool& live, int& ek,
-                                                  unsigned int& local_ev, unsigned int& local_flags) {
-    const long long slot = j < end ? rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) : -1;
-    const long long row = slot >= 0 ? slot * hkv + g : 0;
-    live = false;
-    ek = 0;
-    if (j < end) {
-        if (slot < 0) {
-            local_flags |= RLP_ATT_BAD_INDEX;
-        } else {
-            const int ev = v_exponents[row];
-            ek = k_exponents[row];
-            if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) {
-                local_flags |= RLP_ATT_BAD_KV;
-            } else {
-                live = true;
-                local_ev = max(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
-                if (record) row_keys[j] = (row << 16) | (ev + RLP_ATT_EV_OFFSET);
-            }
-        }
-    }
-    return row;
-}
-
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of
 // RLP_ATTS_SCORE_HEADS. Per round: the q rows' exponents (integer maxima) and 3 balanced digits in
 // shared memory; then the split's keys, each taken by an aligned set of key_threads threads (up to
@@ -481,8 +420,26 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
             const long long qrow0 = token * hq + (long long)g * group + h0;  // the round's first q row
             if (threadIdx.x < nb) { largest[threadIdx.x] = 0u; head_key[threadIdx.x] = 0u; }
             __syncthreads();
-            rlp_atts_round_q(q, qrow0, d, dp, nb, 3 * nb, bad_row, split == 0, largest,
-                             reinterpret_cast<signed char*>(q_digits), query_bad);
+            for (int hi = 0; hi < nb; ++hi) {
+                unsigned int local = 0u;
+                for (int i = threadIdx.x; i < d; i += blockDim.x)
+                    local = max(local, rlp_magnitude_bits(q[(qrow0 + hi) * d + i]));
+                rlp_block_max_u32(&largest[hi], local);
+            }
+            __syncthreads();
+            signed char* digits = reinterpret_cast<signed char*>(q_digits);
+            for (int u = threadIdx.x; u < nb * dp; u += blockDim.x) {
+                const int hi = u / dp;
+                const int i = u - hi * dp;
+                const int eq = rlp_row_exponent(largest[hi]);
+                const long long v = (!bad_row && eq != RLP_NONFINITE_EXPONENT && i < d)
+                                        ? rlp_quantize(q[(qrow0 + hi) * d + i], RLP_ATT_Q_BITS, eq) : 0;
+                rlp_atts_digits3(v, digits + hi * 3 * dp + i, dp);
+            }
+            if (split == 0 && threadIdx.x < nb)
+                query_bad[qrow0 + threadIdx.x] =
+                    (bad_row || rlp_row_exponent(largest[threadIdx.x]) == RLP_NONFINITE_EXPONENT) ? 1u : 0u;
+            __syncthreads();
             int eq[RLP_ATTS_SCORE_HEADS];  // RLP_NONFINITE_EXPONENT: no scores for this head
             unsigned int local_key[RLP_ATTS_SCORE_HEADS];
 #pragma unroll
@@ -497,11 +454,26 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
             // read as soon as its slot is known, with the exponents (a row found non-finite gives no score).
             for (long long base = lo; base < end; base += lanes) {
                 const long long j = base + lane;
-                bool live;
-                int ek;
-                const long long row = rlp_atts_key(block_tables, max_blocks, block_size, num_slots, seq, hkv, g, j,
-                                                   end, k_exponents, v_exponents, h0 == 0 && leader,
-                                                   key_rows + rowg * keys, live, ek, local_ev, local_flags);
+                const long long slot =
+                    j < end ? rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) : -1;
+                const long long row = slot >= 0 ? slot * hkv + g : 0;
+                bool live = false;
+                int ek = 0;
+                if (j < end) {
+                    if (slot < 0) {
+                        local_flags |= RLP_ATT_BAD_INDEX;
+                    } else {
+                        const int ev = v_exponents[row];
+                        ek = k_exponents[row];
+                        if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) {
+                            local_flags |= RLP_ATT_BAD_KV;
+                        } else {
+                            live = true;
+                            local_ev = max(local_ev, (unsigned int)(ev + RLP_ATT_EV_OFFSET));
+                            if (h0 == 0 && leader) key_rows[rowg * keys + j] = (row << 16) | (ev + RLP_ATT_EV_OFFSET);
+                        }
+                    }
+                }
                 const int4* kr = reinterpret_cast<const int4*>(k_digits + row * (2LL * dp));
                 int4 b0[RLP_ATTS_SCORE_PIECES], b1[RLP_ATTS_SCORE_PIECES];
 #pragma unroll
@@ -535,163 +507,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
 #pragma unroll
             for (int hi = 0; hi < RLP_ATTS_SCORE_HEADS; ++hi)
                 if (hi < nb) rlp_block_max_u32(&head_key[hi], local_key[hi]);
-            rlp_block_max_u32(&max_ev, local_ev);
-            rlp_block_or_u32(&flags, local_flags);
-            __syncthreads();
-            if (threadIdx.x < nb) split_keys[(qrow0 + threadIdx.x) * splits + split] = head_key[threadIdx.x];
-            __syncthreads();  // the next round resets largest and head_key
-        }
-        if (threadIdx.x == 0) split_info[rowg * splits + split] = (flags << 16) | max_ev;
-        __syncthreads();
-    }
-}
-
-// attention_split_scores on the int8 tensor cores: the same outputs, bit for bit (S_j is the same
-// integer, formed in another order; the scores, maxima, flags and key rows follow from it and the key's
-// exponents as there). CUDA sources only (mma.sync m16n8k32, sm_80 on): ops/attention.py takes it where
-// backend.kernel_vendor is "cuda", attention_split_scores elsewhere (the HIP sources have no such MMA).
-// The dp4a form spent its time issuing instructions (192 dp4a per key and head pair at dp 128); here
-// one MMA takes 8 keys x 32 dims for every (head, digit) row at once.
-//   A (16 x 32): row r = 3 hi + i is digit i of the round's q head hi (rows 3 nb .. 15 zero);
-//   B (32 x 8):  column n is one key's K digit plane j (two MMAs per step, one per plane);
-//   C_j (16 x 8) int32: the sums of a_i b_j over the dims, |C_j| <= dp 2^14 <= 2^23.
-// A thread (g = lane / 4, t = lane % 4) takes bytes [16 t, 16 t + 16) of each 64-dim chunk of key g's
-// rows (one 16-byte load per plane and chunk, as the gemm's fused kernel: any permutation of the dims
-// that A and B share gives the same integer). P = C_0 + 2^8 C_1 per (row, key) in int64 goes through
-// a per-warp shared array, and lane (hi = lane / 8, key = lane % 8) forms S = P_3hi + 2^8 P_3hi+1 +
-// 2^16 P_3hi+2. Lanes 0 .. 8 RLP_ATTS_MMA_TILES - 1 look up the keys' slots and exponents (one key
-// each); the warps walk the split's keys 8 RLP_ATTS_MMA_TILES at a time, independently.
-#define RLP_ATTS_MMA_HEADS 4  // q heads per round: 3 digit rows each, 12 of the MMA's 16 rows
-#define RLP_ATTS_MMA_TILES 2  // 8-key tiles per warp and pass (RLP_ATTS_MMA_TILES * 8 <= 32)
-#define RLP_ATTS_MMA_WARPS (RLP_ATTS_THREADS / 32)
-
-// C += A B for one 16 x 8 x 32 step of signed bytes (mma.sync, sm_80 on).
-__device__ __forceinline__ void rlp_atts_mma(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_scores_mma(
-    const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
-    int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
-    int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
-    const int* __restrict__ k_exponents, const int* __restrict__ v_exponents, int splits, int chunk,
-    float* __restrict__ scores, long long* __restrict__ key_rows, unsigned int* __restrict__ split_keys,
-    unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad) {
-    __shared__ int4 q_digits[16 * (RLP_ATT_MAX_HEAD_DIM / 16)];  // the A rows: [head][digit][dp / 16], then zeros
-    __shared__ long long row_sums[RLP_ATTS_MMA_WARPS][RLP_ATTS_MMA_TILES][16][8];  // P per (row, key) of a warp
-    __shared__ unsigned int largest[RLP_ATTS_MMA_HEADS];
-    __shared__ unsigned int head_key[RLP_ATTS_MMA_HEADS];
-    __shared__ unsigned int max_ev;
-    __shared__ unsigned int flags;
-    const int group = hq / hkv;
-    const int pieces = dp / 16, chunks = dp / 64;
-    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int kg = lane / 4, kt = lane % 4;  // the MMA's groupID (B's key, C's row) and thread in group
-    const int own_head = lane / 8, own_key = lane % 8;  // the (head, key) whose score this lane forms
-    constexpr int WARP_KEYS = 8 * RLP_ATTS_MMA_TILES;
-    const bool looks_up = lane < WARP_KEYS;  // looks up key `lane` of the warp's pass
-    const long long keys = (long long)splits * chunk;
-    const long long items = tq * hkv * splits;
-    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const long long rowg = item / splits;  // token * hkv + g
-        const int split = (int)(item - rowg * splits);
-        const long long token = rowg / hkv;
-        const int g = (int)(rowg - token * hkv);
-        const int seq = q_seq[token];
-        const int t = q_pos[token];
-        const bool bad_row = seq < 0 || seq >= num_seqs || t < 0;  // block-uniform
-        const long long lo = (long long)split * chunk;
-        const long long end = bad_row ? lo : min(lo + chunk, (long long)t + 1);
-        if (threadIdx.x == 0) {
-            max_ev = 0u;
-            flags = (!bad_row && split == splits - 1 && (long long)t >= keys) ? RLP_ATT_BAD_INDEX : 0u;
-        }
-        for (int h0 = 0; h0 < group; h0 += RLP_ATTS_MMA_HEADS) {
-            const int nb = min(group - h0, RLP_ATTS_MMA_HEADS);
-            const long long qrow0 = token * hq + (long long)g * group + h0;
-            if (threadIdx.x < nb) { largest[threadIdx.x] = 0u; head_key[threadIdx.x] = 0u; }
-            __syncthreads();
-            rlp_atts_round_q(q, qrow0, d, dp, nb, 16, bad_row, split == 0, largest,
-                             reinterpret_cast<signed char*>(q_digits), query_bad);
-            const int eq = own_head < nb ? rlp_row_exponent(largest[own_head]) : RLP_NONFINITE_EXPONENT;
-            unsigned int local_key = 0u, local_ev = 0u, local_flags = 0u;
-            // Warp-uniform loop (no block barrier inside): every lane reaches the MMAs and shuffles.
-            for (long long base = lo + (long long)warp * WARP_KEYS; base < end;
-                 base += (long long)RLP_ATTS_MMA_WARPS * WARP_KEYS) {
-                bool live = false;
-                int ek = 0;
-                const long long row = rlp_atts_key(block_tables, max_blocks, block_size, num_slots, seq, hkv, g,
-                                                   looks_up ? base + lane : end, end, k_exponents, v_exponents,
-                                                   h0 == 0, key_rows + rowg * keys, live, ek, local_ev, local_flags);
-                int acc[RLP_ATTS_MMA_TILES][2][4];
-#pragma unroll
-                for (int n = 0; n < RLP_ATTS_MMA_TILES; ++n)
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) acc[n][j][c] = 0;
-                const signed char* key_row[RLP_ATTS_MMA_TILES];
-#pragma unroll
-                for (int n = 0; n < RLP_ATTS_MMA_TILES; ++n)
-                    key_row[n] = k_digits + __shfl_sync(0xffffffffu, row, 8 * n + kg) * (2LL * dp) + 16 * kt;
-                for (int c0 = 0; c0 < chunks; c0 += 2) {  // two 64-dim chunks' loads in flight
-                    int4 b[RLP_ATTS_MMA_TILES][2][2];
-#pragma unroll
-                    for (int n = 0; n < RLP_ATTS_MMA_TILES; ++n)
-#pragma unroll
-                        for (int j = 0; j < 2; ++j)
-#pragma unroll
-                            for (int c = 0; c < 2; ++c)
-                                b[n][j][c] = c0 + c < chunks
-                                                 ? __ldg(reinterpret_cast<const int4*>(key_row[n] + j * dp + 64 * (c0 + c)))
-                                                 : make_int4(0, 0, 0, 0);
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        if (c0 + c >= chunks) break;
-                        const int4 a_low = q_digits[kg * pieces + 4 * (c0 + c) + kt];
-                        const int4 a_high = q_digits[(kg + 8) * pieces + 4 * (c0 + c) + kt];
-#pragma unroll
-                        for (int step = 0; step < 2; ++step)
-#pragma unroll
-                            for (int n = 0; n < RLP_ATTS_MMA_TILES; ++n)
-#pragma unroll
-                                for (int j = 0; j < 2; ++j)
-                                    rlp_atts_mma(acc[n][j], rlp_atts_word(a_low, 2 * step),
-                                                 rlp_atts_word(a_high, 2 * step), rlp_atts_word(a_low, 2 * step + 1),
-                                                 rlp_atts_word(a_high, 2 * step + 1), rlp_atts_word(b[n][j][c], 2 * step),
-                                                 rlp_atts_word(b[n][j][c], 2 * step + 1));
-                    }
-                }
-                // C's element c of this lane: row kg + 8 (c / 2), key 2 kt + c % 2
-#pragma unroll
-                for (int n = 0; n < RLP_ATTS_MMA_TILES; ++n)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        row_sums[warp][n][kg + 8 * (c / 2)][2 * kt + c % 2] =
-                            (long long)acc[n][0][c] + 256LL * (long long)acc[n][1][c];
-                __syncwarp();
-#pragma unroll
-                for (int n = 0; n < RLP_ATTS_MMA_TILES; ++n) {
-                    const int key = 8 * n + own_key;  // the warp pass's key whose score this lane forms
-                    const bool key_live = __shfl_sync(0xffffffffu, (int)live, key) != 0;
-                    const int key_ek = __shfl_sync(0xffffffffu, ek, key);
-                    if (key_live && eq != RLP_NONFINITE_EXPONENT) {
-                        const long long s = row_sums[warp][n][3 * own_head][own_key] +
-                                            256LL * (row_sums[warp][n][3 * own_head + 1][own_key] +
-                                                     256LL * row_sums[warp][n][3 * own_head + 2][own_key]);
-                        const float score = rlp_att_score(s, eq, key_ek, scale);
-                        scores[(rowg * keys + base + key) * group + h0 + own_head] = score;
-                        local_key = max(local_key, rlp_att_order_key(score));
-                    }
-                }
-                __syncwarp();  // the next pass overwrites row_sums
-            }
-            // each head's largest key over its 8 lanes of every warp, then one atomic per warp and head
-            for (int mask = 4; mask > 0; mask >>= 1) local_key = max(local_key, rlp_segment_xor_u32(local_key, mask));
-            if (own_key == 0 && own_head < nb) atomicMax(&head_key[own_head], local_key);
             rlp_block_max_u32(&max_ev, local_ev);
             rlp_block_or_u32(&flags, local_flags);
             __syncthreads();

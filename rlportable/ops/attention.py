@@ -2,7 +2,7 @@
 
 Contract: contracts/attention.toml; reference: rlportable/contract/attention.py;
 kernels: backends/{cuda,hip}/attention.* (attention_paged, attention_write_kv; the split-KV decode
-path attention_split_scores (attention_split_scores_mma on CUDA sources) / _values (or _values_h2 for groups of at most 2 q heads per kv head) /
+path attention_split_scores / _values (or _values_h2 for groups of at most 2 q heads per kv head) /
 _combine, METHODS "split").
 
 The KV cache stores every (slot, kv head) row of K and V ENCODED, exactly as
@@ -51,8 +51,7 @@ GRID_LIMIT = 1 << 20  # grid-stride beyond this many blocks
 #:   "portable": attention_paged, one block per (query, head), scalar int64 arithmetic (CUDA and HIP);
 #:   "mma": attention_paged_mma_d128 / _d256, CUDA sources only (mma.sync int8 tensor cores), 64 query
 #:          rows x one head per block, padded head_dim <= 256;
-#:   "split": attention_split_scores (or _scores_mma, CUDA sources only) / _values / _combine (CUDA and
-#:          HIP), split-KV decode: one block per
+#:   "split": attention_split_scores / _values / _combine (CUDA and HIP), split-KV decode: one block per
 #:          (query row, kv head, key range) with all the group's q heads, K and V read once per group;
 #:   "auto": "mma" where it exists and the call has enough queries per sequence (prefill), else "split"
 #:          where it exists (decode), else "portable".
@@ -267,12 +266,6 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
     return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
 
 
-def split_scores_kernel(backend: Backend) -> str:
-    """The score kernel: on CUDA sources the one on the int8 tensor cores (mma.sync, sm_80 on; its dp4a
-    twin spent its time issuing instructions), elsewhere the dp4a one. The same bits."""
-    return "attention_split_scores_mma" if backend.kernel_vendor == "cuda" else "attention_split_scores"
-
-
 def split_values_kernel(group: int) -> str:
     """The value kernel for a group of q heads per kv head: groups of 1 or 2 take the build with 2 heads
     per round (half the register sums, more keys in flight), larger groups rounds of SPLIT_VALUE_HEADS."""
@@ -422,7 +415,7 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
              np.int64(cache.num_slots))
     cut = (np.int32(splits), np.int32(chunk))
     grid, block = (min(group_rows * splits, GRID_LIMIT),), (SPLIT_THREADS,)
-    backend.launch("attention", split_scores_kernel(backend), grid, block,
+    backend.launch("attention", "attention_split_scores", grid, block,
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +
                    (scores, key_rows, split_keys, split_info, query_bad))

@@ -9,7 +9,8 @@ multiprocessor) compiled with the runtime's options; each runs ops/attention.att
 (method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
 variant's output is compared bitwise with the unedited kernels' (the tunings must not move a bit;
 conform checks those against the reference). One JSON line per measurement.
-RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants; RLP_PROBE_EXPONENTS=flat gives
+RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants; RLP_PROBE_KV_LENGTHS=16,128,... the keys per
+query row (default 384,1024); RLP_PROBE_EXPONENTS=flat gives
 every cache row exponent 0 (scores of a model's spread; default "spread", see EXPONENTS). With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
 runs first as variant "baseline", with enough dynamic shared memory for the earlier value kernel.
 """
@@ -25,7 +26,7 @@ from rlportable.runtime.base import _inline_includes, kernel_source_path
 from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_variants.py
 
 SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
-KV_LENGTHS = (384, 1024)
+KV_LENGTHS = tuple(int(n) for n in os.environ.get("RLP_PROBE_KV_LENGTHS", "384,1024").split(","))
 MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
 KEYS_PER_SPLIT = (512, 256, 128)
 # RLP_PROBE_EXPONENTS: "spread" (K/V row exponents in [-4, 4): scores over a range so wide that most

@@ -1,6 +1,6 @@
 """The block-per-row kernels at decode sizes (256 rows of a Qwen3-0.6B step) over block sizes.
 
-    PYTHONPATH=$PWD python3 scripts/probe_row_kernels.py [results.json]
+    PYTHONPATH=$PWD [RLP_PROBE_ROWS=4096] python3 scripts/probe_row_kernels.py [results.json]
 
 norm_add_rmsnorm with the encoding (H = 1024), fixedpoint_encode_rows (K = 2048, the o projection's
 input) and activation_swiglu_encode (H = 3072), each launched with 128 to 1024 threads a row; every
@@ -11,6 +11,8 @@ each timed by CUDA events over repeated launches. Prints one JSON line per measu
 one segment of 32 lanes per row: bench/results/row_kernels_probe_h200.json.)
 """
 
+import os
+
 import cupy as cp
 import numpy as np
 
@@ -18,7 +20,7 @@ from rlportable.runtime import get_backend
 
 from kernel_variants import emit, load, mean_us, write  # scripts/kernel_variants.py
 
-ROWS = 256
+ROWS = int(os.environ.get("RLP_PROBE_ROWS", "256"))  # 256: a decode step; 4096: a prefill step's token budget
 THREADS = (256, 128, 512, 1024)
 
 

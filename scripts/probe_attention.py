@@ -58,6 +58,18 @@ def _define(name: str, value: int):
     return lambda s: edit(s, f"#define {name} ", f"#define {name} {value} //")
 
 
+def _threads(threads: int, score_blocks: int, value_blocks: int):
+    """Blocks of `threads` (the op's SPLIT_THREADS follows: THREAD_COUNTS), more of them per multiprocessor."""
+    def change(s):
+        s = edit(s, "#define RLP_ATTS_THREADS 128 ", f"#define RLP_ATTS_THREADS {threads} ")
+        return _bounds(VALUE_H2_BOUNDS, value_blocks)(_bounds(SCORE_BOUNDS, score_blocks)(s))
+    return change
+
+
+#: variant -> the split kernels' block size (ops/attention.SPLIT_THREADS) it is built for
+THREAD_COUNTS = {"threads_64": 64, "threads_64_values_10": 64, "threads_32": 32}
+
+
 def _no_weight_loads(s):  # timing only (other bits): the weight phase without its global loads
     s = edit(s, WEIGHT_ROW, "const long long info = (((j + 16 * seq) * hkv + g) << 16) | RLP_ATT_EV_OFFSET;")
     return edit(s, WEIGHT_SCORE, "if (hi < nb) s[u][hi] = 0.0f;")
@@ -97,6 +109,9 @@ VARIANTS = {
     "values_zero_weights (timing only)": _zero_weights,
     "values_fast_exp_zero_weights (timing only)": lambda s: _zero_weights(_fast_exp(s)),
     "values_no_products (timing only)": _no_value_products,
+    "threads_64": _threads(64, 16, 12),
+    "threads_64_values_10": _threads(64, 16, 10),
+    "threads_32": _threads(32, 32, 24),
     "value_keys_8": _define("RLP_ATTS_VALUE_KEYS", 8),
     "value_heads_2": _define("RLP_ATTS_VALUE_HEADS", 2),
     "value_keys_16": _define("RLP_ATTS_VALUE_KEYS", 16),
@@ -188,6 +203,7 @@ def main():
         for variant, (text, shared, keys) in variants(source).items():
             module = load(text, "attention", options)
             attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
+            attention.SPLIT_THREADS = THREAD_COUNTS.get(variant, 128)
             backend._modules["attention"], backend._functions = module, {}
             run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split",
                                                     keys_per_split=keys)

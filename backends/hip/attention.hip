@@ -624,11 +624,7 @@ __device__ __forceinline__ void rlp_atts_values(
                 long long parts[HEADS];
 #pragma unroll
                 for (int hi = 0; hi < HEADS; ++hi) parts[hi] = 0;
-                const int span = (int)rlp_atts_min_ll(end - base, (long long)RLP_ATTS_TILE);
-                // the keys the value phase reads: the tile's keys up to its last stride of keys in flight (those
-                // past the split's end take weight 0), not the whole tile
-                const int filled = (span + stride - 1) / stride * stride;
-                for (int k0 = threadIdx.x; k0 < filled; k0 += RLP_ATTS_WEIGHT_KEYS * blockDim.x) {
+                for (int k0 = threadIdx.x; k0 < RLP_ATTS_TILE; k0 += RLP_ATTS_WEIGHT_KEYS * blockDim.x) {
                     long long offset[RLP_ATTS_WEIGHT_KEYS];
                     int ev[RLP_ATTS_WEIGHT_KEYS];
                     float s[RLP_ATTS_WEIGHT_KEYS][HEADS];
@@ -637,7 +633,7 @@ __device__ __forceinline__ void rlp_atts_values(
                         const int k = k0 + u * (int)blockDim.x;
                         const long long j = base + k;
                         offset[u] = -1;  // past the tile or the split: no key (a valid slot otherwise: flags == 0)
-                        if (k < filled && j < end) {
+                        if (k < RLP_ATTS_TILE && j < end) {
                             const long long info = key_rows[rowg * keys + j];
                             offset[u] = info >> 16;
                             ev[u] = (int)(info & 0xffff) - RLP_ATT_EV_OFFSET;
@@ -649,7 +645,7 @@ __device__ __forceinline__ void rlp_atts_values(
 #pragma unroll
                     for (int u = 0; u < RLP_ATTS_WEIGHT_KEYS; ++u) {
                         const int k = k0 + u * (int)blockDim.x;
-                        if (k >= filled) continue;
+                        if (k >= RLP_ATTS_TILE) continue;
                         const bool live = offset[u] >= 0;
                         key_offsets[k] = live ? offset[u] * (2LL * dp) : 0;  // no key: row 0, weight 0
 #pragma unroll
@@ -672,10 +668,11 @@ __device__ __forceinline__ void rlp_atts_values(
                     rlp_block_sum_i64(&head_weights[hi], (long long)((unsigned long long)parts[hi] >> 32));
                 }
                 __syncthreads();
+                const int span = (int)rlp_atts_min_ll(end - base, (long long)RLP_ATTS_TILE);
                 for (int k0 = lane; lane < lanes && k0 < span; k0 += stride) {
                     int low[KEYS], high[KEYS];
 #pragma unroll
-                    for (int u = 0; u < KEYS; ++u) {  // keys up to `filled`: past the split, weights 0
+                    for (int u = 0; u < KEYS; ++u) {  // keys up to the tile's end: weights 0
                         const signed char* row = v_digits + key_offsets[k0 + u * lanes] + column;
                         low[u] = *reinterpret_cast<const int*>(row);
                         high[u] = *reinterpret_cast<const int*>(row + dp);

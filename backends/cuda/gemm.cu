@@ -606,11 +606,14 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 
     // P_i = acc[0] + 256 acc[1] per element, exact in int64. Every warpgroup stores its P_i in the
     // accumulator layout itself, [i][register][thread] (which all three share: conflict-free), then
-    // warpgroup w rounds the register pairs p = w, w + 3, ...: S = P_0 + 256 P_1 + 65536 P_2.
+    // warpgroup w rounds the register pairs p = w, w + 3, ...: S = P_0 + 256 P_1 + 65536 P_2. A warpgroup
+    // keeps the P_i of the pairs it rounds itself in its registers (a third of the exchange's traffic).
     long long* partial = reinterpret_cast<long long*>(slab);
+    const int own = split * RLP_A_DIGITS + wg;  // this warpgroup rounds the pairs p with p % (3 SPLITS) == own
 #pragma unroll
     for (int r = 0; r < R; ++r)
-        partial[(wg * R + r) * 128 + tid] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
+        if ((r / 2) % (RLP_A_DIGITS * SPLITS) != own)
+            partial[(wg * R + r) * 128 + tid] = (long long)acc[0][r] + 256LL * (long long)acc[1][r];
     if constexpr (SPLITS == 1) __syncthreads();
     else rlp_cluster_sync();
     const long long* parts[SPLITS];
@@ -619,7 +622,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
 #pragma unroll
     for (int pair = 0; pair < R / 2; ++pair) {
-        if (pair % (RLP_A_DIGITS * SPLITS) != split * RLP_A_DIGITS + wg) continue;
+        if (pair % (RLP_A_DIGITS * SPLITS) != own) continue;
         // registers 2 pair, 2 pair + 1 of thread (warp, g, q): one row, two adjacent columns
         const int row = m0 + 16 * warp + g + 8 * (pair % 2), col = n0 + 8 * (pair / 2) + 2 * q;
         if (row >= m) continue;
@@ -627,10 +630,16 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int i = (2 * pair + c) * 128 + tid;
-            long long s = 0;
+            const long long mine = (long long)acc[0][2 * pair + c] + 256LL * (long long)acc[1][2 * pair + c];
+            long long s = 0;  // the sum over the cluster's blocks of P_0 + 256 P_1 + 65536 P_2 (exact)
 #pragma unroll
-            for (int b = 0; b < SPLITS; ++b)
-                s += parts[b][i] + 256LL * (parts[b][R * 128 + i] + 256LL * parts[b][2 * R * 128 + i]);
+            for (int b = 0; b < SPLITS; ++b) {
+                long long block_sum = 0;
+#pragma unroll
+                for (int d = RLP_A_DIGITS - 1; d >= 0; --d)
+                    block_sum = 256LL * block_sum + (b == split && d == wg ? mine : parts[b][d * R * 128 + i]);
+                s += block_sum;
+            }
             out[c] = col + c < n ? rlp_gemm_output_small(s, tile_ea[row - m0], tile_ew[col + c - n0], scale_offset)
                                  : 0.0f;
         }

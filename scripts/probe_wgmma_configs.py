@@ -9,6 +9,7 @@ without splits (the same exact integers, so the same bits). Prints one JSON line
 """
 
 import itertools
+import os
 
 import cupy as cp
 import numpy as np
@@ -24,7 +25,7 @@ SPLITS = (1, 2, 4)
 #: (name, N, K) of Qwen3-0.6B's projections, and q/k/v and gate/up as one product each
 SHAPES = [("q", 2048, 1024), ("k", 1024, 1024), ("o", 1024, 2048), ("gate", 3072, 1024), ("down", 1024, 3072),
           ("qkv", 4096, 1024), ("gate_up", 6144, 1024), ("lm_head", 151936, 1024)]
-M = 256
+M = int(os.environ.get("RLP_PROBE_M", "256"))  # rows (a decode batch)
 
 
 def shared_bytes(bn: int, stages: int) -> int:

@@ -174,6 +174,7 @@ def test_tile_choice_and_availability():
 
     assert gemm_fused.pick_tile(256, 1024, wgmma=True) == "w64x32"  # few tiles: the narrow ones
     assert gemm_fused.pick_tile(256, 1024, wgmma=True, k=2048) == "w64x64s2"  # ... unless K is long: split-K
+    assert gemm_fused.pick_tile(128, 1024, wgmma=True, k=3072) == "w64x32s2"  # ... in 64 x 32 for fewer rows
     assert gemm_fused.pick_tile(256, 2048, wgmma=True) == "w64x64"
     assert gemm_fused.pick_tile(256, 4096, wgmma=True) == "w64x128"  # q/k/v stacked: one wave of 64 x 128
     assert gemm_fused.pick_tile(256, 6144, wgmma=True) == "w64x64"  # gate/up stacked: 1.5 waves of 64 x 128

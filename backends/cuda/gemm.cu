@@ -668,5 +668,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3, 1)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4, 1)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4, 1)
-// split-K over clusters of two: for the few tiles of a long K at decode sizes (o and down at M = 256)
+// split-K over clusters of two: for the few tiles of a long K at decode sizes (o and down at M = 256;
+// 64 x 32 at M = 128, two blocks per multiprocessor)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_split2, 64, 4, 2)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32_split2, 32, 3, 2)

@@ -65,6 +65,10 @@ WGMMA_NARROW_BELOW_TILES = 96
 #: ... unless K is this long: then 64 x 64 tiles split in two along K (wgmma_configs_h200.json, M = 256,
 #: N = 1024: K = 2048 16 against 21 us, K = 3072 21 against 29; K = 1024 about even)
 WGMMA_SPLIT_FROM_K = 2048
+#: ... and in 64 x 32 tiles while those split blocks fit one per multiprocessor (wgmma_configs_own_partials_m128_h200
+#: .json, M = 128, N = 1024: K = 2048 11.1 against 13.7 us, K = 3072 13.5 against 16.7; at M = 256, 256 blocks,
+#: 64 x 64 stays faster)
+WGMMA_NARROW_SPLIT_MAX_BLOCKS = 132
 
 
 def _wgmma(cols, splits=1):
@@ -86,6 +90,7 @@ FUSED_TILES = {
     "w64x64": _wgmma(64),
     "w64x128": _wgmma(128),
     "w64x64s2": _wgmma(64, splits=2),
+    "w64x32s2": _wgmma(32, splits=2),
 }
 #: most outputs one wgmma launch writes (q, k and v)
 WGMMA_OUTPUTS = 3
@@ -109,13 +114,15 @@ def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
 
     wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17.
     The widest tile that still spreads over the multiprocessors: 64 x 32 while 64 x 64 tiles would
-    leave most of them idle (64 x 64 split along K for a long K), 64 x 128 when those fill one wave
-    or from two waves on. The sweeps measured M = 64, 256, 4096 and 16384 only: the row bounds
+    leave most of them idle (split along K for a long K: 64 x 32 while that is one block per
+    multiprocessor at most, else 64 x 64), 64 x 128 when those fill one wave or from two waves on. The sweeps measured M = 64, 256, 4096 and 16384 only: the row bounds
     between them (17, 65) are interpolated, not measured."""
     if wgmma and (m > 64 or (m > 16 and n >= 4096)):
         row_blocks = -(-m // WGMMA_ROWS)
         if row_blocks * -(-n // 64) < WGMMA_NARROW_BELOW_TILES:
-            return "w64x64s2" if k >= WGMMA_SPLIT_FROM_K else "w64x32"
+            if k < WGMMA_SPLIT_FROM_K:
+                return "w64x32"
+            return "w64x32s2" if row_blocks * -(-n // 32) * 2 <= WGMMA_NARROW_SPLIT_MAX_BLOCKS else "w64x64s2"
         wide_tiles = row_blocks * -(-n // 128)
         one_wave = WGMMA_ONE_WAVE[0] <= wide_tiles <= WGMMA_ONE_WAVE[1]
         return "w64x128" if one_wave or wide_tiles >= WGMMA_WIDE_FROM_TILES else "w64x64"

@@ -48,8 +48,8 @@ def _bounds(anchor: str, blocks: int):
     return lambda s: edit(s, anchor, anchor.replace(built, f"(RLP_ATTS_THREADS, {blocks})"))
 
 
-WEIGHT_ROW = "const long long info = key_rows[rowg * keys + j];"
-WEIGHT_SCORE = "if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];"
+WEIGHT_ROW = "const long long info = first ? first_info : key_rows[rowg * keys + j];"
+WEIGHT_SCORE = "if (hi < nb) s[u][hi] = first ? first_s[hi] : scores[(rowg * keys + j) * group + h0 + hi];"
 V_LOW = "low[u] = __ldg(reinterpret_cast<const int*>(row));"
 V_HIGH = "high[u] = __ldg(reinterpret_cast<const int*>(row + dp));"
 
@@ -109,6 +109,9 @@ VARIANTS = {
     "values_zero_weights (timing only)": _zero_weights,
     "values_fast_exp_zero_weights (timing only)": lambda s: _zero_weights(_fast_exp(s)),
     "values_no_products (timing only)": _no_value_products,
+    "score_no_first_block": lambda s: edit(s, "h0 == 0 && base == lo\n                        ? rlp_att_block_slot",
+                                           "false\n                        ? rlp_att_block_slot"),
+    "score_7_blocks": _bounds(SCORE_BOUNDS, 7),
     "threads_64": _threads(64, 16, 12),
     "threads_64_values_10": _threads(64, 16, 10),
     "threads_32": _threads(32, 32, 24),
@@ -178,11 +181,14 @@ def kernel_times(backend, run, reps: int = 5) -> dict:
 def variants(source: str) -> dict:
     """Variant name -> (source, dynamic shared memory of the value kernel or None: the op's own, keys per
     split or None: split_plan's choice)."""
-    made = {name: (change(source), None, None) for name, change in VARIANTS.items()}
-    made.update({f"keys_per_split_{keys}": (source, None, keys) for keys in KEYS_PER_SPLIT})
     chosen = os.environ.get("RLP_PROBE_VARIANTS")  # a comma-separated subset of the names
-    if chosen:
-        made = {name: made[name] for name in chosen.split(",")}
+    names = chosen.split(",") if chosen else list(VARIANTS) + [f"keys_per_split_{keys}" for keys in KEYS_PER_SPLIT]
+    made = {}
+    for name in names:  # only the chosen variants' edits are made: an anchor one of them lost stops only it
+        if name.startswith("keys_per_split_"):
+            made[name] = (source, None, int(name.rsplit("_", 1)[1]))
+        elif name != "baseline":
+            made[name] = (VARIANTS[name](source), None, None)
     baseline = os.environ.get("RLP_PROBE_BASELINE")
     if baseline:
         text = _inline_includes(open(baseline).read(), kernel_source_path("cuda", "attention").parent, seen=set())

@@ -566,6 +566,7 @@ __device__ __forceinline__ void rlp_atts_values(
     const int lane = (int)threadIdx.x / row_threads;  // >= lanes: no key row (only where dp does not divide)
     const int column = RLP_ATTS_COLUMNS * ((int)threadIdx.x - lane * row_threads);
     constexpr int KEYS = HEADS <= 2 ? 2 * RLP_ATTS_VALUE_KEYS : RLP_ATTS_VALUE_KEYS;  // the registers 2 heads free
+    constexpr bool PREFETCH = HEADS <= 2;  // the first round's loads issued with the item's (below)
     const int stride = KEYS * lanes;  // divides RLP_ATTS_TILE
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
@@ -574,6 +575,27 @@ __device__ __forceinline__ void rlp_atts_values(
         const int split = (int)(item - rowg * splits);
         const long long token = rowg / hkv;
         const int g = (int)(rowg - token * hkv);
+        // What the first round reads before its weights, loaded at once (one round trip, not three): the
+        // row's position, the splits' E and flags (below), the round's head maxima and query flags, and this
+        // thread's first key of the first tile (its row and scores, used only if the key is in the split).
+        // The 2-head build only (PREFETCH): the 4-head one has no registers to spare (it spilled).
+        const long long first_qrow = token * hq + (long long)g * group;
+        const int first_heads = rlp_atts_min(group, HEADS);
+        unsigned int first_key = 0u, first_bad = 0u;
+        if (PREFETCH && (int)threadIdx.x < first_heads) {
+            for (int s = 0; s < splits; ++s)
+                first_key = rlp_max_u32(first_key, split_keys[(first_qrow + threadIdx.x) * splits + s]);
+            first_bad = query_bad[first_qrow + threadIdx.x];
+        }
+        const long long first_j = (long long)split * chunk + threadIdx.x;
+        long long first_info = 0;
+        float first_s[HEADS];
+        if (PREFETCH && (int)threadIdx.x < RLP_ATTS_TILE && (int)threadIdx.x < chunk) {
+            first_info = key_rows[rowg * keys + first_j];
+#pragma unroll
+            for (int hi = 0; hi < HEADS; ++hi)
+                if (hi < first_heads) first_s[hi] = scores[(rowg * keys + first_j) * group + hi];
+        }
         const int seq = q_seq[token];
         const int t = q_pos[token];
         const bool bad_row = seq < 0 || seq >= num_seqs || t < 0;
@@ -599,11 +621,14 @@ __device__ __forceinline__ void rlp_atts_values(
             if (threadIdx.x == 0) any_ok = 0;
             __syncthreads();
             for (int hi = threadIdx.x; hi < nb; hi += blockDim.x) {
-                unsigned int key = 0u;
-                for (int s = 0; s < splits; ++s) key = rlp_max_u32(key, split_keys[(qrow0 + hi) * splits + s]);
+                const bool first = PREFETCH && h0 == 0 && hi == (int)threadIdx.x;  // loaded with the item
+                unsigned int key = first ? first_key : 0u;
+                if (!first)
+                    for (int s = 0; s < splits; ++s) key = rlp_max_u32(key, split_keys[(qrow0 + hi) * splits + s]);
                 const float m = rlp_att_from_order_key(key);
                 // as attention_paged: m = +-inf (a score overflowed) poisons the row
-                const bool ok = row_ok && query_bad[qrow0 + hi] == 0u && rlp_magnitude_bits(m) < 0x7f800000u;
+                const unsigned int bad = first ? first_bad : query_bad[qrow0 + hi];
+                const bool ok = row_ok && bad == 0u && rlp_magnitude_bits(m) < 0x7f800000u;
                 head_m[hi] = m;
                 head_ok[hi] = ok ? 1 : 0;
                 head_total[hi] = 0ull;
@@ -634,12 +659,13 @@ __device__ __forceinline__ void rlp_atts_values(
                         const long long j = base + k;
                         offset[u] = -1;  // past the tile or the split: no key (a valid slot otherwise: flags == 0)
                         if (k < RLP_ATTS_TILE && j < end) {
-                            const long long info = key_rows[rowg * keys + j];
+                            const bool first = PREFETCH && h0 == 0 && base == lo && k == (int)threadIdx.x;  // loaded with the item
+                            const long long info = first ? first_info : key_rows[rowg * keys + j];
                             offset[u] = info >> 16;
                             ev[u] = (int)(info & 0xffff) - RLP_ATT_EV_OFFSET;
 #pragma unroll
                             for (int hi = 0; hi < HEADS; ++hi)
-                                if (hi < nb) s[u][hi] = scores[(rowg * keys + j) * group + h0 + hi];
+                                if (hi < nb) s[u][hi] = first ? first_s[hi] : scores[(rowg * keys + j) * group + h0 + hi];
                         }
                     }
 #pragma unroll

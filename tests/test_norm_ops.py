@@ -483,3 +483,56 @@ def test_rmsnorm_heads_rope_launches_one_kernel_up_to_the_fused_head_dim(vendor)
         with pytest.raises(InputError, match="rmsnorm_heads_rope: position 8 is outside"):
             norm.rmsnorm_heads_rope(device, q, k, np.ones(d, np.float32), np.ones(d, np.float32), 1e-6,
                                     np.array([0, 8, 3], np.int32), cos, sin)
+
+
+def test_rmsnorm_heads_rope_write_kv_is_the_rotation_then_the_cache_write():
+    """On cpu the two ops in turn (the device kernel is checked against them by conform); the cache gets
+    write_kv's bytes of the rotated k and of v, a negative slot writes nothing, and bad caches or slots are
+    refused with write_kv's errors."""
+    from rlportable.ops import attention, rope
+
+    cpu = get_backend("cpu")
+    rng = np.random.default_rng(12)
+    tokens, hq, hk, d = 4, 4, 2, 16
+    q, k, v = (rng.standard_normal((tokens, h, d)).astype(np.float32) for h in (hq, hk, hk))
+    wq, wk = (rng.standard_normal(d).astype(np.float32) for _ in range(2))
+    cos, sin = rope.tables(cpu, 32, d, 10000.0)
+    positions = rng.integers(0, 32, tokens).astype(np.int32)
+    slots = np.array([5, -1, 0, 9], np.int32)
+    fused, separate = (attention.KVCache.allocate(cpu, 12, hk, d, block_size=4) for _ in range(2))
+    got = norm.rmsnorm_heads_rope_write_kv(cpu, q, k, v, wq, wk, 1e-6, positions, cos, sin, fused, slots)
+    want = norm.rmsnorm_heads_rope(cpu, q, k, wq, wk, 1e-6, positions, cos, sin)
+    attention.write_kv(cpu, separate, want[1], v, slots)
+    for a, b in zip(got, want):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    for name in ("k_digits", "k_exponents", "v_digits", "v_exponents"):
+        assert np.array_equal(getattr(fused, name), getattr(separate, name)), name
+    assert not fused.k_digits[1].any() and fused.k_digits[5].any()  # slot 1 untouched, slot 5 written
+    with pytest.raises(InputError, match="write_kv: slot 12 is outside"):
+        norm.rmsnorm_heads_rope_write_kv(cpu, q, k, v, wq, wk, 1e-6, positions, cos, sin, fused,
+                                         np.array([0, 1, 2, 12], np.int32))
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_rmsnorm_heads_rope_write_kv_launches_one_kernel(vendor):
+    """One launch for the q, k and v rows (a segment of 32 lanes each), up to the cache's largest head_dim,
+    its arguments the kernel's parameters in both sources."""
+    from rlportable.ops import attention
+
+    parameters = kernel_parameters(vendor, "norm")
+    tokens, hq, hk = 3, 4, 2
+    for d in (128, attention.MAX_HEAD_DIM):
+        device = RecordingDevice(vendor)
+        q, k, v = (np.zeros((tokens, h, d), np.float32) for h in (hq, hk, hk))
+        cos, sin = np.ones((8, d // 2), np.float32), np.zeros((8, d // 2), np.float32)
+        cache = attention.KVCache.allocate(device, 16, hk, d, block_size=4)
+        slots = np.array([3, -1, 7], np.int32)
+        q_out, k_out = norm.rmsnorm_heads_rope_write_kv(device, q, k, v, np.ones(d, np.float32),
+                                                        np.ones(d, np.float32), 1e-6, np.array([0, 7, 3], np.int32),
+                                                        cos, sin, cache, slots)
+        (launch,) = device.launches
+        assert launch.kernel == "norm_rmsnorm_heads_rope_write_kv" and (q_out.shape, k_out.shape) == (q.shape, k.shape)
+        _assert_arguments_match(parameters, device.launches)
+        assert launch.grid == (-(-tokens * (hq + 2 * hk) // 8),) and launch.block == (256,)
+        assert all(launch.args[i] is array for i, array in ((0, q), (1, k), (2, v), (13, q_out), (14, k_out)))
+        assert launch.args[-4] is cache.k_digits and launch.args[-1] is cache.v_exponents

@@ -230,3 +230,29 @@ __device__ __forceinline__ int rlp_segment_row_exponent(const float* row, int k)
     for (int i = rlp_segment_lane(); i < k; i += RLP_SEGMENT) local = max(local, rlp_magnitude_bits(row[i]));
     return rlp_row_exponent(rlp_segment_max_u32(local));
 }
+
+// ---- The KV cache's row encoding (contracts/attention.toml: fixedpoint.encode_rows at 15 bits, 2 ascending
+// digits, the row padded to dp with zero digits), shared by attention_write_kv and norm's fused QK-norm +
+// RoPE + cache write, so that both write the same bytes.
+#define RLP_KV_BITS 15
+#define RLP_KV_SLICES 2
+
+// The KV digits of element i (its value x) of a row with exponent e, to out[i] and out[dp + i]; an element
+// past the row (i >= d) or of a non-finite row gets zero digits.
+__device__ __forceinline__ void rlp_kv_store_element(float x, bool in_row, int e, int i, int dp, signed char* out) {
+    long long qv = (in_row && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(x, RLP_KV_BITS, e) : 0;
+    for (int j = 0; j < RLP_KV_SLICES; ++j) {
+        const long long digit = ((qv + 128) & 255) - 128;
+        qv = (qv - digit) >> 8;
+        out[(long long)j * dp + i] = (signed char)digit;
+    }
+}
+
+// One KV row xr[0 .. d-1] encoded by its segment: the exponent to *exponent (lane 0), the digits to out
+// ([2, dp] int8).
+__device__ __forceinline__ void rlp_segment_write_kv_row(const float* xr, int d, int dp, signed char* out,
+                                                         int* exponent) {
+    const int e = rlp_segment_row_exponent(xr, d);
+    if (rlp_segment_lane() == 0) *exponent = e;
+    for (int i = rlp_segment_lane(); i < dp; i += RLP_SEGMENT) rlp_kv_store_element(i < d ? xr[i] : 0.0f, i < d, e, i, dp, out);
+}

@@ -20,8 +20,7 @@
 #endif
 
 #define RLP_ATT_Q_BITS 23
-#define RLP_ATT_KV_BITS 15
-#define RLP_ATT_KV_SLICES 2
+#define RLP_ATT_KV_BITS RLP_KV_BITS  // the cache's encoding (common: RLP_KV_BITS, RLP_KV_SLICES)
 #define RLP_ATT_SCORE_SHIFT 34  // (Q_BITS - 2) + (KV_BITS - 2)
 #define RLP_ATT_P_SHIFT 21      // P_BITS - 2: p is counted in units of 2^-21
 #define RLP_ATT_V_SHIFT 13      // KV_BITS - 2
@@ -226,18 +225,9 @@ extern "C" __global__ void attention_write_kv(
         const long long slot = slots[token];
         if (slot < 0 || slot >= num_slots) continue;  // segment-uniform
         const long long cache_row = slot * hkv + (r - token * hkv);
-        const float* xr = (is_value ? v : k) + r * (long long)d;
-        signed char* out = (is_value ? v_digits : k_digits) + cache_row * (2LL * dp);
-        const int e = rlp_segment_row_exponent(xr, d);
-        if (rlp_segment_lane() == 0) (is_value ? v_exponents : k_exponents)[cache_row] = e;
-        for (int i = rlp_segment_lane(); i < dp; i += RLP_SEGMENT) {
-            long long qv = (i < d && e != RLP_NONFINITE_EXPONENT) ? rlp_quantize(xr[i], RLP_ATT_KV_BITS, e) : 0;
-            for (int j = 0; j < RLP_ATT_KV_SLICES; ++j) {
-                long long digit = ((qv + 128) & 255) - 128;
-                qv = (qv - digit) >> 8;
-                out[(long long)j * dp + i] = (signed char)digit;
-            }
-        }
+        rlp_segment_write_kv_row((is_value ? v : k) + r * (long long)d, d, dp,
+                                 (is_value ? v_digits : k_digits) + cache_row * (2LL * dp),
+                                 (is_value ? v_exponents : k_exponents) + cache_row);
     }
 }
 

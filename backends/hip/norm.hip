@@ -154,6 +154,71 @@ extern "C" __global__ void norm_rmsnorm_heads_rope(
     }
 }
 
+// norm_rmsnorm_heads_rope and then attention_write_kv in one launch (contracts/norm.toml
+// rmsnorm_heads_rope_write_kv; the decode and prefill steps of the engine): rows are the tokens' q heads,
+// their k heads, then their v heads, one segment per row. q and k rows are normalised and rotated as
+// norm_rmsnorm_heads_rope does, to q_out and k_out; a k row's outputs also stay in its lanes' registers
+// and are encoded from there into the cache (common's KV encoding), and a v row is encoded as
+// attention_write_kv encodes it. A token whose slot lies outside [0, num_slots) writes no cache row. d <= 512
+// (the cache's head dims: RLP_NORM_KV_PAIRS pairs per lane). Bitwise the two launches.
+#define RLP_NORM_KV_PAIRS 8  // rotation pairs per lane of a k row: d / 2 <= 8 * 32
+extern "C" __global__ void norm_rmsnorm_heads_rope_write_kv(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ wq, const float* __restrict__ wk, long long tokens, int hq, int hk, int d, double eps,
+    const int* __restrict__ positions, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+    float* __restrict__ q_out, float* __restrict__ k_out, const int* __restrict__ slots, long long num_slots,
+    int dp, signed char* __restrict__ k_digits, int* __restrict__ k_exponents, signed char* __restrict__ v_digits,
+    int* __restrict__ v_exponents) {
+    const long long q_rows = tokens * hq, k_rows = tokens * hk, rows = q_rows + 2 * k_rows;
+    const int half = d / 2;
+    for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
+        const int kind = row < q_rows ? 0 : (row < q_rows + k_rows ? 1 : 2);  // q, k or v: segment-uniform
+        const long long head_row = row - (kind == 0 ? 0 : (kind == 1 ? q_rows : q_rows + k_rows));
+        const long long token = head_row / (kind == 0 ? hq : hk);
+        long long cache_row = -1;  // the k or v row's place in the cache (-1: none)
+        if (kind != 0) {
+            const long long slot = slots[token];
+            if (slot >= 0 && slot < num_slots) cache_row = slot * hk + (head_row - token * hk);
+        }
+        if (kind == 2) {
+            if (cache_row >= 0)
+                rlp_segment_write_kv_row(v + head_row * d, d, dp, v_digits + cache_row * (2LL * dp), v_exponents + cache_row);
+            continue;
+        }
+        const float* xr = (kind == 0 ? q : k) + head_row * d;
+        const float* wr = kind == 0 ? wq : wk;
+        const double r = rlp_segment_rmsnorm_factor(xr, d, eps);
+        float* yr = (kind == 0 ? q_out : k_out) + head_row * d;
+        const long long table_row = (long long)positions[token] * (long long)half;
+        float low[RLP_NORM_KV_PAIRS], high[RLP_NORM_KV_PAIRS];  // the lane's outputs at j and half + j
+        unsigned int largest = 0u;
+#pragma unroll
+        for (int p = 0; p < RLP_NORM_KV_PAIRS; ++p) {
+            const int j = rlp_segment_lane() + p * RLP_SEGMENT;
+            if (j >= half) break;
+            rlp_rope_pair((double)rlp_rmsnorm_value(xr[j], r, wr[j]), (double)rlp_rmsnorm_value(xr[half + j], r, wr[half + j]),
+                          (double)cos_table[table_row + j], (double)sin_table[table_row + j], &low[p], &high[p]);
+            yr[j] = low[p];
+            yr[half + j] = high[p];
+            largest = rlp_max_u32(largest, rlp_max_u32(rlp_magnitude_bits(low[p]), rlp_magnitude_bits(high[p])));
+        }
+        if (kind == 0 || cache_row < 0) continue;  // segment-uniform
+        // the k row's cache encoding from the lanes' own outputs: its exponent from their maximum, as
+        // rlp_segment_row_exponent finds it in memory
+        const int e = rlp_row_exponent(rlp_segment_max_u32(largest));
+        signed char* out = k_digits + cache_row * (2LL * dp);
+        if (rlp_segment_lane() == 0) k_exponents[cache_row] = e;
+#pragma unroll
+        for (int p = 0; p < RLP_NORM_KV_PAIRS; ++p) {
+            const int j = rlp_segment_lane() + p * RLP_SEGMENT;
+            if (j >= half) break;
+            rlp_kv_store_element(low[p], true, e, j, dp, out);
+            rlp_kv_store_element(high[p], true, e, half + j, dp, out);
+        }
+        for (int i = d + rlp_segment_lane(); i < dp; i += RLP_SEGMENT) rlp_kv_store_element(0.0f, false, e, i, dp, out);
+    }
+}
+
 // ---- backward: rmsnorm_backward (contracts/norm.toml), reference norm.rmsnorm_backward.
 
 #define RLP_NORM_GRAD_SUM_BITS 44

@@ -10,6 +10,7 @@ from rlportable.conform.primitives import elementwise_inputs
 from rlportable.conform.tally import Tally
 from rlportable.contract import exact
 from rlportable.ops import gemm as gemm_op
+from rlportable.runtime import get_backend
 from rlportable.runtime.base import Backend
 
 from rlportable.contract import (
@@ -130,6 +131,42 @@ def check_norm_rmsnorm_heads_rope(backend: Backend, rng, quick: bool) -> Tally:
                                              backend.asarray(wk), 1e-6, backend.asarray(positions), cos, sin)
             for g, e in zip(got, expected):
                 tally.add(backend.to_numpy(g), e)
+    return tally
+
+
+def check_norm_rmsnorm_heads_rope_write_kv(backend: Backend, rng, quick: bool) -> Tally:
+    """The engine step's QK-norm, RoPE and cache write in one launch, against rmsnorm_heads_rope's reference
+    and the reference cache writer (cpu) in turn: q', k' and every byte of both caches, every row kind in q, k
+    and v, a skipped (negative) slot and the cache's widest head_dim."""
+    from rlportable.ops import attention as attention_op
+
+    tally = Tally()
+    cpu = get_backend("cpu")
+    shapes = ((3, 2, 1, 8), (7, 16, 8, 128)) if quick else ((3, 2, 1, 8), (7, 16, 8, 128), (33, 4, 2, 512),
+                                                            (130, 14, 2, 64))
+    for tokens, hq, hk, d in shapes:
+        table_rows = 64
+        cos, sin = rope_op.tables(backend, table_rows, d, 1_000_000.0)
+        cos_ref, sin_ref = rope_ref.tables(np.arange(table_rows), rope_ref.inverse_frequencies(d, 1_000_000.0))
+        positions = rng.integers(0, table_rows, size=tokens).astype(np.int32)
+        slots = rng.permutation(2 * tokens)[:tokens].astype(np.int32)
+        slots[tokens // 2] = -1  # skipped
+        wq, wk = random_rows(rng, 1, d, "normal")[0], random_rows(rng, 1, d, "normal")[0]
+        for kind in ROW_KINDS:
+            q = random_rows(rng, tokens * hq, d, kind).reshape(tokens, hq, d)
+            k = random_rows(rng, tokens * hk, d, "normal" if kind == "zeros" else kind).reshape(tokens, hk, d)
+            v = random_rows(rng, tokens * hk, d, kind).reshape(tokens, hk, d)
+            expected = norm_ref.rmsnorm_heads_rope(q, k, wq, wk, 1e-6, cos_ref[positions], sin_ref[positions])
+            want = attention_op.KVCache.allocate(cpu, 2 * tokens, hk, d, block_size=4)
+            attention_op.write_kv(cpu, want, expected[1], v, slots)
+            cache = attention_op.KVCache.allocate(backend, 2 * tokens, hk, d, block_size=4)
+            got = norm_op.rmsnorm_heads_rope_write_kv(
+                backend, backend.asarray(q), backend.asarray(k), backend.asarray(v), backend.asarray(wq),
+                backend.asarray(wk), 1e-6, backend.asarray(positions), cos, sin, cache, backend.asarray(slots))
+            for g, e in zip(got, expected):
+                tally.add(backend.to_numpy(g), e)
+            for name in ("k_digits", "k_exponents", "v_digits", "v_exponents"):
+                tally.add(backend.to_numpy(getattr(cache, name)), getattr(want, name))
     return tally
 
 
@@ -320,6 +357,7 @@ FORWARD_OP_CHECKS = [
     ("norm.rmsnorm", check_norm_rmsnorm),
     ("rope.apply", check_rope_apply),
     ("norm.rmsnorm_heads_rope", check_norm_rmsnorm_heads_rope),
+    ("norm.rmsnorm_heads_rope_write_kv", check_norm_rmsnorm_heads_rope_write_kv),
     ("norm.add_rmsnorm", check_norm_add_rmsnorm),
     ("activation.swiglu", check_activation_swiglu),
     ("activation.swiglu_encode", check_activation_swiglu_encode),

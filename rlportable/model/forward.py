@@ -190,16 +190,17 @@ class Model:
 
         parts = attention.step_parts(q_seq)  # the decodes and the prefill chunks, once for every layer
 
-        def paged(q, k, v, index):
-            attention.write_kv(backend, caches[index], k, v, device.slots)
+        def paged(q, k, v, index):  # the layer wrote k and v into caches[index] (cache_writes)
             return attention.attention_step(backend, q, device.q_seq, device.positions, caches[index],
                                             device.block_tables, parts)
 
-        return self._forward(tokens, positions, paged, device.positions, device_tokens=device.tokens)
+        return self._forward(tokens, positions, paged, device.positions, device_tokens=device.tokens,
+                             cache_writes=lambda index: (caches[index], device.slots))
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, attend, device_positions=None, saved=None,
-                 device_tokens=None):
+                 device_tokens=None, cache_writes=None):
         """Embedding, the layers (attention by attend(q, k, v, layer_index)), final norm.
+        cache_writes(layer_index) -> (KVCache, slots): each layer writes its k and v there before attend.
 
         tokens and positions are host arrays: their ranges are checked here once, not by
         every op on the device. `saved`, a list, receives each layer's input and the final
@@ -224,7 +225,8 @@ class Model:
             if saved is not None:
                 saved.append(x)
             x2, mlp_out = self._layer(layer, x, (device_positions, positions), cos, sin,
-                                      lambda q, k, v, i=index: attend(q, k, v, i), h1=h, h1_encoded=h_encoded)
+                                      lambda q, k, v, i=index: attend(q, k, v, i), h1=h, h1_encoded=h_encoded,
+                                      cache_write=cache_writes(index) if cache_writes else None)
             if index + 1 < len(self.layers):
                 x, h, h_encoded = norm.add_rmsnorm(backend, x2, mlp_out, next_norm, cfg.rms_norm_eps,
                                                    encode_bits=gemm.DEFAULT_BITS_A)
@@ -265,34 +267,42 @@ class Model:
         outputs = gemm.gemm_columns(self.backend, h, stacked, encoded=encoded)
         return [y if bias is None else residual.add_bias(self.backend, y, bias) for y, bias in zip(outputs, biases)]
 
-    def _rotated_heads(self, layer: DeviceLayer, q_lin, k_lin, positions, cos, sin):
+    def _rotated_heads(self, layer: DeviceLayer, q_lin, k_lin, positions, cos, sin, v=None, cache_write=None):
         """q and k as [tokens, heads, head_dim], QK-normed (Qwen3) and rotated by RoPE: with QK-norm both
-        in one launch (norm.rmsnorm_heads_rope, bitwise the two ops in turn)."""
+        in one launch (norm.rmsnorm_heads_rope, bitwise the two ops in turn). cache_write = (KVCache, slots):
+        k and v also go into the cache (with QK-norm in the same launch: norm.rmsnorm_heads_rope_write_kv)."""
         cfg, backend = self.shape, self.backend
         (device_positions, host_positions), t = positions, q_lin.shape[0]
         q = q_lin.reshape(t, cfg.num_attention_heads, cfg.head_dim)
         k = k_lin.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
+            if cache_write is not None:
+                return norm.rmsnorm_heads_rope_write_kv(backend, q, k, v, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
+                                                        device_positions, cos, sin, *cache_write, host_positions)
             return norm.rmsnorm_heads_rope(backend, q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
                                            device_positions, cos, sin, host_positions)
         if layer.q_norm is not None or layer.k_norm is not None:
             raise InputError("model: a layer has one of q_norm and k_norm without the other")
-        return tuple(rope.apply(backend, x, device_positions, cos, sin, host_positions) for x in (q, k))
+        q, k = (rope.apply(backend, x, device_positions, cos, sin, host_positions) for x in (q, k))
+        if cache_write is not None:
+            attention.write_kv(backend, cache_write[0], k, v, cache_write[1])
+        return q, k
 
     def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None, h1=None,
-               h1_encoded=None):
+               h1_encoded=None, cache_write=None):
         """One decoder layer; positions = (device array, the same on the host). Returns (x2, mlp_out): the
         layer's output is residual.add(x2, mlp_out), left to the caller to run with the next RMSNorm in
         one launch. h1: RMSNorm(x) with attn_norm when the caller made it so; h1_encoded: its encoding
         for the q/k/v gemm when the caller has it (norm.add_rmsnorm's). `record`, a dict, receives
-        the intermediate values (the trainer's backward recomputes a layer this way)."""
+        the intermediate values (the trainer's backward recomputes a layer this way). cache_write =
+        (KVCache, slots): the layer's k and v go into that cache before attend (the engine's steps)."""
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
         if h1 is None:
             h1, h1_encoded = norm.rmsnorm(backend, x, layer.attn_norm, cfg.rms_norm_eps), None
         q_lin, k_lin, v = self._projections(h1, layer.qkv, (layer.q_bias, layer.k_bias, layer.v_bias), h1_encoded)
         v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = self._rotated_heads(layer, q_lin, k_lin, positions, cos, sin)
+        q, k = self._rotated_heads(layer, q_lin, k_lin, positions, cos, sin, v, cache_write)
         a = attend(q, k, v)
         attn_out = self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o)
         # h2 comes with its encoding for the gate/up gemm from the same launch (no separate encode)

@@ -128,7 +128,7 @@ def _host(array) -> np.ndarray | None:
     return array if isinstance(array, np.ndarray) else None
 
 
-def _check_kv(cache: KVCache, k, v, slots) -> int:
+def check_kv(cache: KVCache, k, v, slots) -> int:
     shape = _require("k", k, 3, np.float32)
     expected = (shape[0], cache.num_kv_heads, cache.head_dim)
     if shape != expected:
@@ -191,7 +191,7 @@ def _check_query(q, q_seq, q_pos, cache: KVCache, block_tables) -> tuple[int, in
 
 def write_kv(backend: Backend, cache: KVCache, k, v, slots) -> None:
     """Encode k, v [T, Hkv, D] float32 (15 bits per row) into cache slots [T] int32 (negative: skipped)."""
-    tokens = _check_kv(cache, k, v, slots)
+    tokens = check_kv(cache, k, v, slots)
     if backend.kernel_vendor is None:
         slots = np.asarray(slots)
         keep = slots >= 0

@@ -130,23 +130,31 @@ def _launch_add_rmsnorm(backend, a, b, weight, eps: float, encoded):
     return total, y
 
 
+def _check_heads_rope(backend, q, k, q_weight, k_weight, eps, positions, cos, sin, host_positions, op: str):
+    """rmsnorm_heads_rope's argument checks: (tokens, hq, hk, d, eps, host positions)."""
+    from rlportable.ops import rope  # rope's argument checks; the kernel lives here, in the norm family
+
+    tokens, hq, half, table_rows = rope._check(q, positions, cos, sin, op, "q")
+    _, hk, _, _ = rope._check(k, positions, cos, sin, op, "k")  # q's tokens and head_dim
+    d = 2 * half
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if shape_of(weight) != (d,) or np.dtype(weight.dtype) != np.float32:
+            raise InputError(f"{op}: {name} must be float32 of shape ({d},), got "
+                             f"{np.dtype(weight.dtype).name} of shape {shape_of(weight)}")
+    require_contiguous(f"{op}: q", q)
+    require_contiguous(f"{op}: k", k)
+    host_positions = rope._check_positions(backend, positions, host_positions, table_rows, op)
+    return tokens, hq, hk, d, check_eps(eps), host_positions
+
+
 def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions, cos, sin, host_positions=None):
     """(q', k') = (rope.apply(rmsnorm_heads(q, q_weight)), rope.apply(rmsnorm_heads(k, k_weight))), bitwise
     (contracts/norm.toml rmsnorm_heads_rope): Qwen3's QK-norm and RoPE of both in one device launch.
     q [tokens, hq, D], k [tokens, hk, D] float32; the weights [D]; positions and tables as rope.apply."""
-    from rlportable.ops import rope  # rope's argument checks; the kernel lives here, in the norm family
+    from rlportable.ops import rope
 
-    tokens, hq, half, table_rows = rope._check(q, positions, cos, sin, "rmsnorm_heads_rope", "q")
-    _, hk, _, _ = rope._check(k, positions, cos, sin, "rmsnorm_heads_rope", "k")  # q's tokens and head_dim
-    d = 2 * half
-    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if shape_of(weight) != (d,) or np.dtype(weight.dtype) != np.float32:
-            raise InputError(f"rmsnorm_heads_rope: {name} must be float32 of shape ({d},), got "
-                             f"{np.dtype(weight.dtype).name} of shape {shape_of(weight)}")
-    require_contiguous("rmsnorm_heads_rope: q", q)
-    require_contiguous("rmsnorm_heads_rope: k", k)
-    host_positions = rope._check_positions(backend, positions, host_positions, table_rows, "rmsnorm_heads_rope")
-    eps = check_eps(eps)
+    tokens, hq, hk, d, eps, host_positions = _check_heads_rope(backend, q, k, q_weight, k_weight, eps, positions,
+                                                               cos, sin, host_positions, "rmsnorm_heads_rope")
     if d > MAX_FUSED_HEAD_DIM:  # rows the kernel cannot hold: the two ops in turn, the same bits
         return tuple(rope.apply(backend, rmsnorm_heads(backend, x, w, eps), positions, cos, sin, host_positions)
                      for x, w in ((q, q_weight), (k, k_weight)))
@@ -160,6 +168,34 @@ def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions,
         backend.launch("norm", "norm_rmsnorm_heads_rope", *segments.segment_launch_shape(rows),
                        (q, k, q_weight, k_weight, np.int64(tokens), np.int32(hq), np.int32(hk), np.int32(d),
                         np.float64(eps), positions, cos, sin, q_out, k_out))
+    return q_out, k_out
+
+
+def rmsnorm_heads_rope_write_kv(backend, q, k, v, q_weight, k_weight, eps: float, positions, cos, sin, cache,
+                                slots, host_positions=None):
+    """rmsnorm_heads_rope(q, k), then attention.write_kv(cache, k', v, slots), bitwise (contracts/norm.toml,
+    the family's extra kernel): the engine step's QK-norm, RoPE and KV cache write in one device launch.
+    v [tokens, hk, D] float32; cache and slots as write_kv. Returns (q', k')."""
+    from rlportable.ops import attention
+
+    tokens, hq, hk, d, eps, host_positions = _check_heads_rope(backend, q, k, q_weight, k_weight, eps, positions,
+                                                               cos, sin, host_positions, "rmsnorm_heads_rope_write_kv")
+    # every cache's head_dim (at most attention.MAX_HEAD_DIM = 512) fits the kernel's registers (RLP_NORM_KV_PAIRS)
+    if backend.kernel_vendor is None:  # the two ops in turn: the same bits
+        q_out, k_out = rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps, positions, cos, sin, host_positions)
+        attention.write_kv(backend, cache, k_out, v, slots)
+        return q_out, k_out
+    attention.check_kv(cache, k, v, slots)
+    if isinstance(slots, np.ndarray):
+        slots = backend.asarray(slots)
+    q_out, k_out = backend.empty((tokens, hq, d), np.float32), backend.empty((tokens, hk, d), np.float32)
+    rows = tokens * (hq + 2 * hk)
+    if rows and d:
+        backend.launch("norm", "norm_rmsnorm_heads_rope_write_kv", *segments.segment_launch_shape(rows),
+                       (q, k, v, q_weight, k_weight, np.int64(tokens), np.int32(hq), np.int32(hk), np.int32(d),
+                        np.float64(eps), positions, cos, sin, q_out, k_out, slots, np.int64(cache.num_slots),
+                        np.int32(cache.head_dim_padded), cache.k_digits, cache.k_exponents, cache.v_digits,
+                        cache.v_exponents))
     return q_out, k_out
 
 

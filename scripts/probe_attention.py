@@ -109,8 +109,6 @@ VARIANTS = {
     "values_zero_weights (timing only)": _zero_weights,
     "values_fast_exp_zero_weights (timing only)": lambda s: _zero_weights(_fast_exp(s)),
     "values_no_products (timing only)": _no_value_products,
-    "score_no_first_block": lambda s: edit(s, "h0 == 0 && base == lo\n                        ? rlp_att_block_slot",
-                                           "false\n                        ? rlp_att_block_slot"),
     "score_7_blocks": _bounds(SCORE_BOUNDS, 7),
     "threads_64": _threads(64, 16, 12),
     "threads_64_values_10": _threads(64, 16, 10),

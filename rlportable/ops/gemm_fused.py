@@ -115,8 +115,9 @@ def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
     wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17.
     The widest tile that still spreads over the multiprocessors: 64 x 32 while 64 x 64 tiles would
     leave most of them idle (split along K for a long K: 64 x 32 while that is one block per
-    multiprocessor at most, else 64 x 64), 64 x 128 when those fill one wave or from two waves on. The sweeps measured M = 64, 256, 4096 and 16384 only: the row bounds
-    between them (17, 65) are interpolated, not measured."""
+    multiprocessor at most, else 64 x 64), 64 x 128 when those fill one wave or from two waves on.
+    The sweeps measured M = 64, 128 (the split tiles), 256, 4096 and 16384 only: the row bounds between
+    them (17, 65) are interpolated, not measured."""
     if wgmma and (m > 64 or (m > 16 and n >= 4096)):
         row_blocks = -(-m // WGMMA_ROWS)
         if row_blocks * -(-n // 64) < WGMMA_NARROW_BELOW_TILES:

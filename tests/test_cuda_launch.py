@@ -12,45 +12,50 @@ import pytest
 from rlportable.errors import InputError, RlpError
 from rlportable.runtime import cuda_launch
 from rlportable.resources import kernel_source_path
-from rlportable.runtime.kernel_args import pack_kernel_args
 from rlportable.runtime.offline_compile import families
 
+
+
+class FakeDevicePointer:
+    def __init__(self, address: int):
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": (1,), "typestr": "<f4", "version": 3}
 
 
 class FakeDriver:
     """Stands for cuLaunchKernelEx: records what one launch passed, returns a given CUresult."""
 
-    def __init__(self, status: int = 0):
-        self.status, self.calls = status, []
+    def __init__(self, status: int = 0, sizes: tuple[int, ...] = ()):
+        self.status, self.calls, self.sizes = status, [], sizes  # sizes: the kernel's parameter sizes
 
     def __call__(self, config_ref, function_ptr, params, extra):
         config = config_ref._obj
         attribute = config.attrs[0]
-        words = (ctypes.c_void_p * 5).from_address(extra)
+        values = (ctypes.c_void_p * len(self.sizes)).from_address(params)
         self.calls.append({
             "grid": (config.grid_x, config.grid_y, config.grid_z),
             "block": (config.block_x, config.block_y, config.block_z),
             "shared": config.shared_mem_bytes, "stream": config.stream, "num_attrs": config.num_attrs,
-            "attribute": (attribute.id, attribute.value), "function": function_ptr, "params": params,
-            "buffer": ctypes.string_at(words[1], ctypes.c_size_t.from_address(words[3]).value),
-            "tags": (words[0], words[2], words[4]),
+            "attribute": (attribute.id, attribute.value), "function": function_ptr, "extra": extra,
+            "values": [ctypes.string_at(address, size) for address, size in zip(values, self.sizes)],
         })
         return self.status
 
 
 def test_the_launch_carries_the_programmatic_attribute_and_the_packed_arguments():
-    driver = FakeDriver()
+    driver = FakeDriver(sizes=(8, 4, 8, 8, 4))
     launch = cuda_launch.ProgrammaticLauncher(driver)
-    args = (np.int64(7), np.int32(-3), np.float64(0.5))
+    pointer = FakeDevicePointer(0x7F00_0000_1000)
+    args = (np.int64(7), np.int32(-3), np.float64(0.5), pointer, np.float32(2.0))
     launch("kernel_name", 0xABC0, (5, 2), 128, args, 4096, 0x5000)
     (call,) = driver.calls
     assert call["grid"] == (5, 2, 1) and call["block"] == (128, 1, 1)
     assert call["shared"] == 4096 and call["stream"] == 0x5000 and call["function"] == 0xABC0
     assert call["num_attrs"] == 1
     assert call["attribute"] == (cuda_launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1) == (6, 1)
-    assert call["params"] is None
-    assert call["buffer"] == pack_kernel_args(args)
-    assert call["tags"] == (1, 2, None)  # BUFFER_POINTER, BUFFER_SIZE, END (0: NULL)
+    assert call["extra"] is None
+    # one pointer per argument, to its own bytes: no packed buffer whose padding CUDA could refuse
+    assert call["values"] == [np.int64(7).tobytes(), np.int32(-3).tobytes(), np.float64(0.5).tobytes(),
+                              (0x7F00_0000_1000).to_bytes(8, "little"), np.float32(2.0).tobytes()]
 
 
 def test_the_default_stream_is_passed_as_null():

@@ -13,7 +13,7 @@ for NVIDIA have no wait (HIP has no such launch) and go through CuPy's ordinary 
 of CuPy or cuBLAS. RLPORTABLE_PROGRAMMATIC_LAUNCH=0 turns it off (to measure what it gives).
 
 CuPy has no binding of cuLaunchKernelEx, so it is called from libcuda through ctypes, with the
-arguments packed as one buffer (runtime/kernel_args.py).
+arguments as an array of pointers to their bytes (runtime/kernel_args.py).
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import ctypes
 import os
 
 from rlportable.errors import RlpError
-from rlportable.runtime.kernel_args import launch_dims, launch_extra, pack_kernel_args
+from rlportable.runtime.kernel_args import argument_pointers, launch_dims
 
 ENVIRONMENT_SWITCH = "RLPORTABLE_PROGRAMMATIC_LAUNCH"
 MIN_COMPUTE_CAPABILITY = 90  # griddepcontrol and the launch attribute: Hopper and later
 
 # cuda.h
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-CU_LAUNCH_PARAM_END = 0x00
 
 
 class LaunchAttribute(ctypes.Structure):
@@ -84,8 +83,8 @@ class ProgrammaticLauncher:
 
     def __call__(self, kernel: str, function_ptr: int, grid, block, args, shared_mem: int, stream: int) -> None:
         config = self.config(grid, block, shared_mem, stream)
-        extra, keep_alive = launch_extra(pack_kernel_args(args), CU_LAUNCH_PARAM_END)
-        status = self._launch(ctypes.byref(config), function_ptr, None, extra)
+        params, keep_alive = argument_pointers(args)
+        status = self._launch(ctypes.byref(config), function_ptr, params, None)
         del keep_alive
         if status != 0:
             raise RlpError(f"cuLaunchKernelEx('{kernel}', grid={grid}, block={block}, shared_mem={shared_mem}) "

@@ -24,10 +24,11 @@ everything else here, `rlportable conform --device hip` is what checks it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import numpy as np
 
-from rlportable.errors import BackendUnavailable, InputError, KernelCompileError
+from rlportable.errors import BackendUnavailable, KernelCompileError
 from rlportable.runtime import cache, flags, kernel_args
 from rlportable.runtime.base import Backend, assemble_source
 from rlportable.runtime.hip_array import HipArray, HipMemory, check_hip
@@ -78,9 +79,19 @@ def probe() -> tuple[bool, str]:
 
 
 def launch_extra(packed: bytes) -> tuple[int, tuple]:
-    """The `extra` array of hipModuleLaunchKernel for a packed argument buffer (kernel_args.launch_extra
-    with HIP's END tag)."""
-    return kernel_args.launch_extra(packed, HIP_LAUNCH_PARAM_END)
+    """(address of the `extra` config array, objects to keep alive until the launch returns).
+
+    extra = {HIP_LAUNCH_PARAM_BUFFER_POINTER, &buffer, HIP_LAUNCH_PARAM_BUFFER_SIZE, &size,
+             HIP_LAUNCH_PARAM_END}; hipModuleLaunchKernel copies the arguments before it returns.
+    """
+    buffer = ctypes.create_string_buffer(packed, max(len(packed), 1))
+    size = ctypes.c_size_t(len(packed))
+    config = (ctypes.c_void_p * 5)(
+        kernel_args.LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
+        kernel_args.LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
+        HIP_LAUNCH_PARAM_END,
+    )
+    return ctypes.addressof(config), (buffer, size, config)
 
 
 class GraphMemory(HipMemory):

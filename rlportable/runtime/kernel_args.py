@@ -1,8 +1,9 @@
-"""Kernel arguments as one packed buffer, for the driver launches that take them that way.
+"""Kernel arguments for the driver launches that runtime/hip.py and runtime/cuda_launch.py make.
 
-hipModuleLaunchKernel (runtime/hip.py) and cuLaunchKernelEx (runtime/cuda.py, programmatic
-dependent launch) both accept the arguments as a C struct's bytes through their `extra` array
-({BUFFER_POINTER, &buffer, BUFFER_SIZE, &size, END}); the two APIs differ only in END's value.
+hipModuleLaunchKernel takes them as one packed buffer (a C struct's bytes) through its `extra` array
+({BUFFER_POINTER, &buffer, BUFFER_SIZE, &size, END}). cuLaunchKernelEx takes an array of pointers,
+one per argument (`argument_pointers`): CUDA refuses a packed buffer whose size is not exactly its
+parameter block's, which has no padding after the last argument (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from rlportable.errors import InputError
 from rlportable.runtime.hip_array import HipArray
 
-LAUNCH_PARAM_BUFFER_POINTER = 0x01  # the same in hip_runtime_api.h and cuda.h
+LAUNCH_PARAM_BUFFER_POINTER = 0x01  # hip_runtime_api.h
 LAUNCH_PARAM_BUFFER_SIZE = 0x02
 _POINTER_BYTES = 8  # 64-bit device addresses on every ROCm and CUDA target
 
@@ -43,8 +44,8 @@ def _argument_bytes(index: int, arg) -> tuple[bytes, int]:
 def pack_kernel_args(args) -> bytes:
     """The kernel argument buffer: each argument at its natural alignment, in order.
 
-    This is the layout of a C struct holding the arguments (the AMDGPU kernarg ABI, CUDA's
-    parameter layout, and what the BUFFER_POINTER launch parameter expects): device pointers as
+    This is the layout of a C struct holding the arguments (the AMDGPU kernarg ABI, and what
+    HIP_LAUNCH_PARAM_BUFFER_POINTER expects): device pointers as
     8-byte addresses, NumPy scalars by value with alignment = item size, the total padded to the
     largest alignment.
     """
@@ -69,17 +70,9 @@ def launch_dims(dims, what: str) -> tuple[int, int, int]:
     return dims + (1,) * (3 - len(dims))
 
 
-def launch_extra(packed: bytes, end_tag: int) -> tuple[int, tuple]:
-    """(address of the `extra` config array, objects to keep alive until the launch returns).
-
-    extra = {BUFFER_POINTER, &buffer, BUFFER_SIZE, &size, END}; both drivers copy the arguments
-    before the launch call returns.
-    """
-    buffer = ctypes.create_string_buffer(packed, max(len(packed), 1))
-    size = ctypes.c_size_t(len(packed))
-    config = (ctypes.c_void_p * 5)(
-        LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
-        LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
-        end_tag or None,
-    )
-    return ctypes.addressof(config), (buffer, size, config)
+def argument_pointers(args) -> tuple[int, tuple]:
+    """(address of the void* array with one pointer per argument's bytes, objects to keep alive until the
+    launch returns): cuLaunchKernelEx's kernelParams. The driver copies the values before it returns."""
+    values = [ctypes.create_string_buffer(_argument_bytes(index, arg)[0]) for index, arg in enumerate(args)]
+    pointers = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(value) for value in values])
+    return ctypes.addressof(pointers), (values, pointers)

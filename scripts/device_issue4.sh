@@ -11,8 +11,6 @@
 #   step:   one pass over what a decode step runs (quick): the sampling, split-attention and engine
 #           checks on both sources, the engine against the trainer at batch 64, bench decode, the profile
 #   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
-#   launch: the quick conform set with programmatic dependent launch, then bench decode (no peer) and the
-#           step profile with it off and on (RLPORTABLE_PROGRAMMATIC_LAUNCH=0 / 1)
 #   kernels: each kernel of one graph replay timed by Nsight Compute (RLP_PROFILE_NVTX), then the gemm
 #           probes (scripts/probe_wgmma_phases.py, scripts/probe_wgmma_all_digits.py)
 set -uo pipefail
@@ -46,15 +44,6 @@ if [[ $1 == step || $1 == gemm_step || $1 == fused_step ]]; then
     $cli conform --device cuda --kernel-source hip --quick --only sampling,attention.split --json "$OUT/conform_cuda_hipsrc_step_quick_h200.json" 2>&1 | tail -3
     $cli bench decode --device cuda --json "$OUT/decode_h200.json" 2>&1 | tail -12
     python3 scripts/profile_decode.py > "$OUT/decode_profile_h200.json"; tail -c 1200 "$OUT/decode_profile_h200.json"
-fi
-if [[ $1 == launch ]]; then
-    $cli conform --device cuda --quick --json "$OUT/conform_cuda_quick_launch_h200.json" 2>&1 | tail -4
-    for on in 0 1; do
-        RLPORTABLE_PROGRAMMATIC_LAUNCH=$on $cli bench decode --device cuda --peer none \
-            --json "$OUT/decode_launch${on}_h200.json" 2>&1 | tail -5
-        RLPORTABLE_PROGRAMMATIC_LAUNCH=$on python3 scripts/profile_decode.py > "$OUT/decode_profile_launch${on}_h200.json"
-        tail -c 700 "$OUT/decode_profile_launch${on}_h200.json"
-    done
 fi
 if [[ $1 == kernels ]]; then
     RLP_PROFILE_NVTX=1 /usr/local/cuda/bin/ncu --nvtx --nvtx-include "replay/" --graph-profiling node \

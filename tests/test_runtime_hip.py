@@ -13,7 +13,6 @@ import pytest
 
 from rlportable.errors import BackendUnavailable, InputError, RlpError
 from rlportable.runtime import hip as hip_runtime
-from rlportable.runtime import kernel_args
 from rlportable.runtime.hip_array import HipArray, check_hip
 
 
@@ -180,8 +179,8 @@ def test_launch_extra_is_the_hip_launch_param_array():
     packed = hip_runtime.pack_kernel_args((np.int32(5), np.int64(6)))
     address, keep_alive = hip_runtime.launch_extra(packed)
     config = (ctypes.c_void_p * 5).from_address(address)
-    assert config[0] == kernel_args.LAUNCH_PARAM_BUFFER_POINTER == 1
-    assert config[2] == kernel_args.LAUNCH_PARAM_BUFFER_SIZE == 2
+    assert config[0] == hip_runtime.HIP_LAUNCH_PARAM_BUFFER_POINTER == 1
+    assert config[2] == hip_runtime.HIP_LAUNCH_PARAM_BUFFER_SIZE == 2
     assert config[4] == hip_runtime.HIP_LAUNCH_PARAM_END == 3
     assert ctypes.string_at(config[1], len(packed)) == packed
     assert ctypes.c_size_t.from_address(config[3]).value == len(packed) == 16

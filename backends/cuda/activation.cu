@@ -16,7 +16,6 @@ __device__ __forceinline__ float rlp_swiglu(float g, float u) {
 
 extern "C" __global__ void activation_swiglu(const float* __restrict__ gate, const float* __restrict__ up,
                                              long long n, float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         y[i] = rlp_swiglu(gate[i], up[i]);
@@ -32,7 +31,6 @@ extern "C" __global__ void activation_swiglu(const float* __restrict__ gate, con
 extern "C" __global__ void activation_swiglu_encode(const float* __restrict__ gate, const float* __restrict__ up,
                                                     long long rows, int h, int k_padded, float* __restrict__ y,
                                                     signed char* __restrict__ digits, int* __restrict__ exponents) {
-    RLP_GRID_DEPENDENCY();
     extern __shared__ float rlp_activation_row[];  // [h]: the row's y
     __shared__ unsigned int largest;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -57,7 +55,6 @@ extern "C" __global__ void activation_swiglu_encode(const float* __restrict__ ga
 extern "C" __global__ void activation_swiglu_backward(const float* __restrict__ gate, const float* __restrict__ up,
                                                       const float* __restrict__ dy, long long n,
                                                       float* __restrict__ dgate, float* __restrict__ dup) {
-    RLP_GRID_DEPENDENCY();
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const float g = gate[i];

@@ -11,7 +11,6 @@ __device__ __forceinline__ float rlp_adamw_store(double x) {
 // The largest float32 magnitude bits of a flat tensor, merged into *out with an integer
 // atomicMax (exact, order-free). *out is zeroed by the host; several tensors may share it.
 extern "C" __global__ void adamw_max_bits(const float* __restrict__ g, long long n, unsigned int* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     unsigned int local = 0u;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         local = max(local, rlp_magnitude_bits(g[i]));
@@ -23,7 +22,6 @@ extern "C" __global__ void adamw_max_bits(const float* __restrict__ g, long long
 // |q| < 2^(bits-1) and chunk * 2^(2(bits-1)) <= 2^62 (the host checks), so the sum is exact in int64.
 extern "C" __global__ void adamw_sumsq(const float* __restrict__ g, long long n, int bits, int e, long long chunk,
                                        long long* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned long long total;
     const long long chunks = (n + chunk - 1) / chunk;
     for (long long c = blockIdx.x; c < chunks; c += gridDim.x) {
@@ -51,7 +49,6 @@ extern "C" __global__ void adamw_update(float* __restrict__ p, const float* __re
                                         float* __restrict__ v, long long n, double c, double beta1,
                                         double one_minus_beta1, double beta2, double one_minus_beta2, double decay,
                                         double step_size, double sqrt_bc2, double eps) {
-    RLP_GRID_DEPENDENCY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const double gc = (double)g[i] * c;
         const float m_new = rlp_adamw_store(beta1 * (double)m[i] + one_minus_beta1 * gc);

@@ -3,22 +3,6 @@
 // The NumPy reference of each helper is named beside it; they must agree to the bit.
 #pragma once
 
-// Programmatic dependent launch (sm_90 and later). runtime/cuda.py launches the kernels of these
-// sources with the programmatic-serialization attribute, so a kernel may be scheduled while the kernel
-// before it in the stream is still running. Every kernel's first statement is RLP_GRID_DEPENDENCY():
-// griddepcontrol.wait returns once the kernels ahead have completed and their writes are visible, and
-// only then griddepcontrol.launch_dependents lets the next kernel's blocks be dispatched (onto the
-// multiprocessors this grid's last blocks leave idle). Nothing is read or written before the wait, so
-// the overlap hides launch and dispatch latency and cannot change a bit. Without the attribute (or
-// below sm_90) the kernel runs after its predecessor as usual and both instructions do nothing.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define RLP_GRID_DEPENDENCY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define RLP_GRID_DEPENDENCY() \
-    do {                      \
-    } while (0)
-#endif
-
 #define RLP_NONFINITE_EXPONENT 2147483647
 #define RLP_ZERO_ROW_EXPONENT (-149)
 

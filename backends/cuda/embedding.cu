@@ -9,7 +9,6 @@
 // tokens * hidden: any grid and block size gives the same bits.
 extern "C" __global__ void embedding_gather(const unsigned int* __restrict__ table, const int* __restrict__ ids,
                                             long long tokens, int hidden, unsigned int* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     const long long n = tokens * (long long)hidden;
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
@@ -27,7 +26,6 @@ extern "C" __global__ void embedding_gather(const unsigned int* __restrict__ tab
 extern "C" __global__ void embedding_gather_backward(const float* __restrict__ dy, const int* __restrict__ offsets,
                                                      const int* __restrict__ order, int vocab, int hidden,
                                                      float* __restrict__ dtable) {
-    RLP_GRID_DEPENDENCY();
     const long long n = (long long)vocab * (long long)hidden;
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
@@ -48,7 +46,6 @@ extern "C" __global__ void embedding_gather_backward(const float* __restrict__ d
 extern "C" __global__ void embedding_gather_shard(const unsigned int* __restrict__ table_shard,
                                                   const int* __restrict__ ids, long long tokens, int hidden,
                                                   int vocab_start, int shard_rows, unsigned int* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     const long long n = tokens * (long long)hidden;
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {

@@ -41,7 +41,6 @@ extern "C" __global__ void gemm_combine_groups(
     const int* __restrict__ groups, int n_groups, long long m, long long n,
     const int* __restrict__ exponents_a, const int* __restrict__ exponents_w, int scale_offset,
     float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     // grid: x over columns, y over rows (grid-stride), so no 64-bit division per element
     const long long plane = m * n;
     for (long long row = blockIdx.y; row < m; row += gridDim.y) {
@@ -60,7 +59,6 @@ extern "C" __global__ void gemm_combine_groups(
 // gemm_combine_groups but not rounded (the ranks' S are all-reduced by SUM).
 extern "C" __global__ void gemm_combine_groups_sums(
     const int* __restrict__ groups, int n_groups, long long m, long long n, long long* __restrict__ sums) {
-    RLP_GRID_DEPENDENCY();
     const long long plane = m * n;
     for (long long row = blockIdx.y; row < m; row += gridDim.y) {
         for (long long col = blockIdx.x * (long long)blockDim.x + threadIdx.x; col < n;
@@ -76,7 +74,6 @@ extern "C" __global__ void gemm_combine_groups_sums(
 extern "C" __global__ void gemm_round_sums(
     const long long* __restrict__ sums, long long m, long long n, const int* __restrict__ exponents_a,
     const int* __restrict__ exponents_w, int scale_offset, float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     for (long long row = blockIdx.y; row < m; row += gridDim.y) {
         const int ea = exponents_a[row];
         for (long long col = blockIdx.x * (long long)blockDim.x + threadIdx.x; col < n;
@@ -235,7 +232,6 @@ __device__ __forceinline__ void rlp_gemm_direct(
     extern "C" __global__ void __launch_bounds__(32 * KSPLIT) NAME(                                          \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
-        RLP_GRID_DEPENDENCY();                                                                               \
         rlp_gemm_direct<WM, WN, KSPLIT>(xd, wd, ea, ew, m, n, kp, scale_offset, y);                         \
     }
 
@@ -347,7 +343,6 @@ __device__ __forceinline__ void rlp_gemm_tiled(
     extern "C" __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) NAME(                               \
         const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, \
         const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* __restrict__ y) {         \
-        RLP_GRID_DEPENDENCY();                                                                               \
         rlp_gemm_tiled<WM, WN, WARPS_M, WARPS_N, CH, STAGES>(xd, wd, ea, ew, m, n, kp, scale_offset, y);    \
     }
 
@@ -667,7 +662,6 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
         NAME(const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea,   \
              const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* y0, float* y1, float* y2, \
              int c1, int c2) {                                                                                     \
-        RLP_GRID_DEPENDENCY();                                                                                     \
         rlp_gemm_wgmma<BN, STAGES, SPLITS>(xd, wd, ea, ew, m, n, kp, scale_offset, y0, y1, y2, c1, c2);           \
     }
 

@@ -60,7 +60,6 @@ __device__ __forceinline__ int rlp_logprob_exponent_f64(unsigned long long magni
 extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const int* __restrict__ targets,
                                         long long rows, int vocab, double temperature, int mode,
                                         float* __restrict__ logp, float* __restrict__ entropy) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest_key;
     __shared__ unsigned int has_nan;
     __shared__ unsigned long long total;
@@ -153,7 +152,6 @@ __device__ __forceinline__ float rlp_logprob_grad_element(float p, bool is_targe
 extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logits, const int* __restrict__ targets,
                                                  const float* __restrict__ grad, long long rows, int vocab,
                                                  double temperature, float* __restrict__ dlogits) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest_key;
     __shared__ unsigned int has_nan;
     __shared__ unsigned long long total;
@@ -213,7 +211,6 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
 // order-free at any block size (a multiple of 32) or warp width. The host checked width >= 1.
 extern "C" __global__ void logprob_shard_max(const float* __restrict__ logits, long long rows, int width,
                                              double temperature, unsigned int* __restrict__ keys) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest_key;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* zr = logits + row * (long long)width;
@@ -237,7 +234,6 @@ extern "C" __global__ void logprob_shard_max(const float* __restrict__ logits, l
 extern "C" __global__ void logprob_shard_sums(const float* __restrict__ logits, const unsigned int* __restrict__ keys,
                                               const int* __restrict__ targets, long long rows, int width,
                                               int vocab_start, double temperature, long long* __restrict__ sums) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned long long total;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* zr = logits + row * (long long)width;
@@ -272,7 +268,6 @@ extern "C" __global__ void logprob_shard_sums(const float* __restrict__ logits, 
 // One thread per row (grid-stride).
 extern "C" __global__ void logprob_shard_finish(const long long* __restrict__ sums, const unsigned int* __restrict__ keys,
                                                 long long rows, float* __restrict__ logp) {
-    RLP_GRID_DEPENDENCY();
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
     for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += stride) {
         if (rlp_logprob_undefined(rlp_logprob_from_key(keys[row]))) {

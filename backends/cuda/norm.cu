@@ -73,7 +73,6 @@ __device__ __forceinline__ double rlp_segment_rmsnorm_factor(const float* __rest
 
 extern "C" __global__ void norm_rmsnorm(const float* __restrict__ x, const float* __restrict__ w, long long rows,
                                         int h, double eps, float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest;
     __shared__ unsigned long long total;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x)
@@ -100,7 +99,6 @@ extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const f
                                             float* __restrict__ sum, float* __restrict__ y,
                                             signed char* __restrict__ digits, int* __restrict__ exponents,
                                             int k_padded) {
-    RLP_GRID_DEPENDENCY();
     extern __shared__ float rlp_norm_row[];  // [h]: the row's sum; encoding, [h] more: its y
     __shared__ unsigned int largest;
     __shared__ unsigned long long total;
@@ -134,7 +132,6 @@ extern "C" __global__ void norm_rmsnorm_heads_rope(
     const float* __restrict__ wk, long long tokens, int hq, int hk, int d, double eps,
     const int* __restrict__ positions, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
     float* __restrict__ q_out, float* __restrict__ k_out) {
-    RLP_GRID_DEPENDENCY();
     const long long q_rows = tokens * hq, rows = q_rows + tokens * hk;
     const int half = d / 2;
     for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
@@ -168,7 +165,6 @@ extern "C" __global__ void norm_rmsnorm_heads_rope_write_kv(
     float* __restrict__ q_out, float* __restrict__ k_out, const int* __restrict__ slots, long long num_slots,
     int dp, signed char* __restrict__ k_digits, int* __restrict__ k_exponents, signed char* __restrict__ v_digits,
     int* __restrict__ v_exponents) {
-    RLP_GRID_DEPENDENCY();
     const long long q_rows = tokens * hq, k_rows = tokens * hk, rows = q_rows + 2 * k_rows;
     const int half = d / 2;
     for (long long row = rlp_segment_first_row(); row < rows; row += rlp_segment_row_stride()) {
@@ -258,7 +254,6 @@ __device__ __forceinline__ long long rlp_norm_quantize_f64(double term, double s
 extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ w,
                                                  const float* __restrict__ dy, long long rows, int h, double eps,
                                                  float* __restrict__ dx, double* __restrict__ row_scale) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest;
     __shared__ unsigned long long total;
     __shared__ unsigned long long largest_t;
@@ -329,7 +324,6 @@ __device__ __forceinline__ double rlp_norm_weight_term(const float* dy, const fl
 extern "C" __global__ void norm_rmsnorm_dweight_largest(const float* __restrict__ dy, const float* __restrict__ x,
                                                         const double* __restrict__ row_scale, long long rows, int h,
                                                         int rows_per_chunk, unsigned long long* __restrict__ largest) {
-    RLP_GRID_DEPENDENCY();
     for (long long column = (long long)blockIdx.x * blockDim.x + threadIdx.x; column < h;
          column += (long long)gridDim.x * blockDim.x) {
         for (long long first = (long long)blockIdx.y * rows_per_chunk; first < rows;
@@ -349,7 +343,6 @@ extern "C" __global__ void norm_rmsnorm_dweight_sum(const float* __restrict__ dy
                                                     const double* __restrict__ row_scale, long long rows, int h,
                                                     int rows_per_chunk, const unsigned long long* __restrict__ largest,
                                                     unsigned long long* __restrict__ total) {
-    RLP_GRID_DEPENDENCY();
     for (long long column = (long long)blockIdx.x * blockDim.x + threadIdx.x; column < h;
          column += (long long)gridDim.x * blockDim.x) {
         if (largest[column] >= RLP_NORM_F64_NONFINITE) continue;
@@ -374,7 +367,6 @@ extern "C" __global__ void norm_rmsnorm_dweight_sum(const float* __restrict__ dy
 extern "C" __global__ void norm_rmsnorm_dweight_round(const unsigned long long* __restrict__ largest,
                                                       const unsigned long long* __restrict__ total, int h,
                                                       float* __restrict__ dweight) {
-    RLP_GRID_DEPENDENCY();
     for (long long column = (long long)blockIdx.x * blockDim.x + threadIdx.x; column < h;
          column += (long long)gridDim.x * blockDim.x) {
         if (largest[column] >= RLP_NORM_F64_NONFINITE) {

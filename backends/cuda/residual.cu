@@ -5,14 +5,12 @@
 
 extern "C" __global__ void residual_add_f32(const float* __restrict__ a, const float* __restrict__ b,
                                             float* __restrict__ y, long long n) {
-    RLP_GRID_DEPENDENCY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = rlp_add(a[i], b[i]);
 }
 
 extern "C" __global__ void residual_add_bias_f32(const float* __restrict__ x, const float* __restrict__ b,
                                                  float* __restrict__ y, long long rows, long long n) {
-    RLP_GRID_DEPENDENCY();
     const long long total = rows * n;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x)
         y[i] = rlp_add(x[i], b[i % n]);
@@ -30,7 +28,6 @@ extern "C" __global__ void residual_add_bias_f32(const float* __restrict__ x, co
 
 extern "C" __global__ void residual_transpose_f32(const unsigned int* __restrict__ x, unsigned int* __restrict__ y,
                                                   long long rows, long long cols) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int tile[RLP_TRANSPOSE_TILE][RLP_TRANSPOSE_TILE + 1];
     for (long long tile_row = (long long)blockIdx.y * RLP_TRANSPOSE_TILE; tile_row < rows;
          tile_row += (long long)gridDim.y * RLP_TRANSPOSE_TILE) {
@@ -58,7 +55,6 @@ extern "C" __global__ void residual_transpose_f32(const unsigned int* __restrict
 // the copies are independent and any order of threads gives the same result.
 extern "C" __global__ void residual_copy_rows_u32(const int* __restrict__ src, const int* __restrict__ dst,
                                                   long long n, long long words, unsigned int* a) {
-    RLP_GRID_DEPENDENCY();
     const long long total = n * words;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {

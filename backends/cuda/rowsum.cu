@@ -10,7 +10,6 @@
 // 64-bit integer atomics: exact and order-free, whatever the block size.
 extern "C" __global__ void rowsum_exact(const float* __restrict__ x, long long rows, int k, int bits,
                                         float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest;
     __shared__ unsigned long long total;
     __shared__ unsigned int specials;

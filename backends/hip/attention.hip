@@ -103,7 +103,6 @@ extern "C" __global__ void attention_paged(
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
     const int* __restrict__ v_exponents, float* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     __shared__ int qq[RLP_ATT_MAX_HEAD_DIM];
     __shared__ unsigned long long numerator[RLP_ATT_MAX_HEAD_DIM];
     __shared__ float scores[RLP_ATT_SCORE_CACHE];
@@ -218,7 +217,6 @@ extern "C" __global__ void attention_write_kv(
     const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ slots, long long tokens,
     int hkv, int d, int dp, long long num_slots, signed char* __restrict__ k_digits, int* __restrict__ k_exponents,
     signed char* __restrict__ v_digits, int* __restrict__ v_exponents) {
-    RLP_GRID_DEPENDENCY();
     const long long rows = tokens * hkv;
     for (long long item = rlp_segment_first_row(); item < 2 * rows; item += rlp_segment_row_stride()) {
         const bool is_value = item >= rows;
@@ -391,7 +389,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
     const int* __restrict__ k_exponents, const int* __restrict__ v_exponents, int splits, int chunk,
     float* __restrict__ scores, long long* __restrict__ key_rows, unsigned int* __restrict__ split_keys,
     unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad) {
-    RLP_GRID_DEPENDENCY();
     __shared__ int4 q_digits[RLP_ATTS_SCORE_HEADS * 3 * (RLP_ATT_MAX_HEAD_DIM / 16)];  // [head][digit][dp / 16]
     __shared__ unsigned int largest[RLP_ATTS_SCORE_HEADS];
     __shared__ unsigned int head_key[RLP_ATTS_SCORE_HEADS];
@@ -750,7 +747,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
     rlp_atts_values<RLP_ATTS_VALUE_HEADS>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                                           scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
@@ -765,7 +761,6 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
     rlp_atts_values<2>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                        scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
@@ -778,7 +773,6 @@ extern "C" __global__ void attention_split_combine(
     long long tq, int hq, int hkv, int d, int splits, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     const long long* __restrict__ part_total, const long long* __restrict__ part_num, float* __restrict__ out) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int max_key;
     __shared__ unsigned int max_ev;
     __shared__ unsigned int flags;
@@ -913,7 +907,6 @@ extern "C" __global__ void attention_backward_rows(
     int d, int dp, double scale, const signed char* __restrict__ k_digits, const int* __restrict__ k_exponents,
     const int* __restrict__ v_exponents, int* __restrict__ q_int, int* __restrict__ do_int,
     int* __restrict__ row_info, double* __restrict__ row_stats) {
-    RLP_GRID_DEPENDENCY();
     __shared__ int qq[RLP_ATT_MAX_HEAD_DIM];
     __shared__ unsigned int largest[3];
     __shared__ unsigned int max_key;
@@ -1030,7 +1023,6 @@ extern "C" __global__ void attention_backward_dq(
     long long tokens, int hq, int hkv, int d, int dp, double scale, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
     const int* __restrict__ v_exponents, float* __restrict__ dq) {
-    RLP_GRID_DEPENDENCY();
     __shared__ int qq[RLP_ATT_MAX_HEAD_DIM];
     __shared__ int qdo[RLP_ATT_MAX_HEAD_DIM];
     __shared__ unsigned long long acc_lo[RLP_ATT_MAX_HEAD_DIM];
@@ -1123,7 +1115,6 @@ extern "C" __global__ void attention_backward_dkv(
     long long tokens, int hq, int hkv, int d, int dp, double scale, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
     const int* __restrict__ v_exponents, float* __restrict__ dk, float* __restrict__ dv) {
-    RLP_GRID_DEPENDENCY();
     __shared__ int key_row[RLP_ATT_MAX_HEAD_DIM];
     __shared__ int value_row[RLP_ATT_MAX_HEAD_DIM];
     __shared__ unsigned long long acc[4][RLP_ATT_MAX_HEAD_DIM];  // dk lo, dk hi, dv lo, dv hi

@@ -25,13 +25,6 @@
 #ifndef RLP_HIP_COMMON_H
 #define RLP_HIP_COMMON_H
 
-// backends/cuda/common.cuh's programmatic dependent launch has no HIP counterpart: runtime/hip.py (and
-// the CUDA runtime for the HIP sources) launches every kernel after its predecessor has completed. The
-// call stays at the top of each kernel so that both vendors' sources read line for line.
-#define RLP_GRID_DEPENDENCY() \
-    do {                      \
-    } while (0)
-
 #define RLP_NONFINITE_EXPONENT 2147483647
 #define RLP_ZERO_ROW_EXPONENT (-149)
 

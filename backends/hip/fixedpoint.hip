@@ -17,7 +17,6 @@
 extern "C" __global__ void fixedpoint_encode_rows(
     const float* __restrict__ x, long long rows, int k, int k_padded, int bits, int slices,
     int descending, signed char* __restrict__ digits, int* __restrict__ exponents) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         rlp_block_encode_row(x + row * (long long)k, k, k_padded, bits, slices, descending, &largest, exponents + row,
@@ -32,7 +31,6 @@ extern "C" __global__ void fixedpoint_encode_rows(
 extern "C" __global__ void fixedpoint_encode_rows_given(
     const float* __restrict__ x, long long rows, int k, int k_padded, int bits, int slices,
     int descending, const int* __restrict__ exponents, signed char* __restrict__ digits) {
-    RLP_GRID_DEPENDENCY();
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         rlp_encode_row_digits(x + row * (long long)k, k, k_padded, bits, slices, descending, exponents[row],
                               digits + row * (long long)slices * k_padded);
@@ -43,7 +41,6 @@ extern "C" __global__ void fixedpoint_encode_rows_given(
 // max of magnitude bits (any block size, warp width or order gives the same e).
 extern "C" __global__ void fixedpoint_row_exponents(
     const float* __restrict__ x, long long rows, int k, int* __restrict__ exponents) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         if (threadIdx.x == 0) largest = 0u;

@@ -34,7 +34,6 @@ extern "C" __global__ void gemm_combine_groups(
     const int* __restrict__ groups, int n_groups, long long m, long long n,
     const int* __restrict__ exponents_a, const int* __restrict__ exponents_w, int scale_offset,
     float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     // grid: x over columns, y over rows (grid-stride), so no 64-bit division per element
     const long long plane = m * n;
     for (long long row = blockIdx.y; row < m; row += gridDim.y) {
@@ -53,7 +52,6 @@ extern "C" __global__ void gemm_combine_groups(
 // gemm_combine_groups but not rounded (the ranks' S are all-reduced by SUM).
 extern "C" __global__ void gemm_combine_groups_sums(
     const int* __restrict__ groups, int n_groups, long long m, long long n, long long* __restrict__ sums) {
-    RLP_GRID_DEPENDENCY();
     const long long plane = m * n;
     for (long long row = blockIdx.y; row < m; row += gridDim.y) {
         for (long long col = blockIdx.x * (long long)blockDim.x + threadIdx.x; col < n;
@@ -69,7 +67,6 @@ extern "C" __global__ void gemm_combine_groups_sums(
 extern "C" __global__ void gemm_round_sums(
     const long long* __restrict__ sums, long long m, long long n, const int* __restrict__ exponents_a,
     const int* __restrict__ exponents_w, int scale_offset, float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     for (long long row = blockIdx.y; row < m; row += gridDim.y) {
         const int ea = exponents_a[row];
         for (long long col = blockIdx.x * (long long)blockDim.x + threadIdx.x; col < n;

@@ -44,7 +44,6 @@ __device__ __forceinline__ void rlp_rope_rotate(const float* __restrict__ x, con
 extern "C" __global__ void rope_apply(const float* __restrict__ x, const int* __restrict__ positions,
                                       const float* __restrict__ cos_table, const float* __restrict__ sin_table,
                                       long long tokens, int heads, int half, float* __restrict__ y) {
-    RLP_GRID_DEPENDENCY();
     rlp_rope_rotate(x, positions, cos_table, sin_table, tokens, heads, half, y, false);
 }
 
@@ -52,6 +51,5 @@ extern "C" __global__ void rope_apply(const float* __restrict__ x, const int* __
 extern "C" __global__ void rope_apply_backward(const float* __restrict__ dy, const int* __restrict__ positions,
                                                const float* __restrict__ cos_table, const float* __restrict__ sin_table,
                                                long long tokens, int heads, int half, float* __restrict__ dx) {
-    RLP_GRID_DEPENDENCY();
     rlp_rope_rotate(dy, positions, cos_table, sin_table, tokens, heads, half, dx, true);
 }

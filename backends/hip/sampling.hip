@@ -97,7 +97,6 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
                                          const unsigned int* __restrict__ sample_index,
                                          const unsigned int* __restrict__ position, int* __restrict__ tokens,
                                          int want_logp, float* __restrict__ logp) {
-    RLP_GRID_DEPENDENCY();
     __shared__ unsigned int largest_key;
     __shared__ unsigned int largest_logprob_key;
     __shared__ unsigned long long greedy_total;

@@ -18,7 +18,7 @@ import contextlib
 import numpy as np
 
 from rlportable.errors import BackendUnavailable, KernelCompileError
-from rlportable.runtime import cache, cuda_launch, flags
+from rlportable.runtime import cache, flags
 from rlportable.runtime.base import Backend, assemble_source
 
 HIP_PRELUDE = "hip_on_cuda.h"
@@ -64,9 +64,6 @@ class CudaBackend(Backend):
         self._functions: dict[tuple[str, str], object] = {}
         self._shared_limits: dict[int, int] = {}  # function pointer -> dynamic shared memory it opted in to
         self.supports_graphs = kernel_source == "cuda"
-        # our CUDA kernels on Hopper: launched so that each overlaps the tail of the one before (cuda_launch)
-        self._programmatic = (cuda_launch.ProgrammaticLauncher()
-                              if cuda_launch.wanted(kernel_source, self.compute_capability) else None)
         self._stream = None  # the engine's stream
         self._graph_pool = None  # memory of captured work (see capture_graph)
         self._uploads: list[list] = []  # [pinned host buffer, event after the last copy from it]
@@ -128,11 +125,7 @@ class CudaBackend(Backend):
             self.cupy.cuda.driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                    shared_mem)
             self._shared_limits[function.ptr] = shared_mem
-        if self._programmatic is not None:
-            self._programmatic(kernel, function.ptr, grid, block, args, shared_mem,
-                               self.cupy.cuda.get_current_stream().ptr)
-        else:
-            function(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+        function(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
 
     # ---- the engine's step loop: stream, transfers, graphs
     def engine_stream(self):
@@ -255,7 +248,6 @@ class CudaBackend(Backend):
             "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
             "nvrtc": _nvrtc_version(),
             "cublas": cupy.cuda.cublas.getVersion(self.device.cublas_handle),
-            "programmatic_launch": self._programmatic is not None,
         }
 
 

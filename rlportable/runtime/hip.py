@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 
 import numpy as np
 
-from rlportable.errors import BackendUnavailable, KernelCompileError
-from rlportable.runtime import cache, flags, kernel_args
+from rlportable.errors import BackendUnavailable, InputError, KernelCompileError
+from rlportable.runtime import cache, flags
 from rlportable.runtime.base import Backend, assemble_source
 from rlportable.runtime.hip_array import HipArray, HipMemory, check_hip
-from rlportable.runtime.kernel_args import launch_dims, pack_kernel_args
 
-# hip_runtime_api.h (BUFFER_POINTER and BUFFER_SIZE: kernel_args)
+# hip_runtime_api.h
+HIP_LAUNCH_PARAM_BUFFER_POINTER = 0x01
+HIP_LAUNCH_PARAM_BUFFER_SIZE = 0x02
 HIP_LAUNCH_PARAM_END = 0x03
+_POINTER_BYTES = 8  # 64-bit device addresses on every ROCm target
 
 
 def hip_compile_options(gcn_arch: str) -> tuple[str, ...]:
@@ -78,6 +81,45 @@ def probe() -> tuple[bool, str]:
 # ---- kernel arguments
 
 
+def _argument_bytes(index: int, arg) -> tuple[bytes, int]:
+    """(little-endian bytes, alignment) of one kernel argument."""
+    if isinstance(arg, HipArray):
+        return struct.pack("<Q", arg.ptr), _POINTER_BYTES
+    if isinstance(arg, np.generic):
+        if arg.dtype.kind not in "biuf":
+            raise InputError(f"kernel argument #{index}: unsupported NumPy scalar type {arg.dtype.name}")
+        value = np.asarray(arg).astype(arg.dtype.newbyteorder("<"))
+        return value.tobytes(), arg.dtype.itemsize
+    if isinstance(arg, (bool, int, float)):
+        raise InputError(
+            f"kernel argument #{index} is a Python {type(arg).__name__} ({arg!r}); pass a NumPy scalar "
+            "(np.int32, np.int64, np.float32, ...) so that its width is explicit"
+        )
+    interface = getattr(arg, "__cuda_array_interface__", None)
+    if isinstance(interface, dict) and "data" in interface:
+        return struct.pack("<Q", int(interface["data"][0])), _POINTER_BYTES
+    raise InputError(f"kernel argument #{index}: cannot pass an object of type {type(arg).__name__} to a kernel")
+
+
+def pack_kernel_args(args) -> bytes:
+    """The kernel argument buffer: each argument at its natural alignment, in order.
+
+    This is the layout of a C struct holding the arguments (the AMDGPU kernarg
+    ABI, and what HIP_LAUNCH_PARAM_BUFFER_POINTER expects): device pointers as
+    8-byte addresses, NumPy scalars by value with alignment = item size, the
+    total padded to the largest alignment.
+    """
+    buffer = bytearray()
+    largest = 1
+    for index, arg in enumerate(args):
+        data, align = _argument_bytes(index, arg)
+        buffer += bytes(-len(buffer) % align)
+        buffer += data
+        largest = max(largest, align)
+    buffer += bytes(-len(buffer) % largest)
+    return bytes(buffer)
+
+
 def launch_extra(packed: bytes) -> tuple[int, tuple]:
     """(address of the `extra` config array, objects to keep alive until the launch returns).
 
@@ -87,11 +129,21 @@ def launch_extra(packed: bytes) -> tuple[int, tuple]:
     buffer = ctypes.create_string_buffer(packed, max(len(packed), 1))
     size = ctypes.c_size_t(len(packed))
     config = (ctypes.c_void_p * 5)(
-        kernel_args.LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
-        kernel_args.LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
+        HIP_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
+        HIP_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
         HIP_LAUNCH_PARAM_END,
     )
     return ctypes.addressof(config), (buffer, size, config)
+
+
+def launch_dims(dims, what: str) -> tuple[int, int, int]:
+    """A grid or block given as an int or a 1-3 tuple -> (x, y, z)."""
+    if isinstance(dims, (int, np.integer)):
+        dims = (dims,)
+    dims = tuple(int(d) for d in dims)
+    if not 1 <= len(dims) <= 3 or any(d < 1 for d in dims):
+        raise InputError(f"kernel launch: {what} must be 1 to 3 positive sizes, got {dims}")
+    return dims + (1,) * (3 - len(dims))
 
 
 class GraphMemory(HipMemory):

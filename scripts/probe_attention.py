@@ -36,7 +36,7 @@ EXPONENTS = os.environ.get("RLP_PROBE_EXPONENTS", "spread")  # the kernels as bu
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
 VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
 SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores"
-VALUE_H2_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values_h2("
+VALUE_H2_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_values_h2("
 
 
 def _pieces(count: int):
@@ -100,6 +100,10 @@ def _no_v_loads(s):  # timing only (other bits): the value phase without its V l
     return edit(edit(s, V_LOW, "low[u] = (int)key_offsets[k0 + u * lanes];"), V_HIGH, "high[u] = column;")
 
 
+def _no_prefetch(s):  # the value pass's first loads after the item's, not with them (fewer registers)
+    return edit(s, "constexpr bool PREFETCH = HEADS <= 2;", "constexpr bool PREFETCH = false;")
+
+
 VARIANTS = {
     "as_built": lambda s: s,
     "values_no_weight_loads (timing only)": _no_weight_loads,
@@ -130,6 +134,10 @@ VARIANTS = {
     "score_pieces_2": _pieces(2),
     "score_4_blocks": _bounds(SCORE_BOUNDS, 4),
     "score_6_blocks": _bounds(SCORE_BOUNDS, 6),
+    "value_h2_8_blocks_keys_4": lambda s: _bounds(VALUE_H2_BOUNDS, 8)(_define("RLP_ATTS_VALUE_KEYS", 4)(s)),
+    "value_h2_7_blocks_keys_4": lambda s: _bounds(VALUE_H2_BOUNDS, 7)(_define("RLP_ATTS_VALUE_KEYS", 4)(s)),
+    "value_h2_8_blocks_keys_4_no_prefetch": lambda s: _no_prefetch(
+        _bounds(VALUE_H2_BOUNDS, 8)(_define("RLP_ATTS_VALUE_KEYS", 4)(s))),
     "value_4_blocks": _bounds(VALUE_BOUNDS, 4),
     "value_8_blocks": _bounds(VALUE_BOUNDS, 8),
 }

@@ -279,9 +279,12 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values (twice that with 2 heads)
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
 // attention_split_scores is built for 8 blocks of RLP_ATTS_THREADS per multiprocessor (64 registers, no
-// spill), the value kernels for 6 (80 registers; no spill in attention_split_values_h2, 16 bytes in the
-// 4-head build since the exp's fast path): the fastest occupancies in scripts/probe_attention.py's sweeps
-// on the H200 (RLP_PROBE_EXPONENTS=flat for the 2-head build: 5, 7 and 8 blocks were slower).
+// spill), attention_split_values_h2 for 8 too (64 registers, 48 bytes of spills outside the value loop)
+// and the 4-head attention_split_values for 6 (80 registers, 16 bytes of spills): the fastest occupancies
+// in scripts/probe_attention.py's sweeps on the H200 (RLP_PROBE_EXPONENTS=flat). The 2-head build at 8
+// (bench/results/attention_probe_h2_blocks_h200.json): 77.1 -> 73.2 us at 384 keys, 39.8 -> 35.5 at 128,
+// 115.3 -> 110.7 at 640; 256 rows x 8 KV heads then fill two waves of blocks instead of three (at 6 it was
+// also the fastest before the value pass's early loads).
 
 // c + the four products of the signed bytes of a and b, exact in int32.
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) { return __dp4a(a, b, c); }
@@ -741,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
 
 // rlp_atts_values with rounds of up to 2 q heads, for groups of 1 or 2 (ops/attention.py picks it): half
 // the register sums of the 4-head build, the same bits.
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values_h2(
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_values_h2(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,

@@ -1,0 +1,131 @@
+"""Does a decode step gain from two half batches on two streams (one's attention beside the other's gemm)?
+
+    PYTHONPATH=$PWD python3 scripts/probe_two_streams.py [SEQUENCES] [KV_LENGTH] [path.json]
+
+The Qwen3-0.6B shape with random weights, SEQUENCES sequences decoding at position KV_LENGTH - 1 (the
+cache filled with random encoded rows, as scripts/profile_decode.py). Three CUDA graphs of the forward
+and the LM head are captured and replayed:
+  whole:       every row in one pass (what the engine's graphs do);
+  halves:      the first and the second half of the rows one after the other on one stream;
+  two_streams: the halves on two streams forked from and joined to the engine's stream, so the GPU may
+               run one half's kernels beside the other's.
+The logits of the halves are compared bitwise with the whole pass's (each row's bits depend on that row
+alone). Medians of REPEATS replays, milliseconds.
+"""
+
+import json
+import statistics
+import sys
+
+import numpy as np
+
+from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.engine.runner import ModelRunner
+from rlportable.engine.scheduler import ScheduledSequence
+from rlportable.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from rlportable.engine.step_inputs import plan_decode
+from rlportable.model.forward import Model, StepInputs
+from rlportable.runtime import get_backend
+
+SEQUENCES = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+KV_LENGTH = int(sys.argv[2]) if len(sys.argv) > 2 else 384
+BLOCK_SIZE, REPEATS = 16, 10
+
+backend = get_backend("cuda")
+cupy = backend.cupy
+config = qwen3_06b_config(None)
+model = Model(backend, config, random_weights(config))
+blocks_per_seq = -(-KV_LENGTH // BLOCK_SIZE)
+runner = ModelRunner(model, SEQUENCES * blocks_per_seq, BLOCK_SIZE, sampler="device", cuda_graphs=False,
+                     max_num_seqs=SEQUENCES, max_model_len=blocks_per_seq * BLOCK_SIZE + BLOCK_SIZE)
+for cache in runner.caches:
+    for digits in (cache.k_digits, cache.v_digits):
+        digits[...] = cupy.random.randint(-128, 128, digits.shape, dtype=np.int32).astype(np.int8)
+
+
+def entries():
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    made = []
+    for index in range(SEQUENCES):
+        seq = Sequence(index, rng.integers(0, config.vocab_size, KV_LENGTH).tolist(), params)
+        seq.status = SequenceStatus.RUNNING
+        seq.block_table = list(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
+        seq.num_computed_tokens = KV_LENGTH - 1
+        made.append(ScheduledSequence(seq, KV_LENGTH - 1, 1, True, [seq]))
+    return made
+
+
+def inputs(scheduled):
+    plan = plan_decode(scheduled, len(scheduled), runner.table_width, BLOCK_SIZE)
+    return plan, StepInputs(*(backend.asarray(np.asarray(getattr(plan, name))) for name in StepInputs._fields))
+
+
+def logits_of(plan, device):
+    hidden = model.step(plan.tokens, plan.positions, plan.q_seq, plan.block_tables, plan.slots, runner.caches,
+                        device=device)
+    return model.logits(hidden)
+
+
+scheduled = entries()
+half = SEQUENCES // 2
+whole_in, first_in, second_in = inputs(scheduled), inputs(scheduled[:half]), inputs(scheduled[half:])
+
+
+def whole():
+    return [logits_of(*whole_in)]
+
+
+def halves():
+    return [logits_of(*first_in), logits_of(*second_in)]
+
+
+def two_streams():
+    main = cupy.cuda.get_current_stream()
+    side = cupy.cuda.Stream(non_blocking=True)
+    fork, join = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
+    fork.record(main)
+    side.wait_event(fork)
+    first = logits_of(*first_in)
+    with side:
+        second = logits_of(*second_in)
+        join.record(side)
+    main.wait_event(join)
+    return [first, second]
+
+
+def replay_ms(graph) -> float:
+    stream = backend.engine_stream()
+    graph.replay()
+    stream.synchronize()
+    samples = []
+    for _ in range(REPEATS):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.replay()
+        stop.record(stream)
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(samples)
+
+
+def main():
+    with backend.engine_stream():  # warm-up: compiles, allocates
+        whole(), halves()
+    backend.synchronize()
+    results, reference = {}, None
+    for name, body in (("whole", whole), ("halves", halves), ("two_streams", two_streams)):
+        graph, outputs = backend.capture_graph(body)
+        ms = replay_ms(graph)
+        bits = np.concatenate([cupy.asnumpy(o).view(np.uint32) for o in outputs])
+        reference = bits if reference is None else reference
+        results[name] = {"replay_ms": round(ms, 3), "same_bits_as_whole": bool(np.array_equal(bits, reference))}
+        print(name, results[name], flush=True)
+    report = {"device": backend.info(), "sequences": SEQUENCES, "kv_length": KV_LENGTH, "results": results}
+    if len(sys.argv) > 3:
+        with open(sys.argv[3], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

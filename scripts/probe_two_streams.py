@@ -8,7 +8,8 @@ and the LM head are captured and replayed:
   whole:       every row in one pass (what the engine's graphs do);
   halves:      the first and the second half of the rows one after the other on one stream;
   two_streams: the halves on two streams forked from and joined to the engine's stream, so the GPU may
-               run one half's kernels beside the other's.
+               run one half's kernels beside the other's;
+  two_streams_one_lm_head: the same for the layers, then one LM head over all rows.
 The logits of the halves are compared bitwise with the whole pass's (each row's bits depend on that row
 alone). Medians of REPEATS replays, milliseconds.
 """
@@ -61,10 +62,13 @@ def inputs(scheduled):
     return plan, StepInputs(*(backend.asarray(np.asarray(getattr(plan, name))) for name in StepInputs._fields))
 
 
+def hidden_of(plan, device):
+    return model.step(plan.tokens, plan.positions, plan.q_seq, plan.block_tables, plan.slots, runner.caches,
+                      device=device)
+
+
 def logits_of(plan, device):
-    hidden = model.step(plan.tokens, plan.positions, plan.q_seq, plan.block_tables, plan.slots, runner.caches,
-                        device=device)
-    return model.logits(hidden)
+    return model.logits(hidden_of(plan, device))
 
 
 scheduled = entries()
@@ -80,18 +84,29 @@ def halves():
     return [logits_of(*first_in), logits_of(*second_in)]
 
 
-def two_streams():
+def forked(first_half, second_half):
+    """first_half() on the current stream, second_half() on a side stream forked from it, joined after."""
     main = cupy.cuda.get_current_stream()
     side = cupy.cuda.Stream(non_blocking=True)
     fork, join = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
     fork.record(main)
     side.wait_event(fork)
-    first = logits_of(*first_in)
+    first = first_half()
     with side:
-        second = logits_of(*second_in)
+        second = second_half()
         join.record(side)
     main.wait_event(join)
-    return [first, second]
+    return first, second
+
+
+def two_streams():
+    return list(forked(lambda: logits_of(*first_in), lambda: logits_of(*second_in)))
+
+
+def two_streams_one_lm_head():
+    """The halves' layers on two streams, the LM head once over all rows after the join."""
+    first, second = forked(lambda: hidden_of(*first_in), lambda: hidden_of(*second_in))
+    return [model.logits(cupy.concatenate([first, second]))]
 
 
 def replay_ms(graph) -> float:
@@ -114,7 +129,8 @@ def main():
         whole(), halves()
     backend.synchronize()
     results, reference = {}, None
-    for name, body in (("whole", whole), ("halves", halves), ("two_streams", two_streams)):
+    for name, body in (("whole", whole), ("halves", halves), ("two_streams", two_streams),
+                       ("two_streams_one_lm_head", two_streams_one_lm_head)):
         graph, outputs = backend.capture_graph(body)
         ms = replay_ms(graph)
         bits = np.concatenate([cupy.asnumpy(o).view(np.uint32) for o in outputs])

@@ -73,6 +73,18 @@ __device__ __forceinline__ long long rlp_sampling_weight(float a, float m) {
     return rlp_logprob_sum_term(rlp_exp_f32(a - m));
 }
 
+// In-place inclusive prefix sums of prefix[0 .. threads-1] (Hillis-Steele in shared memory, log2(threads)
+// steps of exact integer adds). Every thread of the block calls it; it ends synchronised.
+__device__ __forceinline__ void rlp_sampling_block_scan(long long* prefix, int tid, int threads) {
+    __syncthreads();
+    for (int offset = 1; offset < threads; offset <<= 1) {
+        const long long add = tid >= offset ? prefix[tid - offset] : 0;
+        __syncthreads();
+        prefix[tid] += add;
+        __syncthreads();
+    }
+}
+
 // One block per row (grid-stride over rows), any block size up to 1024, no warp-width
 // assumption. Per-row parameters come from device arrays. tokens[row] receives the sampled
 // token, or RLP_SAMPLING_REFUSED for a row the contract refuses (a NaN a_v, a +inf a_v, or no
@@ -83,8 +95,10 @@ __device__ __forceinline__ long long rlp_sampling_weight(float a, float m) {
 //     its weights w_v exactly in int64 (pass 2); an inclusive prefix scan of those sums over the
 //     block (Hillis-Steele in shared memory, log2(blockDim) steps, exact integer adds) gives every
 //     thread its exclusive start K_t and the total W = the last inclusive sum. target = the high
-//     64 bits of r * W; the one thread with K_t <= target < K_t + its sum walks its ids in
-//     ascending order (pass 3, weights recomputed) to the v with K_v <= target < K_v + w_v.
+//     64 bits of r * W; the one thread t with K_t <= target < K_t + its sum owns the drawn id. Pass 3:
+//     the block recomputes that thread's weights, one id per thread (in pieces of blockDim ids), and
+//     scans them the same way; the thread of the v with K_v <= target < K_v + w_v, w_v > 0, writes it
+//     (the same v as a walk in ascending order: exact integer sums, one v satisfies it).
 // With want_logp != 0, logp[row] receives the logprob contract's log-prob of the drawn token at the
 // record temperature (T, or 1 for greedy rows: the same a_v), the bits logprob_rows gives: its m is
 // the maximum under logprob's key (-0 < +0; pass 1 keeps both maxima), its S is W (the weights use
@@ -103,6 +117,8 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
     __shared__ unsigned int has_nan;
     __shared__ unsigned int first_max;
     __shared__ long long prefix[RLP_SAMPLING_MAX_THREADS];
+    __shared__ int owner_begin, owner_end;  // pass 3: the ids of the thread that holds the target
+    __shared__ long long owner_start;       // and their K
     const int tid = (int)threadIdx.x;
     const int threads = (int)blockDim.x;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -165,30 +181,33 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
             long long local = 0;
             for (int i = begin; i < end; ++i) local += rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m);
             prefix[tid] = local;
-            __syncthreads();
-            for (int offset = 1; offset < threads; offset <<= 1) {
-                const long long add = tid >= offset ? prefix[tid - offset] : 0;
-                __syncthreads();
-                prefix[tid] += add;
-                __syncthreads();
-            }
+            rlp_sampling_block_scan(prefix, tid, threads);
             const long long inclusive = prefix[tid];
             const long long exclusive = inclusive - local;
             const unsigned long long total = (unsigned long long)prefix[threads - 1];  // in [2^36, 2^61]
             const unsigned long long r = rlp_sampling_random(seed[row], request[row], sample_index[row], position[row]);
             const unsigned long long target = rlp_sampling_mul_hi_u64(r, total);  // < total
             if (local > 0 && (unsigned long long)exclusive <= target && target < (unsigned long long)inclusive) {
-                long long k = exclusive;
-                int token = end - 1;
-                for (int i = begin; i < end; ++i) {
-                    const long long w = rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m);
-                    if ((long long)target < k + w) { token = i; break; }
-                    k += w;
+                owner_begin = begin;
+                owner_end = end;
+                owner_start = exclusive;
+            }
+            __syncthreads();  // the owner is known, and every thread has read prefix
+            long long k = owner_start;  // K of the piece's first id
+            for (int piece = owner_begin; piece < owner_end; piece += threads) {  // block-uniform
+                const int i = piece + tid;
+                const long long w = i < owner_end ? rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m) : 0;
+                prefix[tid] = w;
+                rlp_sampling_block_scan(prefix, tid, threads);
+                const long long k_v = k + prefix[tid] - w;
+                if (w > 0 && (unsigned long long)k_v <= target && target < (unsigned long long)(k_v + w)) {
+                    tokens[row] = i;
+                    if (want_logp != 0)
+                        logp[row] = rlp_logprob_value(rlp_sampling_scaled(zr[i], t) - m_logprob,
+                                                      rlp_logprob_log_sum((long long)total));
                 }
-                tokens[row] = token;
-                if (want_logp != 0)
-                    logp[row] = rlp_logprob_value(rlp_sampling_scaled(zr[token], t) - m_logprob,
-                                                  rlp_logprob_log_sum((long long)total));
+                k += prefix[threads - 1];
+                __syncthreads();  // prefix is rewritten by the next piece
             }
         }
         __syncthreads();

@@ -277,6 +277,7 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_WEIGHT_KEYS 1   // keys per thread in flight while attention_split_values forms weights
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
 #define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values (twice that with 2 heads)
+#define RLP_ATTS_ENCODE_LOADS 8   // o values per thread in flight while a token's last value block reads its row
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
 // attention_split_scores is built for 8 blocks of RLP_ATTS_THREADS per multiprocessor (64 registers, no
 // spill), attention_split_values_h2 for 8 too (64 registers, 48 bytes of spills outside the value loop)
@@ -516,8 +517,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
 
 // o's encoding for the gemm that takes it (fixedpoint_encode_rows' digits and exponent: the same helper,
 // the same bits), written by the value pass itself when it writes o (one split): every block of a token
-// counts itself in token_done once its o stores are visible (the fence), and the token's last block (the
-// hkv-th count) reads the whole row back past its own cache (rlp_load_volatile_f32) into the numerator's
+// counts itself in token_done once its o stores are visible (a barrier, then one thread's fence before the
+// count), and the token's last block (the hkv-th count; a fence after it) reads the whole row back past its
+// own cache (rlp_load_volatile_f32, RLP_ATTS_ENCODE_LOADS in flight per thread) into the numerator's
 // shared memory (ops/attention.py sizes it for hq * d floats) and encodes it. No block of the token
 // writes o after it counted, so the row is complete. Every thread of the block calls this; it ends
 // synchronised.
@@ -526,14 +528,29 @@ __device__ __forceinline__ void rlp_atts_encode_if_last(
     int* last_of_token, unsigned int* row_largest, int enc_k_padded, int enc_bits, int enc_slices,
     int enc_descending, signed char* __restrict__ enc_digits, int* __restrict__ enc_exponents,
     unsigned long long* numerator) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) *last_of_token = atomicAdd(&token_done[token], 1u) == (unsigned int)(hkv - 1) ? 1 : 0;
+    __syncthreads();  // the block's o stores, then one thread's fence and count for all (a grid barrier's pattern)
+    if (threadIdx.x == 0) {
+        __threadfence();
+        *last_of_token = atomicAdd(&token_done[token], 1u) == (unsigned int)(hkv - 1) ? 1 : 0;
+        if (*last_of_token != 0) __threadfence();
+    }
     __syncthreads();
     if (*last_of_token == 0) return;  // block-uniform
-    __threadfence();
     float* row = reinterpret_cast<float*>(numerator);
-    for (int i = threadIdx.x; i < k; i += blockDim.x) row[i] = rlp_load_volatile_f32(out + token * k + i);
+    const float* o_row = out + token * k;
+    for (int base = threadIdx.x; base < k; base += RLP_ATTS_ENCODE_LOADS * blockDim.x) {
+        float loaded[RLP_ATTS_ENCODE_LOADS];  // the loads first, all in flight, then the stores
+#pragma unroll
+        for (int u = 0; u < RLP_ATTS_ENCODE_LOADS; ++u) {
+            const int i = base + u * (int)blockDim.x;
+            loaded[u] = i < k ? rlp_load_volatile_f32(o_row + i) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < RLP_ATTS_ENCODE_LOADS; ++u) {
+            const int i = base + u * (int)blockDim.x;
+            if (i < k) row[i] = loaded[u];
+        }
+    }
     __syncthreads();
     rlp_block_encode_row(row, k, enc_k_padded, enc_bits, enc_slices, enc_descending, row_largest,
                          enc_exponents + token, enc_digits + token * enc_slices * enc_k_padded);

@@ -52,13 +52,3 @@ if [[ $1 == kernels ]]; then
     (cd scripts && python3 probe_wgmma_phases.py "$OUT/wgmma_phases_h200.json" && \
         python3 probe_wgmma_all_digits.py "$OUT/wgmma_all_digits_h200.json")
 fi
-if [[ $1 == fused_o ]]; then
-    # o's encoding from the value kernel and the sampler's parallel pass 3 (2026-12-01, third session)
-    $cli conform --device cuda --only attention.split_encode --json "$OUT/conform_cuda_split_encode_h200.json" 2>&1 | tail -3
-    $cli conform --device cuda --quick --only attention.split_decode,attention.split_nonfinite_rows,sampling \
-        --json "$OUT/conform_cuda_fused_o_quick_h200.json" 2>&1 | tail -3
-    $cli conform --device cuda --kernel-source hip --quick --only attention.split_encode,attention.split_decode,sampling \
-        --json "$OUT/conform_cuda_hipsrc_fused_o_h200.json" 2>&1 | tail -3
-    $cli conform --device cuda --quick --only engine,e2e,golden --json "$OUT/conform_cuda_engine_fused_o_h200.json" 2>&1 | tail -3
-    $cli bench decode --device cuda --peer none --json "$OUT/decode_fused_o_h200.json" 2>&1 | tail -4
-fi

@@ -16,13 +16,11 @@ from recording_device import RecordingDevice, kernel_parameters
 
 from rlportable.errors import InputError
 from rlportable.ops import attention as op
-from rlportable.ops import fixedpoint
 
 SPLIT_KERNELS = ("attention_split_scores", "attention_split_values", "attention_split_combine")  # groups > 2
 PAIR_SPLIT_KERNELS = ("attention_split_scores", "attention_split_values_h2", "attention_split_combine")
 ONE_SPLIT_KERNELS = PAIR_SPLIT_KERNELS[:2]  # one split (groups of 2 here): the value kernel writes o, no combine
 _SCALARS = {"long long": np.int64, "int": np.int32, "double": np.float64}
-VALUE_OUT = -9  # o among the value kernels' arguments: then encode, token_done and o's encoding (6)
 
 
 def same_array(a: np.ndarray, b: np.ndarray) -> bool:
@@ -94,12 +92,12 @@ def test_split_launches_match_the_kernel_parameters(vendor):
                 assert type(arg) is _SCALARS[kind], (kernel, position, kind, type(arg))
     # the scratch arrays the kernels index: scores [tq * hkv, splits * chunk, group], part_num [tq * hq, splits, d]
     splits, chunk = op.split_plan(5, 2, 9 * 16)
-    scores, key_rows, split_keys, split_info, query_bad = backend.launches[0].args[-7:-2]
+    scores, key_rows, split_keys, split_info, query_bad = backend.launches[0].args[-5:]
     assert scores.size == 5 * 2 * splits * chunk * 3 and key_rows.size == 5 * 2 * splits * chunk
     assert key_rows.dtype == np.int64
     assert split_keys.dtype == np.uint32 and split_keys.size == 5 * 6 * splits and split_info.size == 5 * 2 * splits
     assert splits > 1
-    part_total, part_num, values_out = backend.launches[1].args[VALUE_OUT - 2:VALUE_OUT + 1]
+    part_total, part_num, values_out = backend.launches[1].args[-3:]
     assert part_total.dtype == np.int64 and part_num.size == 5 * 6 * splits * 20 and query_bad.size == 5 * 6
     assert same_array(values_out, out) and same_array(backend.launches[2].args[-1], out)
     assert backend.launches[0].grid == (5 * 2 * splits,) and backend.launches[2].grid == (5 * 6,)
@@ -113,50 +111,7 @@ def test_one_split_writes_o_from_the_value_kernel(vendor):
     assert [launch.kernel for launch in backend.launches] == list(ONE_SPLIT_KERNELS)
     parameters = kernel_parameters(vendor, "attention")["attention_split_values_h2"]
     args = backend.launches[1].args
-    assert len(args) == len(parameters) and same_array(args[VALUE_OUT], out)
-
-
-@pytest.mark.parametrize("vendor", ["cuda", "hip"])
-def test_one_split_encodes_o_in_the_value_kernel(vendor):
-    """Given o's encoding, one split's value kernel writes it (no encoder launch); the score kernel zeroes
-    the per-token counts it uses to find each token's last block."""
-    backend = RecordingDevice(vendor)
-    encoded = fixedpoint.empty_encoding(backend, 128, 16 * 128, 23)
-    out = decode_call(backend, rows=128, hq=16, hkv=8, d=128, width=25, encoded=encoded)
-    assert [launch.kernel for launch in backend.launches] == list(ONE_SPLIT_KERNELS)
-    scores_args, values_args = backend.launches[0].args, backend.launches[1].args
-    assert scores_args[-2] == 1 and scores_args[-1].shape == (128,) and scores_args[-1].dtype == np.uint32
-    encode, token_done, k_padded, bits, slices, descending, digits, exponents = values_args[VALUE_OUT + 1:]
-    assert same_array(values_args[VALUE_OUT], out)
-    assert encode == 1 and token_done is scores_args[-1]
-    assert (k_padded, bits, slices, descending) == (encoded.k_padded, 23, encoded.slices, 0)
-    assert same_array(digits, encoded.digits) and same_array(exponents, encoded.exponents)
-    assert op.split_encodes_output(1, 16, 8, 128, 128)
-
-
-@pytest.mark.parametrize("kind, shape", [("splits", dict(rows=5, hq=6, hkv=2, d=20, width=9)),
-                                         ("wide row", dict(rows=128, hq=64, hkv=8, d=128, width=25))])
-def test_o_is_encoded_after_where_the_value_kernel_cannot(kind, shape):
-    """More splits (the combine writes o), or o's row wider than the value kernel's shared memory: the
-    encoder runs after the attention kernels, on o, into the given arrays."""
-    backend = RecordingDevice("cuda")
-    encoded = fixedpoint.empty_encoding(backend, shape["rows"], shape["hq"] * shape["d"], 23)
-    out = decode_call(backend, encoded=encoded, **shape)
-    kernels = [launch.kernel for launch in backend.launches]
-    assert kernels[-1] == "fixedpoint_encode_rows" and kernels.count("fixedpoint_encode_rows") == 1
-    assert all(launch.args[VALUE_OUT + 1] == 0 for launch in backend.launches if "values" in launch.kernel)
-    x, digits, exponents = backend.launches[-1].args[0], backend.launches[-1].args[-2], backend.launches[-1].args[-1]
-    assert np.shares_memory(x, out) and x.shape == (shape["rows"], shape["hq"] * shape["d"])
-    assert same_array(digits, encoded.digits) and same_array(exponents, encoded.exponents)
-
-
-def test_encoded_is_refused_on_cpu_and_checked_for_its_shape():
-    cpu = RecordingDevice(None)
-    with pytest.raises(InputError, match="encoded= is for device backends"):
-        decode_call(cpu, rows=2, hq=2, hkv=1, d=8, width=2, encoded=fixedpoint.empty_encoding(cpu, 2, 16, 23))
-    with pytest.raises(InputError, match="encoded must hold 2 rows of 16"):
-        decode_call(RecordingDevice("cuda"), rows=2, hq=2, hkv=1, d=8, width=2,
-                    encoded=fixedpoint.empty_encoding(cpu, 3, 16, 23))
+    assert len(args) == len(parameters) and same_array(args[-1], out)
 
 
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
@@ -231,7 +186,7 @@ def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma
     mma = backend.launches[-1]
     assert mma.args[3] == 100 and mma.grid == (2, 4)
     # each call writes its own rows of the one output
-    combine_out, mma_out = backend.launches[1].args[VALUE_OUT], mma.args[-1]
+    combine_out, mma_out = backend.launches[1].args[-1], mma.args[-1]
     assert combine_out.shape == (3, 4, 64) and mma_out.shape == (100, 4, 64)
     assert np.shares_memory(combine_out, out) and np.shares_memory(mma_out, out)
     assert combine_out.__array_interface__["data"][0] == out.__array_interface__["data"][0]

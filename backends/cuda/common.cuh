@@ -77,11 +77,6 @@ __device__ __forceinline__ unsigned int rlp_magnitude_bits(float x) {
     return (unsigned int)__float_as_int(x) & 0x7fffffffu;
 }
 
-// A float32 read that bypasses the multiprocessor's own (incoherent) cache: for data other blocks of the
-// same kernel wrote, read after a __threadfence() that follows their count (a volatile access goes to the
-// device-coherent level on both vendors).
-__device__ __forceinline__ float rlp_load_volatile_f32(const float* p) { return *(const volatile float*)p; }
-
 // ---- Block-wide exact integer reductions (max, sum, or), in two steps: xor shuffles of
 // width 32 combine each aligned segment of 32 lanes (threads 32j .. 32j+31), then lane 0 of
 // each segment does the one shared-memory atomic (not 256 threads on one address). 32 divides

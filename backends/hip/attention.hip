@@ -283,7 +283,6 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_WEIGHT_KEYS 1   // keys per thread in flight while attention_split_values forms weights
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
 #define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values (twice that with 2 heads)
-#define RLP_ATTS_ENCODE_LOADS 8   // o values per thread in flight while a token's last value block reads its row
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
 // CUDA builds the score and value kernels for 8 and 6 blocks per multiprocessor (its __launch_bounds__
 // minimum, chosen on the H200); HIP's second __launch_bounds__ argument means waves per execution unit,
@@ -389,8 +388,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const int* __restrict__ v_exponents, int splits, int chunk,
     float* __restrict__ scores, long long* __restrict__ key_rows, unsigned int* __restrict__ split_keys,
-    unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad, int encode,
-    unsigned int* __restrict__ token_done) {
+    unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad) {
     __shared__ int4 q_digits[RLP_ATTS_SCORE_HEADS * 3 * (RLP_ATT_MAX_HEAD_DIM / 16)];  // [head][digit][dp / 16]
     __shared__ unsigned int largest[RLP_ATTS_SCORE_HEADS];
     __shared__ unsigned int head_key[RLP_ATTS_SCORE_HEADS];
@@ -519,51 +517,8 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_s
             __syncthreads();  // the next round resets largest and head_key
         }
         if (threadIdx.x == 0) split_info[rowg * splits + split] = (flags << 16) | max_ev;
-        // the value pass's count of each token's finished blocks (encode: it encodes o), zeroed here first
-        if (encode != 0 && split == 0 && g == 0 && threadIdx.x == 0) token_done[token] = 0u;
         __syncthreads();
     }
-}
-
-// o's encoding for the gemm that takes it (fixedpoint_encode_rows' digits and exponent: the same helper,
-// the same bits), written by the value pass itself when it writes o (one split): every block of a token
-// counts itself in token_done once its o stores are visible (a barrier, then one thread's fence before the
-// count), and the token's last block (the hkv-th count; a fence after it) reads the whole row back past its
-// own cache (rlp_load_volatile_f32, RLP_ATTS_ENCODE_LOADS in flight per thread) into the numerator's
-// shared memory (ops/attention.py sizes it for hq * d floats) and encodes it. No block of the token
-// writes o after it counted, so the row is complete. Every thread of the block calls this; it ends
-// synchronised.
-__device__ __forceinline__ void rlp_atts_encode_if_last(
-    const float* __restrict__ out, long long token, int k, int hkv, unsigned int* __restrict__ token_done,
-    int* last_of_token, unsigned int* row_largest, int enc_k_padded, int enc_bits, int enc_slices,
-    int enc_descending, signed char* __restrict__ enc_digits, int* __restrict__ enc_exponents,
-    unsigned long long* numerator) {
-    __syncthreads();  // the block's o stores, then one thread's fence and count for all (a grid barrier's pattern)
-    if (threadIdx.x == 0) {
-        __threadfence();
-        *last_of_token = atomicAdd(&token_done[token], 1u) == (unsigned int)(hkv - 1) ? 1 : 0;
-        if (*last_of_token != 0) __threadfence();
-    }
-    __syncthreads();
-    if (*last_of_token == 0) return;  // block-uniform
-    float* row = reinterpret_cast<float*>(numerator);
-    const float* o_row = out + token * k;
-    for (int base = threadIdx.x; base < k; base += RLP_ATTS_ENCODE_LOADS * blockDim.x) {
-        float loaded[RLP_ATTS_ENCODE_LOADS];  // the loads first, all in flight, then the stores
-#pragma unroll
-        for (int u = 0; u < RLP_ATTS_ENCODE_LOADS; ++u) {
-            const int i = base + u * (int)blockDim.x;
-            loaded[u] = i < k ? rlp_load_volatile_f32(o_row + i) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < RLP_ATTS_ENCODE_LOADS; ++u) {
-            const int i = base + u * (int)blockDim.x;
-            if (i < k) row[i] = loaded[u];
-        }
-    }
-    __syncthreads();
-    rlp_block_encode_row(row, k, enc_k_padded, enc_bits, enc_slices, enc_descending, row_largest,
-                         enc_exponents + token, enc_digits + token * enc_slices * enc_k_padded);
 }
 
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
@@ -585,8 +540,6 @@ __device__ __forceinline__ void rlp_atts_values(
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out,
-    int encode, unsigned int* __restrict__ token_done, int enc_k_padded, int enc_bits, int enc_slices,
-    int enc_descending, signed char* __restrict__ enc_digits, int* __restrict__ enc_exponents,
     unsigned long long* numerator) {
     __shared__ double weights[HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
     __shared__ long long key_offsets[RLP_ATTS_TILE];    // the V row's byte offset
@@ -597,8 +550,6 @@ __device__ __forceinline__ void rlp_atts_values(
     __shared__ unsigned int max_ev;
     __shared__ unsigned int flags;
     __shared__ int any_ok;
-    __shared__ int last_of_token;
-    __shared__ unsigned int row_largest;
     const int group = hq / hkv;
     const int row_threads = dp / RLP_ATTS_COLUMNS;  // threads of one key row
     const int lanes = (int)blockDim.x / row_threads;  // key rows in flight per block (1, 2, 4 or 8)
@@ -786,9 +737,6 @@ __device__ __forceinline__ void rlp_atts_values(
             }
             __syncthreads();  // the next round resets the sums
         }
-        if (encode != 0 && splits == 1) rlp_atts_encode_if_last(out, token, hq * d, hkv, token_done, &last_of_token,
-                                                               &row_largest, enc_k_padded, enc_bits, enc_slices,
-                                                               enc_descending, enc_digits, enc_exponents, numerator);
     }
 }
 
@@ -798,14 +746,11 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
-    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out, int encode,
-    unsigned int* __restrict__ token_done, int enc_k_padded, int enc_bits, int enc_slices, int enc_descending,
-    signed char* __restrict__ enc_digits, int* __restrict__ enc_exponents) {
+    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
     rlp_atts_values<RLP_ATTS_VALUE_HEADS>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                                           scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
-                                          out, encode, token_done, enc_k_padded, enc_bits, enc_slices, enc_descending,
-                                          enc_digits, enc_exponents, rlp_atts_values_smem);
+                                          out, rlp_atts_values_smem);
 }
 
 // rlp_atts_values with rounds of up to 2 q heads, for groups of 1 or 2 (ops/attention.py picks it): half
@@ -815,14 +760,11 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
-    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out, int encode,
-    unsigned int* __restrict__ token_done, int enc_k_padded, int enc_bits, int enc_slices, int enc_descending,
-    signed char* __restrict__ enc_digits, int* __restrict__ enc_exponents) {
+    long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
     rlp_atts_values<2>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                        scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
-                       out, encode, token_done, enc_k_padded, enc_bits, enc_slices, enc_descending,
-                       enc_digits, enc_exponents, rlp_atts_values_smem);
+                       out, rlp_atts_values_smem);
 }
 
 // One block per (query row, q head), grid-stride: m, E and the flags over the splits, L and N_d as

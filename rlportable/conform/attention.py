@@ -12,9 +12,7 @@ from rlportable.runtime.base import Backend
 from rlportable.contract import attention as attention_ref
 from rlportable.contract.fixedpoint import CANONICAL_NAN
 from rlportable.ops import attention as attention_op
-from rlportable.ops import fixedpoint as fixedpoint_op
 from rlportable.ops.fixedpoint import encode_rows_reference as _encode_rows_reference
-from rlportable.ops.gemm import DEFAULT_BITS_A as GEMM_BITS_A
 
 # (Hq, Hkv, D): GQA 4:1, plain multi-head, a ragged head_dim, a wide one
 ATTENTION_HEADS = ((8, 2, 64), (4, 4, 128), (8, 2, 20))
@@ -94,24 +92,6 @@ class _PagedRun:
         return b.to_numpy(attention_op.attention_paged(
             b, b.asarray(q), b.asarray(np.asarray(q_seq, dtype=np.int32)), b.asarray(np.asarray(q_pos, dtype=np.int32)),
             self.cache, tables, threads=threads, method=method, keys_per_split=keys_per_split))
-
-
-    def query_encoded(self, q, q_seq, q_pos):
-        """(o, its encoding at the gemm's activation bits) of decode rows: on a device from one attention call
-        (encoded=, method "split"), on cpu the reference o encoded by encode_rows."""
-        b = self.backend
-        args = (b.asarray(q), b.asarray(np.asarray(q_seq, dtype=np.int32)), b.asarray(np.asarray(q_pos, dtype=np.int32)),
-                self.cache, self.device_tables)
-        rows, hq, d = q.shape
-        if b.kernel_vendor is None:
-            out = attention_op.attention_paged(b, *args)
-            encoded = fixedpoint_op.encode_rows(b, out.reshape(rows, hq * d), GEMM_BITS_A)
-        else:
-            encoded = fixedpoint_op.empty_encoding(b, rows, hq * d, GEMM_BITS_A)
-            out = attention_op.attention_paged(b, *args, method="split", encoded=encoded)
-        host = fixedpoint_op.EncodedRows(b.to_numpy(encoded.digits), b.to_numpy(encoded.exponents), encoded.bits,
-                                         encoded.k, encoded.descending)
-        return b.to_numpy(out), host
 
 
 def check_attention_packed(backend: Backend, rng, quick: bool) -> Tally:
@@ -399,34 +379,6 @@ def _split_nonfinite_rows(backend: Backend, rng, tally: Tally, hq: int) -> None:
         tally.add(run.query(rows, q_seq, q_pos, method=method, tables=tables, keys_per_split=keys), want)
 
 
-def check_attention_split_encode(backend: Backend, rng, quick: bool) -> Tally:
-    """o together with its encoding for the o projection (attention_paged's encoded=, the engine's decode
-    steps): the value kernel's own encoding where one split writes o (128 or 256 sequences x 8 KV heads fill a
-    launch), the encoder after it elsewhere (a few sequences: more splits), both against the reference o
-    and fixedpoint.encode_rows' digits and exponents of it, bitwise; a NaN q row and an inf K row among
-    them (a non-finite row's exponent). On cpu the reference composes the same (attention, then encode)."""
-    tally = Tally()
-    for sequences, (hq, hkv, d) in ((128 if quick else 256, (16, 8, 128)), (6, (8, 2, 64))):
-        lengths = [int(n) for n in rng.integers(1, 300, sequences)]
-        cu = _cu(lengths)
-        q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
-        q[cu[1] - 1, hq - 1, 3] = np.nan  # sequence 0's decode row: o's row 0 is NaN in one head
-        k[cu[1] + lengths[1] // 2, 0, 5] = np.inf  # sequence 1 from its middle: its kv head 0's heads NaN
-        run = _PagedRun(backend, rng, lengths, hkv, d, 16)
-        for seq, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
-            run.write(seq, np.arange(stop - start), k[start:stop], v[start:stop])
-        q_seq = np.arange(sequences)
-        q_pos = np.asarray(lengths) - 1
-        rows = np.ascontiguousarray(q[cu[q_seq] + q_pos])
-        expected = _expected_rows(rows, k, v, cu, q_seq, q_pos)
-        want = _encode_rows_reference(expected.reshape(sequences, hq * d), GEMM_BITS_A)
-        out, encoded = run.query_encoded(rows, q_seq, q_pos)
-        tally.add(out, expected)
-        tally.add(encoded.digits, want.digits)
-        tally.add(encoded.exponents, want.exponents)
-    return tally
-
-
 ATTENTION_CHECKS = [
     ("attention.packed", check_attention_packed),
     ("attention.nonfinite_rows", check_attention_nonfinite),
@@ -435,7 +387,6 @@ ATTENTION_CHECKS = [
     ("attention.invariance", check_attention_invariance),
     ("attention.split_decode", check_attention_split),
     ("attention.split_nonfinite_rows", check_attention_split_nonfinite),
-    ("attention.split_encode", check_attention_split_encode),
 ]
 
 

@@ -22,7 +22,7 @@ from rlportable.errors import InputError
 from rlportable.model import parallel
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import LayerWeights, ModelWeights
-from rlportable.ops import activation, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope
+from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
 from rlportable.runtime.base import Backend
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -190,17 +190,9 @@ class Model:
 
         parts = attention.step_parts(q_seq)  # the decodes and the prefill chunks, once for every layer
 
-        # o comes with its encoding for the o projection from the attention launch where it can (one device)
-        encode_o = backend.kernel_vendor is not None and self.tp.size == 1
-
         def paged(q, k, v, index):  # the layer wrote k and v into caches[index] (cache_writes)
-            if not encode_o:
-                return attention.attention_step(backend, q, device.q_seq, device.positions, caches[index],
-                                                device.block_tables, parts)
-            rows, heads, dim = q.shape
-            encoded = fixedpoint.empty_encoding(backend, rows, heads * dim, gemm.DEFAULT_BITS_A)
             return attention.attention_step(backend, q, device.q_seq, device.positions, caches[index],
-                                            device.block_tables, parts, encoded=encoded), encoded
+                                            device.block_tables, parts)
 
         return self._forward(tokens, positions, paged, device.positions, device_tokens=device.tokens,
                              cache_writes=lambda index: (caches[index], device.slots))
@@ -303,8 +295,7 @@ class Model:
         one launch. h1: RMSNorm(x) with attn_norm when the caller made it so; h1_encoded: its encoding
         for the q/k/v gemm when the caller has it (norm.add_rmsnorm's). `record`, a dict, receives
         the intermediate values (the trainer's backward recomputes a layer this way). cache_write =
-        (KVCache, slots): the layer's k and v go into that cache before attend (the engine's steps).
-        attend(q, k, v) gives o, or (o, its encoding for the o projection) where its kernels make both."""
+        (KVCache, slots): the layer's k and v go into that cache before attend (the engine's steps)."""
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
         if h1 is None:
@@ -312,8 +303,8 @@ class Model:
         q_lin, k_lin, v = self._projections(h1, layer.qkv, (layer.q_bias, layer.k_bias, layer.v_bias), h1_encoded)
         v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = self._rotated_heads(layer, q_lin, k_lin, positions, cos, sin, v, cache_write)
-        a, a_encoded = _with_encoding(attend(q, k, v))
-        attn_out = self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o, encoded=a_encoded)
+        a = attend(q, k, v)
+        attn_out = self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o)
         # h2 comes with its encoding for the gate/up gemm from the same launch (no separate encode)
         x2, h2, h2_encoded = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps,
                                               encode_bits=gemm.DEFAULT_BITS_A)
@@ -406,8 +397,3 @@ def next_token_rows(tokens: np.ndarray, cu_seqlens: np.ndarray) -> tuple[np.ndar
     rows = np.concatenate([np.arange(a, b - 1) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])] or [np.zeros(0)])
     rows = rows.astype(np.int64)
     return rows, tokens[rows + 1].astype(np.int32)
-
-
-def _with_encoding(attended) -> tuple:
-    """(o, its encoding for the o projection or None) from an attend callback, which returns o or both."""
-    return attended if isinstance(attended, tuple) else (attended, None)

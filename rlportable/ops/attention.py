@@ -36,7 +36,7 @@ from rlportable.contract import attention as reference, fixedpoint as fp
 from rlportable.errors import InputError
 from rlportable.ops import segments
 from rlportable.ops.checks import round_up, shape_of
-from rlportable.ops.fixedpoint import K_ALIGN, EncodedRows, encode_rows_into, encode_rows_reference
+from rlportable.ops.fixedpoint import K_ALIGN, encode_rows_reference
 from rlportable.runtime.base import Backend
 
 Q_BITS = reference.Q_BITS  # 23: 3 int8 digits
@@ -282,20 +282,15 @@ def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
 
 def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,
                     method: str = "auto", keys_per_split: int | None = None, num_seqs: int | None = None,
-                    out=None, encoded: EncodedRows | None = None):
+                    out=None):
     """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
     0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32).
     method: "auto", "portable", "mma" or "split" (METHODS; all give the same bits). threads: the
     portable kernel's block size. keys_per_split: the split kernels' key range per block (None:
     split_plan's choice; any value gives the same bits). num_seqs: how many sequences the rows
     belong to, for "auto" (None: every row of block_tables). out: a C-contiguous float32 [Tq, Hq, D]
-    device array to write o into (a slice of a larger output; devices only), else a new one.
-    encoded: o's rows [Tq, Hq * D] encoded for the gemm that takes them (fixedpoint.empty_encoding's
-    arrays; devices only), filled by this call with fixedpoint.encode_rows' bits: by the value kernel
-    itself where one split writes o (no separate launch), else by the encoder after."""
+    device array to write o into (a slice of a larger output; devices only), else a new one."""
     tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
-    if encoded is not None:
-        _check_encoding(backend, encoded, tq, hq * cache.head_dim)
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
     seqs = shape_of(block_tables)[0] if num_seqs is None else num_seqs
@@ -315,30 +310,8 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
     num_seqs, max_blocks = shape_of(block_tables)
     scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the reference's float64 1/sqrt(D)
     if method == "split":
-        encoded_too = _attention_paged_split(backend, q, q_seq, q_pos, cache, block_tables, scale, keys_per_split,
-                                             out, encoded)
-    else:
-        _launch_paged(backend, method, threads, q, q_seq, q_pos, cache, block_tables, scale, out)
-        encoded_too = False
-    if encoded is not None and not encoded_too:
-        encode_rows_into(backend, out.reshape(tq, hq * dim), encoded.bits, encoded.descending, encoded.digits,
-                         encoded.exponents)
-    return out
-
-
-def _check_encoding(backend: Backend, encoded: EncodedRows, rows: int, k: int) -> None:
-    if backend.kernel_vendor is None:
-        raise InputError("attention: encoded= is for device backends (the reference encodes with encode_rows)")
-    if (encoded.rows, encoded.k) != (rows, k) or encoded.k_padded < k:
-        raise InputError(f"attention: encoded must hold {rows} rows of {k} (o's rows), got {encoded.rows} rows of "
-                         f"{encoded.k}")
-
-
-def _launch_paged(backend: Backend, method: str, threads: int, q, q_seq, q_pos, cache: KVCache, block_tables, scale,
-                  out) -> None:
-    """The one-launch kernels: "mma" (64-row tiles on the tensor cores) and "portable"."""
-    tq, hq, dim = shape_of(q)
-    num_seqs, max_blocks = shape_of(block_tables)
+        _attention_paged_split(backend, q, q_seq, q_pos, cache, block_tables, scale, keys_per_split, out)
+        return out
     if method == "mma":
         dp = cache.head_dim_padded
         kernel = "attention_paged_mma_d128" if dp <= 128 else "attention_paged_mma_d256"
@@ -350,6 +323,7 @@ def _launch_paged(backend: Backend, method: str, threads: int, q, q_seq, q_pos, 
                     np.int32(cache.head_dim_padded), scale, block_tables, np.int32(num_seqs), np.int32(max_blocks),
                     np.int32(cache.block_size), np.int64(cache.num_slots), cache.k_digits, cache.k_exponents,
                     cache.v_digits, cache.v_exponents, out), shared_mem=shared)
+    return out
 
 
 def _output(backend: Backend, out, shape: tuple[int, int, int]):
@@ -386,59 +360,42 @@ def step_parts(host_q_seq: np.ndarray) -> tuple[tuple[slice, int | None], ...]:
 
 
 def attention_step(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables,
-                   parts: tuple[tuple[slice, int | None], ...], encoded: EncodedRows | None = None):
+                   parts: tuple[tuple[slice, int | None], ...]):
     """attention_paged over an engine step's query rows, each kind by the kernels built for it: the
     ranges of step_parts (the leading decodes, then the prefill chunks) in separate calls, so that the
     decodes of a mixed step do not fall into the prefill kernel's 64-row tiles (the mma kernel serves
     the sequences of a tile one per round: 64 decode rows would cost 64 rounds). Each row's bits are
-    those of one call over all rows (the contract's batch invariance; every method gives the same bits).
-    encoded: as attention_paged's, for all the step's rows."""
+    those of one call over all rows (the contract's batch invariance; every method gives the same bits)."""
     if backend.kernel_vendor is None or len(parts) == 1:
-        return attention_paged(backend, q, q_seq, q_pos, cache, block_tables, encoded=encoded)
+        return attention_paged(backend, q, q_seq, q_pos, cache, block_tables)
     out = backend.empty(shape_of(q), np.float32)
     for rows, num_seqs in parts:
         attention_paged(backend, q[rows], q_seq[rows], q_pos[rows], cache, block_tables, num_seqs=num_seqs,
-                        out=out[rows], encoded=None if encoded is None else _row_slice(encoded, rows.start, rows.stop))
+                        out=out[rows])
     return out
 
 
 def _attention_paged_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, scale,
-                           keys_per_split: int | None, out, encoded: EncodedRows | None) -> bool:
+                           keys_per_split: int | None, out) -> None:
     """attention_paged by the split kernels (backends/*/attention.*: "Split-KV path"), in slices of
-    query rows whose scores fit SPLIT_SCRATCH_BYTES (the slicing depends on the shapes only). Whether
-    the value kernel also wrote `encoded` (split_encodes_output)."""
-    tq, hq, dim = shape_of(q)
+    query rows whose scores fit SPLIT_SCRATCH_BYTES (the slicing depends on the shapes only)."""
+    tq, hq, _ = shape_of(q)
     capacity = shape_of(block_tables)[1] * cache.block_size
     splits, chunk = split_plan(tq, cache.num_kv_heads, capacity, keys_per_split)
-    encodes = encoded is not None and split_encodes_output(splits, hq, cache.num_kv_heads, dim,
-                                                          cache.head_dim_padded)
     per_row = (hq * 4 + cache.num_kv_heads * 8) * splits * chunk  # scores and key_rows of one query row
     step = max(1, min(tq, SPLIT_SCRATCH_BYTES // per_row))
     for start in range(0, tq, step):
         stop = min(start + step, tq)
         _launch_split(backend, q[start:stop], q_seq[start:stop], q_pos[start:stop], cache, block_tables, scale,
-                      keys_per_split, out[start:stop], _row_slice(encoded, start, stop) if encodes else None)
-    return encodes
-
-
-def split_encodes_output(splits: int, hq: int, hkv: int, dim: int, head_dim_padded: int) -> bool:
-    """Whether the value kernel encodes o itself: where it writes o (one split) and o's row (hq * dim
-    float32) fits the shared memory its numerators take (the row is staged there; no larger block)."""
-    return splits == 1 and hq * dim * 4 <= split_values_shared_bytes(hq // hkv, head_dim_padded)
-
-
-def _row_slice(encoded: EncodedRows, start: int, stop: int) -> EncodedRows:
-    return EncodedRows(encoded.digits[start:stop], encoded.exponents[start:stop], encoded.bits, encoded.k,
-                       encoded.descending)
+                      keys_per_split, out[start:stop])
 
 
 def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, scale,
-                  keys_per_split: int | None, out, encoded: EncodedRows | None = None) -> None:
+                  keys_per_split: int | None, out) -> None:
     """The split kernels over these query rows: scores with each split's maxima, then the global
     maxima and each split's exact partial sums, then their exact sums and o (with one split, the value
-    kernel's sums are whole and it writes o: no combine; given `encoded`, it also encodes o into it,
-    counting each token's blocks in token_done, which the score kernel zeroes). The scratch arrays come
-    from the backend's allocator (in a graph capture, the capture's pool)."""
+    kernel's sums are whole and it writes o: no combine). The scratch arrays come from the backend's
+    allocator (in a graph capture, the capture's pool)."""
     tq, hq, dim = shape_of(q)
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     num_seqs, max_blocks = shape_of(block_tables)
@@ -457,23 +414,14 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
     table = (block_tables, np.int32(num_seqs), np.int32(max_blocks), np.int32(cache.block_size),
              np.int64(cache.num_slots))
     cut = (np.int32(splits), np.int32(chunk))
-    encode = np.int32(encoded is not None)
-    token_done = backend.empty((tq if encoded is not None else 1,), np.uint32)
-    if encoded is None:  # the value kernel's encoding arguments, unused (encode = 0)
-        encoding = (np.int32(0), np.int32(0), np.int32(0), np.int32(0), backend.empty((1,), np.int8),
-                    backend.empty((1,), np.int32))
-    else:
-        encoding = (np.int32(encoded.k_padded), np.int32(encoded.bits), np.int32(encoded.slices),
-                    np.int32(int(encoded.descending)), encoded.digits, encoded.exponents)
     grid, block = (min(group_rows * splits, GRID_LIMIT),), (SPLIT_THREADS,)
     backend.launch("attention", "attention_split_scores", grid, block,
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +
-                   (scores, key_rows, split_keys, split_info, query_bad, encode, token_done))
+                   (scores, key_rows, split_keys, split_info, query_bad))
     backend.launch("attention", split_values_kernel(hq // hkv), grid, block,
                    (q_seq, q_pos) + sizes + (np.int32(num_seqs), cache.v_digits) + cut +
-                   (scores, key_rows, split_keys, split_info, query_bad, part_total, part_num, out, encode,
-                    token_done) + encoding,
+                   (scores, key_rows, split_keys, split_info, query_bad, part_total, part_num, out),
                    shared_mem=split_values_shared_bytes(hq // hkv, dp))
     if partials:
         backend.launch("attention", "attention_split_combine", (min(rows, GRID_LIMIT),), block,

@@ -15,18 +15,18 @@ alone). Medians of REPEATS replays, milliseconds.
 """
 
 import json
-import statistics
 import sys
 
 import numpy as np
 
 from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.bench.timing import replay_ms
 from rlportable.engine.runner import ModelRunner
-from rlportable.engine.scheduler import ScheduledSequence
-from rlportable.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from rlportable.engine.step_inputs import plan_decode
 from rlportable.model.forward import Model, StepInputs
 from rlportable.runtime import get_backend
+
+from decode_rows import decode_entries, fill_caches_randomly  # scripts/decode_rows.py
 
 SEQUENCES = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 KV_LENGTH = int(sys.argv[2]) if len(sys.argv) > 2 else 384
@@ -39,22 +39,7 @@ model = Model(backend, config, random_weights(config))
 blocks_per_seq = -(-KV_LENGTH // BLOCK_SIZE)
 runner = ModelRunner(model, SEQUENCES * blocks_per_seq, BLOCK_SIZE, sampler="device", cuda_graphs=False,
                      max_num_seqs=SEQUENCES, max_model_len=blocks_per_seq * BLOCK_SIZE + BLOCK_SIZE)
-for cache in runner.caches:
-    for digits in (cache.k_digits, cache.v_digits):
-        digits[...] = cupy.random.randint(-128, 128, digits.shape, dtype=np.int32).astype(np.int8)
-
-
-def entries():
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    made = []
-    for index in range(SEQUENCES):
-        seq = Sequence(index, rng.integers(0, config.vocab_size, KV_LENGTH).tolist(), params)
-        seq.status = SequenceStatus.RUNNING
-        seq.block_table = list(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
-        seq.num_computed_tokens = KV_LENGTH - 1
-        made.append(ScheduledSequence(seq, KV_LENGTH - 1, 1, True, [seq]))
-    return made
+fill_caches_randomly(cupy, runner.caches)
 
 
 def inputs(scheduled):
@@ -71,7 +56,7 @@ def logits_of(plan, device):
     return model.logits(hidden_of(plan, device))
 
 
-scheduled = entries()
+scheduled = decode_entries(config.vocab_size, SEQUENCES, KV_LENGTH, blocks_per_seq)
 half = SEQUENCES // 2
 whole_in, first_in, second_in = inputs(scheduled), inputs(scheduled[:half]), inputs(scheduled[half:])
 
@@ -109,19 +94,11 @@ def two_streams_one_lm_head():
     return [model.logits(cupy.concatenate([first, second]))]
 
 
-def replay_ms(graph) -> float:
+def warm_replay_ms(graph) -> float:
     stream = backend.engine_stream()
     graph.replay()
     stream.synchronize()
-    samples = []
-    for _ in range(REPEATS):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.replay()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(samples)
+    return replay_ms(cupy, graph, stream, REPEATS)
 
 
 def main():
@@ -132,7 +109,7 @@ def main():
     for name, body in (("whole", whole), ("halves", halves), ("two_streams", two_streams),
                        ("two_streams_one_lm_head", two_streams_one_lm_head)):
         graph, outputs = backend.capture_graph(body)
-        ms = replay_ms(graph)
+        ms = warm_replay_ms(graph)
         bits = np.concatenate([cupy.asnumpy(o).view(np.uint32) for o in outputs])
         reference = bits if reference is None else reference
         results[name] = {"replay_ms": round(ms, 3), "same_bits_as_whole": bool(np.array_equal(bits, reference))}

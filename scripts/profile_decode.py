@@ -27,19 +27,19 @@ import statistics
 import sys
 import time
 
-import numpy as np
 
 from rlportable.bench.decode import copy_bandwidth, step_bytes
 from rlportable.bench.forward import qwen3_06b_config, random_weights
-from rlportable.bench.timing import _SPIN_SOURCE
+from rlportable.bench.timing import _SPIN_SOURCE, replay_ms
 from rlportable.engine.runner import ModelRunner
-from rlportable.engine.scheduler import ScheduledSequence, SchedulerOutput
-from rlportable.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from rlportable.engine.scheduler import SchedulerOutput
 from rlportable.engine.step_inputs import plan_decode
 from rlportable.model.forward import Model
 from rlportable.ops import activation, attention, embedding, gemm, gemm_fused, norm, residual, rope
 from rlportable.ops import sampling as sampling_op
 from rlportable.runtime import get_backend
+
+from decode_rows import decode_entries, fill_caches_randomly  # scripts/decode_rows.py
 
 SEQUENCES = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 KV_LENGTH = int(sys.argv[2]) if len(sys.argv) > 2 else 384
@@ -60,25 +60,14 @@ def runner(cuda_graphs: bool) -> ModelRunner:
     """A runner whose cache holds `SEQUENCES` sequences of KV_LENGTH random encoded K/V rows."""
     made = ModelRunner(model, SEQUENCES * blocks_per_seq, BLOCK_SIZE, sampler="device", cuda_graphs=cuda_graphs,
                        max_num_seqs=SEQUENCES, max_model_len=max_model_len)
-    for cache in made.caches:
-        for digits in (cache.k_digits, cache.v_digits):
-            digits[...] = cupy.random.randint(-128, 128, digits.shape, dtype=np.int32).astype(np.int8)
+    fill_caches_randomly(cupy, made.caches)
     return made
 
 
 def decode_step() -> SchedulerOutput:
     """Every sequence decodes its token at position KV_LENGTH - 1 (execute does not change them, so
     the same output can run again)."""
-    rng = np.random.default_rng(0)
-    entries = []
-    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    for index in range(SEQUENCES):
-        seq = Sequence(index, rng.integers(0, config.vocab_size, KV_LENGTH).tolist(), params)
-        seq.status = SequenceStatus.RUNNING
-        seq.block_table = list(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
-        seq.num_computed_tokens = KV_LENGTH - 1
-        entries.append(ScheduledSequence(seq, KV_LENGTH - 1, 1, True, [seq]))
-    return SchedulerOutput(entries, [], [], SEQUENCES)
+    return SchedulerOutput(decode_entries(config.vocab_size, SEQUENCES, KV_LENGTH, blocks_per_seq), [], [], SEQUENCES)
 
 
 # ---------------------------------------------------------------- per-op device time
@@ -206,20 +195,12 @@ def whole_steps(made: ModelRunner, out: SchedulerOutput) -> dict:
 def graph_replay_ms(made: ModelRunner) -> float:
     graph = made.graphs[made.buckets[-1]][0]
     stream = backend.engine_stream()
-    samples = []
     if os.environ.get("RLP_PROFILE_NVTX"):  # one replay in an NVTX range "replay", for ncu --nvtx-include replay/
         cupy.cuda.nvtx.RangePush("replay")
         graph.replay()
         stream.synchronize()
         cupy.cuda.nvtx.RangePop()
-    for _ in range(REPEATS):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.replay()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(samples)
+    return replay_ms(cupy, graph, stream, REPEATS)
 
 
 out = decode_step()

@@ -38,6 +38,20 @@ extern "C" __global__ void bench_spin(long long cycles) {
 """
 
 
+def replay_ms(cupy, graph, stream, repeats: int = 10) -> float:
+    """Median milliseconds of one replay of a captured graph (anything with .replay()) on `stream`, each
+    replay between two CUDA events after the one before has finished (the profiling scripts)."""
+    samples = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.replay()
+        stop.record(stream)
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(samples)
+
+
 def time_cupy_loop(cupy, step: Callable[[], None], replays: int = 20, repeats: int = 5,
                    spin_seconds: float = 0.02) -> float:
     """Median device seconds per call of `step`, for code CuPy cannot capture in a graph

@@ -178,6 +178,11 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
             long long local = 0;
             for (int i = begin; i < end; ++i) local += rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m);
             prefix[tid] = local;
+            if (tid == 0) {  // no owner (not possible: 0 <= target < W) leaves the row's token unwritten, as before
+                owner_begin = 0;
+                owner_end = 0;
+                owner_start = 0;
+            }
             rlp_sampling_block_scan(prefix, tid, threads);
             const long long inclusive = prefix[tid];
             const long long exclusive = inclusive - local;

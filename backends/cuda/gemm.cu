@@ -447,9 +447,6 @@ __device__ __forceinline__ unsigned long long rlp_wgmma_descriptor(const signed 
 }
 #endif  // RLP_HAS_WGMMA
 
-// Byte offset of 16-byte piece `piece` (0..7) of row `row` in a [rows][128] swizzled tile.
-__device__ __forceinline__ int rlp_swizzle128(int row, int piece) { return row * 128 + ((piece ^ (row & 7)) << 4); }
-
 #ifdef RLP_HAS_WGMMA
 // Thread-block clusters (split-K below): the generic address of the same shared-memory location
 // in block `rank` of this cluster, and a barrier over every thread of the cluster that also

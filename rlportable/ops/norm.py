@@ -31,7 +31,9 @@ MAX_FUSED_ENCODED_ROW = 4096
 FUSED_ENCODE_BITS = reference.ENCODE_BITS
 #: a kernel's null pointer argument (an optional output left out): 8 bytes of zero, as a device address
 NULL_POINTER = np.uint64(0)
-THREAD_SEGMENT = 32  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
+THREAD_SEGMENT = segments.SEGMENT  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
+
+
 def row_threads(h: int) -> int:
     """Threads of one row's block (norm_rmsnorm, norm_add_rmsnorm): enough for h up to ROW_THREADS, a
     multiple of THREAD_SEGMENT as the block reductions require. The bits do not depend on it."""

@@ -68,9 +68,6 @@ def _threads(threads: int, score_blocks: int, value_blocks: int):
 
 #: variant -> the split kernels' block size (ops/attention.SPLIT_THREADS) it is built for
 THREAD_COUNTS = {"threads_64": 64, "threads_64_values_10": 64, "threads_32": 32}
-#: variants run as the two launches (scores, values) where one split would take attention_split_fused_h2
-TWO_LAUNCHES = {"two_launches"}
-FUSED_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_fused_h2("
 
 
 def _no_weight_loads(s):  # timing only (other bits): the weight phase without its global loads
@@ -117,9 +114,6 @@ VARIANTS = {
     "values_fast_exp_zero_weights (timing only)": lambda s: _zero_weights(_fast_exp(s)),
     "values_no_products (timing only)": _no_value_products,
     "score_7_blocks": _bounds(SCORE_BOUNDS, 7),
-    "two_launches": lambda s: s,
-    "fused_6_blocks": _bounds(FUSED_BOUNDS, 6),
-    "fused_7_blocks": _bounds(FUSED_BOUNDS, 7),
     "threads_64": _threads(64, 16, 12),
     "threads_64_values_10": _threads(64, 16, 10),
     "threads_32": _threads(32, 32, 24),
@@ -222,7 +216,6 @@ def main():
             module = load(text, "attention", options)
             attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
             attention.SPLIT_THREADS = THREAD_COUNTS.get(variant, 128)
-            attention.FUSE_ONE_SPLIT = variant not in TWO_LAUNCHES
             backend._modules["attention"], backend._functions = module, {}
             run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split",
                                                     keys_per_split=keys)

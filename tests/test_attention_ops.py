@@ -400,5 +400,4 @@ def test_mma_kernels_are_declared_cuda_only():
     from rlportable.contract.spec import load_all
 
     contract = next(c for c in load_all() if c.name == "attention")
-    assert sorted(contract.cuda_only_kernels) == ["attention_paged_mma_d128", "attention_paged_mma_d256",
-                                                  "attention_split_fused_h2"]
+    assert sorted(contract.cuda_only_kernels) == ["attention_paged_mma_d128", "attention_paged_mma_d256"]

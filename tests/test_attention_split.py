@@ -103,9 +103,8 @@ def test_split_launches_match_the_kernel_parameters(vendor):
     assert backend.launches[0].grid == (5 * 2 * splits,) and backend.launches[2].grid == (5 * 6,)
 
 
-@pytest.mark.parametrize("vendor, fused", [("cuda", False), ("hip", False), ("hip", True)])
-def test_one_split_writes_o_from_the_value_kernel(vendor, fused, monkeypatch):
-    monkeypatch.setattr(op, "FUSE_ONE_SPLIT", fused)  # HIP sources have no fused kernel: two launches anyway
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_one_split_writes_o_from_the_value_kernel(vendor):
     backend = RecordingDevice(vendor)
     out = decode_call(backend, rows=128, hq=16, hkv=8, d=128, width=25)
     assert op.split_plan(128, 8, 25 * 16)[0] == 1
@@ -113,27 +112,6 @@ def test_one_split_writes_o_from_the_value_kernel(vendor, fused, monkeypatch):
     parameters = kernel_parameters(vendor, "attention")["attention_split_values_h2"]
     args = backend.launches[1].args
     assert len(args) == len(parameters) and same_array(args[-1], out)
-
-
-def test_one_split_on_cuda_sources_is_one_fused_launch():
-    backend = RecordingDevice("cuda")
-    out = decode_call(backend, rows=128, hq=16, hkv=8, d=128, width=25)
-    (launch,) = backend.launches
-    assert launch.kernel == "attention_split_fused_h2" and launch.grid == (128 * 8,)
-    types = kernel_parameters("cuda", "attention")["attention_split_fused_h2"]
-    assert len(launch.args) == len(types) and same_array(launch.args[-1], out)
-    for position, (kind, arg) in enumerate(zip(types, launch.args)):
-        if "*" in kind:
-            assert isinstance(arg, np.ndarray) and arg.flags.c_contiguous, (position, kind)
-        else:
-            assert type(arg) is _SCALARS[kind], (position, kind, type(arg))
-    assert launch.shared_mem == op.split_values_shared_bytes(2, 128)
-    # groups of more than 2 q heads per kv head, or several splits: the separate kernels
-    for rows, hq in ((128, 24), (4, 16)):
-        assert hq > 16 or op.split_plan(rows, 8, 25 * 16)[0] > 1
-        backend = RecordingDevice("cuda")
-        decode_call(backend, rows=rows, hq=hq, hkv=8, d=128, width=25)
-        assert backend.launches[0].kernel == "attention_split_scores"
 
 
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
@@ -144,8 +122,7 @@ def test_the_value_kernels_take_the_same_parameters(vendor):
 
 @pytest.mark.parametrize("group, kernel", [(1, "attention_split_values_h2"), (2, "attention_split_values_h2"),
                                            (3, "attention_split_values"), (8, "attention_split_values")])
-def test_groups_of_two_take_the_pair_value_kernel(group, kernel, monkeypatch):
-    monkeypatch.setattr(op, "FUSE_ONE_SPLIT", False)
+def test_groups_of_two_take_the_pair_value_kernel(group, kernel):
     assert op.split_values_kernel(group) == kernel
     backend = RecordingDevice("cuda")
     decode_call(backend, rows=3, hq=2 * group, hkv=2, d=64, width=4)
@@ -204,12 +181,12 @@ def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma
     backend = RecordingDevice("cuda")
     out = mixed_step_call(backend, decodes=3, chunk=100)
     kernels = [launch.kernel for launch in backend.launches]
-    assert kernels == ["attention_split_fused_h2", "attention_paged_mma_d128"]
+    assert kernels == list(ONE_SPLIT_KERNELS) + ["attention_paged_mma_d128"]
     assert backend.launches[0].args[3] == 3  # tq of the split launch: the decode rows
     mma = backend.launches[-1]
     assert mma.args[3] == 100 and mma.grid == (2, 4)
     # each call writes its own rows of the one output
-    combine_out, mma_out = backend.launches[0].args[-1], mma.args[-1]
+    combine_out, mma_out = backend.launches[1].args[-1], mma.args[-1]
     assert combine_out.shape == (3, 4, 64) and mma_out.shape == (100, 4, 64)
     assert np.shares_memory(combine_out, out) and np.shares_memory(mma_out, out)
     assert combine_out.__array_interface__["data"][0] == out.__array_interface__["data"][0]
@@ -217,7 +194,7 @@ def test_a_mixed_step_runs_its_decodes_by_the_split_kernels_and_its_chunk_by_mma
 
 
 @pytest.mark.parametrize("decodes, chunk, kernels", [
-    (4, 0, ["attention_split_fused_h2"]),  # a decode step: one call
+    (4, 0, list(ONE_SPLIT_KERNELS)),  # a decode step: one call
     (0, 100, ["attention_paged_mma_d128"]),  # prefill only: one call
 ])
 def test_a_step_of_one_kind_is_one_call(decodes, chunk, kernels):

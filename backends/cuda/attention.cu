@@ -372,15 +372,13 @@ __device__ __forceinline__ long long rlp_atts_biased_integer(double sum) {
 // scores and each head's largest order key. Writes split_keys, split_info, query_bad (split 0), the
 // scores and key_rows (so the value pass loads each key's row and ev at once, not the slot and then
 // the exponent).
-// ONE_ITEM: only item `one_item` (attention_split_fused_h2); otherwise the items blockIdx.x + i gridDim.x.
-template <bool ONE_ITEM>
-__device__ __forceinline__ void rlp_atts_scores(
+extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const int* __restrict__ v_exponents, int splits, int chunk,
     float* __restrict__ scores, long long* __restrict__ key_rows, unsigned int* __restrict__ split_keys,
-    unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad, long long one_item) {
+    unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad) {
     __shared__ int4 q_digits[RLP_ATTS_SCORE_HEADS * 3 * (RLP_ATT_MAX_HEAD_DIM / 16)];  // [head][digit][dp / 16]
     __shared__ unsigned int largest[RLP_ATTS_SCORE_HEADS];
     __shared__ unsigned int head_key[RLP_ATTS_SCORE_HEADS];
@@ -395,7 +393,7 @@ __device__ __forceinline__ void rlp_atts_scores(
     const bool leader = part == 0;
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
-    for (long long item = ONE_ITEM ? one_item : blockIdx.x; item < items; item += ONE_ITEM ? items : gridDim.x) {
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
         const long long rowg = item / splits;  // token * hkv + g
         const int split = (int)(item - rowg * splits);
         const long long token = rowg / hkv;
@@ -513,24 +511,6 @@ __device__ __forceinline__ void rlp_atts_scores(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores(
-    const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
-    int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
-    int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
-    const int* __restrict__ k_exponents, const int* __restrict__ v_exponents, int splits, int chunk,
-    float* __restrict__ scores, long long* __restrict__ key_rows, unsigned int* __restrict__ split_keys,
-    unsigned int* __restrict__ split_info, unsigned int* __restrict__ query_bad) {
-    rlp_atts_scores<false>(q, q_seq, q_pos, tq, hq, hkv, d, dp, scale, block_tables, num_seqs, max_blocks,
-                           block_size, num_slots, k_digits, k_exponents, v_exponents, splits, chunk, scores, key_rows,
-                           split_keys, split_info, query_bad, 0);
-}
-
-// A load of the split kernels' scratch (scores, key_rows, split_keys, split_info, query_bad); with ONE_ITEM
-// through L2 only (ld.global.cg): attention_split_fused_h2's value phase reads what its own score phase wrote
-// in the same launch, which the non-coherent read-only path need not see.
-template <bool ONE_ITEM, typename T>
-__device__ __forceinline__ T rlp_atts_scratch(const T* __restrict__ p) { return ONE_ITEM ? __ldcg(p) : *p; }
-
 // One block per (query row, kv head g, split), grid-stride; the group's q heads in rounds of up to
 // HEADS. E and the flags from every split's split_info, m per head from every split's split_keys; then
 // the split's keys in tiles of RLP_ATTS_TILE. Per tile, threads over keys (RLP_ATTS_WEIGHT_KEYS in
@@ -543,14 +523,14 @@ __device__ __forceinline__ T rlp_atts_scratch(const T* __restrict__ p) { return 
 // column), added per column less B W (exact, any order). With one split the block writes o itself, as
 // attention_split_combine would (ops/attention.py then launches no combine). numerator: the dynamic
 // shared memory [lanes][HEADS][dp] (ops/attention.py split_values_shared_bytes).
-template <int HEADS, bool ONE_ITEM>
+template <int HEADS>
 __device__ __forceinline__ void rlp_atts_values(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out,
-    unsigned long long* numerator, long long one_item) {
+    unsigned long long* numerator) {
     __shared__ double weights[HEADS * RLP_ATTS_TILE];  // [head][key of the tile]
     __shared__ long long key_offsets[RLP_ATTS_TILE];    // the V row's byte offset
     __shared__ unsigned long long head_total[HEADS];  // L's partial sum
@@ -570,7 +550,7 @@ __device__ __forceinline__ void rlp_atts_values(
     const int stride = KEYS * lanes;  // divides RLP_ATTS_TILE
     const long long keys = (long long)splits * chunk;
     const long long items = tq * hkv * splits;
-    for (long long item = ONE_ITEM ? one_item : blockIdx.x; item < items; item += ONE_ITEM ? items : gridDim.x) {
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
         const long long rowg = item / splits;
         const int split = (int)(item - rowg * splits);
         const long long token = rowg / hkv;
@@ -583,17 +563,17 @@ __device__ __forceinline__ void rlp_atts_values(
         const int first_heads = min(group, HEADS);
         unsigned int first_key = 0u, first_bad = 0u;
         if (PREFETCH && (int)threadIdx.x < first_heads) {
-            for (int s = 0; s < splits; ++s) first_key = max(first_key, rlp_atts_scratch<ONE_ITEM>(split_keys + (first_qrow + threadIdx.x) * splits + s));
-            first_bad = rlp_atts_scratch<ONE_ITEM>(query_bad + first_qrow + threadIdx.x);
+            for (int s = 0; s < splits; ++s) first_key = max(first_key, split_keys[(first_qrow + threadIdx.x) * splits + s]);
+            first_bad = query_bad[first_qrow + threadIdx.x];
         }
         const long long first_j = (long long)split * chunk + threadIdx.x;
         long long first_info = 0;
         float first_s[HEADS];
         if (PREFETCH && (int)threadIdx.x < RLP_ATTS_TILE && (int)threadIdx.x < chunk) {
-            first_info = rlp_atts_scratch<ONE_ITEM>(key_rows + rowg * keys + first_j);
+            first_info = key_rows[rowg * keys + first_j];
 #pragma unroll
             for (int hi = 0; hi < HEADS; ++hi)
-                if (hi < first_heads) first_s[hi] = rlp_atts_scratch<ONE_ITEM>(scores + (rowg * keys + first_j) * group + hi);
+                if (hi < first_heads) first_s[hi] = scores[(rowg * keys + first_j) * group + hi];
         }
         const int seq = q_seq[token];
         const int t = q_pos[token];
@@ -605,7 +585,7 @@ __device__ __forceinline__ void rlp_atts_values(
         unsigned int local_ev = 0u;
         unsigned int local_flags = 0u;
         for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-            const unsigned int info = rlp_atts_scratch<ONE_ITEM>(split_info + rowg * splits + s);
+            const unsigned int info = split_info[rowg * splits + s];
             local_ev = max(local_ev, info & 0xffffu);
             local_flags |= info >> 16;
         }
@@ -623,10 +603,10 @@ __device__ __forceinline__ void rlp_atts_values(
                 const bool first = PREFETCH && h0 == 0 && hi == (int)threadIdx.x;  // loaded with the item
                 unsigned int key = first ? first_key : 0u;
                 if (!first)
-                    for (int s = 0; s < splits; ++s) key = max(key, rlp_atts_scratch<ONE_ITEM>(split_keys + (qrow0 + hi) * splits + s));
+                    for (int s = 0; s < splits; ++s) key = max(key, split_keys[(qrow0 + hi) * splits + s]);
                 const float m = rlp_att_from_order_key(key);
                 // as attention_paged: m = +-inf (a score overflowed) poisons the row
-                const unsigned int bad = first ? first_bad : rlp_atts_scratch<ONE_ITEM>(query_bad + qrow0 + hi);
+                const unsigned int bad = first ? first_bad : query_bad[qrow0 + hi];
                 const bool ok = row_ok && bad == 0u && rlp_magnitude_bits(m) < 0x7f800000u;
                 head_m[hi] = m;
                 head_ok[hi] = ok ? 1 : 0;
@@ -659,12 +639,12 @@ __device__ __forceinline__ void rlp_atts_values(
                         offset[u] = -1;  // past the tile or the split: no key (a valid slot otherwise: flags == 0)
                         if (k < RLP_ATTS_TILE && j < end) {
                             const bool first = PREFETCH && h0 == 0 && base == lo && k == (int)threadIdx.x;  // loaded with the item
-                            const long long info = first ? first_info : rlp_atts_scratch<ONE_ITEM>(key_rows + rowg * keys + j);
+                            const long long info = first ? first_info : key_rows[rowg * keys + j];
                             offset[u] = info >> 16;
                             ev[u] = (int)(info & 0xffff) - RLP_ATT_EV_OFFSET;
 #pragma unroll
                             for (int hi = 0; hi < HEADS; ++hi)
-                                if (hi < nb) s[u][hi] = first ? first_s[hi] : rlp_atts_scratch<ONE_ITEM>(scores + (rowg * keys + j) * group + h0 + hi);
+                                if (hi < nb) s[u][hi] = first ? first_s[hi] : scores[(rowg * keys + j) * group + h0 + hi];
                         }
                     }
 #pragma unroll
@@ -757,9 +737,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 6) attention_spli
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
-    rlp_atts_values<RLP_ATTS_VALUE_HEADS, false>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
+    rlp_atts_values<RLP_ATTS_VALUE_HEADS>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                                           scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
-                                          out, rlp_atts_values_smem, 0);
+                                          out, rlp_atts_values_smem);
 }
 
 // rlp_atts_values with rounds of up to 2 q heads, for groups of 1 or 2 (ops/attention.py picks it): half
@@ -771,48 +751,9 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_spli
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
     extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
-    rlp_atts_values<2, false>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
+    rlp_atts_values<2>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                        scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
-                       out, rlp_atts_values_smem, 0);
-}
-
-// One split per query row (ops/attention.py launches these only with splits == 1, on CUDA sources):
-// attention_split_scores and then attention_split_values(_h2) item by item in one launch. An item's value
-// phase follows its score phase in the same block after a barrier, reading back the scratch that phase
-// wrote (through L2: rlp_atts_scratch), so a decode step runs one attention launch instead of two and the
-// block that found an item's maxima uses them at once. The same code, the same bits.
-template <int HEADS>
-__device__ __forceinline__ void rlp_atts_fused(
-    const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
-    int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
-    int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
-    const signed char* __restrict__ v_digits, const int* __restrict__ k_exponents,
-    const int* __restrict__ v_exponents, int chunk, float* scores, long long* key_rows, unsigned int* split_keys,
-    unsigned int* split_info, unsigned int* query_bad, float* __restrict__ out, unsigned long long* numerator) {
-    const long long items = tq * hkv;
-    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        rlp_atts_scores<true>(q, q_seq, q_pos, tq, hq, hkv, d, dp, scale, block_tables, num_seqs, max_blocks,
-                              block_size, num_slots, k_digits, k_exponents, v_exponents, 1, chunk, scores, key_rows,
-                              split_keys, split_info, query_bad, item);
-        __syncthreads();  // the item's scratch written (rlp_atts_scores ends synchronised; this says so)
-        rlp_atts_values<HEADS, true>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, 1, chunk, scores,
-                                     key_rows, split_keys, split_info, query_bad, nullptr, nullptr, out, numerator,
-                                     item);
-    }
-}
-
-// Groups of 1 or 2 (a 4-head build spilled: larger groups take the two launches).
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_fused_h2(
-    const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
-    int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
-    int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
-    const signed char* __restrict__ v_digits, const int* __restrict__ k_exponents,
-    const int* __restrict__ v_exponents, int chunk, float* scores, long long* key_rows, unsigned int* split_keys,
-    unsigned int* split_info, unsigned int* query_bad, float* __restrict__ out) {
-    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
-    rlp_atts_fused<2>(q, q_seq, q_pos, tq, hq, hkv, d, dp, scale, block_tables, num_seqs, max_blocks, block_size,
-                      num_slots, k_digits, v_digits, k_exponents, v_exponents, chunk, scores, key_rows, split_keys,
-                      split_info, query_bad, out, rlp_atts_values_smem);
+                       out, rlp_atts_values_smem);
 }
 
 // One block per (query row, q head), grid-stride: m, E and the flags over the splits, L and N_d as

@@ -67,9 +67,6 @@ SPLIT_MAX_KEYS = 1 << 14  # keys per split at most: keeps the value pass's float
 SPLIT_SCRATCH_BYTES = 256 << 20  # scores and key exponents per launch at most (more rows: several launches)
 SPLIT_VALUE_HEADS = 4  # RLP_ATTS_VALUE_HEADS: q heads per round of attention_split_values at most
 SPLIT_COLUMNS = 4  # RLP_ATTS_COLUMNS: value columns per thread of attention_split_values
-#: one split and groups of at most 2 q heads on CUDA sources: attention_split_fused_h2, the score and value
-#: kernels' code item by item in one launch (False: the two launches, as on HIP; the same bits)
-FUSE_ONE_SPLIT = True
 
 
 @dataclass
@@ -397,9 +394,8 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
                   keys_per_split: int | None, out) -> None:
     """The split kernels over these query rows: scores with each split's maxima, then the global
     maxima and each split's exact partial sums, then their exact sums and o (with one split, the value
-    kernel's sums are whole and it writes o: no combine; on CUDA sources, for groups of at most 2,
-    attention_split_fused_h2 then runs both kernels' code in one launch). The scratch arrays come from
-    the backend's allocator (in a graph capture, the capture's pool)."""
+    kernel's sums are whole and it writes o: no combine). The scratch arrays come from the backend's
+    allocator (in a graph capture, the capture's pool)."""
     tq, hq, dim = shape_of(q)
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     num_seqs, max_blocks = shape_of(block_tables)
@@ -410,23 +406,15 @@ def _launch_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_table
     split_keys = backend.empty((rows * splits,), np.uint32)
     split_info = backend.empty((group_rows * splits,), np.uint32)
     query_bad = backend.empty((rows,), np.uint32)
+    # the splits' partial sums (one split: the value kernel writes o, and there is no combine)
+    partials = splits > 1
+    part_total = backend.empty((rows * splits if partials else 1,), np.int64)
+    part_num = backend.empty((rows * splits * dim if partials else 1,), np.int64)
     sizes = (np.int64(tq), np.int32(hq), np.int32(hkv), np.int32(dim), np.int32(dp))
     table = (block_tables, np.int32(num_seqs), np.int32(max_blocks), np.int32(cache.block_size),
              np.int64(cache.num_slots))
     cut = (np.int32(splits), np.int32(chunk))
     grid, block = (min(group_rows * splits, GRID_LIMIT),), (SPLIT_THREADS,)
-    if splits == 1 and hq // hkv <= 2 and FUSE_ONE_SPLIT and backend.kernel_vendor == "cuda":
-        backend.launch("attention", "attention_split_fused_h2", grid, block,
-                       (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.v_digits,
-                                                                       cache.k_exponents, cache.v_exponents, cut[1],
-                                                                       scores, key_rows, split_keys, split_info,
-                                                                       query_bad, out),
-                       shared_mem=split_values_shared_bytes(hq // hkv, dp))
-        return
-    # the splits' partial sums (one split: the value kernel writes o, and there is no combine)
-    partials = splits > 1
-    part_total = backend.empty((rows * splits if partials else 1,), np.int64)
-    part_num = backend.empty((rows * splits * dim if partials else 1,), np.int64)
     backend.launch("attention", "attention_split_scores", grid, block,
                    (q, q_seq, q_pos) + sizes + (scale,) + table + (cache.k_digits, cache.k_exponents,
                                                                    cache.v_exponents) + cut +

@@ -12,7 +12,7 @@
 #           checks on both sources, the engine against the trainer at batch 64, bench decode, the profile
 #   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
 #   kernels: each kernel of one graph replay timed by Nsight Compute (RLP_PROFILE_NVTX), then the gemm
-#           probes (scripts/probe_wgmma_phases.py, scripts/probe_wgmma_all_digits.py)
+#           probe (scripts/probe_wgmma_phases.py)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -49,6 +49,5 @@ if [[ $1 == kernels ]]; then
     RLP_PROFILE_NVTX=1 /usr/local/cuda/bin/ncu --nvtx --nvtx-include "replay/" --graph-profiling node \
         --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
         python3 scripts/profile_decode.py 256 384 2 > "$OUT/kernel_times_h200.csv" 2>/dev/null
-    (cd scripts && python3 probe_wgmma_phases.py "$OUT/wgmma_phases_h200.json" && \
-        python3 probe_wgmma_all_digits.py "$OUT/wgmma_all_digits_h200.json")
+    (cd scripts && python3 probe_wgmma_phases.py "$OUT/wgmma_phases_h200.json")
 fi

@@ -44,3 +44,23 @@ def write(results: list) -> None:
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as out:
             json.dump(results, out, indent=1)
+
+
+#: where rlp_gemm_wgmma has its block's operand rows (backends/cuda/gemm.cu)
+WGMMA_ROWS_ANCHOR = "    const signed char* w_rows = wd + (long long)n0 * w_row_stride;\n"
+WGMMA_L2_PREFETCH = """    if (threadIdx.x == 0) {  // probe: the block's whole weight and activation rows into L2 at once
+        const long long w_bytes = (long long)min(BN, n - n0) * w_row_stride;
+        const long long a_bytes = (long long)min(RLP_WGMMA_ROWS, m - m0) * a_row_stride;
+        for (long long o = 0; o < w_bytes; o += 1 << 16)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_rows + o),
+                         "r"((unsigned int)min(w_bytes - o, 1LL << 16)) : "memory");
+        for (long long o = 0; o < a_bytes; o += 1 << 16)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a_rows + o),
+                         "r"((unsigned int)min(a_bytes - o, 1LL << 16)) : "memory");
+    }
+"""
+
+
+def wgmma_l2_prefetch(fn: str) -> str:
+    """rlp_gemm_wgmma (or a copy) asking L2 for all its block's operand bytes before its main loop."""
+    return edit(fn, WGMMA_ROWS_ANCHOR, WGMMA_ROWS_ANCHOR + WGMMA_L2_PREFETCH)

@@ -20,10 +20,10 @@ import numpy as np
 
 from rlportable.runtime import get_backend
 
-from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_variants.py
+from kernel_variants import edit, emit, load, mean_us, wgmma_l2_prefetch, write  # scripts/kernel_variants.py
 
 KBLOCK, ROWS, M = 128, 64, 256
-HEAD = "template <int BN, int STAGES, int SPLITS>\n__device__ __forceinline__ void rlp_gemm_wgmma("
+HEAD = "template <int BN, int STAGES, int SPLITS, bool GROUPED>\n__device__ __forceinline__ void rlp_gemm_wgmma("
 END = "#ifdef RLP_HAS_WGMMA\n#define RLP_CLUSTER_DIMS"
 EPILOGUE = "    // P_i = acc[0] + 256 acc[1] per element"
 EPILOGUE_END = "    if constexpr (SPLITS > 1) rlp_cluster_sync();  // no block leaves"
@@ -38,11 +38,13 @@ def variants(fn: str) -> dict:
                       "const int ahead = kb + STAGES - 2;", "const int ahead = kb + STAGES - 1;"),
                  "rlp_wgmma_wait<1>();", "rlp_wgmma_wait<0>();")
     no_loads = edit(fn, "        if (ahead < kblocks) stage_in(ahead, ahead % STAGES);\n", "")
-    no_mma, count = re.subn(r"rlp_wgmma<BN>\(acc\[j\], a, rlp_wgmma_descriptor\([^;]*\);", "acc[j][0] += (int)a;", fn)
-    assert count == 1, "the wgmma call moved: update the probe"
+    no_mma, count = re.subn(r"rlp_wgmma<SLICE>\(acc\[(i \+ )?j\], a, rlp_wgmma_descriptor\([^;]*\);",
+                            "acc[0][0] += (int)a;", fn)
+    assert count == 2, "the wgmma calls moved: update the probe"
     start, stop = fn.index(EPILOGUE), fn.index(EPILOGUE_END)
     no_epilogue = fn[:start] + "    if (acc[0][0] == 0x7fffffff && acc[1][0] == 0x7fffffff) y0[threadIdx.x] = 0.0f;\n" + fn[stop:]
-    return {"as_built": fn, "wait0": wait0, "no_loads": no_loads, "no_mma": no_mma, "no_epilogue": no_epilogue}
+    return {"as_built": fn, "wait0": wait0, "no_loads": no_loads, "no_mma": no_mma, "no_epilogue": no_epilogue,
+            "l2_prefetch": wgmma_l2_prefetch(fn)}
 
 
 def entry(variant: str, bn: int, stages: int, splits: int) -> str:
@@ -50,7 +52,7 @@ def entry(variant: str, bn: int, stages: int, splits: int) -> str:
     return (f'\nextern "C" __global__ void RLP_CLUSTER_DIMS({splits}) __launch_bounds__(384, 1) {name}('
             "const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, "
             "const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* y0, float* y1, float* y2, "
-            f"int c1, int c2) {{ rlp_gemm_wgmma_{variant}<{bn}, {stages}, {splits}>(xd, wd, ea, ew, m, n, kp, "
+            f"int c1, int c2) {{ rlp_gemm_wgmma_{variant}<{bn}, {stages}, {splits}, false>(xd, wd, ea, ew, m, n, kp, "
             "scale_offset, y0, y1, y2, c1, c2); }\n")
 
 
@@ -80,7 +82,7 @@ def main():
                     np.int32(n))
             function(grid, (384,), args, shared_mem=shared)
             same = None
-            if variant in ("as_built", "wait0"):
+            if variant in ("as_built", "wait0", "l2_prefetch"):
                 bits = y.view(np.uint32).copy()
                 reference = bits if reference is None else reference
                 same = bool(cp.array_equal(bits, reference))

@@ -177,9 +177,12 @@ def test_tile_choice_and_availability():
     assert gemm_fused.pick_tile(128, 1024, wgmma=True, k=3072) == "w64x32s2"  # ... in 64 x 32 for fewer rows
     assert gemm_fused.pick_tile(256, 2048, wgmma=True) == "w64x64"
     assert gemm_fused.pick_tile(256, 4096, wgmma=True) == "w64x128"  # q/k/v stacked: one wave of 64 x 128
-    assert gemm_fused.pick_tile(256, 6144, wgmma=True) == "w64x64"  # gate/up stacked: 1.5 waves of 64 x 128
-    assert gemm_fused.pick_tile(256, 151936, wgmma=True) == "w64x128"  # the LM head: many tiles
-    assert gemm_fused.pick_tile(4096, 1024, wgmma=True) == "w64x128"
+    assert gemm_fused.pick_tile(256, 6144, wgmma=True) == "w64x192g"  # gate/up stacked: one wave of grouped 64 x 192
+    assert gemm_fused.pick_tile(256, 151936, wgmma=True) == "w64x192g"  # the LM head: many tiles
+    assert gemm_fused.pick_tile(128, 6144, wgmma=True) == "w64x96g"  # one wave of grouped 64 x 96
+    assert gemm_fused.pick_tile(128, 4096, wgmma=True) == "w64x64"
+    assert gemm_fused.pick_tile(4096, 1024, wgmma=True) == "w64x192g"  # prefill: grouped from 120 tiles on
+    assert gemm_fused.pick_tile(64, 151936, wgmma=True) == "w64x128"  # no grouped tiles up to 64 rows (unmeasured)
     assert gemm_fused.pick_tile(64, 6144, wgmma=True) == "w64x64"  # wide outputs from 17 rows
     assert gemm_fused.pick_tile(64, 1024, wgmma=True) == "16x16k8"  # small: the direct kernels
     assert gemm_fused.pick_tile(8, 151936, wgmma=True) == "16x32k4"
@@ -188,7 +191,10 @@ def test_tile_choice_and_availability():
     assert {"w64x32", "w64x64", "w64x128"} <= set(gemm_fused.available_tiles(_FakeCuda("90")))
     spec = gemm_fused.tile_spec("w64x128")
     assert (spec.kind, spec.threads, spec.shared_bytes) == ("wgmma", 384, 4 * (3 * 64 + 2 * 128) * 128 + 1024)
-    assert spec.shared_bytes <= 227 * 1024  # the H100/H200 per-block limit
+    assert all(t.shared_bytes <= 227 * 1024 for t in gemm_fused.FUSED_TILES.values())  # the H100/H200 per-block limit
+    grouped = gemm_fused.tile_spec("w64x192g")
+    assert (grouped.kernel, grouped.cols, grouped.shared_bytes) == ("gemm_wgmma_a3w2_64x192_groups", 192,
+                                                                    3 * (3 * 64 + 2 * 192) * 128 + 1024)
     assert 2 * gemm_fused.tile_spec("w64x32").shared_bytes <= 228 * 1024  # two 64 x 32 blocks per multiprocessor
     encoded = fixedpoint_encode_ones(64)
     with pytest.raises(InputError, match="compute capability 9.0"):

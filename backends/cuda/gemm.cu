@@ -359,6 +359,11 @@ RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x128, 2, 4, 2, 4, 2, 3)
 // digit i by both weight digits, so each holds two int32 sums, P_i = X_i.W_0 + 256 X_i.W_1
 // (exact in int64), and S = P_0 + 256 P_1 + 65536 P_2 = sum_{i,j} 256^(i+j) X_i.W_j: the same
 // integer as the mma.sync kernels' shift groups, so the same bits.
+// GROUPED builds (the "_groups" kernels) split the tile by columns instead: warpgroup w takes the
+// columns [w BN / 3, (w + 1) BN / 3) with all six digit products, added per shift k = i + j into four
+// int32 sums G_k (the contract's K limit: 2 pairs * 2^14 * K < 2^31), so S = sum_k 256^k G_k is in
+// its own registers and the epilogue exchanges nothing. Twice the columns per block for the same
+// registers; the tiles that fill the multiprocessors at decode and prefill sizes (ops/gemm_fused.py).
 // Each stage holds one 128-byte K block of every operand row: [digit][row][128 bytes] with the
 // 128-byte swizzle (16-byte piece p of row r at p ^ (r % 8)), the layout wgmma's descriptors
 // read; cp.async fills STAGES - 2 blocks ahead while one block of wgmma is in flight.
@@ -517,17 +522,49 @@ __device__ __forceinline__ void rlp_wgmma_stage_operand(signed char* tile, const
 }
 #endif
 
-template <int BN, int STAGES, int SPLITS>
+#ifdef RLP_HAS_WGMMA
+// The GROUPED epilogue: each thread's registers 2 pair, 2 pair + 1 are one row's two adjacent columns of its
+// warpgroup's slice, S = sum_k 256^k G_k (exact in int64), converted and stored.
+template <int SLICE, int GROUPS>
+__device__ __forceinline__ void rlp_wgmma_grouped_outputs(const int (&acc)[GROUPS][SLICE / 2], const int* tile_ea,
+                                                          const int* tile_ew, int m0, int n0, int m, int n,
+                                                          int scale_offset, float* y0, float* y1, float* y2, int c1,
+                                                          int c2) {
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
+#pragma unroll
+    for (int pair = 0; pair < SLICE / 4; ++pair) {
+        const int row = m0 + 16 * warp + g + 8 * (pair % 2), col = n0 + wg * SLICE + 8 * (pair / 2) + 2 * q;
+        if (row >= m) continue;
+        float out[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            long long s = 0;
+#pragma unroll
+            for (int k = GROUPS - 1; k >= 0; --k) s = 256LL * s + (long long)acc[k][2 * pair + c];
+            out[c] = col + c < n ? rlp_gemm_output_small(s, tile_ea[row - m0], tile_ew[col + c - n0], scale_offset)
+                                 : 0.0f;
+        }
+        rlp_store_column_pair(y0, y1, y2, c1, c2, n, row, col, out);
+    }
+}
+#endif
+
+template <int BN, int STAGES, int SPLITS, bool GROUPED>
 __device__ __forceinline__ void rlp_gemm_wgmma(
     const signed char* __restrict__ xd, const signed char* __restrict__ wd,
     const int* __restrict__ ea, const int* __restrict__ ew, int m, int n, int kp, int scale_offset,
     float* y0, float* y1, float* y2, int c1, int c2) {
 #ifdef RLP_HAS_WGMMA
-    constexpr int THREADS = 128 * RLP_A_DIGITS, R = BN / 2;
+    constexpr int THREADS = 128 * RLP_A_DIGITS;
+    constexpr int SLICE = GROUPED ? BN / RLP_A_DIGITS : BN;  // a warpgroup's columns
+    constexpr int SUMS = GROUPED ? RLP_A_DIGITS + RLP_W_DIGITS - 1 : RLP_W_DIGITS;  // int32 sums per output
+    constexpr int R = SLICE / 2;  // registers per sum
     constexpr int A_TILE = RLP_WGMMA_ROWS * RLP_WGMMA_KBLOCK, W_TILE = BN * RLP_WGMMA_KBLOCK;
     constexpr int STAGE = RLP_A_DIGITS * A_TILE + RLP_W_DIGITS * W_TILE;
     static_assert(STAGES >= 3 && STAGE % 1024 == 0, "stages of whole 1024-byte swizzle atoms");
-    static_assert(STAGES * STAGE >= RLP_A_DIGITS * R * 128 * 8, "the stages hold the epilogue's partials");
+    static_assert(GROUPED || STAGES * STAGE >= RLP_A_DIGITS * R * 128 * 8, "the stages hold the epilogue's partials");
+    static_assert(!GROUPED || (SPLITS == 1 && SLICE % 8 == 0), "grouped: no split-K, whole 8-column wgmma slices");
     extern __shared__ unsigned char rlp_wgmma_shared[];
     // the swizzle pattern is a function of the address: tiles start on 1024-byte boundaries
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(rlp_wgmma_shared);
@@ -561,9 +598,9 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
                                                            k < kp, n - n0, swizzled);
     };
 
-    int acc[RLP_W_DIGITS][R];
+    int acc[SUMS][R];
 #pragma unroll
-    for (int j = 0; j < RLP_W_DIGITS; ++j)
+    for (int j = 0; j < SUMS; ++j)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[j][r] = 0;
 #pragma unroll
@@ -584,21 +621,36 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
         rlp_wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < RLP_WGMMA_KBLOCK / 32; ++ks) {
-            const unsigned long long a = rlp_wgmma_descriptor(s + wg * A_TILE + 32 * ks);
+            // weight digit j sits in slot W_DIGITS - 1 - j
+            const signed char* w = s + RLP_A_DIGITS * A_TILE + (GROUPED ? wg * SLICE * RLP_WGMMA_KBLOCK : 0) + 32 * ks;
+            if constexpr (GROUPED) {
 #pragma unroll
-            for (int j = 0; j < RLP_W_DIGITS; ++j)  // weight digit j sits in slot W_DIGITS - 1 - j
-                rlp_wgmma<BN>(acc[j], a, rlp_wgmma_descriptor(s + RLP_A_DIGITS * A_TILE +
-                                                                (RLP_W_DIGITS - 1 - j) * W_TILE + 32 * ks));
+                for (int i = 0; i < RLP_A_DIGITS; ++i) {
+                    const unsigned long long a = rlp_wgmma_descriptor(s + i * A_TILE + 32 * ks);
+#pragma unroll
+                    for (int j = 0; j < RLP_W_DIGITS; ++j)
+                        rlp_wgmma<SLICE>(acc[i + j], a, rlp_wgmma_descriptor(w + (RLP_W_DIGITS - 1 - j) * W_TILE));
+                }
+            } else {
+                const unsigned long long a = rlp_wgmma_descriptor(s + wg * A_TILE + 32 * ks);
+#pragma unroll
+                for (int j = 0; j < RLP_W_DIGITS; ++j)
+                    rlp_wgmma<SLICE>(acc[j], a, rlp_wgmma_descriptor(w + (RLP_W_DIGITS - 1 - j) * W_TILE));
+            }
         }
         rlp_wgmma_commit();
 #pragma unroll
-        for (int j = 0; j < RLP_W_DIGITS; ++j) rlp_wgmma_pin<R>(acc[j]);
+        for (int j = 0; j < SUMS; ++j) rlp_wgmma_pin<R>(acc[j]);
         rlp_wgmma_wait<1>();
     }
     rlp_wgmma_wait<0>();
 #pragma unroll
-    for (int j = 0; j < RLP_W_DIGITS; ++j) rlp_wgmma_pin<R>(acc[j]);
+    for (int j = 0; j < SUMS; ++j) rlp_wgmma_pin<R>(acc[j]);
     rlp_cp_async_wait<0>();
+    if constexpr (GROUPED) {
+        rlp_wgmma_grouped_outputs<SLICE, SUMS>(acc, tile_ea, tile_ew, m0, n0, m, n, scale_offset, y0, y1, y2, c1, c2);
+        return;
+    }
     __syncthreads();  // every warpgroup is done with the stages: they now hold the partials
 
     // P_i = acc[0] + 256 acc[1] per element, exact in int64. Every warpgroup stores its P_i in the
@@ -654,18 +706,22 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 #define RLP_CLUSTER_DIMS(SPLITS)
 #endif
 // Two blocks per multiprocessor for 64 x 32 tiles (their stages take under half the shared memory)
-#define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES, SPLITS)                                                       \
+#define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES, SPLITS, GROUPED)                                              \
     extern "C" __global__ void RLP_CLUSTER_DIMS(SPLITS) __launch_bounds__(128 * RLP_A_DIGITS, (BN) <= 32 ? 2 : 1) \
         NAME(const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea,   \
              const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* y0, float* y1, float* y2, \
              int c1, int c2) {                                                                                     \
-        rlp_gemm_wgmma<BN, STAGES, SPLITS>(xd, wd, ea, ew, m, n, kp, scale_offset, y0, y1, y2, c1, c2);           \
+        rlp_gemm_wgmma<BN, STAGES, SPLITS, GROUPED>(xd, wd, ea, ew, m, n, kp, scale_offset, y0, y1, y2, c1, c2);  \
     }
 
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3, 1)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4, 1)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4, 1)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3, 1, false)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4, 1, false)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4, 1, false)
 // split-K over clusters of two: for the few tiles of a long K at decode sizes (o and down at M = 256;
 // 64 x 32 at M = 128, two blocks per multiprocessor)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_split2, 64, 4, 2)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32_split2, 32, 3, 2)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_split2, 64, 4, 2, false)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32_split2, 32, 3, 2, false)
+// column-split warpgroups with shift-grouped sums (GROUPED): 32 or 64 columns a warpgroup, 96 or 128
+// accumulator registers; the 64 x 192 tile's three stages fill the shared memory
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x96_groups, 96, 4, 1, true)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x192_groups, 192, 3, 1, true)

@@ -6,7 +6,8 @@ only. Three kinds:
     of a block (small M, memory-bound);
   * "tiled": operands staged in shared memory by cp.async (mma.sync, sm_80+);
   * "wgmma": Hopper warpgroup MMA from swizzled shared memory, one warpgroup per
-    activation digit (compute capability 9.0 only: built for sm_90a).
+    activation digit, or (the "g" tiles) one per third of the columns with the digit
+    products in shift-grouped sums (compute capability 9.0 only: built for sm_90a).
 (Another kind, which encoded the float32 activations inside the GEMM kernel, was
 measured slower than a separate encode launch on the H200 and was removed;
 docs/gemm_performance.md.)
@@ -51,7 +52,7 @@ def _tiled(rows, cols, warps, chunks_per_stage=2, stages=3):
 WGMMA_ROWS, WGMMA_KBLOCK = 64, 128
 #: stages per tile width (backends/cuda/gemm.cu RLP_GEMM_WGMMA_ENTRY): 3 keep a 64 x 32 block
 #: under half the shared memory, so two blocks share a multiprocessor
-WGMMA_STAGES = {32: 3, 64: 4, 128: 4}
+WGMMA_STAGES = {32: 3, 64: 4, 128: 4, 96: 4, 192: 3}
 #: compute capabilities whose builds have wgmma (runtime/flags.py ARCH_SPECIFIC)
 WGMMA_CAPABILITIES = ("90",)
 #: 64 x 128 tiles from this many on (two waves of the H200's 132 multiprocessors)
@@ -69,11 +70,20 @@ WGMMA_SPLIT_FROM_K = 2048
 #: .json, M = 128, N = 1024: K = 2048 11.1 against 13.7 us, K = 3072 13.5 against 16.7; at M = 256, 256 blocks,
 #: 64 x 64 stays faster)
 WGMMA_NARROW_SPLIT_MAX_BLOCKS = 132
+#: the grouped 64 x 192 tiles (each warpgroup 64 columns with all six digit products, no exchange of partials)
+#: from this many on, with more than 64 rows (bench/results/wgmma_shift_groups*_h200.json: M = 256, N = 6144,
+#: 128 tiles: 22.0 against 33.4 us; the LM head 488 against 602; M = 4096, every projection (o 105 against
+#: 111, gate/up 315 against 399); M = 128, the LM head 248 against 312; q/k/v at M = 256, 88 tiles: 21.6
+#: against 19.3 in 64 x 128)
+WGMMA_GROUPED_FROM_TILES = 120
+#: ... else the grouped 64 x 96 tiles while they fill one wave (M = 128, N = 6144, 128 tiles: 15.8 against
+#: 20.3 us; 86 or 172 tiles lose)
+WGMMA_GROUPED_ONE_WAVE = (120, 132)
 
 
-def _wgmma(cols, splits=1):
+def _wgmma(cols, splits=1, grouped=False):
     stage = (A_DIGITS * WGMMA_ROWS + W_DIGITS * cols) * WGMMA_KBLOCK
-    suffix = f"_split{splits}" if splits > 1 else ""
+    suffix = (f"_split{splits}" if splits > 1 else "") + ("_groups" if grouped else "")
     # + 1024: the kernel aligns its stages to the 128-byte swizzle's 1024-byte atoms
     return Tile("wgmma", f"gemm_wgmma_a3w2_{WGMMA_ROWS}x{cols}{suffix}", WGMMA_ROWS, cols, 128 * A_DIGITS,
                 WGMMA_STAGES[cols] * stage + 1024, splits)
@@ -91,6 +101,8 @@ FUSED_TILES = {
     "w64x128": _wgmma(128),
     "w64x64s2": _wgmma(64, splits=2),
     "w64x32s2": _wgmma(32, splits=2),
+    "w64x96g": _wgmma(96, grouped=True),
+    "w64x192g": _wgmma(192, grouped=True),
 }
 #: most outputs one wgmma launch writes (q, k and v)
 WGMMA_OUTPUTS = 3
@@ -112,7 +124,9 @@ def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
     """Fastest tile per shape in bench/results/gemm_sweep*_h200.json and wgmma_configs_h200.json
     (H200, 2026-11-30).
 
-    wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17.
+    wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17. From 65
+    rows, the grouped 64 x 192 tiles where they fill the multiprocessors, the grouped 64 x 96 ones where
+    those fill exactly one wave.
     The widest tile that still spreads over the multiprocessors: 64 x 32 while 64 x 64 tiles would
     leave most of them idle (split along K for a long K: 64 x 32 while that is one block per
     multiprocessor at most, else 64 x 64), 64 x 128 when those fill one wave or from two waves on.
@@ -120,6 +134,10 @@ def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
     them (17, 65) are interpolated, not measured."""
     if wgmma and (m > 64 or (m > 16 and n >= 4096)):
         row_blocks = -(-m // WGMMA_ROWS)
+        if m > 64 and row_blocks * -(-n // 192) >= WGMMA_GROUPED_FROM_TILES:
+            return "w64x192g"
+        if m > 64 and WGMMA_GROUPED_ONE_WAVE[0] <= row_blocks * -(-n // 96) <= WGMMA_GROUPED_ONE_WAVE[1]:
+            return "w64x96g"
         if row_blocks * -(-n // 64) < WGMMA_NARROW_BELOW_TILES:
             if k < WGMMA_SPLIT_FROM_K:
                 return "w64x32"

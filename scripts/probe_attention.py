@@ -100,6 +100,19 @@ def _no_v_loads(s):  # timing only (other bits): the value phase without its V l
     return edit(edit(s, V_LOW, "low[u] = (int)key_offsets[k0 + u * lanes];"), V_HIGH, "high[u] = column;")
 
 
+SCORE_SLOT = "j < end ? rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) : -1;"
+SCORE_Q_MAX = "local = max(local, rlp_magnitude_bits(q[(qrow0 + hi) * d + i]));"
+SCORE_Q_DIGITS = "? rlp_quantize(q[(qrow0 + hi) * d + i], RLP_ATT_Q_BITS, eq) : 0;"
+
+
+def _scores_no_table(s):  # timing only (other bits): slots by arithmetic (each sequence's rows in a row)
+    return edit(s, SCORE_SLOT, "j < end ? (long long)seq * (num_slots / num_seqs) + j : -1;")
+
+
+def _scores_no_q_loads(s):  # timing only (other bits): the q phase without its q loads
+    return edit(edit(s, SCORE_Q_MAX, "local = 0x3f800000u;"), SCORE_Q_DIGITS, "? (long long)(i * 977 % 8191 - 4095) : 0;")
+
+
 def _no_prefetch(s):  # the value pass's first loads after the item's, not with them (fewer registers)
     return edit(s, "constexpr bool PREFETCH = HEADS <= 2;", "constexpr bool PREFETCH = false;")
 
@@ -114,6 +127,9 @@ VARIANTS = {
     "values_fast_exp_zero_weights (timing only)": lambda s: _zero_weights(_fast_exp(s)),
     "values_no_products (timing only)": _no_value_products,
     "score_7_blocks": _bounds(SCORE_BOUNDS, 7),
+    "scores_no_table (timing only)": _scores_no_table,
+    "scores_no_q_loads (timing only)": _scores_no_q_loads,
+    "scores_neither (timing only)": lambda s: _scores_no_q_loads(_scores_no_table(s)),
     "threads_64": _threads(64, 16, 12),
     "threads_64_values_10": _threads(64, 16, 10),
     "threads_32": _threads(32, 32, 24),

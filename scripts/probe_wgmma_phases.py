@@ -13,6 +13,7 @@ Each is timed by CUDA events over repeated launches on random digits; as_built a
 compared bitwise. Prints one JSON line per measurement.
 """
 
+import os
 import re
 
 import cupy as cp
@@ -23,13 +24,17 @@ from rlportable.runtime import get_backend
 from kernel_variants import edit, emit, load, mean_us, wgmma_l2_prefetch, write  # scripts/kernel_variants.py
 
 KBLOCK, ROWS, M = 128, 64, 256
-HEAD = "template <int BN, int STAGES, int SPLITS, bool GROUPED>\n__device__ __forceinline__ void rlp_gemm_wgmma("
+HEAD = "template <int BN, int STAGES, int SPLITS, bool GROUPED, int WARPGROUPS>\n__device__ __forceinline__ void rlp_gemm_wgmma("
 END = "#ifdef RLP_HAS_WGMMA\n#define RLP_CLUSTER_DIMS"
 EPILOGUE = "    // P_i = acc[0] + 256 acc[1] per element"
 EPILOGUE_END = "    if constexpr (SPLITS > 1) rlp_cluster_sync();  // no block leaves"
-#: (shape, N, K, BN, STAGES, SPLITS): Qwen3-0.6B's decode launches as pick_tile makes them
-SHAPES = [("gate_up", 6144, 1024, 64, 4, 1), ("qkv", 4096, 1024, 128, 4, 1), ("down", 1024, 3072, 64, 4, 2),
-          ("o", 1024, 2048, 64, 4, 2), ("lm_head", 151936, 1024, 128, 4, 1)]
+#: (shape, N, K, BN, STAGES, SPLITS, GROUPED, WARPGROUPS): Qwen3-0.6B's decode launches (the exchange tiles as
+#: pick_tile made them before the grouped ones, and grouped tiles); RLP_PROBE_SHAPES=name,... a subset
+SHAPES = [("gate_up", 6144, 1024, 64, 4, 1, False, 3), ("qkv", 4096, 1024, 128, 4, 1, False, 3),
+          ("down", 1024, 3072, 64, 4, 2, False, 3), ("o", 1024, 2048, 64, 4, 2, False, 3),
+          ("lm_head", 151936, 1024, 128, 4, 1, False, 3), ("gate_up_grouped", 6144, 1024, 192, 3, 1, True, 3),
+          ("lm_head_grouped", 151936, 1024, 192, 3, 1, True, 3), ("qkv_grouped2", 4096, 1024, 128, 4, 1, True, 2),
+          ("o_grouped2", 1024, 2048, 64, 4, 2, True, 2), ("down_grouped2", 1024, 3072, 64, 4, 2, True, 2)]
 
 
 def variants(fn: str) -> dict:
@@ -47,12 +52,12 @@ def variants(fn: str) -> dict:
             "l2_prefetch": wgmma_l2_prefetch(fn)}
 
 
-def entry(variant: str, bn: int, stages: int, splits: int) -> str:
-    name = f"probe_{variant}_{bn}_{stages}_{splits}"
-    return (f'\nextern "C" __global__ void RLP_CLUSTER_DIMS({splits}) __launch_bounds__(384, 1) {name}('
+def entry(variant: str, bn: int, stages: int, splits: int, grouped: bool, warpgroups: int) -> str:
+    name = f"probe_{variant}_{bn}_{stages}_{splits}_{int(grouped)}_{warpgroups}"
+    return (f'\nextern "C" __global__ void RLP_CLUSTER_DIMS({splits}) __launch_bounds__({128 * warpgroups}, 1) {name}('
             "const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea, "
             "const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* y0, float* y1, float* y2, "
-            f"int c1, int c2) {{ rlp_gemm_wgmma_{variant}<{bn}, {stages}, {splits}, false>(xd, wd, ea, ew, m, n, kp, "
+            f"int c1, int c2) {{ rlp_gemm_wgmma_{variant}<{bn}, {stages}, {splits}, {str(grouped).lower()}, {warpgroups}>(xd, wd, ea, ew, m, n, kp, "
             "scale_offset, y0, y1, y2, c1, c2); }\n")
 
 
@@ -62,12 +67,14 @@ def main():
     fn = source[source.index(HEAD):source.index(END)]
     copies = {name: text.replace("void rlp_gemm_wgmma(", f"void rlp_gemm_wgmma_{name}(")
               for name, text in variants(fn).items()}
-    configs = sorted({(bn, stages, splits) for _, _, _, bn, stages, splits in SHAPES})
+    chosen = os.environ.get("RLP_PROBE_SHAPES")
+    shapes = [s for s in SHAPES if chosen is None or s[0] in chosen.split(",")]
+    configs = sorted({config[3:] for config in shapes})
     extra = "".join(copies.values()) + "".join(entry(v, *c) for v in copies for c in configs)
     module = load(source + "\n" + extra, "gemm", backend.compile_options())
     rng = np.random.default_rng(0)
     results = []
-    for shape, n, k, bn, stages, splits in SHAPES:
+    for shape, n, k, bn, stages, splits, grouped, warpgroups in shapes:
         xd = cp.asarray(rng.integers(-127, 128, (M, 3, k), dtype=np.int8))
         wd = cp.asarray(rng.integers(-127, 128, (n, 2, k), dtype=np.int8))
         ea, ew = cp.zeros(M, np.int32), cp.zeros(n, np.int32)
@@ -75,19 +82,21 @@ def main():
         grid = (-(-M // ROWS) * splits, -(-n // bn))
         reference = None
         for variant in copies:
-            function = module.get_function(f"probe_{variant}_{bn}_{stages}_{splits}")
+            if grouped and variant == "no_epilogue":
+                continue  # the grouped epilogue exchanges nothing: the edit removes the other kind's
+            function = module.get_function(f"probe_{variant}_{bn}_{stages}_{splits}_{int(grouped)}_{warpgroups}")
             cp.cuda.driver.funcSetAttribute(function.ptr, 8, shared)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
             y = cp.full((M, n), np.nan, np.float32)
             args = (xd, wd, ea, ew, np.int32(M), np.int32(n), np.int32(k), np.int32(-34), y, y, y, np.int32(n),
                     np.int32(n))
-            function(grid, (384,), args, shared_mem=shared)
+            function(grid, (128 * warpgroups,), args, shared_mem=shared)
             same = None
             if variant in ("as_built", "wait0", "l2_prefetch"):
                 bits = y.view(np.uint32).copy()
                 reference = bits if reference is None else reference
                 same = bool(cp.array_equal(bits, reference))
-            us = mean_us(lambda: function(grid, (384,), args, shared_mem=shared))
-            emit(results, dict(shape=shape, n=n, k=k, bn=bn, stages=stages, splits=splits, variant=variant,
+            us = mean_us(lambda: function(grid, (128 * warpgroups,), args, shared_mem=shared))
+            emit(results, dict(shape=shape, n=n, k=k, bn=bn, stages=stages, splits=splits, grouped=grouped, variant=variant,
                                us=round(us, 2), same_bits=same))
     write(results)
 

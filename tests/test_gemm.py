@@ -173,16 +173,18 @@ def test_tile_choice_and_availability():
     from rlportable.ops import gemm_fused
 
     assert gemm_fused.pick_tile(256, 1024, wgmma=True) == "w64x32"  # few tiles: the narrow ones
-    assert gemm_fused.pick_tile(256, 1024, wgmma=True, k=2048) == "w64x64s2"  # ... unless K is long: split-K
+    assert gemm_fused.pick_tile(256, 1024, wgmma=True, k=2048) == "w64x64g2s2"  # ... unless K is long: split-K
     assert gemm_fused.pick_tile(128, 1024, wgmma=True, k=3072) == "w64x32s2"  # ... in 64 x 32 for fewer rows
     assert gemm_fused.pick_tile(256, 2048, wgmma=True) == "w64x64"
-    assert gemm_fused.pick_tile(256, 4096, wgmma=True) == "w64x128"  # q/k/v stacked: one wave of 64 x 128
+    assert gemm_fused.pick_tile(256, 4096, wgmma=True) == "w64x128g2"  # q/k/v stacked: one wave of 64 x 128
     assert gemm_fused.pick_tile(256, 6144, wgmma=True) == "w64x192g"  # gate/up stacked: one wave of grouped 64 x 192
     assert gemm_fused.pick_tile(256, 151936, wgmma=True) == "w64x192g"  # the LM head: many tiles
     assert gemm_fused.pick_tile(128, 6144, wgmma=True) == "w64x96g"  # one wave of grouped 64 x 96
     assert gemm_fused.pick_tile(128, 4096, wgmma=True) == "w64x64"
     assert gemm_fused.pick_tile(4096, 1024, wgmma=True) == "w64x192g"  # prefill: grouped from 120 tiles on
     assert gemm_fused.pick_tile(64, 151936, wgmma=True) == "w64x128"  # no grouped tiles up to 64 rows (unmeasured)
+    assert gemm_fused.tile_spec("w64x64g2s2").kernel == "gemm_wgmma_a3w2_64x64_groups2_split2"
+    assert gemm_fused.tile_spec("w64x64g2s2").threads == 256
     assert gemm_fused.pick_tile(64, 6144, wgmma=True) == "w64x64"  # wide outputs from 17 rows
     assert gemm_fused.pick_tile(64, 1024, wgmma=True) == "16x16k8"  # small: the direct kernels
     assert gemm_fused.pick_tile(8, 151936, wgmma=True) == "16x32k4"

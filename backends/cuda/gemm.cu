@@ -524,47 +524,68 @@ __device__ __forceinline__ void rlp_wgmma_stage_operand(signed char* tile, const
 
 #ifdef RLP_HAS_WGMMA
 // The GROUPED epilogue: each thread's registers 2 pair, 2 pair + 1 are one row's two adjacent columns of its
-// warpgroup's slice, S = sum_k 256^k G_k (exact in int64), converted and stored.
-template <int SLICE, int GROUPS>
+// warpgroup's slice, S = sum_k 256^k G_k (exact in int64). With split-K (SPLITS blocks of a cluster, each over
+// a share of K), rank r rounds the pairs with pair % SPLITS == r: the other ranks leave their S of those in
+// their shared memory (exchange, [register][thread], after the main loop), read through distributed shared
+// memory and added exactly; every thread of a rank holds the same registers' outputs, so one index serves all.
+template <int SLICE, int GROUPS, int SPLITS, int THREADS>
 __device__ __forceinline__ void rlp_wgmma_grouped_outputs(const int (&acc)[GROUPS][SLICE / 2], const int* tile_ea,
-                                                          const int* tile_ew, int m0, int n0, int m, int n,
-                                                          int scale_offset, float* y0, float* y1, float* y2, int c1,
-                                                          int c2) {
+                                                          const int* tile_ew, long long* exchange, int split,
+                                                          int m0, int n0, int m, int n, int scale_offset, float* y0,
+                                                          float* y1, float* y2, int c1, int c2) {
+    constexpr int R = SLICE / 2;
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     const int warp = tid / 32, g = (tid % 32) / 4, q = tid % 4;
+    auto sum_of = [&](int r) {
+        long long s = 0;
 #pragma unroll
-    for (int pair = 0; pair < SLICE / 4; ++pair) {
+        for (int k = GROUPS - 1; k >= 0; --k) s = 256LL * s + (long long)acc[k][r];
+        return s;
+    };
+    if constexpr (SPLITS > 1) {
+        __syncthreads();  // every warpgroup's wgmma is done reading the stages
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if ((r / 2) % SPLITS != split) exchange[r * THREADS + threadIdx.x] = sum_of(r);
+        rlp_cluster_sync();
+    }
+#pragma unroll
+    for (int pair = 0; pair < R / 2; ++pair) {
+        if (pair % SPLITS != split) continue;
         const int row = m0 + 16 * warp + g + 8 * (pair % 2), col = n0 + wg * SLICE + 8 * (pair / 2) + 2 * q;
         if (row >= m) continue;
         float out[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            long long s = 0;
+            long long s = sum_of(2 * pair + c);
 #pragma unroll
-            for (int k = GROUPS - 1; k >= 0; --k) s = 256LL * s + (long long)acc[k][2 * pair + c];
+            for (int b = 0; b < SPLITS; ++b)
+                if (b != split) s += rlp_cluster_peer(exchange, b)[(2 * pair + c) * THREADS + threadIdx.x];
             out[c] = col + c < n ? rlp_gemm_output_small(s, tile_ea[row - m0], tile_ew[col + c - n0], scale_offset)
                                  : 0.0f;
         }
         rlp_store_column_pair(y0, y1, y2, c1, c2, n, row, col, out);
     }
+    if constexpr (SPLITS > 1) rlp_cluster_sync();  // no block leaves while its sums are read
 }
 #endif
 
-template <int BN, int STAGES, int SPLITS, bool GROUPED>
+template <int BN, int STAGES, int SPLITS, bool GROUPED, int WARPGROUPS>
 __device__ __forceinline__ void rlp_gemm_wgmma(
     const signed char* __restrict__ xd, const signed char* __restrict__ wd,
     const int* __restrict__ ea, const int* __restrict__ ew, int m, int n, int kp, int scale_offset,
     float* y0, float* y1, float* y2, int c1, int c2) {
 #ifdef RLP_HAS_WGMMA
-    constexpr int THREADS = 128 * RLP_A_DIGITS;
-    constexpr int SLICE = GROUPED ? BN / RLP_A_DIGITS : BN;  // a warpgroup's columns
+    constexpr int THREADS = 128 * WARPGROUPS;
+    constexpr int SLICE = GROUPED ? BN / WARPGROUPS : BN;  // a warpgroup's columns
     constexpr int SUMS = GROUPED ? RLP_A_DIGITS + RLP_W_DIGITS - 1 : RLP_W_DIGITS;  // int32 sums per output
     constexpr int R = SLICE / 2;  // registers per sum
     constexpr int A_TILE = RLP_WGMMA_ROWS * RLP_WGMMA_KBLOCK, W_TILE = BN * RLP_WGMMA_KBLOCK;
     constexpr int STAGE = RLP_A_DIGITS * A_TILE + RLP_W_DIGITS * W_TILE;
     static_assert(STAGES >= 3 && STAGE % 1024 == 0, "stages of whole 1024-byte swizzle atoms");
     static_assert(GROUPED || STAGES * STAGE >= RLP_A_DIGITS * R * 128 * 8, "the stages hold the epilogue's partials");
-    static_assert(!GROUPED || (SPLITS == 1 && SLICE % 8 == 0), "grouped: no split-K, whole 8-column wgmma slices");
+    static_assert(GROUPED ? SLICE % 8 == 0 && SLICE * WARPGROUPS == BN : WARPGROUPS == RLP_A_DIGITS,
+                  "grouped: whole 8-column wgmma slices; otherwise one warpgroup per activation digit");
     extern __shared__ unsigned char rlp_wgmma_shared[];
     // the swizzle pattern is a function of the address: tiles start on 1024-byte boundaries
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(rlp_wgmma_shared);
@@ -648,7 +669,8 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     for (int j = 0; j < SUMS; ++j) rlp_wgmma_pin<R>(acc[j]);
     rlp_cp_async_wait<0>();
     if constexpr (GROUPED) {
-        rlp_wgmma_grouped_outputs<SLICE, SUMS>(acc, tile_ea, tile_ew, m0, n0, m, n, scale_offset, y0, y1, y2, c1, c2);
+        rlp_wgmma_grouped_outputs<SLICE, SUMS, SPLITS, THREADS>(acc, tile_ea, tile_ew, reinterpret_cast<long long*>(slab),
+                                                                 split, m0, n0, m, n, scale_offset, y0, y1, y2, c1, c2);
         return;
     }
     __syncthreads();  // every warpgroup is done with the stages: they now hold the partials
@@ -706,22 +728,26 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
 #define RLP_CLUSTER_DIMS(SPLITS)
 #endif
 // Two blocks per multiprocessor for 64 x 32 tiles (their stages take under half the shared memory)
-#define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES, SPLITS, GROUPED)                                              \
-    extern "C" __global__ void RLP_CLUSTER_DIMS(SPLITS) __launch_bounds__(128 * RLP_A_DIGITS, (BN) <= 32 ? 2 : 1) \
+#define RLP_GEMM_WGMMA_ENTRY(NAME, BN, STAGES, SPLITS, GROUPED, WARPGROUPS)                                  \
+    extern "C" __global__ void RLP_CLUSTER_DIMS(SPLITS) __launch_bounds__(128 * (WARPGROUPS), (BN) <= 32 ? 2 : 1)  \
         NAME(const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea,   \
              const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* y0, float* y1, float* y2, \
              int c1, int c2) {                                                                                     \
-        rlp_gemm_wgmma<BN, STAGES, SPLITS, GROUPED>(xd, wd, ea, ew, m, n, kp, scale_offset, y0, y1, y2, c1, c2);  \
+        rlp_gemm_wgmma<BN, STAGES, SPLITS, GROUPED, WARPGROUPS>(xd, wd, ea, ew, m, n, kp, scale_offset, y0, y1, y2,  \
+                                                                c1, c2);                                             \
     }
 
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3, 1, false)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4, 1, false)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4, 1, false)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32, 32, 3, 1, false, RLP_A_DIGITS)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64, 64, 4, 1, false, RLP_A_DIGITS)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128, 128, 4, 1, false, RLP_A_DIGITS)
 // split-K over clusters of two: for the few tiles of a long K at decode sizes (o and down at M = 256;
 // 64 x 32 at M = 128, two blocks per multiprocessor)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_split2, 64, 4, 2, false)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32_split2, 32, 3, 2, false)
-// column-split warpgroups with shift-grouped sums (GROUPED): 32 or 64 columns a warpgroup, 96 or 128
-// accumulator registers; the 64 x 192 tile's three stages fill the shared memory
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x96_groups, 96, 4, 1, true)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x192_groups, 192, 3, 1, true)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_split2, 64, 4, 2, false, RLP_A_DIGITS)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32_split2, 32, 3, 2, false, RLP_A_DIGITS)
+// column-split warpgroups with shift-grouped sums (GROUPED): 32 or 64 columns a warpgroup, 64 or 128
+// accumulator registers; three warpgroups (the 64 x 192 tile's three stages fill the shared memory) or two
+// (64 x 128 in one wave of q/k/v at M = 256; 64 x 64 split in two along K for o and down)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x96_groups, 96, 4, 1, true, 3)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x192_groups, 192, 3, 1, true, 3)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128_groups2, 128, 4, 1, true, 2)
+RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_groups2_split2, 64, 4, 2, true, 2)

@@ -12,7 +12,8 @@ from rlportable.bench.timing import time_cupy_graph, time_cupy_loop, time_torch_
 from rlportable.errors import RlpError
 from rlportable.ops import gemm as gemm_op
 
-QWEN3_06B_SHAPES = [(1024, 2048), (1024, 1024), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)]
+QWEN3_06B_SHAPES = [(1024, 2048), (1024, 1024), (2048, 1024), (1024, 4096), (1024, 6144), (3072, 1024),
+                    (1024, 151936)]
 M_VALUES = [1, 16, 64, 256, 4096, 16384]
 TARGETS = {"small_m": (256, 1.5), "large_m": (4096, 5.0)}
 

@@ -33,8 +33,10 @@ EPILOGUE_END = "    if constexpr (SPLITS > 1) rlp_cluster_sync();  // no block l
 SHAPES = [("gate_up", 6144, 1024, 64, 4, 1, False, 3), ("qkv", 4096, 1024, 128, 4, 1, False, 3),
           ("down", 1024, 3072, 64, 4, 2, False, 3), ("o", 1024, 2048, 64, 4, 2, False, 3),
           ("lm_head", 151936, 1024, 128, 4, 1, False, 3), ("gate_up_grouped", 6144, 1024, 192, 3, 1, True, 3),
-          ("lm_head_grouped", 151936, 1024, 192, 3, 1, True, 3), ("qkv_grouped2", 4096, 1024, 128, 4, 1, True, 2),
+          ("lm_head_grouped", 151936, 1024, 192, 3, 1, True, 3),
           ("o_grouped2", 1024, 2048, 64, 4, 2, True, 2), ("down_grouped2", 1024, 3072, 64, 4, 2, True, 2)]
+#: Timings are of back-to-back launches: the weights stay in L2 between them, unlike in a decode step, where
+#: every layer's come from DRAM (a 64 x 128 grouped q/k/v build gained 3 us here and lost 2.6 in the step).
 
 
 def variants(fn: str) -> dict:

@@ -176,7 +176,7 @@ def test_tile_choice_and_availability():
     assert gemm_fused.pick_tile(256, 1024, wgmma=True, k=2048) == "w64x64g2s2"  # ... unless K is long: split-K
     assert gemm_fused.pick_tile(128, 1024, wgmma=True, k=3072) == "w64x32s2"  # ... in 64 x 32 for fewer rows
     assert gemm_fused.pick_tile(256, 2048, wgmma=True) == "w64x64"
-    assert gemm_fused.pick_tile(256, 4096, wgmma=True) == "w64x128g2"  # q/k/v stacked: one wave of 64 x 128
+    assert gemm_fused.pick_tile(256, 4096, wgmma=True) == "w64x128"  # q/k/v stacked: one wave of 64 x 128
     assert gemm_fused.pick_tile(256, 6144, wgmma=True) == "w64x192g"  # gate/up stacked: one wave of grouped 64 x 192
     assert gemm_fused.pick_tile(256, 151936, wgmma=True) == "w64x192g"  # the LM head: many tiles
     assert gemm_fused.pick_tile(128, 6144, wgmma=True) == "w64x96g"  # one wave of grouped 64 x 96

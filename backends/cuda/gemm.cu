@@ -746,8 +746,7 @@ RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_split2, 64, 4, 2, false, RLP_A_DIGITS
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x32_split2, 32, 3, 2, false, RLP_A_DIGITS)
 // column-split warpgroups with shift-grouped sums (GROUPED): 32 or 64 columns a warpgroup, 64 or 128
 // accumulator registers; three warpgroups (the 64 x 192 tile's three stages fill the shared memory) or two
-// (64 x 128 in one wave of q/k/v at M = 256; 64 x 64 split in two along K for o and down)
+// (64 x 64 split in two along K, for o and down at M = 256)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x96_groups, 96, 4, 1, true, 3)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x192_groups, 192, 3, 1, true, 3)
-RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x128_groups2, 128, 4, 1, true, 2)
 RLP_GEMM_WGMMA_ENTRY(gemm_wgmma_a3w2_64x64_groups2_split2, 64, 4, 2, true, 2)

@@ -79,9 +79,10 @@ WGMMA_GROUPED_FROM_TILES = 120
 #: ... else the grouped 64 x 96 tiles while they fill one wave (M = 128, N = 6144, 128 tiles: 15.8 against
 #: 20.3 us; 86 or 172 tiles lose)
 WGMMA_GROUPED_ONE_WAVE = (120, 132)
-#: Where one wave of 64 x 128 tiles is the choice, the grouped build over two warpgroups (64 columns each,
-#: no exchange; bench/results/wgmma_phases_grouped2_h200.json, M = 256: q/k/v stacked 20.3 -> 17.2 us), and
-#: for the 64 x 64 tiles split in two along K its grouped twin (o 14.1 -> 13.3, down 17.2 -> 16.8).
+#: For the 64 x 64 tiles split in two along K, their grouped twin over two warpgroups (32 columns each;
+#: bench/results/wgmma_phases_grouped2_h200.json, M = 256, L2-warm: o 14.1 -> 13.3 us, down 17.2 -> 16.8; in the
+#: decode step, decode_profile_gemm_groups2_h200.json: o 0.52 -> 0.48 ms, down 0.55 -> 0.54). The same build
+#: at 64 x 128 for q/k/v (20.3 -> 17.2 us L2-warm) was slower in the step (0.71 -> 0.78 ms): not built.
 
 
 def _wgmma(cols, splits=1, grouped=False, warpgroups=A_DIGITS):
@@ -108,7 +109,6 @@ FUSED_TILES = {
     "w64x32s2": _wgmma(32, splits=2),
     "w64x96g": _wgmma(96, grouped=True),
     "w64x192g": _wgmma(192, grouped=True),
-    "w64x128g2": _wgmma(128, grouped=True, warpgroups=2),
     "w64x64g2s2": _wgmma(64, splits=2, grouped=True, warpgroups=2),
 }
 #: most outputs one wgmma launch writes (q, k and v)
@@ -133,8 +133,7 @@ def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
 
     wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17. From 65
     rows, the grouped 64 x 192 tiles where they fill the multiprocessors, the grouped 64 x 96 ones where
-    those fill exactly one wave; one wave of 64 x 128 and the 64 x 64 split tiles in their two-warpgroup
-    grouped builds.
+    those fill exactly one wave; the 64 x 64 split tile in its two-warpgroup grouped build.
     The widest tile that still spreads over the multiprocessors: 64 x 32 while 64 x 64 tiles would
     leave most of them idle (split along K for a long K: 64 x 32 while that is one block per
     multiprocessor at most, else 64 x 64), 64 x 128 when those fill one wave or from two waves on.
@@ -151,9 +150,8 @@ def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
                 return "w64x32"
             return "w64x32s2" if row_blocks * -(-n // 32) * 2 <= WGMMA_NARROW_SPLIT_MAX_BLOCKS else "w64x64g2s2"
         wide_tiles = row_blocks * -(-n // 128)
-        if WGMMA_ONE_WAVE[0] <= wide_tiles <= WGMMA_ONE_WAVE[1]:
-            return "w64x128g2"
-        return "w64x128" if wide_tiles >= WGMMA_WIDE_FROM_TILES else "w64x64"
+        one_wave = WGMMA_ONE_WAVE[0] <= wide_tiles <= WGMMA_ONE_WAVE[1]
+        return "w64x128" if one_wave or wide_tiles >= WGMMA_WIDE_FROM_TILES else "w64x64"
     if m <= 16:
         return "16x32k4" if n >= 4096 else "16x16k8"
     if m <= 64 and n <= 1024:

@@ -71,8 +71,7 @@ def main():
                 function = module.get_function(kernel)
                 cp.cuda.driver.funcSetAttribute(function.ptr, 8, shared)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 grid = (-(-m // 64), -(-n // bn))
-                args = (xd, wd, ea, ew, np.int32(m), np.int32(n), np.int32(k), np.int32(-34), y, y, y, np.int32(n), np.int32(n),
-                        wd, np.int64(0))  # no next weight to prefetch
+                args = (xd, wd, ea, ew, np.int32(m), np.int32(n), np.int32(k), np.int32(-34), y, y, y, np.int32(n), np.int32(n))
                 for _ in range(3):
                     function(grid, (spec.threads,), args, shared_mem=shared)
                 us = mean_us(lambda: function(grid, (spec.threads,), args, shared_mem=shared))

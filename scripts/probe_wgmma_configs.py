@@ -56,8 +56,7 @@ def main():
             cp.cuda.driver.funcSetAttribute(function.ptr, 8, shared)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
             grid = (-(-M // ROWS) * splits, -(-n // bn))
             y = cp.full((M, n), np.nan, np.float32)
-            args = (xd, wd, ea, ew, np.int32(M), np.int32(n), np.int32(k), np.int32(-34), y, y, y, np.int32(n), np.int32(n),
-                    wd, np.int64(0))  # no next weight to prefetch
+            args = (xd, wd, ea, ew, np.int32(M), np.int32(n), np.int32(k), np.int32(-34), y, y, y, np.int32(n), np.int32(n))
             function(grid, (384,), args, shared_mem=shared)
             bits = y.view(np.uint32)
             if reference is None:

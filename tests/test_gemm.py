@@ -226,14 +226,7 @@ def test_wgmma_launch_splits_k_over_clusters_and_writes_column_ranges():
     assert args[8:11] == tuple(outputs) and (int(args[11]), int(args[12])) == (60, 84)
     gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x32"), encoded, weight, [np.empty((4, 100), np.float32)],
                             -34)
-    assert [int(c) for c in backend.launches[1][2][11:13]] == [100, 100]  # one output: c1 = c2 = N
-    # no next weight: nothing asked of L2; with one, its digits and their size
-    assert backend.launches[1][2][13] is weight.encoded.digits and int(backend.launches[1][2][14]) == 0
-    ahead = _encoded_weight(8, 64)
-    gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x32"), encoded, weight, [np.empty((4, 100), np.float32)],
-                            -34, prefetch=ahead)
-    assert backend.launches[2][2][13] is ahead.encoded.digits
-    assert int(backend.launches[2][2][14]) == ahead.encoded.digits.nbytes
+    assert [int(c) for c in backend.launches[1][2][11:]] == [100, 100]  # one output: c1 = c2 = N
     with pytest.raises(InputError, match="output 1 must be a contiguous float32"):
         gemm_fused.launch_fused(backend, gemm_fused.tile_spec("w64x64"), encoded, weight,
                                 [outputs[0], np.empty((3, 24), np.float32), outputs[2]], -34)
@@ -277,7 +270,7 @@ def test_gemm_columns_is_one_wgmma_launch_writing_every_part_on_hopper():
     assert launch.kernel == "gemm_wgmma_a3w2_64x32" and launch.grid == (4, 8)
     assert [y.shape for y in ys] == [(256, 128), (256, 64), (256, 64)]
     assert all(arg is y for arg, y in zip(launch.args[8:11], ys))
-    assert [int(c) for c in launch.args[11:13]] == [128, 192] and int(launch.args[14]) == 0
+    assert [int(c) for c in launch.args[11:]] == [128, 192]
     hopper.launches.clear()
     gemm_op.gemm_columns(hopper, x, stacked, tile="16x16k8")  # encodes x once, then a gemm per part
     assert [launch.kernel for launch in hopper.launches] == ["fixedpoint_encode_rows"] + ["gemm_fused_a3w2_16x16k8"] * 3

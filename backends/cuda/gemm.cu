@@ -426,19 +426,6 @@ template <int PENDING>
 __device__ __forceinline__ void rlp_wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 }
-// Asks L2 for `bytes` (a multiple of 16) from the 16-byte aligned `p` on, without waiting (the bulk-copy unit).
-__device__ __forceinline__ void rlp_prefetch_l2(const void* p, long long bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"((unsigned int)bytes) : "memory");
-}
-// The next gemm's weight digits (next_bytes of them from `next`; 0: none) asked of L2 by this launch, an equal
-// share per block: a decode step's weights come from DRAM, and one gemm's blocks wait on its first stages'
-// round trips; the kernels between two gemms (a norm, SwiGLU) leave the time to fetch the next one's.
-__device__ __forceinline__ void rlp_prefetch_share_l2(const signed char* next, long long next_bytes) {
-    if (threadIdx.x != 0 || next_bytes <= 0) return;
-    const long long blocks = (long long)gridDim.x * gridDim.y, block = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const long long share = ((next_bytes + blocks - 1) / blocks + 15) / 16 * 16, begin = block * share;
-    if (begin < next_bytes) rlp_prefetch_l2(next + begin, min(share, next_bytes - begin));
-}
 // cp.async wrote the operands through the generic proxy; wgmma reads them through the async proxy.
 __device__ __forceinline__ void rlp_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -464,10 +451,6 @@ __device__ __forceinline__ unsigned long long rlp_wgmma_descriptor(const signed 
     return ((address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
 }
 #endif  // RLP_HAS_WGMMA
-#ifndef RLP_HAS_WGMMA
-// Not an sm_90a build: the wgmma entries only trap (rlp_gemm_wgmma), so they prefetch nothing either.
-__device__ __forceinline__ void rlp_prefetch_share_l2(const signed char*, long long) {}
-#endif
 
 #ifdef RLP_HAS_WGMMA
 // Thread-block clusters (split-K below): the generic address of the same shared-memory location
@@ -749,8 +732,7 @@ __device__ __forceinline__ void rlp_gemm_wgmma(
     extern "C" __global__ void RLP_CLUSTER_DIMS(SPLITS) __launch_bounds__(128 * (WARPGROUPS), (BN) <= 32 ? 2 : 1)  \
         NAME(const signed char* __restrict__ xd, const signed char* __restrict__ wd, const int* __restrict__ ea,   \
              const int* __restrict__ ew, int m, int n, int kp, int scale_offset, float* y0, float* y1, float* y2, \
-             int c1, int c2, const signed char* next, long long next_bytes) {                                      \
-        rlp_prefetch_share_l2(next, next_bytes);                                                                   \
+             int c1, int c2) {                                                                                     \
         rlp_gemm_wgmma<BN, STAGES, SPLITS, GROUPED, WARPGROUPS>(xd, wd, ea, ew, m, n, kp, scale_offset, y0, y1, y2,  \
                                                                 c1, c2);                                             \
     }

@@ -224,11 +224,9 @@ class Model:
         for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             if saved is not None:
                 saved.append(x)
-            following = self.layers[index + 1].qkv.whole if index + 1 < len(self.layers) else None
             x2, mlp_out = self._layer(layer, x, (device_positions, positions), cos, sin,
                                       lambda q, k, v, i=index: attend(q, k, v, i), h1=h, h1_encoded=h_encoded,
-                                      cache_write=cache_writes(index) if cache_writes else None,
-                                      next_qkv=following)
+                                      cache_write=cache_writes(index) if cache_writes else None)
             if index + 1 < len(self.layers):
                 x, h, h_encoded = norm.add_rmsnorm(backend, x2, mlp_out, next_norm, cfg.rms_norm_eps,
                                                    encode_bits=gemm.DEFAULT_BITS_A)
@@ -243,12 +241,12 @@ class Model:
             return embedding.gather(self.backend, self.embed, device_tokens, host_ids=tokens)
         return parallel.embed_tokens(self.backend, self.group, self.embed, self.vocab_start, device_tokens, tokens)
 
-    def _row_parallel(self, x, weight: gemm.GemmWeight, encoded=None, prefetch=None):
+    def _row_parallel(self, x, weight: gemm.GemmWeight, encoded=None):
         """x @ W.T for the o and down projections: K-sharded under tensor parallelism. encoded: x's
         encoding when its producer made it (one device only: the shards are encoded with the
-        all-reduced exponents). prefetch: the next gemm's weight, for L2 (one device; speed only)."""
+        all-reduced exponents)."""
         if self.tp.size == 1:
-            return gemm.gemm(self.backend, x, weight, encoded=encoded, prefetch=prefetch)
+            return gemm.gemm(self.backend, x, weight, encoded=encoded)
         return parallel.row_parallel_gemm(self.backend, self.group, x, weight)
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> list:
@@ -262,11 +260,11 @@ class Model:
         logits = gemm.gemm(self.backend, hidden_rows, self.lm_head)
         return logits if self.tp.size == 1 else parallel.whole_logits(self.backend, self.group, logits)
 
-    def _projections(self, h, stacked: gemm.StackedWeight, biases, encoded=None, prefetch=None) -> list:
+    def _projections(self, h, stacked: gemm.StackedWeight, biases, encoded=None) -> list:
         """h @ W_i.T (+ bias_i) for the parts of a stacked weight; gemm_columns encodes h once for all of
         them (devices; the reference quantizes itself). encoded: h's encoding at gemm.DEFAULT_BITS_A already
         made (norm.add_rmsnorm's, written by the launch that made h), used instead of encoding again."""
-        outputs = gemm.gemm_columns(self.backend, h, stacked, encoded=encoded, prefetch=prefetch)
+        outputs = gemm.gemm_columns(self.backend, h, stacked, encoded=encoded)
         return [y if bias is None else residual.add_bias(self.backend, y, bias) for y, bias in zip(outputs, biases)]
 
     def _rotated_heads(self, layer: DeviceLayer, q_lin, k_lin, positions, cos, sin, v=None, cache_write=None):
@@ -291,16 +289,13 @@ class Model:
         return q, k
 
     def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None, h1=None,
-               h1_encoded=None, cache_write=None, next_qkv=None):
+               h1_encoded=None, cache_write=None):
         """One decoder layer; positions = (device array, the same on the host). Returns (x2, mlp_out): the
         layer's output is residual.add(x2, mlp_out), left to the caller to run with the next RMSNorm in
         one launch. h1: RMSNorm(x) with attn_norm when the caller made it so; h1_encoded: its encoding
         for the q/k/v gemm when the caller has it (norm.add_rmsnorm's). `record`, a dict, receives
         the intermediate values (the trainer's backward recomputes a layer this way). cache_write =
-        (KVCache, slots): the layer's k and v go into that cache before attend (the engine's steps).
-        Each gemm asks L2 for the weights of the one after it (o for gate/up, gate/up for down, down for
-        next_qkv: the next layer's q/k/v), fetched while the norm or SwiGLU between them runs; q/k/v asks
-        for nothing (attention, next, streams the KV cache through L2)."""
+        (KVCache, slots): the layer's k and v go into that cache before attend (the engine's steps)."""
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
         if h1 is None:
@@ -309,16 +304,15 @@ class Model:
         v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = self._rotated_heads(layer, q_lin, k_lin, positions, cos, sin, v, cache_write)
         a = attend(q, k, v)
-        attn_out = self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o,
-                                      prefetch=layer.gate_up.whole)
+        attn_out = self._row_parallel(a.reshape(t, cfg.num_attention_heads * cfg.head_dim), layer.o)
         # h2 comes with its encoding for the gate/up gemm from the same launch (no separate encode)
         x2, h2, h2_encoded = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps,
                                               encode_bits=gemm.DEFAULT_BITS_A)
-        gate, up = self._projections(h2, layer.gate_up, (None, None), h2_encoded, prefetch=layer.down)
+        gate, up = self._projections(h2, layer.gate_up, (None, None), h2_encoded)
         mlp, mlp_rows = self._activation(gate, up)
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)
-        return x2, self._row_parallel(mlp, layer.down, encoded=mlp_rows, prefetch=next_qkv)
+        return x2, self._row_parallel(mlp, layer.down, encoded=mlp_rows)
 
     def _activation(self, gate, up):
         """(swiglu(gate, up), its encoding for the down projection or None): on one device the same launch

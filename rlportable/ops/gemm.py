@@ -74,11 +74,8 @@ def check_gemm_shapes(m_k: tuple[int, int], weight: GemmWeight, bits_a: int) -> 
 
 
 def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, method: str = "auto",
-         tile: str | None = None, encoded: EncodedRows | None = None, prefetch: GemmWeight | None = None):
+         tile: str | None = None, encoded: EncodedRows | None = None):
     """Y [M, N] float32 = X [M, K] @ W.T under the gemm contract.
-
-    prefetch: the weight of the gemm that runs next, asked of L2 meanwhile by a wgmma launch (speed
-    only: gemm_fused.launch_fused).
 
     encoded: x already encoded at bits_a (encode_rows), shared by several products of the same
     activations (q, k and v; gate and up): the encoding is a function of x alone, so the bits are
@@ -99,14 +96,14 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
     y = backend.empty((m, weight.n), np.float32)
     if method == "fused":
         spec = tile_spec(tile or pick_tile(m, weight.n, has_wgmma(backend), k))
-        launch_fused(backend, spec, encoded, weight, [y], _scale_offset(bits_a, weight.bits), prefetch)
+        launch_fused(backend, spec, encoded, weight, [y], _scale_offset(bits_a, weight.bits))
     else:
         _gemm_blas(backend, encoded, weight, y)
     return y
 
 
 def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: EncodedRows | None = None,
-                 tile: str | None = None, prefetch: GemmWeight | None = None) -> list:
+                 tile: str | None = None) -> list:
     """[X @ W_0.T, X @ W_1.T, ...] for the parts of a stacked weight, each its own [M, N_i] array:
     the projections of the same activations (q, k and v; gate and up). Where the wgmma gemm runs,
     one launch writes all of them; elsewhere one gemm per part. The columns of the exact gemm are
@@ -123,8 +120,7 @@ def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: Encoded
     if spec is None or spec.kind != "wgmma":
         return [gemm(backend, x, part, encoded=encoded, tile=tile) for part in stacked.parts]
     outputs = [backend.empty((m, part.n), np.float32) for part in stacked.parts]
-    launch_fused(backend, spec, encoded, stacked.whole, outputs, _scale_offset(DEFAULT_BITS_A, stacked.whole.bits),
-                 prefetch)
+    launch_fused(backend, spec, encoded, stacked.whole, outputs, _scale_offset(DEFAULT_BITS_A, stacked.whole.bits))
     return outputs
 
 

@@ -170,12 +170,9 @@ def tile_spec(name: str) -> Tile:
     return FUSED_TILES[name]
 
 
-def launch_fused(backend, spec: Tile, a: EncodedRows, weight, outputs: list, scale_offset: int,
-                 prefetch=None) -> None:
+def launch_fused(backend, spec: Tile, a: EncodedRows, weight, outputs: list, scale_offset: int) -> None:
     """One launch of Y = X @ W.T into `outputs`: one [M, N] array, or (wgmma tiles only) up to
-    WGMMA_OUTPUTS arrays [M, N_i] that take consecutive column ranges of Y (sum N_i = N).
-    prefetch: the weight (GemmWeight) of the gemm that comes next, whose digits a wgmma launch asks L2
-    for while it runs (a speed hint: no result depends on it; other tiles ignore it)."""
+    WGMMA_OUTPUTS arrays [M, N_i] that take consecutive column ranges of Y (sum N_i = N)."""
     grid = (-(-weight.n // spec.cols), -(-a.rows // spec.rows))
     w = weight.encoded
     operands = (a.digits, w.digits, a.exponents, w.exponents,
@@ -186,8 +183,6 @@ def launch_fused(backend, spec: Tile, a: EncodedRows, weight, outputs: list, sca
                              f"this device is {backend.label}")
         grid = (grid[1] * spec.splits, grid[0])  # row blocks fastest: the blocks sharing a weight tile run together
         operands += _column_outputs(outputs, a.rows, weight.n)
-        ahead = prefetch.encoded.digits if prefetch is not None else w.digits
-        operands += (ahead, np.int64(ahead.nbytes if prefetch is not None else 0))
     elif len(outputs) != 1:
         raise InputError(f"gemm: tile {spec.kernel} writes one output; {len(outputs)} were given")
     else:

@@ -359,11 +359,12 @@ RLP_GEMM_TILED_ENTRY(gemm_tiled_a3w2_64x128, 2, 4, 2, 4, 2, 3)
 // digit i by both weight digits, so each holds two int32 sums, P_i = X_i.W_0 + 256 X_i.W_1
 // (exact in int64), and S = P_0 + 256 P_1 + 65536 P_2 = sum_{i,j} 256^(i+j) X_i.W_j: the same
 // integer as the mma.sync kernels' shift groups, so the same bits.
-// GROUPED builds (the "_groups" kernels) split the tile by columns instead: warpgroup w takes the
-// columns [w BN / 3, (w + 1) BN / 3) with all six digit products, added per shift k = i + j into four
-// int32 sums G_k (the contract's K limit: 2 pairs * 2^14 * K < 2^31), so S = sum_k 256^k G_k is in
-// its own registers and the epilogue exchanges nothing. Twice the columns per block for the same
-// registers; the tiles that fill the multiprocessors at decode and prefill sizes (ops/gemm_fused.py).
+// GROUPED builds (the "_groups" kernels) split the tile by columns instead: of WARPGROUPS warpgroups,
+// w takes the columns [w BN / WARPGROUPS, (w + 1) BN / WARPGROUPS) with all six digit products, added per
+// shift k = i + j into four int32 sums G_k (the contract's K limit: 2 pairs * 2^14 * K < 2^31), so
+// S = sum_k 256^k G_k is in its own registers and the epilogue exchanges nothing (split-K builds still
+// add their blocks' S). With three warpgroups, 1.5 times the columns per block for the same 128
+// accumulator registers: tiles that fill the multiprocessors at decode and prefill sizes (ops/gemm_fused.py).
 // Each stage holds one 128-byte K block of every operand row: [digit][row][128 bytes] with the
 // 128-byte swizzle (16-byte piece p of row r at p ^ (r % 8)), the layout wgmma's descriptors
 // read; cp.async fills STAGES - 2 blocks ahead while one block of wgmma is in flight.

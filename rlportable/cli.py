@@ -537,9 +537,11 @@ def bench_forward(device, json_path, sequences, length, layers):
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Plan and launch each decode step while the one before runs (default: the engine's, on "
                    "with the device sampler and graphs on cuda).")
+@click.option("--runs", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Measure ours and the peer this many times in turn; the table shows each side's median run.")
 @tp_options
 def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler,
-                 cuda_graphs, async_scheduling, tp, tp_emulate):
+                 cuda_graphs, async_scheduling, runs, tp, tp_emulate):
     """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound.
 
     With --tp N: the engine at TP=N against TP=1 on the same workload (no HF peer, no time limit)."""
@@ -555,7 +557,7 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
     try:
         result = decode_bench.run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit or None,
                                   sampler, progress=lambda text: click.echo(f"  {text}", err=True),
-                                  cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+                                  cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, runs=runs)
     except RlpError as error:
         _fail(error)
 
@@ -591,6 +593,11 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
                    f"over {ratios.get('decode_steps_compared', 0)} steps, "
                    f"memory ratio {number(ratios.get('memory_ratio'), 1.0, '{:.3f}')}")
     click.echo(f"bound fraction {number(ours.get('bound_fraction'), 1.0, '{:.3f}')} (target >= 0.3)")
+    if len(result["runs"]) > 1:
+        click.echo("runs (ours / HF tokens/s, throughput ratio): " + "; ".join(
+            f"{number(run['ours_tokens_per_s'])} / {number(run['hf_tokens_per_s'])}, "
+            f"{number(run['ratios'].get('throughput_ratio'), 1.0, '{:.3f}')}" for run in result["runs"]) +
+            " (the table and the ratios above: each side's median run)")
     for name, side in sides:
         if not side["complete"]:
             click.echo(f"note: {name} stopped at the time limit after {side['steps']} steps "

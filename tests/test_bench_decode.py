@@ -144,22 +144,23 @@ def test_cli_bench_decode_prints_and_writes_json(tmp_path, monkeypatch):
     config = tiny_config()
 
     def fake_run(backend, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler, progress=None,
-                 cuda_graphs=True, async_scheduling=None):
-        assert (sequences, prompt_len, new_tokens, layers, peer, sampler) == (2, 4, 3, 1, "hf", "auto")
+                 cuda_graphs=True, async_scheduling=None, runs=1):
+        assert (sequences, prompt_len, new_tokens, layers, peer, sampler, runs) == (2, 4, 3, 1, "hf", "auto", 2)
         assert cuda_graphs is False and async_scheduling is False  # --no-cuda-graphs --no-async-scheduling
         return decode.measure(get_backend("cpu"), config, tiny_weights(config), sequences, prompt_len, new_tokens,
-                              peer, time_limit, sampler, progress)
+                              peer, time_limit, sampler, progress, runs=runs)
 
     monkeypatch.setattr(decode, "run", fake_run)
     out = tmp_path / "decode.json"
     result = CliRunner().invoke(main, ["bench", "decode", "--device", "cpu", "--sequences", "2", "--prompt-len", "4",
                                        "--new-tokens", "3", "--layers", "1", "--json", str(out),
-                                       "--no-cuda-graphs", "--no-async-scheduling"])
+                                       "--no-cuda-graphs", "--no-async-scheduling", "--runs", "2"])
     assert result.exit_code == 0, result.output
     assert "rlportable engine" in result.output and "HF transformers bf16 sdpa" in result.output
     assert "throughput ratio" in result.output and "bound fraction" in result.output
+    assert "runs (ours / HF tokens/s, throughput ratio)" in result.output
     payload = json.loads(out.read_text())
-    assert payload["ours"]["complete"] and payload["hf_bf16"]["complete"]
+    assert payload["ours"]["complete"] and payload["hf_bf16"]["complete"] and len(payload["runs"]) == 2
     assert payload["copy_bandwidth"]["bytes_per_s"] > 0 and payload["device"]["backend"] == "cpu"
 
 
@@ -172,3 +173,28 @@ def test_a_failing_peer_keeps_our_numbers(monkeypatch):
     result = decode.measure(get_backend("cpu"), config, tiny_weights(config), 2, 4, 2, peer="hf")
     assert result["ours"]["complete"] and result["hf_bf16"] is None
     assert result["peer_error"] == "RuntimeError: CUDA out of memory" and result["ratios"] == {}
+
+
+def test_runs_alternate_and_report_each_sides_median_run(monkeypatch):
+    """--runs N: ours and the peer in turn N times; each side's median run (a real one) makes the ratios."""
+    order = []
+
+    def side(name, rates):
+        def fake(*args, **kwargs):
+            rate = rates[len([o for o in order if o[0] == name])]
+            order.append((name, rate))
+            return {"complete": True, "tokens_per_s": rate, "sequences": 2, "peak_bytes": None,
+                    "step_log": {"times_s": [0.0, 1.0 / rate], "outputs": [2, 4]}}
+        return fake
+
+    monkeypatch.setattr(decode, "measure_engine", side("ours", [30.0, 10.0, 20.0]))
+    monkeypatch.setattr(decode, "measure_hf", side("hf", [2.0, 4.0, 3.0]))
+    config = tiny_config()
+    result = decode.measure(get_backend("cpu"), config, tiny_weights(config), 2, 4, 2, peer="hf", runs=3)
+    assert [name for name, _ in order] == ["ours", "hf"] * 3
+    assert result["ours"]["tokens_per_s"] == 20.0 and result["hf_bf16"]["tokens_per_s"] == 3.0
+    assert result["ratios"]["throughput_ratio"] == pytest.approx(20.0 / 3.0)
+    assert [r["ratios"]["throughput_ratio"] for r in result["runs"]] == pytest.approx([15.0, 2.5, 20.0 / 3.0])
+    assert decode.median_run([{"tokens_per_s": v} for v in (4.0, 1.0, 3.0, 2.0)])["tokens_per_s"] == 2.0
+    with pytest.raises(InputError, match="runs must be a positive integer"):
+        decode.measure(get_backend("cpu"), config, tiny_weights(config), 2, 4, 2, peer="none", runs=0)

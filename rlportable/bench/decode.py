@@ -557,33 +557,49 @@ def _decode_by_index(result: dict) -> dict[int, float]:
     return {outputs[i] // n: times[i] - times[i - 1] for i in indices}
 
 
+def median_run(results: list[dict]) -> dict:
+    """The run whose end-to-end tokens/s is the median (the lower middle one of an even count): a real
+    run, with its own step log, rather than an average of several."""
+    return sorted(results, key=lambda result: result["tokens_per_s"])[(len(results) - 1) // 2]
+
+
 def measure(backend, config, weights, sequences: int, prompt_len: int, new_tokens: int, peer: str = "hf",
             time_limit: float | None = None, sampler: str = "auto", progress=None,
-            cuda_graphs: bool | None = None, async_scheduling: bool | None = None) -> dict:
-    """The whole benchmark on any backend (the CLI's run() checks for cuda): copy bandwidth, ours,
-    then the peer (HF on the same device kind) unless peer is "none"."""
+            cuda_graphs: bool | None = None, async_scheduling: bool | None = None, runs: int = 1) -> dict:
+    """The whole benchmark on any backend (the CLI's run() checks for cuda): copy bandwidth, then `runs`
+    times ours and the peer in turn (HF on the same device kind; none with peer "none"), so that a drift of
+    the machine or of the peer's host-bound rate falls on both. "ours" and "hf_bf16" are each side's median
+    run and "ratios" compare those two; "runs" has every pair's numbers."""
     if peer not in ("hf", "none"):
         raise InputError(f"bench decode: unknown peer {peer!r} (hf, none)")
+    if not isinstance(runs, int) or runs < 1:
+        raise InputError(f"bench decode: runs must be a positive integer, got {runs!r}")
     prompts = random_prompts(config, sequences, prompt_len)
     if progress:
         progress("copy bandwidth")
     bandwidth = copy_bandwidth(backend)
-    ours = measure_engine(backend, config, weights, prompts, new_tokens, time_limit=time_limit,
-                          bandwidth=bandwidth["bytes_per_s"], sampler=sampler, progress=progress,
-                          cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
-    hf, peer_error = None, None
-    if peer == "hf":
-        try:
-            hf = measure_hf(config, prompts, new_tokens, device="cuda" if backend.name == "cuda" else "cpu",
-                            time_limit=time_limit, bandwidth=bandwidth["bytes_per_s"], progress=progress)
-        except (RlpError, RuntimeError, ValueError, TypeError, AttributeError) as error:  # OOM, API changes: keep ours
-            peer_error = f"{type(error).__name__}: {error}"
-        gc.collect()  # the HF model and its cache went out of scope with measure_hf
-        if backend.name == "cuda":
-            with contextlib.suppress(ImportError):
-                import torch
-
-                torch.cuda.empty_cache()
+    ours_runs, hf_runs, peer_error = [], [], None
+    for index in range(runs):
+        if progress and runs > 1:
+            progress(f"run {index + 1} of {runs}")
+        ours_runs.append(measure_engine(backend, config, weights, prompts, new_tokens, time_limit=time_limit,
+                                        bandwidth=bandwidth["bytes_per_s"], sampler=sampler, progress=progress,
+                                        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling))
+        if peer == "hf" and peer_error is None:
+            try:
+                hf_runs.append(measure_hf(config, prompts, new_tokens,
+                                          device="cuda" if backend.name == "cuda" else "cpu",
+                                          time_limit=time_limit, bandwidth=bandwidth["bytes_per_s"],
+                                          progress=progress))
+            except (RlpError, RuntimeError, ValueError, TypeError, AttributeError) as error:  # OOM, API changes
+                peer_error = f"{type(error).__name__}: {error}"  # keep ours; no ratio from a partial peer
+            _release_peer_memory(backend)
+    ours = median_run(ours_runs)
+    hf = median_run(hf_runs) if hf_runs and peer_error is None else None
+    pairs = [{"ours_tokens_per_s": mine["tokens_per_s"],
+              "hf_tokens_per_s": theirs["tokens_per_s"] if theirs is not None and peer_error is None else None,
+              "ratios": compare(mine, theirs if peer_error is None else None)}
+             for mine, theirs in zip(ours_runs, hf_runs + [None] * (runs - len(hf_runs)))]
     lengths = [prompt_len + new_tokens // 2] * sequences
     return {
         "device": backend.info(), "model": "Qwen3 shape, random weights", "layers": config.num_hidden_layers,
@@ -597,8 +613,18 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
         "step_bytes_at_mid_decode": {"kv_length": lengths[0], "ours": step_bytes(config, lengths, "ours"),
                                      "bf16": step_bytes(config, lengths, "bf16")},
         "ours": ours, "hf_bf16": hf, "peer_error": peer_error, "ratios": compare(ours, hf),
-        "targets": dict(TARGETS),
+        "runs": pairs, "targets": dict(TARGETS),
     }
+
+
+def _release_peer_memory(backend) -> None:
+    """The HF model and its cache went out of scope with measure_hf: free them before the next run."""
+    gc.collect()
+    if backend.name == "cuda":
+        with contextlib.suppress(ImportError):
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 def run_tensor_parallel(backend, group, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 256,
@@ -633,7 +659,7 @@ def run_tensor_parallel(backend, group, sequences: int = 256, prompt_len: int = 
 
 def run(backend, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 512, layers: int | None = None,
         peer: str = "hf", time_limit: float | None = 240.0, sampler: str = "auto", progress=None,
-        cuda_graphs: bool = True, async_scheduling: bool | None = None) -> dict:
+        cuda_graphs: bool = True, async_scheduling: bool | None = None, runs: int = 1) -> dict:
     """`rlportable bench decode`: the Qwen3-0.6B-shaped model on cuda."""
     if backend.name != "cuda":
         raise RlpError(f"bench decode runs on the cuda backend (peer: HF transformers on CUDA); got {backend.label}")
@@ -642,4 +668,4 @@ def run(backend, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 
         progress("random weights")
     weights = random_weights(config)
     return measure(backend, config, weights, sequences, prompt_len, new_tokens, peer, time_limit, sampler, progress,
-                   cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+                   cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, runs=runs)

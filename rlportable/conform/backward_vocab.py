@@ -5,15 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlportable.conform.forward_ops import (
-    LOGPROB_KINDS,
-    LOGPROB_SHAPES_FULL,
-    LOGPROB_SHAPES_QUICK,
-    LOGPROB_TEMPERATURES,
-    _logprob_rows,
-    _random_bits,
-    _sizes,
-)
+from rlportable.conform.forward_ops import _logprob_rows, _random_bits, _sizes, logprob_cases
 from rlportable.conform.tally import Tally
 from rlportable.contract import embedding as embedding_ref
 from rlportable.contract import logprob as logprob_ref
@@ -38,16 +30,11 @@ def _grads(rng, rows: int, special: bool) -> np.ndarray:
 def check_logprob_backward(backend: Backend, rng, quick: bool) -> Tally:
     """logprobs_backward on every logits kind and temperature, then row-chunk and permutation invariance."""
     tally = Tally()
-    for rows, vocab in _sizes(backend, quick, LOGPROB_SHAPES_QUICK, LOGPROB_SHAPES_FULL):
-        for kind in LOGPROB_KINDS:
-            z = _logprob_rows(rng, rows, vocab, kind)
-            targets = rng.integers(0, vocab, size=rows).astype(np.int32)
-            z_dev, targets_dev = backend.asarray(z), backend.asarray(targets)
-            for temperature in LOGPROB_TEMPERATURES if kind in ("logits", "neg_inf", "huge") else (1.0,):
-                for special in (False, True) if kind in ("logits", "special") else (False,):
-                    grad = _grads(rng, rows, special)
-                    got = logprob_op.logprobs_backward(backend, z_dev, targets_dev, temperature, backend.asarray(grad))
-                    tally.add(backend.to_numpy(got), logprob_ref.logprobs_backward(z, targets, temperature, grad))
+    for kind, z, targets, z_dev, targets_dev, temperature in logprob_cases(backend, rng, quick):
+        for special in (False, True) if kind in ("logits", "special") else (False,):
+            grad = _grads(rng, z.shape[0], special)
+            got = logprob_op.logprobs_backward(backend, z_dev, targets_dev, temperature, backend.asarray(grad))
+            tally.add(backend.to_numpy(got), logprob_ref.logprobs_backward(z, targets, temperature, grad))
     # invariance: a row's bits do not depend on the rows around it (chunks of device rows, a permutation)
     rows, vocab = 40, 3001
     z = _logprob_rows(rng, rows, vocab, "logits")

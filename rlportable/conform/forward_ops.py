@@ -296,22 +296,29 @@ def _logprob_rows(rng, rows: int, vocab: int, kind: str) -> np.ndarray:
 LOGPROB_KINDS = ("logits", "neg_inf", "ties") + ROW_KINDS
 
 
-def check_logprob(backend: Backend, rng, quick: bool) -> Tally:
-    """logprobs and entropy, alone and from one pass (logprobs_and_entropy)."""
-    tally = Tally()
+def logprob_cases(backend: Backend, rng, quick: bool):
+    """The log-prob checks' cases, forward and backward: (kind, z, targets, z and targets on the backend,
+    temperature) for every logits shape and kind, the temperatures where a kind has finite scores to scale."""
     for rows, vocab in _sizes(backend, quick, LOGPROB_SHAPES_QUICK, LOGPROB_SHAPES_FULL):
         for kind in LOGPROB_KINDS:
             z = _logprob_rows(rng, rows, vocab, kind)
             targets = rng.integers(0, vocab, size=rows).astype(np.int32)
             z_dev, targets_dev = backend.asarray(z), backend.asarray(targets)
             for temperature in LOGPROB_TEMPERATURES if kind in ("logits", "neg_inf", "huge") else (1.0,):
-                expected_logp = logprob_ref.logprobs(z, targets, temperature)
-                expected_entropy = logprob_ref.entropy(z, temperature)
-                tally.add(backend.to_numpy(logprob_op.logprobs(backend, z_dev, targets_dev, temperature)), expected_logp)
-                tally.add(backend.to_numpy(logprob_op.entropy(backend, z_dev, temperature)), expected_entropy)
-                logp, ent = logprob_op.logprobs_and_entropy(backend, z_dev, targets_dev, temperature)
-                tally.add(backend.to_numpy(logp), expected_logp)
-                tally.add(backend.to_numpy(ent), expected_entropy)
+                yield kind, z, targets, z_dev, targets_dev, temperature
+
+
+def check_logprob(backend: Backend, rng, quick: bool) -> Tally:
+    """logprobs and entropy, alone and from one pass (logprobs_and_entropy)."""
+    tally = Tally()
+    for _, z, targets, z_dev, targets_dev, temperature in logprob_cases(backend, rng, quick):
+        expected_logp = logprob_ref.logprobs(z, targets, temperature)
+        expected_entropy = logprob_ref.entropy(z, temperature)
+        tally.add(backend.to_numpy(logprob_op.logprobs(backend, z_dev, targets_dev, temperature)), expected_logp)
+        tally.add(backend.to_numpy(logprob_op.entropy(backend, z_dev, temperature)), expected_entropy)
+        logp, ent = logprob_op.logprobs_and_entropy(backend, z_dev, targets_dev, temperature)
+        tally.add(backend.to_numpy(logp), expected_logp)
+        tally.add(backend.to_numpy(ent), expected_entropy)
     # invariance: a row's bits do not depend on the rows around it
     z = _logprob_rows(rng, 40, 3000, "logits")
     targets = rng.integers(0, 3000, size=40).astype(np.int32)

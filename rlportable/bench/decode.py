@@ -594,12 +594,11 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
             except (RlpError, RuntimeError, ValueError, TypeError, AttributeError) as error:  # OOM, API changes
                 peer_error = f"{type(error).__name__}: {error}"  # keep ours; no ratio from a partial peer
             _release_peer_memory(backend)
-    ours = median_run(ours_runs)
-    hf = median_run(hf_runs) if hf_runs and peer_error is None else None
-    pairs = [{"ours_tokens_per_s": mine["tokens_per_s"],
-              "hf_tokens_per_s": theirs["tokens_per_s"] if theirs is not None and peer_error is None else None,
-              "ratios": compare(mine, theirs if peer_error is None else None)}
-             for mine, theirs in zip(ours_runs, hf_runs + [None] * (runs - len(hf_runs)))]
+    peers = hf_runs if peer_error is None else []  # a peer that failed once gives no ratio at all
+    ours, hf = median_run(ours_runs), median_run(peers) if peers else None
+    pairs = [{"ours_tokens_per_s": mine["tokens_per_s"], "hf_tokens_per_s": theirs["tokens_per_s"] if theirs else None,
+              "ratios": compare(mine, theirs)}
+             for mine, theirs in zip(ours_runs, peers + [None] * (runs - len(peers)))]
     lengths = [prompt_len + new_tokens // 2] * sequences
     return {
         "device": backend.info(), "model": "Qwen3 shape, random weights", "layers": config.num_hidden_layers,

@@ -13,6 +13,8 @@
 #   decode: the engine's conform checks, bench decode (256 x 128 + 512) and the step profile
 #   kernels: each kernel of one graph replay timed by Nsight Compute (RLP_PROFILE_NVTX), then the gemm
 #           probe (scripts/probe_wgmma_phases.py)
+#   fixed:  what does not scale: the first steps of a bench-decode-sized run (scripts/profile_first_steps.py),
+#           each kernel of one replay (as kernels), the split attention kernels at 1, 128 and 384 keys (ncu)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,4 +52,14 @@ if [[ $1 == kernels ]]; then
         --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
         python3 scripts/profile_decode.py 256 384 2 > "$OUT/kernel_times_h200.csv" 2>/dev/null
     (cd scripts && python3 probe_wgmma_phases.py "$OUT/wgmma_phases_h200.json")
+fi
+if [[ $1 == fixed ]]; then
+    python3 scripts/profile_first_steps.py > "$OUT/first_steps_h200.json"; head -c 2500 "$OUT/first_steps_h200.json"
+    RLP_PROFILE_NVTX=1 /usr/local/cuda/bin/ncu --nvtx --nvtx-include "replay/" --graph-profiling node \
+        --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
+        python3 scripts/profile_decode.py 256 384 2 > "$OUT/kernel_times_h200.csv" 2>/dev/null
+    RLP_PROBE_EXPONENTS=flat RLP_PROBE_KV_LENGTHS=1,128,384 RLP_PROBE_VARIANTS=as_built \
+        /usr/local/cuda/bin/ncu --kernel-name regex:attention_split --metrics gpu__time_duration.sum \
+        --cache-control none --clock-control none --csv python3 scripts/probe_attention.py /dev/null \
+        > "$OUT/attention_lengths_ncu_h200.csv" 2>/dev/null
 fi

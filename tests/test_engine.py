@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from rlportable.engine.llm import LLM
-from rlportable.engine.sequence import SamplingParams
+from rlportable.engine.sequence import SamplingParams, Sequence, int_list
+from rlportable.errors import InputError
 from rlportable.model.load import load_model
 
 PROMPTS = ["12+34=", "hello world, this is a longer prompt that spans blocks", "7*8", "the"]
@@ -70,3 +71,19 @@ def test_stop_conditions(tiny):
     first = request.outputs[0].token_ids[0]
     (stopped,) = llm.generate(["12+34="], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(first,)))
     assert stopped.outputs[0].token_ids == [first] and stopped.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, True], [1, -2, 3], [1, 2.0], [], [1, 10 ** 9]])
+def test_a_bad_prompt_is_refused_by_name(tiny, prompt):
+    llm = LLM(loaded=tiny, max_num_seqs=2)
+    with pytest.raises(InputError, match="prompt 1"):
+        llm.generate([[1, 2], prompt], SamplingParams(max_tokens=1))
+
+
+def test_prompt_ids_of_numpy_and_python_integers_are_the_same_request():
+    ids = [3, 1, 4, 1, 5]
+    for prompt in (ids, np.array(ids, np.int64), [np.int32(t) for t in ids]):
+        assert int_list(prompt) == ids and all(type(t) is int for t in int_list(prompt))
+    assert int_list([1, True]) is None and int_list([1, 2.0]) is None
+    with pytest.raises(InputError, match="found -1"):
+        Sequence(0, iter([1, -1]))

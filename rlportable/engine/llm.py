@@ -19,7 +19,7 @@ import numpy as np
 from rlportable.engine.block_manager import BlockManager
 from rlportable.engine.runner import LaunchedStep, ModelRunner
 from rlportable.engine.scheduler import Scheduler, SchedulerOutput
-from rlportable.engine.sequence import SamplingParams, Sequence
+from rlportable.engine.sequence import SamplingParams, Sequence, int_list
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
@@ -151,11 +151,10 @@ class LLM:
         vocab = self.model.config.vocab_size
         if isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
             raise InputError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
-        if not ids or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
-                              for t in ids):
+        ids = int_list(prompt)
+        if not ids or not 0 <= min(ids) <= max(ids) < vocab:
             raise InputError(f"prompt {index}: token ids must be a non-empty list of integers in [0, {vocab})")
-        return None, [int(t) for t in ids]
+        return None, ids
 
     def generate(self, prompts: Seq, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: Callable[[int, int], None] | None = None,

@@ -28,6 +28,16 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def int_list(values) -> list[int] | None:
+    """values as a list of Python ints, or None where one is not an integer (bool included). A prompt's
+    ids are checked once per request: plain ints by their types at once (a per-id isinstance against
+    numbers.Integral took about 0.2 ms a prompt, 50 ms of a 256-prompt batch's start)."""
+    items = list(values)
+    if set(map(type, items)) <= {int}:
+        return items
+    return [int(v) for v in items] if all(_is_int(v) for v in items) else None
+
+
 def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -164,18 +174,19 @@ class Sequence:
         if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
             raise InputError(f"Sequence: prompt_token_ids must be a sequence of token ids, "
                              f"got {type(prompt_token_ids).__name__}")
-        prompt = list(prompt_token_ids)
-        if not prompt:
+        items = list(prompt_token_ids)
+        prompt = int_list(items)
+        if prompt == []:
             raise InputError(f"Sequence: request {request_id} has an empty prompt (at least one token is needed)")
-        for token in prompt:
-            if not _is_int(token) or token < 0:
-                raise InputError(f"Sequence: request {request_id}'s prompt_token_ids must be integers >= 0, "
-                                 f"found {token!r}")
+        if prompt is None or min(prompt) < 0:
+            found = next(t for t in items if not _is_int(t) or t < 0)
+            raise InputError(f"Sequence: request {request_id}'s prompt_token_ids must be integers >= 0, "
+                             f"found {found!r}")
         self.seq_id = next(_seq_ids)
         self.request_id = int(request_id)
         self.sample_index = int(sample_index)
         self.params = params
-        self.prompt_token_ids = [int(t) for t in prompt]
+        self.prompt_token_ids = prompt
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[Any] = []

@@ -9,7 +9,8 @@ multiprocessor) compiled with the runtime's options; each runs ops/attention.att
 (method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
 variant's output is compared bitwise with the unedited kernels' (the tunings must not move a bit;
 conform checks those against the reference). One JSON line per measurement.
-RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants; RLP_PROBE_KV_LENGTHS=16,128,... the keys per
+RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants; RLP_PROBE_GRID=<blocks> caps the split kernels'
+grid (ops/attention.GRID_LIMIT: the blocks then take several items each, grid-stride); RLP_PROBE_KV_LENGTHS=16,128,... the keys per
 query row (default 384,1024); RLP_PROBE_EXPONENTS=flat gives
 every cache row exponent 0 (scores of a model's spread; default "spread", see EXPONENTS). With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
 runs first as variant "baseline", with enough dynamic shared memory for the earlier value kernel.
@@ -113,12 +114,17 @@ def _scores_no_q_loads(s):  # timing only (other bits): the q phase without its 
     return edit(edit(s, SCORE_Q_MAX, "local = 0x3f800000u;"), SCORE_Q_DIGITS, "? (long long)(i * 977 % 8191 - 4095) : 0;")
 
 
+def _empty(s):  # timing only (other bits): both passes return at once (the launch and the blocks' start and end)
+    return edit(s, "const long long items = tq * hkv * splits;\n", "const long long items = tq * hkv * splits;\n    if (items > 0) return;\n")
+
+
 def _no_prefetch(s):  # the value pass's first loads after the item's, not with them (fewer registers)
     return edit(s, "constexpr bool PREFETCH = HEADS <= 2;", "constexpr bool PREFETCH = false;")
 
 
 VARIANTS = {
     "as_built": lambda s: s,
+    "empty (timing only)": _empty,
     "values_no_weight_loads (timing only)": _no_weight_loads,
     "values_no_v_loads (timing only)": _no_v_loads,
     "values_fast_exp (timing only)": _fast_exp,
@@ -220,6 +226,7 @@ def variants(source: str) -> dict:
 
 def main():
     backend = get_backend("cuda")
+    attention.GRID_LIMIT = int(os.environ.get("RLP_PROBE_GRID", attention.GRID_LIMIT))
     source, options = backend.source("attention"), backend.compile_options()
     results, reference = [], {}
     shared_bytes = attention.split_values_shared_bytes

@@ -29,7 +29,8 @@ END = "#ifdef RLP_HAS_WGMMA\n#define RLP_CLUSTER_DIMS"
 EPILOGUE = "    // P_i = acc[0] + 256 acc[1] per element"
 EPILOGUE_END = "    if constexpr (SPLITS > 1) rlp_cluster_sync();  // no block leaves"
 #: (shape, N, K, BN, STAGES, SPLITS, GROUPED, WARPGROUPS): Qwen3-0.6B's decode launches (the exchange tiles as
-#: pick_tile made them before the grouped ones, and grouped tiles); RLP_PROBE_SHAPES=name,... a subset
+#: pick_tile made them before the grouped ones, and grouped tiles); RLP_PROBE_SHAPES=name,... a subset;
+#: RLP_PROBE_K=<k> every shape's K instead
 SHAPES = [("gate_up", 6144, 1024, 64, 4, 1, False, 3), ("qkv", 4096, 1024, 128, 4, 1, False, 3),
           ("down", 1024, 3072, 64, 4, 2, False, 3), ("o", 1024, 2048, 64, 4, 2, False, 3),
           ("lm_head", 151936, 1024, 128, 4, 1, False, 3), ("gate_up_grouped", 6144, 1024, 192, 3, 1, True, 3),
@@ -77,6 +78,7 @@ def main():
     rng = np.random.default_rng(0)
     results = []
     for shape, n, k, bn, stages, splits, grouped, warpgroups in shapes:
+        k = int(os.environ.get("RLP_PROBE_K", k))  # RLP_PROBE_K=128: one K block (the fixed part of a launch)
         xd = cp.asarray(rng.integers(-127, 128, (M, 3, k), dtype=np.int8))
         wd = cp.asarray(rng.integers(-127, 128, (n, 2, k), dtype=np.int8))
         ea, ew = cp.zeros(M, np.int32), cp.zeros(n, np.int32)

@@ -129,6 +129,10 @@ def test_hf_peer_on_cpu_runs_the_same_batch():
     assert ratios["decode_steps_compared"] == 2
     times = hf["step_log"]["times_s"]
     assert ratios["decode_step_ratio"] == pytest.approx((times[2] - times[0]) / 1.0)
+    # the peer is HF's second full-length call; the first (its warm-up) is reported beside it
+    first = hf["first_call"]
+    assert first["complete"] and first["tokens_per_s"] > 0
+    assert ratios["throughput_ratio_first_call"] == pytest.approx(ours["tokens_per_s"] / first["tokens_per_s"])
 
 
 def test_cli_bench_decode_needs_cuda():

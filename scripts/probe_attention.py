@@ -118,6 +118,59 @@ def _empty(s):  # timing only (other bits): both passes return at once (the laun
     return edit(s, "const long long items = tq * hkv * splits;\n", "const long long items = tq * hkv * splits;\n    if (items > 0) return;\n")
 
 
+STAMPS_HEAD = """
+__device__ unsigned long long rlp_probe_stamps[2][4096][5];  // [pass][block][phase]: %globaltimer, ns
+__device__ __forceinline__ unsigned long long rlp_probe_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define RLP_STAMP(PASS, PHASE) \\
+    if (threadIdx.x == 0 && blockIdx.x < 4096) rlp_probe_stamps[PASS][blockIdx.x][PHASE] = rlp_probe_now();
+"""
+#: (pass, phase, anchor, before): where _stamps reads the clock; phases of the score pass: item start, q digits
+#: ready, keys done, item end; of the value pass: item start, E and flags read, weights formed, V added, item end
+STAMPS = [
+    (0, 0, "        const long long rowg = item / splits;  // token * hkv + g", True),
+    (0, 1, "            int eq[RLP_ATTS_SCORE_HEADS];  // RLP_NONFINITE_EXPONENT", True),
+    (0, 2, "            rlp_block_max_u32(&max_ev, local_ev);\n            rlp_block_or_u32(&flags, local_flags);\n            __syncthreads();\n            if (threadIdx.x < nb) split_keys", True),
+    (0, 3, "        if (threadIdx.x == 0) split_info[rowg * splits + split] = (flags << 16) | max_ev;\n        __syncthreads();\n", False),
+    (1, 0, "        const long long first_qrow = token * hq + (long long)g * group;", True),
+    (1, 1, "        const bool row_ok = !bad_row && flags == 0u;  // block-uniform\n", False),
+    (1, 2, "                const int span = (int)min(end - base, (long long)RLP_ATTS_TILE);", True),
+    (1, 3, "                __syncthreads();  // the next tile overwrites the weights and offsets\n", False),
+    (1, 4, "            __syncthreads();  // the next round resets the sums\n", False),
+]
+
+
+def _stamps(s):  # timing only (the same bits): each block's first item's phases by %globaltimer (thread 0)
+    s = STAMPS_HEAD + s
+    for pass_, phase, anchor, before in STAMPS:
+        stamp = f"RLP_STAMP({pass_}, {phase})\n"
+        s = edit(s, anchor, stamp + anchor if before else anchor + stamp)
+    return s
+
+
+def stamp_phases(module) -> dict:
+    """Median microseconds of each phase over each wave's blocks (wave: blocks starting within 1 us of the
+    earliest, or later), from the stamps the _stamps variant left."""
+    pointer = module.get_global_var("rlp_probe_stamps")
+    stamps = cp.ndarray((2, 4096, 5), np.uint64, pointer).get().astype(np.int64)
+    out = {}
+    for pass_, (name, phases) in enumerate((("scores", 4), ("values", 5))):
+        t = stamps[pass_, :2048, :phases]
+        t = t[t[:, 0] > 0]
+        start = t[:, 0] - t[:, 0].min()
+        for wave, rows in (("first", start < 1000), ("later", start >= 1000)):
+            if rows.any():
+                w = t[rows]
+                out[f"{name}_{wave}_wave"] = {
+                    "blocks": int(rows.sum()), "start_us": round(float(np.median(start[rows])) / 1e3, 2),
+                    "phases_us": [round(float(np.median(w[:, k + 1] - w[:, k])) / 1e3, 2) for k in range(phases - 1)]}
+        out[f"{name}_span_us"] = round(float(t[:, phases - 1].max() - t[:, 0].min()) / 1e3, 2)
+    return out
+
+
 def _no_prefetch(s):  # the value pass's first loads after the item's, not with them (fewer registers)
     return edit(s, "constexpr bool PREFETCH = HEADS <= 2;", "constexpr bool PREFETCH = false;")
 
@@ -125,6 +178,7 @@ def _no_prefetch(s):  # the value pass's first loads after the item's, not with 
 VARIANTS = {
     "as_built": lambda s: s,
     "empty (timing only)": _empty,
+    "stamps": _stamps,
     "values_no_weight_loads (timing only)": _no_weight_loads,
     "values_no_v_loads (timing only)": _no_v_loads,
     "values_fast_exp (timing only)": _fast_exp,
@@ -249,6 +303,10 @@ def main():
             kv_bytes = SEQUENCES * kv_length * HKV * 2 * (2 * cache.head_dim_padded + 4)
             row = dict(variant=variant, kv_length=kv_length, us=round(us, 1), same_bits=same,
                        kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1), kernels_us=kernel_times(backend, run))
+            if variant == "stamps":
+                run()
+                cp.cuda.Device().synchronize()
+                row["phases"] = stamp_phases(module)
             emit(results, row)
     write(results)
 

@@ -154,7 +154,8 @@ def _stamps(s):  # timing only (the same bits): each block's first item's phases
 def stamp_phases(module) -> dict:
     """Median microseconds of each phase over each wave's blocks (wave: blocks starting within 1 us of the
     earliest, or later), from the stamps the _stamps variant left."""
-    pointer = module.get_global_var("rlp_probe_stamps")
+    address = module.get_global_var("rlp_probe_stamps")  # a device address (int)
+    pointer = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(address, 2 * 4096 * 5 * 8, module), 0)
     stamps = cp.ndarray((2, 4096, 5), np.uint64, pointer).get().astype(np.int64)
     out = {}
     for pass_, (name, phases) in enumerate((("scores", 4), ("values", 5))):

@@ -9,7 +9,7 @@ multiprocessor) compiled with the runtime's options; each runs ops/attention.att
 (method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
 variant's output is compared bitwise with the unedited kernels' (the tunings must not move a bit;
 conform checks those against the reference). One JSON line per measurement.
-RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants; RLP_PROBE_GRID=<blocks> caps the split kernels'
+RLP_PROBE_VARIANTS=<name>,<name>... runs only those variants ("stamps:<name>": that variant with the stamps); RLP_PROBE_GRID=<blocks> caps the split kernels'
 grid (ops/attention.GRID_LIMIT: the blocks then take several items each, grid-stride); RLP_PROBE_KV_LENGTHS=16,128,... the keys per
 query row (default 384,1024); RLP_PROBE_EXPONENTS=flat gives
 every cache row exponent 0 (scores of a model's spread; default "spread", see EXPONENTS). With RLP_PROBE_BASELINE=<file>, that source (an earlier attention.cu with the same kernel signatures)
@@ -270,6 +270,8 @@ def variants(source: str) -> dict:
     for name in names:  # only the chosen variants' edits are made: an anchor one of them lost stops only it
         if name.startswith("keys_per_split_"):
             made[name] = (source, None, int(name.rsplit("_", 1)[1]))
+        elif name.startswith("stamps:"):  # stamps on another variant's source
+            made[name] = (_stamps(VARIANTS[name[len("stamps:"):]](source)), None, None)
         elif name != "baseline":
             made[name] = (VARIANTS[name](source), None, None)
     baseline = os.environ.get("RLP_PROBE_BASELINE")
@@ -304,7 +306,7 @@ def main():
             kv_bytes = SEQUENCES * kv_length * HKV * 2 * (2 * cache.head_dim_padded + 4)
             row = dict(variant=variant, kv_length=kv_length, us=round(us, 1), same_bits=same,
                        kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1), kernels_us=kernel_times(backend, run))
-            if variant == "stamps":
+            if variant.startswith("stamps"):
                 run()
                 cp.cuda.Device().synchronize()
                 row["phases"] = stamp_phases(module)

@@ -13,6 +13,9 @@
 #define RLP_SAMPLING_MAX_THREADS 1024   // the prefix scan's shared array; every GPU's block limit
 #define RLP_SAMPLING_REFUSED (-1)       // the token of a row the contract refuses (the host raises)
 #define RLP_SAMPLING_STREAM_DRAW 0u
+// Logits per thread in flight in the passes over a row (one load at a time left each thread waiting a
+// full memory round trip per logit: 147 us a row, bench/results/prefill_kernels_ncu_h200.csv)
+#define RLP_SAMPLING_LOADS 8
 // Philox4x32-10 constants (Random123 philox.h: PHILOX_M4x32_0/1, PHILOX_W32_0/1)
 #define RLP_PHILOX_M0 0xD2511F53u
 #define RLP_PHILOX_M1 0xCD9E8D57u
@@ -73,6 +76,17 @@ __device__ __forceinline__ long long rlp_sampling_weight(float a, float m) {
     return rlp_logprob_sum_term(rlp_exp_f32(a - m));
 }
 
+// z[u] = zr[base + u threads] for u < RLP_SAMPLING_LOADS (0 past the row's end): a strided pass's loads,
+// issued together so that each thread has several in flight.
+__device__ __forceinline__ void rlp_sampling_load(float (&z)[RLP_SAMPLING_LOADS], const float* zr, int base, int threads,
+                                                  int vocab) {
+#pragma unroll
+    for (int u = 0; u < RLP_SAMPLING_LOADS; ++u) {
+        const int i = base + u * threads;
+        z[u] = i < vocab ? zr[i] : 0.0f;
+    }
+}
+
 // In-place inclusive prefix sums of prefix[0 .. threads-1] (Hillis-Steele in shared memory, log2(threads)
 // steps of exact integer adds). Every thread of the block calls it; it ends synchronised.
 __device__ __forceinline__ void rlp_sampling_block_scan(long long* prefix, int tid, int threads) {
@@ -89,7 +103,8 @@ __device__ __forceinline__ void rlp_sampling_block_scan(long long* prefix, int t
 // assumption. Per-row parameters come from device arrays. tokens[row] receives the sampled
 // token, or RLP_SAMPLING_REFUSED for a row the contract refuses (a NaN a_v, a +inf a_v, or no
 // finite a_v); the host then raises the reference's InputError.
-//   pass 1 (strided): a_v, m = max a_v (integer keys, shared atomicMax), any NaN.
+//   pass 1 (strided, RLP_SAMPLING_LOADS loads in flight a thread): a_v, m = max a_v (integer keys,
+//     shared atomicMax), any NaN.
 //   greedy (T = 0): the smallest id whose key equals the maximum's (shared atomicMin).
 //   otherwise: thread t owns the contiguous ids [t c, t c + c), c = ceil(V / blockDim), and sums
 //     its weights w_v exactly in int64 (pass 2); an inclusive prefix scan of those sums over the
@@ -135,13 +150,19 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
         unsigned int local_key = 0u;
         unsigned int local_logprob_key = 0u;
         unsigned int nan = 0u;
-        for (int i = tid; i < vocab; i += threads) {
-            const float a = rlp_sampling_scaled(zr[i], t);
-            if (a != a) {
-                nan = 1u;
-            } else {
-                local_key = rlp_max_u32(local_key, rlp_sampling_key(a));
-                local_logprob_key = rlp_max_u32(local_logprob_key, rlp_logprob_key(a));
+        for (int base = tid; base < vocab; base += RLP_SAMPLING_LOADS * threads) {
+            float z[RLP_SAMPLING_LOADS];
+            rlp_sampling_load(z, zr, base, threads, vocab);
+#pragma unroll
+            for (int u = 0; u < RLP_SAMPLING_LOADS; ++u) {
+                if (base + u * threads >= vocab) break;
+                const float a = rlp_sampling_scaled(z[u], t);
+                if (a != a) {
+                    nan = 1u;
+                } else {
+                    local_key = rlp_max_u32(local_key, rlp_sampling_key(a));
+                    local_logprob_key = rlp_max_u32(local_logprob_key, rlp_logprob_key(a));
+                }
             }
         }
         atomicMax(&largest_key, local_key);
@@ -165,7 +186,13 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
             atomicMin(&first_max, local_first);
             if (want_logp != 0) {  // W for the log-prob (the other rows' W comes with their draw)
                 long long local_w = 0;
-                for (int i = tid; i < vocab; i += threads) local_w += rlp_logprob_sum_term(rlp_exp_f32(zr[i] - m_logprob));
+                for (int base = tid; base < vocab; base += RLP_SAMPLING_LOADS * threads) {
+                    float z[RLP_SAMPLING_LOADS];
+                    rlp_sampling_load(z, zr, base, threads, vocab);
+#pragma unroll
+                    for (int u = 0; u < RLP_SAMPLING_LOADS; ++u)
+                        if (base + u * threads < vocab) local_w += rlp_logprob_sum_term(rlp_exp_f32(z[u] - m_logprob));
+                }
                 if (local_w != 0) atomicAdd(&greedy_total, (unsigned long long)local_w);
             }
             __syncthreads();
@@ -178,8 +205,16 @@ extern "C" __global__ void sampling_rows(const float* __restrict__ logits, long 
             const int chunk = (vocab + threads - 1) / threads;
             const int begin = tid * chunk < vocab ? tid * chunk : vocab;
             const int end = begin + chunk < vocab ? begin + chunk : vocab;
-            long long local = 0;
-            for (int i = begin; i < end; ++i) local += rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m);
+            long long local = 0;  // exact int64 sums: any grouping gives the same total
+            int i = begin;
+            for (; i + RLP_SAMPLING_LOADS <= end; i += RLP_SAMPLING_LOADS) {
+                float z[RLP_SAMPLING_LOADS];
+#pragma unroll
+                for (int u = 0; u < RLP_SAMPLING_LOADS; ++u) z[u] = zr[i + u];
+#pragma unroll
+                for (int u = 0; u < RLP_SAMPLING_LOADS; ++u) local += rlp_sampling_weight(rlp_sampling_scaled(z[u], t), m);
+            }
+            for (; i < end; ++i) local += rlp_sampling_weight(rlp_sampling_scaled(zr[i], t), m);
             prefix[tid] = local;
             if (tid == 0) {  // no owner (not possible: 0 <= target < W) leaves the row's token unwritten, as before
                 owner_begin = 0;

@@ -593,8 +593,8 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
                    f"over {ratios.get('decode_steps_compared', 0)} steps, "
                    f"memory ratio {number(ratios.get('memory_ratio'), 1.0, '{:.3f}')}")
     if ratios.get("throughput_ratio_first_call") is not None:
-        first = result["hf_bf16"]["first_call"]
-        click.echo(f"HF's first full-length call in the process (its warm-up, not the peer): "
+        first = result["hf_first_call"]
+        click.echo(f"HF's first full-length call in the process (run 1's warm-up, not the peer): "
                    f"{number(first['tokens_per_s'])} tokens/s; ours / that {ratios['throughput_ratio_first_call']:.3f}")
     click.echo(f"bound fraction {number(ours.get('bound_fraction'), 1.0, '{:.3f}')} (target >= 0.3)")
     if len(result["runs"]) > 1:

@@ -143,7 +143,7 @@ STAMPS = [
 ]
 
 
-def _stamps(s):  # timing only (the same bits): each block's first item's phases by %globaltimer (thread 0)
+def _stamps(s):  # the same bits: each block's phases by %globaltimer (thread 0; its last item's, if several)
     s = STAMPS_HEAD + s
     for pass_, phase, anchor, before in STAMPS:
         stamp = f"RLP_STAMP({pass_}, {phase})\n"
@@ -159,7 +159,7 @@ def stamp_phases(module) -> dict:
     stamps = cp.ndarray((2, 4096, 5), np.uint64, pointer).get().astype(np.int64)
     out = {}
     for pass_, (name, phases) in enumerate((("scores", 4), ("values", 5))):
-        t = stamps[pass_, :2048, :phases]
+        t = stamps[pass_, :, :phases]
         t = t[t[:, 0] > 0]
         start = t[:, 0] - t[:, 0].min()
         for wave, rows in (("first", start < 1000), ("later", start >= 1000)):
@@ -295,7 +295,7 @@ def main():
         for variant, (text, shared, keys) in variants(source).items():
             module = load(text, "attention", options)
             attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
-            attention.SPLIT_THREADS = THREAD_COUNTS.get(variant, 128)
+            attention.SPLIT_THREADS = THREAD_COUNTS.get(variant.removeprefix("stamps:"), 128)
             backend._modules["attention"], backend._functions = module, {}
             run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split",
                                                     keys_per_split=keys)

@@ -37,15 +37,16 @@ backend.synchronize()
 llm.runner.capture_graphs()
 backend.synchronize()
 
-events = []  # (what, step index, start, end) on the host clock
+events = []  # (what, step index, rows, tokens, start, end) on the host clock
 launch, wait = llm.runner.launch, llm.runner.wait
-index_of = {}
+index_of, launched = {}, []  # the launched steps stay referenced, so that no id is reused
 
 
 def timed_launch(out, after=None):
     start = time.perf_counter()
     step = launch(out, after)
-    index_of[id(step)] = len(index_of)
+    index_of[id(step)] = len(launched)
+    launched.append(step)
     events.append(("launch", index_of[id(step)], len(out.scheduled), sum(e.end - e.start for e in out.scheduled),
                    start, time.perf_counter()))
     return step

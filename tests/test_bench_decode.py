@@ -130,9 +130,16 @@ def test_hf_peer_on_cpu_runs_the_same_batch():
     times = hf["step_log"]["times_s"]
     assert ratios["decode_step_ratio"] == pytest.approx((times[2] - times[0]) / 1.0)
     # the peer is HF's second full-length call; the first (its warm-up) is reported beside it
-    first = hf["first_call"]
-    assert first["complete"] and first["tokens_per_s"] > 0
-    assert ratios["throughput_ratio_first_call"] == pytest.approx(ours["tokens_per_s"] / first["tokens_per_s"])
+    assert hf["warm"] and hf["first_call"]["complete"] and hf["first_call"]["tokens_per_s"] > 0
+
+
+def test_hf_peer_under_a_time_limit_or_one_token_reports_without_decode_steps():
+    pytest.importorskip("transformers")
+    config = tiny_config()
+    prompts = decode.random_prompts(config, 2, 4)
+    stopped = decode.measure_hf(config, prompts, 3, device="cpu", time_limit=0.0)
+    assert not stopped["complete"] and not stopped["warm"] and stopped["first_call"]["decode_step_s_median"] is None
+    assert decode.measure_hf(config, prompts, 1, device="cpu")["complete"]
 
 
 def test_cli_bench_decode_needs_cuda():
@@ -187,8 +194,9 @@ def test_runs_alternate_and_report_each_sides_median_run(monkeypatch):
         def fake(*args, **kwargs):
             rate = rates[len([o for o in order if o[0] == name])]
             order.append((name, rate))
+            first = {"complete": True, "tokens_per_s": rate / 4}  # the peer's cold first call
             return {"complete": True, "tokens_per_s": rate, "sequences": 2, "peak_bytes": None,
-                    "step_log": {"times_s": [0.0, 1.0 / rate], "outputs": [2, 4]}}
+                    "step_log": {"times_s": [0.0, 1.0 / rate], "outputs": [2, 4]}, "first_call": first}
         return fake
 
     monkeypatch.setattr(decode, "measure_engine", side("ours", [30.0, 10.0, 20.0]))
@@ -198,6 +206,9 @@ def test_runs_alternate_and_report_each_sides_median_run(monkeypatch):
     assert [name for name, _ in order] == ["ours", "hf"] * 3
     assert result["ours"]["tokens_per_s"] == 20.0 and result["hf_bf16"]["tokens_per_s"] == 3.0
     assert result["ratios"]["throughput_ratio"] == pytest.approx(20.0 / 3.0)
+    # HF's first call in the process is run 1's (2.0 / 4), whichever run is the median
+    assert result["hf_first_call"]["tokens_per_s"] == 0.5
+    assert result["ratios"]["throughput_ratio_first_call"] == pytest.approx(20.0 / 0.5)
     assert [r["ratios"]["throughput_ratio"] for r in result["runs"]] == pytest.approx([15.0, 2.5, 20.0 / 3.0])
     assert decode.median_run([{"tokens_per_s": v} for v in (4.0, 1.0, 3.0, 2.0)])["tokens_per_s"] == 2.0
     with pytest.raises(InputError, match="runs must be a positive integer"):

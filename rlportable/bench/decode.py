@@ -610,7 +610,7 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
     peers = hf_runs if peer_error is None else []  # a peer that failed once gives no ratio at all
     ours, hf = median_run(ours_runs), median_run(peers) if peers else None
     # the process's first full-length HF call (run 1's warm-up; later runs' first calls meet known shapes)
-    cold = peers[0]["first_call"] if peers and "first_call" in peers[0] else None
+    cold = peers[0]["first_call"] if peers else None
     ratios = compare(ours, hf)
     if cold and ours["complete"] and cold["complete"]:  # information only: the peer is the warm call
         ratios["throughput_ratio_first_call"] = ours["tokens_per_s"] / cold["tokens_per_s"]

@@ -1602,3 +1602,654 @@ extern "C" __global__ void attention_backward_dkv(
         __syncthreads();
     }
 }
+
+// ---------------------------------------------------------------------------
+// Tiled backward: the CUDA fast path of op "attention_backward", the bits of the rows kernels above
+// (ops/attention.py method "tiled"). Tiles of query rows x key columns in shared memory, every
+// product on the FP64 tensor cores (mma.sync m8n8k4 f64, sm_80+) over integer operands held exactly
+// in float64. Each partial sum of a product stays below 2^53, so each mma result is the exact integer
+// sum in any order, and the tiling changes nothing:
+//   S = qq . qk, dP = qdo . qv                |terms| < 2^36, D <= 256 terms
+//   dq += U_hi . qk, U_lo . qk               U = U_hi 2^16 + U_lo, |U_hi|, |U_lo| <= 2^15 + 1; <= 2^17 keys
+//   dk += U_hi . qq, dv += U_hi . qdo (U_lo)  at most RLP_ATTT_MAX_TERMS (q row, head) pairs per launch item
+// The steps: _rows (encoded rows, delta), _keys (k, v rows from the cache), _stats (m, L, the poisoned
+// flag: two passes over the keys), _fields (the coefficients' largest exponent fields E: per query row
+// for dq, per key row for dk and dv, with a poison mark), _dq, _dkv (launch items cut where a key tile
+// has more pairs than one item may sum; such tiles add their exact two-word sums with integer atomics
+// and _finish rounds them). Shared-memory rows are DP + 4 doubles apart: a half-warp's fragment loads
+// then fall on 16 distinct bank pairs.
+#define RLP_ATTT_THREADS 256
+#define RLP_ATTT_WARPS 8
+#define RLP_ATTT_PAD 4
+#define RLP_ATTT_POISON 4096u  // a key row's field above every exponent field: a poisoned pair reaches it
+#define RLP_ATTT_HALF 16       // U = U_hi 2^16 + U_lo
+
+template <int DP>
+struct RlpAttt {
+    static constexpr int LD = DP + RLP_ATTT_PAD;
+    static constexpr int BQ = 4096 / DP;                        // query rows of a dq / stats / fields tile
+    static constexpr int BK = (4096 / DP < 32) ? 4096 / DP : 32;  // keys per step of those
+    static constexpr int BKV = 2048 / DP;                       // key rows of a dkv tile
+    static constexpr int BQ2 = 32;                              // query rows per step of dkv
+    static constexpr int ULD = 32 + RLP_ATTT_PAD;               // coefficient tiles' row stride
+};
+
+__device__ __forceinline__ void rlp_attt_mma(double (&c)[2], double a, double b) {
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(c[0]), "+d"(c[1])
+                 : "d"(a), "d"(b));
+}
+
+// Two 8x8 blocks of exact dot products, a . b^T and c . e^T (rows 8 apart by ld, k values each);
+// thread (lane / 4, lane % 4) gets row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1.
+__device__ __forceinline__ void rlp_attt_dots(double (&x)[2], double (&y)[2], const double* a, const double* b,
+                                              const double* c, const double* e, int ld, int k) {
+    const int off = ((threadIdx.x & 31) >> 2) * ld + (threadIdx.x & 3);
+    x[0] = 0.0; x[1] = 0.0; y[0] = 0.0; y[1] = 0.0;
+#pragma unroll 8
+    for (int i = 0; i < k; i += 4) {
+        rlp_attt_mma(x, a[off + i], b[off + i]);
+        rlp_attt_mma(y, c[off + i], e[off + i]);
+    }
+}
+
+// One 8x8 block of exact dot products a . b^T, as rlp_attt_dots.
+__device__ __forceinline__ void rlp_attt_dot(double (&x)[2], const double* a, const double* b, int ld, int k) {
+    const int off = ((threadIdx.x & 31) >> 2) * ld + (threadIdx.x & 3);
+    x[0] = 0.0; x[1] = 0.0;
+#pragma unroll 8
+    for (int i = 0; i < k; i += 4) rlp_attt_mma(x, a[off + i], b[off + i]);
+}
+
+// The largest of v over the 8 rows of a fragment column (lanes with the same lane % 4).
+__device__ __forceinline__ unsigned int rlp_attt_umax_columns(unsigned int v) {
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, 4));
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, 8));
+    return max(v, __shfl_xor_sync(0xffffffffu, v, 16));
+}
+
+// acc[n] += U[8 rows, kk] . B[kk rows, 8 columns at n0 + 8 n] for N column blocks (U rows uld apart,
+// B rows ld apart), both halves of U.
+template <int N>
+__device__ __forceinline__ void rlp_attt_accumulate(double (&acc)[N][2][2], const double* u_hi, const double* u_lo,
+                                                    int uld, const double* b, int ld, int kk) {
+    const int lane = threadIdx.x & 31;
+    const int a_off = (lane >> 2) * uld + (lane & 3);
+    const int b_off = (lane & 3) * ld + (lane >> 2);
+#pragma unroll 2
+    for (int i = 0; i < kk; i += 4) {
+        const double ah = u_hi[a_off + i];
+        const double al = u_lo[a_off + i];
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            const double bv = b[b_off + i * ld + 8 * n];
+            rlp_attt_mma(acc[n][0], ah, bv);
+            rlp_attt_mma(acc[n][1], al, bv);
+        }
+    }
+}
+
+// U split exactly into U_hi 2^16 + U_lo with U_lo in [-2^15, 2^15).
+__device__ __forceinline__ void rlp_attt_split(long long u, double* hi, double* lo) {
+    const long long low = ((u + (1LL << 15)) & 0xffffLL) - (1LL << 15);
+    *lo = (double)low;
+    *hi = (double)((u - low) >> RLP_ATTT_HALF);
+}
+
+// The exact sum hi_sum 2^16 + lo_sum as the two words (lo, hi) rlp_attb_round_wide takes (lo not
+// normalised: the two low parts are added, < 2^33).
+__device__ __forceinline__ void rlp_attt_words(double hi_sum, double lo_sum, unsigned long long* lo, long long* hi) {
+    const long long a = __double2ll_rn(hi_sum);  // exact: integers below 2^53
+    const long long b = __double2ll_rn(lo_sum);
+    *lo = (((unsigned long long)a << RLP_ATTT_HALF) & 0xffffffffull) + ((unsigned long long)b & 0xffffffffull);
+    *hi = (a >> (RLP_ATTB_LOW_BITS - RLP_ATTT_HALF)) + (b >> RLP_ATTB_LOW_BITS);
+}
+
+// Rows [count] of width DP doubles from global (row r at src + row_index(r) * DP) into shared memory
+// (stride LD); rows at or beyond `count` are zero.
+template <int DP, int ROWS>
+__device__ __forceinline__ void rlp_attt_load(double* dst, const double* __restrict__ src, long long first,
+                                              long long step, int count) {
+    constexpr int LD = RlpAttt<DP>::LD;
+    for (int i = threadIdx.x; i < ROWS * (DP / 2); i += RLP_ATTT_THREADS) {
+        const int r = i / (DP / 2);
+        const int c = 2 * (i - r * (DP / 2));
+        double2 v = make_double2(0.0, 0.0);
+        if (r < count) v = *reinterpret_cast<const double2*>(src + (first + r * step) * DP + c);
+        dst[r * LD + c] = v.x;
+        dst[r * LD + c + 1] = v.y;
+    }
+}
+
+// One block per (token, q head), grid-stride: the rows kernel's encoding for the tiled kernels: q and
+// do as 23-bit integers in float64 (rows of DP, zero beyond d; zero for a non-finite row), eq, edo and
+// the bad-rows flag (q, do or o non-finite) in row_info, delta in row_stats[2].
+extern "C" __global__ void attention_backward_tiled_rows(
+    const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ o, long long rows, int d,
+    int dpt, double* __restrict__ q_f64, double* __restrict__ do_f64, int* __restrict__ row_info,
+    double* __restrict__ row_stats) {
+    __shared__ unsigned int largest[3];
+    __shared__ unsigned int delta_field;
+    __shared__ unsigned long long delta_sum;
+    for (long long item = blockIdx.x; item < rows; item += gridDim.x) {
+        const float* qr = q + item * (long long)d;
+        const float* dr = dout + item * (long long)d;
+        const float* orow = o + item * (long long)d;
+        if (threadIdx.x == 0) { largest[0] = 0u; largest[1] = 0u; largest[2] = 0u; delta_field = 0u; delta_sum = 0ull; }
+        __syncthreads();
+        unsigned int local_q = 0u, local_do = 0u, local_o = 0u;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            local_q = max(local_q, rlp_magnitude_bits(qr[i]));
+            local_do = max(local_do, rlp_magnitude_bits(dr[i]));
+            local_o = max(local_o, rlp_magnitude_bits(orow[i]));
+        }
+        atomicMax(&largest[0], local_q);
+        atomicMax(&largest[1], local_do);
+        atomicMax(&largest[2], local_o);
+        __syncthreads();
+        const int eq = rlp_row_exponent(largest[0]);
+        const int edo = rlp_row_exponent(largest[1]);
+        const bool bad_rows = eq == RLP_NONFINITE_EXPONENT || edo == RLP_NONFINITE_EXPONENT ||
+                              rlp_row_exponent(largest[2]) == RLP_NONFINITE_EXPONENT;
+        unsigned int local_field = 0u;
+        for (int i = threadIdx.x; i < dpt; i += blockDim.x) {
+            double a = 0.0, b = 0.0;
+            if (i < d && !bad_rows) {
+                a = (double)rlp_quantize(qr[i], RLP_ATT_Q_BITS, eq);
+                b = (double)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo);
+                local_field = max(local_field, rlp_attb_field(b * (double)orow[i]));
+            }
+            q_f64[item * dpt + i] = a;
+            do_f64[item * dpt + i] = b;
+        }
+        atomicMax(&delta_field, local_field);
+        __syncthreads();
+        const int e_delta = rlp_attb_exponent(delta_field);
+        if (!bad_rows) {  // block-uniform
+            long long local_delta = 0;
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                const double w = (double)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo) * (double)orow[i];
+                local_delta += __double2ll_rn(w * rlp_pow2_f64(RLP_ATTB_DELTA_BITS - 2 - e_delta));
+            }
+            if (local_delta != 0) atomicAdd(&delta_sum, (unsigned long long)local_delta);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* info = row_info + 3 * item;
+            info[0] = bad_rows ? 0 : eq;
+            info[1] = bad_rows ? 0 : edo;
+            info[2] = bad_rows ? 1 : 0;
+            row_stats[3 * item + 2] = bad_rows ? 0.0 : __ll2double_rn((long long)delta_sum) *
+                                      rlp_pow2_f64(e_delta - (RLP_ATTB_DELTA_BITS - 2) + edo - RLP_ATTB_ROW_SHIFT);
+        }
+        __syncthreads();
+    }
+}
+
+// The cache's k and v rows (two digits) as 15-bit integers in float64, rows of dpt (zero beyond dp).
+extern "C" __global__ void attention_backward_tiled_keys(
+    const signed char* __restrict__ k_digits, const signed char* __restrict__ v_digits, long long rows, int dp,
+    int dpt, double* __restrict__ k_f64, double* __restrict__ v_f64) {
+    const long long n = rows * dpt;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / dpt;
+        const int c = (int)(i - r * dpt);
+        double kv = 0.0, vv = 0.0;
+        if (c < dp) {
+            const signed char* kr = k_digits + r * (2LL * dp);
+            const signed char* vr = v_digits + r * (2LL * dp);
+            kv = (double)((int)kr[c] + 256 * (int)kr[dp + c]);
+            vv = (double)((int)vr[c] + 256 * (int)vr[dp + c]);
+        }
+        k_f64[i] = kv;
+        v_f64[i] = vv;
+    }
+}
+
+// The per-query-tile kernels' shared state: the tile's q and do rows, a step's k and v rows, the
+// rows' and keys' scalars.
+template <int DP>
+struct RlpAtttRows {
+    static constexpr int BQ = RlpAttt<DP>::BQ;
+    static constexpr int BK = RlpAttt<DP>::BK;
+    int eq[BQ], edo[BQ], bad[BQ], e[BQ];
+    float m[BQ];
+    double total[BQ], delta[BQ];
+    int ek[BK], ev[BK];
+    unsigned int key[BQ], flag[BQ], field_q[BQ], field_k[BK], field_v[BK];
+    unsigned long long sum[BQ];
+};
+
+// Loads a query tile's scalars: row r of the tile is token t0 + r (rows valid), head h.
+template <int DP>
+__device__ __forceinline__ void rlp_attt_row_scalars(RlpAtttRows<DP>& s, const int* __restrict__ row_info,
+                                                     const double* __restrict__ row_stats, long long t0, int rows,
+                                                     int hq, int h) {
+    for (int r = threadIdx.x; r < RlpAttt<DP>::BQ; r += RLP_ATTT_THREADS) {
+        const long long item = (t0 + r) * hq + h;
+        const bool in = r < rows;
+        s.eq[r] = in ? row_info[3 * item] : 0;
+        s.edo[r] = in ? row_info[3 * item + 1] : 0;
+        s.bad[r] = in ? row_info[3 * item + 2] : 1;
+        s.m[r] = in ? (float)row_stats[3 * item] : 0.0f;
+        s.total[r] = in ? row_stats[3 * item + 1] : 1.0;
+        s.delta[r] = in ? row_stats[3 * item + 2] : 0.0;
+    }
+}
+
+template <int DP>
+__device__ __forceinline__ void rlp_attt_key_scalars(RlpAtttRows<DP>& s, const int* __restrict__ k_exponents,
+                                                     const int* __restrict__ v_exponents, long long j0, int keys,
+                                                     int hkv, int g) {
+    for (int c = threadIdx.x; c < RlpAttt<DP>::BK; c += RLP_ATTT_THREADS) {
+        s.ek[c] = c < keys ? k_exponents[(j0 + c) * hkv + g] : 0;
+        s.ev[c] = c < keys ? v_exponents[(j0 + c) * hkv + g] : 0;
+    }
+}
+
+// Query tiles: q_tiles[2 i] = sequence, q_tiles[2 i + 1] = first token; grid (tiles, hq). Pass 1: m
+// (an integer max of order keys) and the flag of a non-finite key or value row among 0..t; pass 2:
+// L = sum RNE(p 2^21). Writes m and L to row_stats and the poisoned flag to row_info[2].
+template <int DP>
+__device__ __forceinline__ void rlp_attt_stats(
+    const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, double scale,
+    const double* __restrict__ q_f64, const double* __restrict__ k_f64, const int* __restrict__ k_exponents,
+    const int* __restrict__ v_exponents, int* __restrict__ row_info, double* __restrict__ row_stats, double* smem) {
+    using T = RlpAttt<DP>;
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, NSB = (BQ / 8) * (BK / 8);
+    double* qs = smem;
+    double* ks = qs + BQ * LD;
+    RlpAtttRows<DP>& s = *reinterpret_cast<RlpAtttRows<DP>*>(ks + BK * LD);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int seq = q_tiles[2 * blockIdx.x];
+    const long long t0 = q_tiles[2 * blockIdx.x + 1];
+    const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
+    const int rows = (int)min((long long)BQ, end - t0);
+    const int h = blockIdx.y, g = h / (hq / hkv);
+    rlp_attt_load<DP, BQ>(qs, q_f64, t0 * hq + h, hq, rows);
+    rlp_attt_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
+    for (int r = threadIdx.x; r < BQ; r += RLP_ATTT_THREADS) { s.key[r] = 0u; s.flag[r] = 0u; s.sum[r] = 0ull; }
+    for (int pass = 0; pass < 2; ++pass) {
+        for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
+            const int keys = (int)min((long long)BK, t0 + rows - j0);
+            __syncthreads();
+            rlp_attt_load<DP, BK>(ks, k_f64, j0 * hkv + g, hkv, keys);
+            rlp_attt_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
+            __syncthreads();
+            for (int sb = warp; sb < NSB; sb += RLP_ATTT_WARPS) {
+                const int mb = sb / (BK / 8), nb = sb - mb * (BK / 8);
+                double x[2];
+                rlp_attt_dot(x, qs + mb * 8 * LD, ks + nb * 8 * LD, LD, DP);
+                const int r = mb * 8 + (lane >> 2);
+                unsigned int key = 0u, flag = 0u;
+                long long part = 0;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = nb * 8 + 2 * (lane & 3) + e;
+                    if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
+                        const float sc = __double2float_rn((x[e] * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
+                        if (s.ek[c] == RLP_NONFINITE_EXPONENT || s.ev[c] == RLP_NONFINITE_EXPONENT) flag = 1u;
+                        else if (pass == 0) key = max(key, rlp_att_order_key(sc));
+                        else part += __double2ll_rn((double)rlp_exp_f32(sc - s.m[r]) * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                    }
+                }
+                if (pass == 0) {
+                    key = rlp_attm_umax_rows(key);
+                    flag |= __shfl_xor_sync(0xffffffffu, flag, 1);
+                    flag |= __shfl_xor_sync(0xffffffffu, flag, 2);
+                    if ((lane & 3) == 0 && r < rows) { atomicMax(&s.key[r], key); atomicOr(&s.flag[r], flag); }
+                } else {
+                    part += __shfl_xor_sync(0xffffffffu, part, 1);
+                    part += __shfl_xor_sync(0xffffffffu, part, 2);
+                    if ((lane & 3) == 0 && r < rows && part != 0) atomicAdd(&s.sum[r], (unsigned long long)part);
+                }
+            }
+        }
+        __syncthreads();
+        if (pass == 0)
+            for (int r = threadIdx.x; r < BQ; r += RLP_ATTT_THREADS) {
+                const float m = rlp_att_from_order_key(s.key[r]);
+                if (s.flag[r] != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) s.bad[r] = 1;
+                s.m[r] = m;
+            }
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < rows; r += RLP_ATTT_THREADS) {
+        const long long item = (t0 + r) * hq + h;
+        const bool poisoned = s.bad[r] != 0;
+        if (poisoned) { row_info[3 * item] = 0; row_info[3 * item + 1] = 0; row_info[3 * item + 2] = 1; }
+        row_stats[3 * item] = poisoned ? 0.0 : (double)s.m[r];
+        row_stats[3 * item + 1] = poisoned ? 0.0 : __ll2double_rn((long long)s.sum[r]);
+        if (poisoned) row_stats[3 * item + 2] = 0.0;
+    }
+}
+
+// P and dS of query row r, key c of a tile (the rows kernels' rlp_attb_terms from float64 sums).
+template <int DP>
+__device__ __forceinline__ void rlp_attt_terms(const RlpAtttRows<DP>& s, int r, int c, double sum, double dp_sum,
+                                               double scale, double* big_p, double* ds) {
+    const float sc = __double2float_rn((sum * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
+    const double p = (double)rlp_exp_f32(sc - s.m[r]);
+    *big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / s.total[r];
+    const double dp = dp_sum * rlp_pow2_f64(s.edo[r] + s.ev[c] - RLP_ATTB_DP_SHIFT);
+    *ds = (*big_p * (dp - s.delta[r])) * scale;
+}
+
+// FIELDS: the largest exponent fields (per query row: of dS 2^ek, to e_fields; per key row and kv
+// head: of dS 2^eq and P 2^edo, atomicMax into key_fields [T hkv, 2], RLP_ATTT_POISON where a
+// poisoned row reaches the key). DQ: dq of the tile's rows from the exact sums of U . qk.
+template <int DP, bool DQ>
+__device__ __forceinline__ void rlp_attt_query_tile(
+    const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
+    const double* __restrict__ q_f64, const double* __restrict__ do_f64, const double* __restrict__ k_f64,
+    const double* __restrict__ v_f64, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, int* __restrict__ e_fields,
+    unsigned int* __restrict__ key_fields, float* __restrict__ dq, double* smem) {
+    using T = RlpAttt<DP>;
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSB = (BQ / 8) * (BK / 8);
+    constexpr int NPW = 8;  // accumulator blocks per warp: BQ DP / 64 blocks over 8 warps
+    double* qs = smem;
+    double* ds_rows = qs + BQ * LD;
+    double* ks = ds_rows + BQ * LD;
+    double* vs = ks + BK * LD;
+    double* u_hi = vs + BK * LD;
+    double* u_lo = u_hi + BQ * ULD;
+    RlpAtttRows<DP>& s = *reinterpret_cast<RlpAtttRows<DP>*>(u_lo + BQ * ULD);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int seq = q_tiles[2 * blockIdx.x];
+    const long long t0 = q_tiles[2 * blockIdx.x + 1];
+    const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
+    const int rows = (int)min((long long)BQ, end - t0);
+    const int h = blockIdx.y, g = h / (hq / hkv);
+    rlp_attt_load<DP, BQ>(qs, q_f64, t0 * hq + h, hq, rows);
+    rlp_attt_load<DP, BQ>(ds_rows, do_f64, t0 * hq + h, hq, rows);
+    rlp_attt_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
+    for (int r = threadIdx.x; r < BQ; r += RLP_ATTT_THREADS) {
+        s.field_q[r] = 0u;
+        if (DQ) s.e[r] = r < rows ? e_fields[(t0 + r) * hq + h] : 0;
+    }
+    const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
+    double acc[NPW][2][2];
+#pragma unroll
+    for (int n = 0; n < NPW; ++n) { acc[n][0][0] = 0.0; acc[n][0][1] = 0.0; acc[n][1][0] = 0.0; acc[n][1][1] = 0.0; }
+    for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
+        const int keys = (int)min((long long)BK, t0 + rows - j0);
+        __syncthreads();
+        rlp_attt_load<DP, BK>(ks, k_f64, j0 * hkv + g, hkv, keys);
+        rlp_attt_load<DP, BK>(vs, v_f64, j0 * hkv + g, hkv, keys);
+        rlp_attt_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
+        for (int c = threadIdx.x; c < BK; c += RLP_ATTT_THREADS) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
+        __syncthreads();
+        for (int sb = warp; sb < NSB; sb += RLP_ATTT_WARPS) {
+            const int mb = sb / (BK / 8), nb = sb - mb * (BK / 8);
+            double x[2], y[2];
+            rlp_attt_dots(x, y, qs + mb * 8 * LD, ks + nb * 8 * LD, ds_rows + mb * 8 * LD, vs + nb * 8 * LD, LD, DP);
+            const int r = mb * 8 + (lane >> 2);
+            unsigned int fq = 0u, fk[2] = {0u, 0u}, fv[2] = {0u, 0u};
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = nb * 8 + 2 * (lane & 3) + e;
+                const bool reach = r < rows && c < keys && j0 + c <= t0 + r;
+                const bool valid = reach && s.bad[r] == 0;
+                double big_p = 0.0, ds = 0.0;
+                if (valid) rlp_attt_terms<DP>(s, r, c, x[e], y[e], scale, &big_p, &ds);
+                if (DQ) {
+                    double hi = 0.0, lo = 0.0;
+                    if (valid) rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.ek[c]), s.e[r]), &hi, &lo);
+                    u_hi[r * ULD + c] = hi;
+                    u_lo[r * ULD + c] = lo;
+                } else if (valid) {
+                    fq = max(fq, rlp_attb_field(ds * rlp_pow2_f64(s.ek[c])));
+                    fk[e] = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
+                    fv[e] = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
+                } else if (reach) {
+                    fk[e] = RLP_ATTT_POISON;
+                    fv[e] = RLP_ATTT_POISON;
+                }
+            }
+            if (!DQ) {
+                fq = rlp_attm_umax_rows(fq);
+                if ((lane & 3) == 0 && r < rows && fq) atomicMax(&s.field_q[r], fq);
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const unsigned int k_max = rlp_attt_umax_columns(fk[e]);
+                    const unsigned int v_max = rlp_attt_umax_columns(fv[e]);
+                    const int c = nb * 8 + 2 * (lane & 3) + e;
+                    if (lane < 4 && k_max) atomicMax(&s.field_k[c], k_max);
+                    if (lane < 4 && v_max) atomicMax(&s.field_v[c], v_max);
+                }
+            }
+        }
+        __syncthreads();
+        if (DQ) {
+            rlp_attt_accumulate<NPW>(acc, u_hi + acc_m * 8 * ULD, u_lo + acc_m * 8 * ULD, ULD, ks + acc_n * 8, LD, BK);
+        } else {
+            for (int c = threadIdx.x; c < keys; c += RLP_ATTT_THREADS) {
+                unsigned int* kf = key_fields + 2 * ((j0 + c) * hkv + g);
+                if (s.field_k[c]) atomicMax(kf, s.field_k[c]);
+                if (s.field_v[c]) atomicMax(kf + 1, s.field_v[c]);
+            }
+        }
+    }
+    __syncthreads();
+    if (DQ) {
+        const int unit_base = -(RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2);
+        const int r = acc_m * 8 + (lane >> 2);
+        if (r < rows) {
+            float* out = dq + ((t0 + r) * hq + h) * (long long)d;
+#pragma unroll
+            for (int n = 0; n < NPW; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = (acc_n + n) * 8 + 2 * (lane & 3) + e;
+                    if (col < d) {
+                        unsigned long long lo;
+                        long long hi;
+                        rlp_attt_words(acc[n][0][e], acc[n][1][e], &lo, &hi);
+                        out[col] = s.bad[r] ? rlp_canonical_nan()
+                                            : rlp_attb_round_wide(lo, (unsigned long long)hi, s.e[r] + unit_base);
+                    }
+                }
+        }
+    } else {
+        for (int r = threadIdx.x; r < rows; r += RLP_ATTT_THREADS)
+            e_fields[(t0 + r) * hq + h] = rlp_attb_exponent(s.field_q[r]);
+    }
+}
+
+// One block per (key tile item, kv head): items[5 i ..] = sequence, first key j0, first and end query row
+// of the item's range (t >= j0), and a flag (ops/attention.py tiled_plan): nonzero where the
+// key tile is cut into several items, whose exact sums go to dk_wide / dv_wide ([T hkv, d, 2] words)
+// for _finish. dk = sum over pairs of U(dS 2^eq) qq, dv = sum of U(P 2^edo) qdo.
+template <int DP>
+__device__ __forceinline__ void rlp_attt_dkv(
+    const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
+    const double* __restrict__ q_f64, const double* __restrict__ do_f64, const double* __restrict__ k_f64,
+    const double* __restrict__ v_f64, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields,
+    float* __restrict__ dk, float* __restrict__ dv, unsigned long long* __restrict__ dk_wide,
+    unsigned long long* __restrict__ dv_wide, double* smem) {
+    using T = RlpAttt<DP>;
+    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ULD = T::ULD, NSB = (BKV / 8) * (BQ2 / 8);
+    constexpr int NPW = 4;  // accumulator blocks per warp and output: BKV DP / 64 blocks over 8 warps
+    double* ks = smem;
+    double* vs = ks + BKV * LD;
+    double* qs = vs + BKV * LD;
+    double* dos = qs + BQ2 * LD;
+    double* uk_hi = dos + BQ2 * LD;
+    double* uk_lo = uk_hi + BKV * ULD;
+    double* uv_hi = uk_lo + BKV * ULD;
+    double* uv_lo = uv_hi + BKV * ULD;
+    int* r_eq = reinterpret_cast<int*>(uv_lo + BKV * ULD);
+    int* r_edo = r_eq + BQ2;
+    int* r_bad = r_edo + BQ2;
+    float* r_m = reinterpret_cast<float*>(r_bad + BQ2);
+    double* r_total = reinterpret_cast<double*>(r_m + BQ2);
+    double* r_delta = r_total + BQ2;
+    int* c_ek = reinterpret_cast<int*>(r_delta + BQ2);
+    int* c_ev = c_ek + BKV;
+    int* c_fk = c_ev + BKV;
+    int* c_fv = c_fk + BKV;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int* item = items + 5 * blockIdx.x;
+    const int seq = item[0];
+    const long long j0 = item[1], q_begin = item[2], q_end = item[3];
+    const bool wide = item[4] != 0;
+    const long long end = cu_seqlens[seq + 1];
+    const int rows = (int)min((long long)BKV, end - j0);
+    const int g = blockIdx.y, group = hq / hkv;
+    rlp_attt_load<DP, BKV>(ks, k_f64, j0 * hkv + g, hkv, rows);
+    rlp_attt_load<DP, BKV>(vs, v_f64, j0 * hkv + g, hkv, rows);
+    for (int r = threadIdx.x; r < BKV; r += RLP_ATTT_THREADS) {
+        const long long kr = (j0 + r) * hkv + g;
+        c_ek[r] = r < rows ? k_exponents[kr] : 0;
+        c_ev[r] = r < rows ? v_exponents[kr] : 0;
+        c_fk[r] = r < rows ? (int)key_fields[2 * kr] : 0;
+        c_fv[r] = r < rows ? (int)key_fields[2 * kr + 1] : 0;
+    }
+    const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
+    double acc_k[NPW][2][2], acc_v[NPW][2][2];
+#pragma unroll
+    for (int n = 0; n < NPW; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) { acc_k[n][i][0] = 0.0; acc_k[n][i][1] = 0.0; acc_v[n][i][0] = 0.0; acc_v[n][i][1] = 0.0; }
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = g * group + hh;
+        for (long long t0 = q_begin; t0 < q_end; t0 += BQ2) {
+            const int qrows = (int)min((long long)BQ2, q_end - t0);
+            __syncthreads();
+            rlp_attt_load<DP, BQ2>(qs, q_f64, t0 * hq + h, hq, qrows);
+            rlp_attt_load<DP, BQ2>(dos, do_f64, t0 * hq + h, hq, qrows);
+            for (int c = threadIdx.x; c < BQ2; c += RLP_ATTT_THREADS) {
+                const long long it = (t0 + c) * hq + h;
+                const bool in = c < qrows;
+                r_eq[c] = in ? row_info[3 * it] : 0;
+                r_edo[c] = in ? row_info[3 * it + 1] : 0;
+                r_bad[c] = in ? row_info[3 * it + 2] : 1;
+                r_m[c] = in ? (float)row_stats[3 * it] : 0.0f;
+                r_total[c] = in ? row_stats[3 * it + 1] : 1.0;
+                r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
+            }
+            __syncthreads();
+            for (int sb = warp; sb < NSB; sb += RLP_ATTT_WARPS) {
+                const int mb = sb / (BQ2 / 8), nb = sb - mb * (BQ2 / 8);
+                double x[2], y[2];
+                rlp_attt_dots(x, y, ks + mb * 8 * LD, qs + nb * 8 * LD, vs + mb * 8 * LD, dos + nb * 8 * LD, LD, DP);
+                const int r = mb * 8 + (lane >> 2);  // key row
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = nb * 8 + 2 * (lane & 3) + e;  // query row
+                    double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
+                    if (r < rows && c < qrows && j0 + r <= t0 + c && r_bad[c] == 0 &&
+                        c_fk[r] < (int)RLP_ATTT_POISON) {
+                        const float sc = __double2float_rn((x[e] * rlp_pow2_f64(r_eq[c] + c_ek[r] - RLP_ATT_SCORE_SHIFT)) * scale);
+                        const double p = (double)rlp_exp_f32(sc - r_m[c]);
+                        const double big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / r_total[c];
+                        const double dpv = y[e] * rlp_pow2_f64(r_edo[c] + c_ev[r] - RLP_ATTB_DP_SHIFT);
+                        const double ds = (big_p * (dpv - r_delta[c])) * scale;
+                        rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(r_eq[c]), rlp_attb_exponent(c_fk[r])), &kh, &kl);
+                        rlp_attt_split(rlp_attb_quantize(big_p * rlp_pow2_f64(r_edo[c]), rlp_attb_exponent(c_fv[r])), &vh, &vl);
+                    }
+                    uk_hi[r * ULD + c] = kh;
+                    uk_lo[r * ULD + c] = kl;
+                    uv_hi[r * ULD + c] = vh;
+                    uv_lo[r * ULD + c] = vl;
+                }
+            }
+            __syncthreads();
+            rlp_attt_accumulate<NPW>(acc_k, uk_hi + acc_m * 8 * ULD, uk_lo + acc_m * 8 * ULD, ULD, qs + acc_n * 8, LD, BQ2);
+            rlp_attt_accumulate<NPW>(acc_v, uv_hi + acc_m * 8 * ULD, uv_lo + acc_m * 8 * ULD, ULD, dos + acc_n * 8, LD, BQ2);
+        }
+    }
+    const int r = acc_m * 8 + (lane >> 2);
+    if (r >= rows) return;
+    const long long kr = (j0 + r) * hkv + g;
+    const bool poisoned = c_fk[r] >= (int)RLP_ATTT_POISON;
+    const int unit_k = rlp_attb_exponent(c_fk[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+    const int unit_v = rlp_attb_exponent(c_fv[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+#pragma unroll
+    for (int n = 0; n < NPW; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = (acc_n + n) * 8 + 2 * (lane & 3) + e;
+            if (col >= d) continue;
+            unsigned long long lo_k, lo_v;
+            long long hi_k, hi_v;
+            rlp_attt_words(acc_k[n][0][e], acc_k[n][1][e], &lo_k, &hi_k);
+            rlp_attt_words(acc_v[n][0][e], acc_v[n][1][e], &lo_v, &hi_v);
+            const long long at = kr * d + col;
+            if (wide) {
+                if (!poisoned) {
+                    atomicAdd(dk_wide + 2 * at, lo_k);
+                    atomicAdd(dk_wide + 2 * at + 1, (unsigned long long)hi_k);
+                    atomicAdd(dv_wide + 2 * at, lo_v);
+                    atomicAdd(dv_wide + 2 * at + 1, (unsigned long long)hi_v);
+                }
+            } else {
+                dk[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_k, (unsigned long long)hi_k, unit_k);
+                dv[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_v, (unsigned long long)hi_v, unit_v);
+            }
+        }
+}
+
+// The key rows of cut tiles (wide_rows[j] != 0): dk, dv rounded from their summed words.
+extern "C" __global__ void attention_backward_tiled_finish(
+    const int* __restrict__ wide_rows, long long tokens, int hkv, int d, const unsigned int* __restrict__ key_fields,
+    const unsigned long long* __restrict__ dk_wide, const unsigned long long* __restrict__ dv_wide,
+    float* __restrict__ dk, float* __restrict__ dv) {
+    const long long n = tokens * hkv * d;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long kr = i / d;
+        if (wide_rows[kr / hkv] == 0) continue;
+        const unsigned int fk = key_fields[2 * kr], fv = key_fields[2 * kr + 1];
+        if (fk >= RLP_ATTT_POISON) { dk[i] = rlp_canonical_nan(); dv[i] = rlp_canonical_nan(); continue; }
+        dk[i] = rlp_attb_round_wide(dk_wide[2 * i], dk_wide[2 * i + 1],
+                                    rlp_attb_exponent(fk) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT);
+        dv[i] = rlp_attb_round_wide(dv_wide[2 * i], dv_wide[2 * i + 1],
+                                    rlp_attb_exponent(fv) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT);
+    }
+}
+
+#define RLP_ATTT_QUERY_ARGS                                                                                      \
+    const int *__restrict__ q_tiles, const long long *__restrict__ cu_seqlens, int hq, int hkv, int d, double scale, \
+        const double *__restrict__ q_f64, const double *__restrict__ do_f64, const double *__restrict__ k_f64,   \
+        const double *__restrict__ v_f64, const int *__restrict__ k_exponents, const int *__restrict__ v_exponents, \
+        int *__restrict__ row_info, double *__restrict__ row_stats, int *__restrict__ e_fields,                 \
+        unsigned int *__restrict__ key_fields, float *__restrict__ dq
+
+#define RLP_ATTT_ENTRIES(DP)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_stats_d##DP(         \
+        RLP_ATTT_QUERY_ARGS) {                                                                                   \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_f64, k_f64, k_exponents, v_exponents, row_info, \
+                           row_stats, rlp_attt_smem);                                                            \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_fields_d##DP(        \
+        RLP_ATTT_QUERY_ARGS) {                                                                                   \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_query_tile<DP, false>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_f64, do_f64, k_f64, v_f64,      \
+                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
+                                       rlp_attt_smem);                                                           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_dq_d##DP(            \
+        RLP_ATTT_QUERY_ARGS) {                                                                                   \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_query_tile<DP, true>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_f64, do_f64, k_f64, v_f64,       \
+                                      k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,    \
+                                      rlp_attt_smem);                                                            \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_dkv_d##DP(           \
+        const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d,        \
+        double scale, const double* __restrict__ q_f64, const double* __restrict__ do_f64,                      \
+        const double* __restrict__ k_f64, const double* __restrict__ v_f64, const int* __restrict__ k_exponents, \
+        const int* __restrict__ v_exponents, const int* __restrict__ row_info,                                  \
+        const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields, float* __restrict__ dk, \
+        float* __restrict__ dv, unsigned long long* __restrict__ dk_wide, unsigned long long* __restrict__ dv_wide) { \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_dkv<DP>(items, cu_seqlens, hq, hkv, d, scale, q_f64, do_f64, k_f64, v_f64, k_exponents,         \
+                         v_exponents, row_info, row_stats, key_fields, dk, dv, dk_wide, dv_wide, rlp_attt_smem); \
+    }
+
+RLP_ATTT_ENTRIES(64)
+RLP_ATTT_ENTRIES(128)
+RLP_ATTT_ENTRIES(256)

@@ -404,17 +404,25 @@ def _backward_inputs(rng, tokens: int, hq: int, hkv: int, d: int, kind: str = "n
     return q, k, v, random_rows(rng, tokens * hq, d, kind).reshape(tokens, hq, d)
 
 
-def _attention_backward(backend: Backend, q, k, v, do, cu, o=None,
-                        threads: int = attention_op.BACKWARD_THREADS) -> tuple[np.ndarray, ...]:
+def _attention_backward(backend: Backend, q, k, v, do, cu, o=None, threads: int = attention_op.BACKWARD_THREADS,
+                        method: str = "rows", tiled_terms: int = attention_op.TILED_MAX_TERMS) -> tuple[np.ndarray, ...]:
     b = backend
     grads = attention_op.attention_packed_backward(b, b.asarray(q), b.asarray(k), b.asarray(v), b.asarray(do), cu,
-                                                   o=None if o is None else b.asarray(o), threads=threads)
+                                                   o=None if o is None else b.asarray(o), threads=threads,
+                                                   method=method, tiled_terms=tiled_terms)
     return tuple(b.to_numpy(g) for g in grads)
 
 
 def _add_grads(tally: Tally, got, expected) -> None:
     for actual, want in zip(got, expected):
         tally.add(actual, want)
+
+
+def _add_all_methods(tally: Tally, backend: Backend, expected, q, k, v, do, cu, **options) -> None:
+    """Every backward variant this backend runs for these shapes (rows, and tiled where it exists),
+    each against the expected bits."""
+    for method in attention_op.backward_methods(backend, q.shape[2], q.shape[1] // k.shape[1]):
+        _add_grads(tally, _attention_backward(backend, q, k, v, do, cu, method=method, **options), expected)
 
 
 def check_attention_backward_packed(backend: Backend, rng, quick: bool) -> Tally:
@@ -428,7 +436,7 @@ def check_attention_backward_packed(backend: Backend, rng, quick: bool) -> Tally
         for kind in ATTENTION_KINDS if index == 0 else ("massive",):
             q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, kind)
             expected = attention_ref.attention_packed_backward(q, k, v, do, cu)
-            _add_grads(tally, _attention_backward(backend, q, k, v, do, cu), expected)
+            _add_all_methods(tally, backend, expected, q, k, v, do, cu)
     return tally
 
 
@@ -449,7 +457,7 @@ def check_attention_backward_nonfinite(backend: Backend, rng, quick: bool) -> Ta
     nan_kv = np.isnan(expected[1]).all(axis=2)
     assert nan_q.sum() == 1 + 20 * 4 + 4 * 4 + 1 and not np.isnan(expected[0][~nan_q]).any()
     assert nan_kv.sum() == 6 + 40 + 7 + 10 and np.array_equal(nan_kv, np.isnan(expected[2]).all(axis=2))
-    _add_grads(tally, _attention_backward(backend, q, k, v, do, cu), expected)
+    _add_all_methods(tally, backend, expected, q, k, v, do, cu)
     return tally
 
 
@@ -461,19 +469,24 @@ def check_attention_backward_invariance(backend: Backend, rng, quick: bool) -> T
     target = 70 if quick else 300
     q, k, v, do = _backward_inputs(rng, target, hq, hkv, d, "massive")
     expected = attention_ref.attention_packed_backward(q, k, v, do, _cu([target]))
-    _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target])), expected)
+    _add_all_methods(tally, backend, expected, q, k, v, do, _cu([target]))
     for before, after in (([7], [50, 1]), ([50, 1, 33], []), ([], [7, 33])):
         lengths = before + [target] + after
         pq, pk, pv, pdo = _backward_inputs(rng, sum(lengths), hq, hkv, d)
         at = sum(before)
         for packed, alone in zip((pq, pk, pv, pdo), (q, k, v, do)):
             packed[at:at + target] = alone
-        got = _attention_backward(backend, pq, pk, pv, pdo, _cu(lengths))
-        _add_grads(tally, (g[at:at + target] for g in got), expected)
+        for method in attention_op.backward_methods(backend, d, hq // hkv):
+            got = _attention_backward(backend, pq, pk, pv, pdo, _cu(lengths), method=method)
+            _add_grads(tally, (g[at:at + target] for g in got), expected)
     for threads in (1, 32, 100, 1024) if not quick else (32, 1024):
         _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), threads=threads), expected)
     o = _attention_packed(backend, q, k, v, _cu([target]))
-    _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), o=o), expected)
+    _add_all_methods(tally, backend, expected, q, k, v, do, _cu([target]), o=o)
+    if "tiled" in attention_op.backward_methods(backend, d, hq // hkv):  # key tiles cut into several items
+        for terms in (attention_op.TILED_QUERY_STEP * (hq // hkv), 3 * attention_op.TILED_QUERY_STEP * (hq // hkv)):
+            _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), method="tiled",
+                                                  tiled_terms=terms), expected)
     return tally
 
 
@@ -485,8 +498,26 @@ def check_attention_backward_long(backend: Backend, rng, quick: bool) -> Tally:
     hq, hkv, d = 4, 2, 64
     cu = _cu(lengths)
     q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, "normal")
-    _add_grads(tally, _attention_backward(backend, q, k, v, do, cu),
-               attention_ref.attention_packed_backward(q, k, v, do, cu))
+    _add_all_methods(tally, backend, attention_ref.attention_packed_backward(q, k, v, do, cu), q, k, v, do, cu)
+    return tally
+
+
+# (Hq, Hkv, D, lengths): the tiled kernels' edges: one token, sequences of 1, 63 and 1000 packed,
+# head_dim 64 and 256 (and 192, padded to 256), GQA groups 1, 2 and 8
+BACKWARD_SHAPES_QUICK = ((2, 1, 64, (1,)), (8, 1, 64, (1, 63, 130)), (2, 2, 256, (63, 1)), (4, 2, 192, (40,)))
+BACKWARD_SHAPES_FULL = ((2, 1, 64, (1,)), (8, 1, 64, (1, 63, 1000)), (4, 4, 256, (63, 1, 300)),
+                        (4, 2, 128, (1000, 63, 1)), (16, 2, 128, (257, 64, 65)), (4, 2, 192, (100,)))
+
+
+def check_attention_backward_shapes(backend: Backend, rng, quick: bool) -> Tally:
+    """Odd shapes for every variant: single tokens, sequences that end inside a tile and span many,
+    head_dim 64 / 192 / 256, groups 1 to 8, massive rows."""
+    tally = Tally()
+    for hq, hkv, d, lengths in BACKWARD_SHAPES_QUICK if quick else BACKWARD_SHAPES_FULL:
+        cu = _cu(list(lengths))
+        q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, "massive")
+        _add_all_methods(tally, backend, attention_ref.attention_packed_backward(q, k, v, do, cu),
+                         q, k, v, do, cu)
     return tally
 
 
@@ -495,4 +526,5 @@ ATTENTION_BACKWARD_CHECKS = [
     ("attention.backward_nonfinite_rows", check_attention_backward_nonfinite),
     ("attention.backward_invariance", check_attention_backward_invariance),
     ("attention.backward_long", check_attention_backward_long),
+    ("attention.backward_shapes", check_attention_backward_shapes),
 ]

@@ -540,15 +540,93 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 
 # ---- backward (contracts/attention.toml, op "attention_backward")
 #
-# Three portable kernels, none of them holding a [T, T] matrix:
+# Two variants, the same bits (method "rows" or "tiled"; "auto" takes "tiled" where it exists):
+# "rows", three portable kernels, none of them holding a [T, T] matrix:
 #   attention_backward_rows  one block per (token, q head): encodes the q and do rows (23 bits, int32
 #                            rows in q_int / do_int), m and L of the forward (two passes over the keys),
 #                            delta = do . o (exact), the poisoned flag: row_info [rows, 3] int32
 #                            (eq, edo, poisoned), row_stats [rows, 3] float64 (m, L, delta);
 #   attention_backward_dq    one block per (token, q head): dq over keys j <= t (P and dS recomputed);
 #   attention_backward_dkv   one block per (key token, kv head): dk and dv over t >= j and the group's heads.
+# "tiled", CUDA sources (sm_80+), padded head_dim <= 256: tiles of query rows x keys in shared memory,
+# every product on the FP64 tensor cores over integer operands (exact: see attention.cu "Tiled
+# backward"): _rows and _keys (the encoded rows as float64 integers), _stats (m, L, poisoned), _fields
+# (the coefficients' exponents E), _dq, _dkv and, for key tiles cut into several items, _finish.
 
 BACKWARD_THREADS = 256
+BACKWARD_METHODS = ("auto", "rows", "tiled")
+TILED_THREADS = 256  # the tiled kernels' block size (8 warps; their tiling assumes it)
+TILED_ROWS_THREADS = 128
+TILED_HEAD_DIMS = (64, 128, 256)  # the padded head_dim each tiled kernel is built for
+TILED_QUERY_STEP = 32  # query rows per step of attention_backward_tiled_dkv (RlpAttt::BQ2)
+#: (q row, head) pairs one dkv item sums: keeps its float64 sums of 37-bit products below 2^53
+TILED_MAX_TERMS = 2**15
+
+
+def backward_methods(backend: Backend, head_dim: int, group: int) -> tuple[str, ...]:
+    """The backward variants this backend runs for this head_dim and group (cpu: the reference, "rows")."""
+    if (backend.kernel_vendor == "cuda" and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]
+            and group * TILED_QUERY_STEP <= TILED_MAX_TERMS):
+        return ("rows", "tiled")
+    return ("rows",)
+
+
+def tiled_head_dim(head_dim: int) -> int:
+    """The padded head_dim of the tiled kernels that serve head_dim (64, 128 or 256)."""
+    return next(dp for dp in TILED_HEAD_DIMS if dp >= head_dim)
+
+
+def tiled_tiles(dpt: int) -> dict[str, int]:
+    """The tiled kernels' tile sizes (RlpAttt in attention.cu): query rows and keys per step of the
+    per-query-tile kernels, key rows and query rows per step of dkv."""
+    return {"bq": 4096 // dpt, "bk": min(32, 4096 // dpt), "bkv": 2048 // dpt, "bq2": TILED_QUERY_STEP}
+
+
+def tiled_shared_bytes(dpt: int) -> dict[str, int]:
+    """Dynamic shared memory of each tiled kernel (the layouts in attention.cu, plus slack for the
+    scalars' struct padding)."""
+    t = tiled_tiles(dpt)
+    ld, uld = dpt + 4, 32 + 4
+    scalars = 56 * t["bq"] + 16 * t["bk"] + 256
+    return {"stats": 8 * (t["bq"] + t["bk"]) * ld + scalars,
+            "query": 8 * (2 * t["bq"] * ld + 2 * t["bk"] * ld + 2 * t["bq"] * uld) + scalars,
+            "dkv": 8 * (2 * t["bkv"] * ld + 2 * t["bq2"] * ld + 4 * t["bkv"] * uld) + 32 * t["bq2"] + 16 * t["bkv"]}
+
+
+def _tiles(cu: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, first token) of every tile of `size` rows, each sequence tiled from its start."""
+    lengths = np.diff(cu)
+    counts = -(-lengths // size)
+    seqs = np.repeat(np.arange(lengths.size, dtype=np.int64), counts)
+    first = np.arange(seqs.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return seqs, cu[:-1][seqs] + first * size
+
+
+def tiled_plan(cu: np.ndarray, dpt: int, group: int, max_terms: int = TILED_MAX_TERMS):
+    """The tiled kernels' launch lists: q_tiles int32 [n, 2] (sequence, first token) for the
+    per-query-tile kernels; items int32 [m, 5] (sequence, first key, first and end query row, cut)
+    for dkv: a key tile's queries t >= its first key in ranges of at most max_terms / group rows
+    (whole query steps), cut = 1 where a tile has several; wide_rows int32 [T]: 1 on the key rows
+    of cut tiles (their sums meet in integer atomics, then attention_backward_tiled_finish)."""
+    t = tiled_tiles(dpt)
+    seqs, first = _tiles(cu, t["bq"])
+    q_tiles = np.stack([seqs, first], axis=1).astype(np.int32)
+    per = (max_terms // group) // t["bq2"] * t["bq2"]
+    if per < t["bq2"]:
+        raise InputError(f"attention_packed_backward: tiled_terms {max_terms} is below one query step of "
+                         f"{t['bq2']} rows times the group {group}")
+    key_seqs, keys = _tiles(cu, t["bkv"])
+    ends = cu[1:][key_seqs]
+    cuts = -(-(ends - keys) // per)
+    item_tile = np.repeat(np.arange(keys.size), cuts)
+    index = np.arange(item_tile.size) - np.repeat(np.cumsum(cuts) - cuts, cuts)
+    begin = keys[item_tile] + index * per
+    items = np.stack([key_seqs[item_tile], keys[item_tile], begin, np.minimum(begin + per, ends[item_tile]),
+                      (cuts[item_tile] > 1).astype(np.int64)], axis=1).astype(np.int32)
+    wide_rows = np.zeros(int(cu[-1]), dtype=np.int32)
+    for tile in np.flatnonzero(cuts > 1):
+        wide_rows[keys[tile]:min(keys[tile] + t["bkv"], ends[tile])] = 1
+    return q_tiles, items, wide_rows
 
 
 def _check_backward_extra(name: str, array, shape: tuple[int, ...]) -> None:
@@ -556,13 +634,17 @@ def _check_backward_extra(name: str, array, shape: tuple[int, ...]) -> None:
         raise InputError(f"attention_packed_backward: {name} must have the shape of q {shape}, got {shape_of(array)}")
 
 
-def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None, threads: int = BACKWARD_THREADS):
+def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None, threads: int = BACKWARD_THREADS,
+                              method: str = "auto", tiled_terms: int = TILED_MAX_TERMS):
     """Gradients of attention_packed(q, k, v, cu_seqlens) for the incoming gradient do [T, Hq, D]:
     (dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, D]) float32, under the contract's "attention_backward".
 
     o: the forward's output attention_packed(q, k, v, cu_seqlens) if the caller kept it (the contract's
     delta = do . o reads it; passing it saves one forward), else None and it is recomputed here.
-    threads: the kernels' block size (any value in [1, MAX_THREADS] gives the same bits)."""
+    threads: the rows kernels' block size (any value in [1, MAX_THREADS] gives the same bits).
+    method: "auto", "rows" or "tiled" (BACKWARD_METHODS; the same bits). tiled_terms: the most pairs
+    one dkv item of the tiled kernels sums (any value gives the same bits; small ones exercise the
+    cut key tiles)."""
     name = "attention_packed_backward"
     tokens, hq, hkv, dim = _check_packed(name, q, k, v)
     _check_backward_extra("do", do, (tokens, hq, dim))
@@ -573,6 +655,17 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
                          f"{reference.MAX_GROUP}")
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"{name}: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
+    if method not in BACKWARD_METHODS:
+        raise InputError(f"{name}: method must be one of {BACKWARD_METHODS}, got {method!r}")
+    if not isinstance(tiled_terms, (int, np.integer)) or not 1 <= int(tiled_terms) <= TILED_MAX_TERMS:
+        raise InputError(f"{name}: tiled_terms must be an integer in [1, {TILED_MAX_TERMS}], got {tiled_terms!r}")
+    available = backward_methods(backend, dim, hq // hkv)
+    if method == "tiled" and "tiled" not in available:
+        raise InputError(f"{name}: the tiled kernels exist for CUDA sources, padded head_dim <= "
+                         f"{TILED_HEAD_DIMS[-1]} and groups <= {TILED_MAX_TERMS // TILED_QUERY_STEP}; got "
+                         f"{backend.label} with head_dim {dim}, group {hq // hkv}")
+    if method == "auto":
+        method = available[-1]
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens, name)
     if backend.kernel_vendor is None:
@@ -587,12 +680,15 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
         o = attention_packed(backend, q, k, v, cu)
     cache = KVCache.allocate(backend, tokens, hkv, dim, block_size=1, zero=False)
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
+    scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the forward's float64 1/sqrt(D)
+    if method == "tiled":
+        _backward_tiled(backend, q, do, o, cu, cache, scale, int(tiled_terms), dq, dk, dv)
+        return dq, dk, dv
     rows = tokens * hq
     q_int, do_int = backend.empty((rows, dim), np.int32), backend.empty((rows, dim), np.int32)
     row_info, row_stats = backend.empty((rows, 3), np.int32), backend.empty((rows, 3), np.float64)
     token_seq = backend.asarray(np.repeat(np.arange(cu.size - 1), np.diff(cu)).astype(np.int32))
     device_cu = backend.asarray(cu)
-    scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the forward's float64 1/sqrt(D)
     shape_args = (token_seq, device_cu, np.int64(tokens), np.int32(hq), np.int32(hkv), np.int32(dim),
                   np.int32(cache.head_dim_padded), scale)
     block = (int(threads),)
@@ -605,3 +701,44 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     backend.launch("attention", "attention_backward_dkv", (min(tokens * hkv, GRID_LIMIT),), block,
                    encoded + (dk, dv))
     return dq, dk, dv
+
+
+def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, max_terms: int, dq, dk, dv) -> None:
+    """The tiled kernels' launches (method "tiled"), writing dq, dk, dv."""
+    tokens, hq, dim = q.shape
+    hkv, dp = cache.num_kv_heads, cache.head_dim_padded
+    dpt = tiled_head_dim(dp)
+    rows, key_rows = tokens * hq, tokens * hkv
+    q_tiles, items, wide_rows = tiled_plan(cu, dpt, hq // hkv, max_terms)
+    q_f64, do_f64 = backend.empty((rows, dpt), np.float64), backend.empty((rows, dpt), np.float64)
+    k_f64, v_f64 = backend.empty((key_rows, dpt), np.float64), backend.empty((key_rows, dpt), np.float64)
+    row_info, row_stats = backend.empty((rows, 3), np.int32), backend.empty((rows, 3), np.float64)
+    e_fields = backend.empty((rows,), np.int32)
+    key_fields = backend.zeros((key_rows, 2), np.uint32)
+    cut = bool(wide_rows.any())
+    wide_shape = (key_rows, dim, 2) if cut else (1, 2)
+    dk_wide, dv_wide = backend.zeros(wide_shape, np.uint64), backend.zeros(wide_shape, np.uint64)
+    device_cu = backend.asarray(cu.astype(np.int64))
+    backend.launch("attention", "attention_backward_tiled_keys", (min(-(-key_rows * dpt // 256), GRID_LIMIT),),
+                   (256,), (cache.k_digits, cache.v_digits, np.int64(key_rows), np.int32(dp), np.int32(dpt),
+                            k_f64, v_f64))
+    backend.launch("attention", "attention_backward_tiled_rows", (min(rows, GRID_LIMIT),), (TILED_ROWS_THREADS,),
+                   (q, do, o, np.int64(rows), np.int32(dim), np.int32(dpt), q_f64, do_f64, row_info, row_stats))
+    shared = tiled_shared_bytes(dpt)
+    query_args = (backend.asarray(q_tiles), device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_f64,
+                  do_f64, k_f64, v_f64, cache.k_exponents, cache.v_exponents, row_info, row_stats, e_fields,
+                  key_fields, dq)
+    grid = (q_tiles.shape[0], hq)
+    block = (TILED_THREADS,)
+    for step, size in (("stats", "stats"), ("fields", "query"), ("dq", "query")):
+        backend.launch("attention", f"attention_backward_tiled_{step}_d{dpt}", grid, block, query_args,
+                       shared_mem=shared[size])
+    backend.launch("attention", f"attention_backward_tiled_dkv_d{dpt}", (items.shape[0], hkv), block,
+                   (backend.asarray(items), device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_f64,
+                    do_f64, k_f64, v_f64, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,
+                    dv, dk_wide, dv_wide), shared_mem=shared["dkv"])
+    if cut:
+        n = key_rows * dim
+        backend.launch("attention", "attention_backward_tiled_finish", (min(-(-n // 256), GRID_LIMIT),), (256,),
+                       (backend.asarray(wide_rows), np.int64(tokens), np.int32(hkv), np.int32(dim), key_fields,
+                        dk_wide, dv_wide, dk, dv))

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/profile_attention_backward.py [sequences] [length] [hq] [hkv] [head_dim]
 Qwen3-0.6B's attention by default (16 q heads, 8 kv heads, head_dim 128) over 64 packed sequences of
 320 tokens (bench grpo's default step: 64 + 256 tokens). Prints JSON: milliseconds per call (median
-of 5 after a warm-up), and whether the two methods' outputs are bitwise equal.
+of 5 after a warm-up), each kernel's mean, and whether the two methods' outputs are bitwise equal.
 """
 
 import json
@@ -26,9 +26,26 @@ cu = np.arange(0, tokens + 1, length, dtype=np.int64)
 o = attention.attention_packed(backend, q, k, v, cu)
 result = {"sequences": sequences, "length": length, "hq": hq, "hkv": hkv, "head_dim": dim, "ms": {}}
 outputs = {}
+kernels = {}  # method -> kernel -> (start, stop) events of the timed runs
+current = [None]
+launch = backend.launch
+
+
+def timed_launch(family, kernel, *args, **kwargs):
+    """Each kernel's device time (events around its launch), summed by name over the timed runs."""
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    launch(family, kernel, *args, **kwargs)
+    stop.record()
+    kernels.setdefault(current[0], {}).setdefault(kernel, []).append((start, stop))
+
+
+backend.launch = timed_launch
+RUNS = 5
 for method in ("tiled", "rows"):
+    current[0] = method
     times = []
-    for run in range(6):
+    for run in range(RUNS + 1):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         grads = attention.attention_packed_backward(backend, q, k, v, do, cu, o=o, method=method)
@@ -36,10 +53,13 @@ for method in ("tiled", "rows"):
         stop.synchronize()
         if run:
             times.append(cupy.cuda.get_elapsed_time(start, stop))
-        if method == "rows" and len(sys.argv) > 6:  # the rows kernels take seconds: one timed run
-            break
-    result["ms"][method] = float(np.median(times)) if times else None
+        else:  # the warm-up (compiles)
+            kernels.pop(method, None)
+    result["ms"][method] = float(np.median(times))
     outputs[method] = [backend.to_numpy(g).view(np.uint32) for g in grads]
+result["kernel_ms_per_call"] = {method: {name: sum(cupy.cuda.get_elapsed_time(a, b) for a, b in pairs) / RUNS
+                                         for name, pairs in named.items()}
+                                for method, named in kernels.items()}
 result["bitwise_equal"] = all(np.array_equal(a, b) for a, b in zip(outputs["tiled"], outputs["rows"]))
-result["speedup"] = result["ms"]["rows"] / result["ms"]["tiled"] if result["ms"]["rows"] else None
+result["speedup"] = result["ms"]["rows"] / result["ms"]["tiled"]
 print(json.dumps(result))

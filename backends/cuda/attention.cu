@@ -1629,7 +1629,7 @@ struct RlpAttt {
     static constexpr int LD = DP + RLP_ATTT_PAD;
     static constexpr int BQ = 4096 / DP;                        // query rows of a dq / stats / fields tile
     static constexpr int BK = (4096 / DP < 32) ? 4096 / DP : 32;  // keys per step of those
-    static constexpr int BKV = 2048 / DP;                       // key rows of a dkv tile
+    static constexpr int BKV = 4096 / DP;                       // key rows of a dkv tile
     static constexpr int BQ2 = 32;                              // query rows per step of dkv
     static constexpr int ULD = 32 + RLP_ATTT_PAD;               // coefficient tiles' row stride
 };
@@ -1640,25 +1640,40 @@ __device__ __forceinline__ void rlp_attt_mma(double (&c)[2], double a, double b)
                  : "d"(a), "d"(b));
 }
 
-// Two 8x8 blocks of exact dot products, a . b^T and c . e^T (rows 8 apart by ld, k values each);
-// thread (lane / 4, lane % 4) gets row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1.
-__device__ __forceinline__ void rlp_attt_dots(double (&x)[2], double (&y)[2], const double* a, const double* b,
+// 8x8 blocks of exact dot products: x[n] = a . b_n^T and y[n] = c . e_n^T for the NB blocks of b and e
+// that follow each other (b_n = b + 8 n ld), rows ld apart, k values each (k % 8 == 0; Y: also y). Thread
+// (lane / 4, lane % 4) gets row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1. The even and odd
+// k-steps go to two chains (integer sums: any split is exact), and a and c serve all NB blocks.
+template <int NB, bool Y>
+__device__ __forceinline__ void rlp_attt_dots(double (&x)[NB][2], double (&y)[NB][2], const double* a, const double* b,
                                               const double* c, const double* e, int ld, int k) {
     const int off = ((threadIdx.x & 31) >> 2) * ld + (threadIdx.x & 3);
-    x[0] = 0.0; x[1] = 0.0; y[0] = 0.0; y[1] = 0.0;
-#pragma unroll 8
-    for (int i = 0; i < k; i += 4) {
-        rlp_attt_mma(x, a[off + i], b[off + i]);
-        rlp_attt_mma(y, c[off + i], e[off + i]);
+    double x1[NB][2], y1[NB][2];
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+        x[n][0] = 0.0; x[n][1] = 0.0; y[n][0] = 0.0; y[n][1] = 0.0;
+        x1[n][0] = 0.0; x1[n][1] = 0.0; y1[n][0] = 0.0; y1[n][1] = 0.0;
     }
-}
-
-// One 8x8 block of exact dot products a . b^T, as rlp_attt_dots.
-__device__ __forceinline__ void rlp_attt_dot(double (&x)[2], const double* a, const double* b, int ld, int k) {
-    const int off = ((threadIdx.x & 31) >> 2) * ld + (threadIdx.x & 3);
-    x[0] = 0.0; x[1] = 0.0;
-#pragma unroll 8
-    for (int i = 0; i < k; i += 4) rlp_attt_mma(x, a[off + i], b[off + i]);
+#pragma unroll 4
+    for (int i = 0; i < k; i += 8) {
+        const double a0 = a[off + i], a1 = a[off + i + 4];
+        double c0 = 0.0, c1 = 0.0;
+        if (Y) { c0 = c[off + i]; c1 = c[off + i + 4]; }
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+            rlp_attt_mma(x[n], a0, b[off + n * 8 * ld + i]);
+            rlp_attt_mma(x1[n], a1, b[off + n * 8 * ld + i + 4]);
+            if (Y) {
+                rlp_attt_mma(y[n], c0, e[off + n * 8 * ld + i]);
+                rlp_attt_mma(y1[n], c1, e[off + n * 8 * ld + i + 4]);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+        x[n][0] += x1[n][0]; x[n][1] += x1[n][1];
+        y[n][0] += y1[n][0]; y[n][1] += y1[n][1];
+    }
 }
 
 // The largest of v over the 8 rows of a fragment column (lanes with the same lane % 4).
@@ -1705,104 +1720,105 @@ __device__ __forceinline__ void rlp_attt_words(double hi_sum, double lo_sum, uns
     *hi = (a >> (RLP_ATTB_LOW_BITS - RLP_ATTT_HALF)) + (b >> RLP_ATTB_LOW_BITS);
 }
 
-// Rows [count] of width DP doubles from global (row r at src + row_index(r) * DP) into shared memory
-// (stride LD); rows at or beyond `count` are zero.
+// Rows [count] of DP integers from global (row r at src + (first + r step) DP) into shared memory as
+// float64 (exact; stride LD); rows at or beyond `count` are zero. The operands travel as int32, half the
+// bytes of float64, and are converted once per tile.
 template <int DP, int ROWS>
-__device__ __forceinline__ void rlp_attt_load(double* dst, const double* __restrict__ src, long long first,
+__device__ __forceinline__ void rlp_attt_load(double* dst, const int* __restrict__ src, long long first,
                                               long long step, int count) {
     constexpr int LD = RlpAttt<DP>::LD;
-    for (int i = threadIdx.x; i < ROWS * (DP / 2); i += RLP_ATTT_THREADS) {
-        const int r = i / (DP / 2);
-        const int c = 2 * (i - r * (DP / 2));
-        double2 v = make_double2(0.0, 0.0);
-        if (r < count) v = *reinterpret_cast<const double2*>(src + (first + r * step) * DP + c);
-        dst[r * LD + c] = v.x;
-        dst[r * LD + c + 1] = v.y;
+    for (int i = threadIdx.x; i < ROWS * (DP / 4); i += RLP_ATTT_THREADS) {
+        const int r = i / (DP / 4);
+        const int c = 4 * (i - r * (DP / 4));
+        int4 v = make_int4(0, 0, 0, 0);
+        if (r < count) v = *reinterpret_cast<const int4*>(src + (first + r * step) * DP + c);
+        double* out = dst + r * LD + c;
+        out[0] = (double)v.x;
+        out[1] = (double)v.y;
+        out[2] = (double)v.z;
+        out[3] = (double)v.w;
     }
 }
 
-// One block per (token, q head), grid-stride: the rows kernel's encoding for the tiled kernels: q and
-// do as 23-bit integers in float64 (rows of DP, zero beyond d; zero for a non-finite row), eq, edo and
-// the bad-rows flag (q, do or o non-finite) in row_info, delta in row_stats[2].
+// One warp per (token, q head) row, grid-stride: the rows kernel's encoding for the tiled kernels: q
+// and do as 23-bit integers (rows of dpt, zero beyond d; zero for a non-finite row), eq, edo
+// and the bad-rows flag (q, do or o non-finite) in row_info, delta in row_stats[2].
+__device__ __forceinline__ unsigned int rlp_attt_warp_max(unsigned int v) {
+#pragma unroll
+    for (int m = 16; m; m >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, m));
+    return v;
+}
+
 extern "C" __global__ void attention_backward_tiled_rows(
     const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ o, long long rows, int d,
-    int dpt, double* __restrict__ q_f64, double* __restrict__ do_f64, int* __restrict__ row_info,
+    int dpt, int* __restrict__ q_int, int* __restrict__ do_int, int* __restrict__ row_info,
     double* __restrict__ row_stats) {
-    __shared__ unsigned int largest[3];
-    __shared__ unsigned int delta_field;
-    __shared__ unsigned long long delta_sum;
-    for (long long item = blockIdx.x; item < rows; item += gridDim.x) {
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    for (long long item = (long long)blockIdx.x * warps + (threadIdx.x >> 5); item < rows;
+         item += (long long)gridDim.x * warps) {
         const float* qr = q + item * (long long)d;
         const float* dr = dout + item * (long long)d;
         const float* orow = o + item * (long long)d;
-        if (threadIdx.x == 0) { largest[0] = 0u; largest[1] = 0u; largest[2] = 0u; delta_field = 0u; delta_sum = 0ull; }
-        __syncthreads();
         unsigned int local_q = 0u, local_do = 0u, local_o = 0u;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        for (int i = lane; i < d; i += 32) {
             local_q = max(local_q, rlp_magnitude_bits(qr[i]));
             local_do = max(local_do, rlp_magnitude_bits(dr[i]));
             local_o = max(local_o, rlp_magnitude_bits(orow[i]));
         }
-        atomicMax(&largest[0], local_q);
-        atomicMax(&largest[1], local_do);
-        atomicMax(&largest[2], local_o);
-        __syncthreads();
-        const int eq = rlp_row_exponent(largest[0]);
-        const int edo = rlp_row_exponent(largest[1]);
+        const int eq = rlp_row_exponent(rlp_attt_warp_max(local_q));
+        const int edo = rlp_row_exponent(rlp_attt_warp_max(local_do));
         const bool bad_rows = eq == RLP_NONFINITE_EXPONENT || edo == RLP_NONFINITE_EXPONENT ||
-                              rlp_row_exponent(largest[2]) == RLP_NONFINITE_EXPONENT;
+                              rlp_row_exponent(rlp_attt_warp_max(local_o)) == RLP_NONFINITE_EXPONENT;
         unsigned int local_field = 0u;
-        for (int i = threadIdx.x; i < dpt; i += blockDim.x) {
-            double a = 0.0, b = 0.0;
+        for (int i = lane; i < dpt; i += 32) {
+            int a = 0, b = 0;
             if (i < d && !bad_rows) {
-                a = (double)rlp_quantize(qr[i], RLP_ATT_Q_BITS, eq);
-                b = (double)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo);
-                local_field = max(local_field, rlp_attb_field(b * (double)orow[i]));
+                a = (int)rlp_quantize(qr[i], RLP_ATT_Q_BITS, eq);
+                b = (int)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo);
+                local_field = max(local_field, rlp_attb_field((double)b * (double)orow[i]));
             }
-            q_f64[item * dpt + i] = a;
-            do_f64[item * dpt + i] = b;
+            q_int[item * dpt + i] = a;
+            do_int[item * dpt + i] = b;
         }
-        atomicMax(&delta_field, local_field);
-        __syncthreads();
-        const int e_delta = rlp_attb_exponent(delta_field);
-        if (!bad_rows) {  // block-uniform
-            long long local_delta = 0;
-            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        // delta: W_d = RNE(w_d 2^(51 - E_w)) of the exact products w_d = qdo_d o_d, an exact int64 sum
+        const int e_delta = rlp_attb_exponent(rlp_attt_warp_max(local_field));
+        long long delta_sum = 0;
+        if (!bad_rows)  // warp-uniform
+            for (int i = lane; i < d; i += 32) {
                 const double w = (double)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo) * (double)orow[i];
-                local_delta += __double2ll_rn(w * rlp_pow2_f64(RLP_ATTB_DELTA_BITS - 2 - e_delta));
+                delta_sum += __double2ll_rn(w * rlp_pow2_f64(RLP_ATTB_DELTA_BITS - 2 - e_delta));
             }
-            if (local_delta != 0) atomicAdd(&delta_sum, (unsigned long long)local_delta);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
+#pragma unroll
+        for (int m = 16; m; m >>= 1) delta_sum += __shfl_xor_sync(0xffffffffu, delta_sum, m);
+        if (lane == 0) {
             int* info = row_info + 3 * item;
             info[0] = bad_rows ? 0 : eq;
             info[1] = bad_rows ? 0 : edo;
             info[2] = bad_rows ? 1 : 0;
-            row_stats[3 * item + 2] = bad_rows ? 0.0 : __ll2double_rn((long long)delta_sum) *
+            row_stats[3 * item + 2] = bad_rows ? 0.0 : __ll2double_rn(delta_sum) *
                                       rlp_pow2_f64(e_delta - (RLP_ATTB_DELTA_BITS - 2) + edo - RLP_ATTB_ROW_SHIFT);
         }
-        __syncthreads();
     }
 }
 
-// The cache's k and v rows (two digits) as 15-bit integers in float64, rows of dpt (zero beyond dp).
+// The cache's k and v rows (two digits) as 15-bit integers, rows of dpt (zero beyond dp).
 extern "C" __global__ void attention_backward_tiled_keys(
     const signed char* __restrict__ k_digits, const signed char* __restrict__ v_digits, long long rows, int dp,
-    int dpt, double* __restrict__ k_f64, double* __restrict__ v_f64) {
+    int dpt, int* __restrict__ k_int, int* __restrict__ v_int) {
     const long long n = rows * dpt;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / dpt;
         const int c = (int)(i - r * dpt);
-        double kv = 0.0, vv = 0.0;
+        int kv = 0, vv = 0;
         if (c < dp) {
             const signed char* kr = k_digits + r * (2LL * dp);
             const signed char* vr = v_digits + r * (2LL * dp);
-            kv = (double)((int)kr[c] + 256 * (int)kr[dp + c]);
-            vv = (double)((int)vr[c] + 256 * (int)vr[dp + c]);
+            kv = (int)kr[c] + 256 * (int)kr[dp + c];
+            vv = (int)vr[c] + 256 * (int)vr[dp + c];
         }
-        k_f64[i] = kv;
-        v_f64[i] = vv;
+        k_int[i] = kv;
+        v_int[i] = vv;
     }
 }
 
@@ -1853,10 +1869,11 @@ __device__ __forceinline__ void rlp_attt_key_scalars(RlpAtttRows<DP>& s, const i
 template <int DP>
 __device__ __forceinline__ void rlp_attt_stats(
     const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, double scale,
-    const double* __restrict__ q_f64, const double* __restrict__ k_f64, const int* __restrict__ k_exponents,
+    const int* __restrict__ q_int, const int* __restrict__ k_int, const int* __restrict__ k_exponents,
     const int* __restrict__ v_exponents, int* __restrict__ row_info, double* __restrict__ row_stats, double* smem) {
     using T = RlpAttt<DP>;
     constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, NSB = (BQ / 8) * (BK / 8);
+    constexpr int NB = NSB >= 2 * RLP_ATTT_WARPS ? NSB / RLP_ATTT_WARPS : 1;  // blocks per warp, sharing a
     double* qs = smem;
     double* ks = qs + BQ * LD;
     RlpAtttRows<DP>& s = *reinterpret_cast<RlpAtttRows<DP>*>(ks + BK * LD);
@@ -1866,33 +1883,36 @@ __device__ __forceinline__ void rlp_attt_stats(
     const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
     const int rows = (int)min((long long)BQ, end - t0);
     const int h = blockIdx.y, g = h / (hq / hkv);
-    rlp_attt_load<DP, BQ>(qs, q_f64, t0 * hq + h, hq, rows);
+    rlp_attt_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
     rlp_attt_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
     for (int r = threadIdx.x; r < BQ; r += RLP_ATTT_THREADS) { s.key[r] = 0u; s.flag[r] = 0u; s.sum[r] = 0ull; }
     for (int pass = 0; pass < 2; ++pass) {
         for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
             const int keys = (int)min((long long)BK, t0 + rows - j0);
             __syncthreads();
-            rlp_attt_load<DP, BK>(ks, k_f64, j0 * hkv + g, hkv, keys);
+            rlp_attt_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
             rlp_attt_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
             __syncthreads();
-            for (int sb = warp; sb < NSB; sb += RLP_ATTT_WARPS) {
-                const int mb = sb / (BK / 8), nb = sb - mb * (BK / 8);
-                double x[2];
-                rlp_attt_dot(x, qs + mb * 8 * LD, ks + nb * 8 * LD, LD, DP);
+            for (int sg = warp; sg < NSB / NB; sg += RLP_ATTT_WARPS) {
+                const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
+                double x[NB][2], unused[NB][2];
+                rlp_attt_dots<NB, false>(x, unused, qs + mb * 8 * LD, ks + nb0 * 8 * LD, qs, ks, LD, DP);
                 const int r = mb * 8 + (lane >> 2);
                 unsigned int key = 0u, flag = 0u;
                 long long part = 0;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int c = nb * 8 + 2 * (lane & 3) + e;
-                    if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
-                        const float sc = __double2float_rn((x[e] * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
-                        if (s.ek[c] == RLP_NONFINITE_EXPONENT || s.ev[c] == RLP_NONFINITE_EXPONENT) flag = 1u;
-                        else if (pass == 0) key = max(key, rlp_att_order_key(sc));
-                        else part += __double2ll_rn((double)rlp_exp_f32(sc - s.m[r]) * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                for (int n = 0; n < NB; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;
+                        if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
+                            const float sc = __double2float_rn(
+                                (x[n][e] * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
+                            if (s.ek[c] == RLP_NONFINITE_EXPONENT || s.ev[c] == RLP_NONFINITE_EXPONENT) flag = 1u;
+                            else if (pass == 0) key = max(key, rlp_att_order_key(sc));
+                            else part += __double2ll_rn((double)rlp_exp_f32(sc - s.m[r]) * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                        }
                     }
-                }
                 if (pass == 0) {
                     key = rlp_attm_umax_rows(key);
                     flag |= __shfl_xor_sync(0xffffffffu, flag, 1);
@@ -1941,12 +1961,13 @@ __device__ __forceinline__ void rlp_attt_terms(const RlpAtttRows<DP>& s, int r, 
 template <int DP, bool DQ>
 __device__ __forceinline__ void rlp_attt_query_tile(
     const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
-    const double* __restrict__ q_f64, const double* __restrict__ do_f64, const double* __restrict__ k_f64,
-    const double* __restrict__ v_f64, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
+    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
+    const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
     const int* __restrict__ row_info, const double* __restrict__ row_stats, int* __restrict__ e_fields,
     unsigned int* __restrict__ key_fields, float* __restrict__ dq, double* smem) {
     using T = RlpAttt<DP>;
     constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSB = (BQ / 8) * (BK / 8);
+    constexpr int NB = NSB >= 2 * RLP_ATTT_WARPS ? NSB / RLP_ATTT_WARPS : 1;  // S blocks per warp, sharing a
     constexpr int NPW = 8;  // accumulator blocks per warp: BQ DP / 64 blocks over 8 warps
     double* qs = smem;
     double* ds_rows = qs + BQ * LD;
@@ -1961,8 +1982,8 @@ __device__ __forceinline__ void rlp_attt_query_tile(
     const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
     const int rows = (int)min((long long)BQ, end - t0);
     const int h = blockIdx.y, g = h / (hq / hkv);
-    rlp_attt_load<DP, BQ>(qs, q_f64, t0 * hq + h, hq, rows);
-    rlp_attt_load<DP, BQ>(ds_rows, do_f64, t0 * hq + h, hq, rows);
+    rlp_attt_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
+    rlp_attt_load<DP, BQ>(ds_rows, do_int, t0 * hq + h, hq, rows);
     rlp_attt_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
     for (int r = threadIdx.x; r < BQ; r += RLP_ATTT_THREADS) {
         s.field_q[r] = 0u;
@@ -1975,49 +1996,56 @@ __device__ __forceinline__ void rlp_attt_query_tile(
     for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
         const int keys = (int)min((long long)BK, t0 + rows - j0);
         __syncthreads();
-        rlp_attt_load<DP, BK>(ks, k_f64, j0 * hkv + g, hkv, keys);
-        rlp_attt_load<DP, BK>(vs, v_f64, j0 * hkv + g, hkv, keys);
+        rlp_attt_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
+        rlp_attt_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
         rlp_attt_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
         for (int c = threadIdx.x; c < BK; c += RLP_ATTT_THREADS) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
         __syncthreads();
-        for (int sb = warp; sb < NSB; sb += RLP_ATTT_WARPS) {
-            const int mb = sb / (BK / 8), nb = sb - mb * (BK / 8);
-            double x[2], y[2];
-            rlp_attt_dots(x, y, qs + mb * 8 * LD, ks + nb * 8 * LD, ds_rows + mb * 8 * LD, vs + nb * 8 * LD, LD, DP);
+        for (int sg = warp; sg < NSB / NB; sg += RLP_ATTT_WARPS) {
+            const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
+            double x[NB][2], y[NB][2];
+            rlp_attt_dots<NB, true>(x, y, qs + mb * 8 * LD, ks + nb0 * 8 * LD, ds_rows + mb * 8 * LD, vs + nb0 * 8 * LD,
+                                    LD, DP);
             const int r = mb * 8 + (lane >> 2);
-            unsigned int fq = 0u, fk[2] = {0u, 0u}, fv[2] = {0u, 0u};
+            unsigned int fq = 0u;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = nb * 8 + 2 * (lane & 3) + e;
-                const bool reach = r < rows && c < keys && j0 + c <= t0 + r;
-                const bool valid = reach && s.bad[r] == 0;
-                double big_p = 0.0, ds = 0.0;
-                if (valid) rlp_attt_terms<DP>(s, r, c, x[e], y[e], scale, &big_p, &ds);
-                if (DQ) {
-                    double hi = 0.0, lo = 0.0;
-                    if (valid) rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.ek[c]), s.e[r]), &hi, &lo);
-                    u_hi[r * ULD + c] = hi;
-                    u_lo[r * ULD + c] = lo;
-                } else if (valid) {
-                    fq = max(fq, rlp_attb_field(ds * rlp_pow2_f64(s.ek[c])));
-                    fk[e] = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
-                    fv[e] = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
-                } else if (reach) {
-                    fk[e] = RLP_ATTT_POISON;
-                    fv[e] = RLP_ATTT_POISON;
+            for (int n = 0; n < NB; ++n) {
+                unsigned int fk[2] = {0u, 0u}, fv[2] = {0u, 0u};
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;
+                    const bool reach = r < rows && c < keys && j0 + c <= t0 + r;
+                    const bool valid = reach && s.bad[r] == 0;
+                    double big_p = 0.0, ds = 0.0;
+                    if (valid) rlp_attt_terms<DP>(s, r, c, x[n][e], y[n][e], scale, &big_p, &ds);
+                    if (DQ) {
+                        double hi = 0.0, lo = 0.0;
+                        if (valid) rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.ek[c]), s.e[r]), &hi, &lo);
+                        u_hi[r * ULD + c] = hi;
+                        u_lo[r * ULD + c] = lo;
+                    } else if (valid) {
+                        fq = max(fq, rlp_attb_field(ds * rlp_pow2_f64(s.ek[c])));
+                        fk[e] = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
+                        fv[e] = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
+                    } else if (reach) {
+                        fk[e] = RLP_ATTT_POISON;
+                        fv[e] = RLP_ATTT_POISON;
+                    }
+                }
+                if (!DQ) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const unsigned int k_max = rlp_attt_umax_columns(fk[e]);
+                        const unsigned int v_max = rlp_attt_umax_columns(fv[e]);
+                        const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;
+                        if (lane < 4 && k_max) atomicMax(&s.field_k[c], k_max);
+                        if (lane < 4 && v_max) atomicMax(&s.field_v[c], v_max);
+                    }
                 }
             }
             if (!DQ) {
                 fq = rlp_attm_umax_rows(fq);
                 if ((lane & 3) == 0 && r < rows && fq) atomicMax(&s.field_q[r], fq);
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const unsigned int k_max = rlp_attt_umax_columns(fk[e]);
-                    const unsigned int v_max = rlp_attt_umax_columns(fv[e]);
-                    const int c = nb * 8 + 2 * (lane & 3) + e;
-                    if (lane < 4 && k_max) atomicMax(&s.field_k[c], k_max);
-                    if (lane < 4 && v_max) atomicMax(&s.field_v[c], v_max);
-                }
             }
         }
         __syncthreads();
@@ -2064,14 +2092,15 @@ __device__ __forceinline__ void rlp_attt_query_tile(
 template <int DP>
 __device__ __forceinline__ void rlp_attt_dkv(
     const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
-    const double* __restrict__ q_f64, const double* __restrict__ do_f64, const double* __restrict__ k_f64,
-    const double* __restrict__ v_f64, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
+    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
+    const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
     const int* __restrict__ row_info, const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields,
     float* __restrict__ dk, float* __restrict__ dv, unsigned long long* __restrict__ dk_wide,
     unsigned long long* __restrict__ dv_wide, double* smem) {
     using T = RlpAttt<DP>;
     constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ULD = T::ULD, NSB = (BKV / 8) * (BQ2 / 8);
-    constexpr int NPW = 4;  // accumulator blocks per warp and output: BKV DP / 64 blocks over 8 warps
+    constexpr int NB = NSB >= 2 * RLP_ATTT_WARPS ? NSB / RLP_ATTT_WARPS : 1;  // S blocks per warp, sharing a
+    constexpr int NPW = 8;  // accumulator blocks per warp and output: BKV DP / 64 blocks over 8 warps
     double* ks = smem;
     double* vs = ks + BKV * LD;
     double* qs = vs + BKV * LD;
@@ -2098,8 +2127,8 @@ __device__ __forceinline__ void rlp_attt_dkv(
     const long long end = cu_seqlens[seq + 1];
     const int rows = (int)min((long long)BKV, end - j0);
     const int g = blockIdx.y, group = hq / hkv;
-    rlp_attt_load<DP, BKV>(ks, k_f64, j0 * hkv + g, hkv, rows);
-    rlp_attt_load<DP, BKV>(vs, v_f64, j0 * hkv + g, hkv, rows);
+    rlp_attt_load<DP, BKV>(ks, k_int, j0 * hkv + g, hkv, rows);
+    rlp_attt_load<DP, BKV>(vs, v_int, j0 * hkv + g, hkv, rows);
     for (int r = threadIdx.x; r < BKV; r += RLP_ATTT_THREADS) {
         const long long kr = (j0 + r) * hkv + g;
         c_ek[r] = r < rows ? k_exponents[kr] : 0;
@@ -2118,8 +2147,8 @@ __device__ __forceinline__ void rlp_attt_dkv(
         for (long long t0 = q_begin; t0 < q_end; t0 += BQ2) {
             const int qrows = (int)min((long long)BQ2, q_end - t0);
             __syncthreads();
-            rlp_attt_load<DP, BQ2>(qs, q_f64, t0 * hq + h, hq, qrows);
-            rlp_attt_load<DP, BQ2>(dos, do_f64, t0 * hq + h, hq, qrows);
+            rlp_attt_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
+            rlp_attt_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
             for (int c = threadIdx.x; c < BQ2; c += RLP_ATTT_THREADS) {
                 const long long it = (t0 + c) * hq + h;
                 const bool in = c < qrows;
@@ -2131,30 +2160,36 @@ __device__ __forceinline__ void rlp_attt_dkv(
                 r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
             }
             __syncthreads();
-            for (int sb = warp; sb < NSB; sb += RLP_ATTT_WARPS) {
-                const int mb = sb / (BQ2 / 8), nb = sb - mb * (BQ2 / 8);
-                double x[2], y[2];
-                rlp_attt_dots(x, y, ks + mb * 8 * LD, qs + nb * 8 * LD, vs + mb * 8 * LD, dos + nb * 8 * LD, LD, DP);
+            for (int sg = warp; sg < NSB / NB; sg += RLP_ATTT_WARPS) {
+                const int mb = sg / (BQ2 / 8 / NB), nb0 = (sg - mb * (BQ2 / 8 / NB)) * NB;
+                double x[NB][2], y[NB][2];
+                rlp_attt_dots<NB, true>(x, y, ks + mb * 8 * LD, qs + nb0 * 8 * LD, vs + mb * 8 * LD, dos + nb0 * 8 * LD,
+                                        LD, DP);
                 const int r = mb * 8 + (lane >> 2);  // key row
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int c = nb * 8 + 2 * (lane & 3) + e;  // query row
-                    double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
-                    if (r < rows && c < qrows && j0 + r <= t0 + c && r_bad[c] == 0 &&
-                        c_fk[r] < (int)RLP_ATTT_POISON) {
-                        const float sc = __double2float_rn((x[e] * rlp_pow2_f64(r_eq[c] + c_ek[r] - RLP_ATT_SCORE_SHIFT)) * scale);
-                        const double p = (double)rlp_exp_f32(sc - r_m[c]);
-                        const double big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / r_total[c];
-                        const double dpv = y[e] * rlp_pow2_f64(r_edo[c] + c_ev[r] - RLP_ATTB_DP_SHIFT);
-                        const double ds = (big_p * (dpv - r_delta[c])) * scale;
-                        rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(r_eq[c]), rlp_attb_exponent(c_fk[r])), &kh, &kl);
-                        rlp_attt_split(rlp_attb_quantize(big_p * rlp_pow2_f64(r_edo[c]), rlp_attb_exponent(c_fv[r])), &vh, &vl);
+                for (int n = 0; n < NB; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;  // query row
+                        double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
+                        if (r < rows && c < qrows && j0 + r <= t0 + c && r_bad[c] == 0 &&
+                            c_fk[r] < (int)RLP_ATTT_POISON) {
+                            const float sc = __double2float_rn(
+                                (x[n][e] * rlp_pow2_f64(r_eq[c] + c_ek[r] - RLP_ATT_SCORE_SHIFT)) * scale);
+                            const double p = (double)rlp_exp_f32(sc - r_m[c]);
+                            const double big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / r_total[c];
+                            const double dpv = y[n][e] * rlp_pow2_f64(r_edo[c] + c_ev[r] - RLP_ATTB_DP_SHIFT);
+                            const double ds = (big_p * (dpv - r_delta[c])) * scale;
+                            rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(r_eq[c]), rlp_attb_exponent(c_fk[r])),
+                                           &kh, &kl);
+                            rlp_attt_split(rlp_attb_quantize(big_p * rlp_pow2_f64(r_edo[c]),
+                                                             rlp_attb_exponent(c_fv[r])), &vh, &vl);
+                        }
+                        uk_hi[r * ULD + c] = kh;
+                        uk_lo[r * ULD + c] = kl;
+                        uv_hi[r * ULD + c] = vh;
+                        uv_lo[r * ULD + c] = vl;
                     }
-                    uk_hi[r * ULD + c] = kh;
-                    uk_lo[r * ULD + c] = kl;
-                    uv_hi[r * ULD + c] = vh;
-                    uv_lo[r * ULD + c] = vl;
-                }
             }
             __syncthreads();
             rlp_attt_accumulate<NPW>(acc_k, uk_hi + acc_m * 8 * ULD, uk_lo + acc_m * 8 * ULD, ULD, qs + acc_n * 8, LD, BQ2);
@@ -2212,8 +2247,8 @@ extern "C" __global__ void attention_backward_tiled_finish(
 
 #define RLP_ATTT_QUERY_ARGS                                                                                      \
     const int *__restrict__ q_tiles, const long long *__restrict__ cu_seqlens, int hq, int hkv, int d, double scale, \
-        const double *__restrict__ q_f64, const double *__restrict__ do_f64, const double *__restrict__ k_f64,   \
-        const double *__restrict__ v_f64, const int *__restrict__ k_exponents, const int *__restrict__ v_exponents, \
+        const int *__restrict__ q_int, const int *__restrict__ do_int, const int *__restrict__ k_int,   \
+        const int *__restrict__ v_int, const int *__restrict__ k_exponents, const int *__restrict__ v_exponents, \
         int *__restrict__ row_info, double *__restrict__ row_stats, int *__restrict__ e_fields,                 \
         unsigned int *__restrict__ key_fields, float *__restrict__ dq
 
@@ -2221,32 +2256,32 @@ extern "C" __global__ void attention_backward_tiled_finish(
     extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_stats_d##DP(         \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
         extern __shared__ double rlp_attt_smem[];                                                                \
-        rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_f64, k_f64, k_exponents, v_exponents, row_info, \
+        rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
                            row_stats, rlp_attt_smem);                                                            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_fields_d##DP(        \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
         extern __shared__ double rlp_attt_smem[];                                                                \
-        rlp_attt_query_tile<DP, false>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_f64, do_f64, k_f64, v_f64,      \
+        rlp_attt_query_tile<DP, false>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
                                        k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
                                        rlp_attt_smem);                                                           \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_dq_d##DP(            \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
         extern __shared__ double rlp_attt_smem[];                                                                \
-        rlp_attt_query_tile<DP, true>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_f64, do_f64, k_f64, v_f64,       \
+        rlp_attt_query_tile<DP, true>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,       \
                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,    \
                                       rlp_attt_smem);                                                            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_dkv_d##DP(           \
         const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d,        \
-        double scale, const double* __restrict__ q_f64, const double* __restrict__ do_f64,                      \
-        const double* __restrict__ k_f64, const double* __restrict__ v_f64, const int* __restrict__ k_exponents, \
+        double scale, const int* __restrict__ q_int, const int* __restrict__ do_int,                      \
+        const int* __restrict__ k_int, const int* __restrict__ v_int, const int* __restrict__ k_exponents, \
         const int* __restrict__ v_exponents, const int* __restrict__ row_info,                                  \
         const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields, float* __restrict__ dk, \
         float* __restrict__ dv, unsigned long long* __restrict__ dk_wide, unsigned long long* __restrict__ dv_wide) { \
         extern __shared__ double rlp_attt_smem[];                                                                \
-        rlp_attt_dkv<DP>(items, cu_seqlens, hq, hkv, d, scale, q_f64, do_f64, k_f64, v_f64, k_exponents,         \
+        rlp_attt_dkv<DP>(items, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,         \
                          v_exponents, row_info, row_stats, key_fields, dk, dv, dk_wide, dv_wide, rlp_attt_smem); \
     }
 

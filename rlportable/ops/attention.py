@@ -550,13 +550,13 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 #   attention_backward_dkv   one block per (key token, kv head): dk and dv over t >= j and the group's heads.
 # "tiled", CUDA sources (sm_80+), padded head_dim <= 256: tiles of query rows x keys in shared memory,
 # every product on the FP64 tensor cores over integer operands (exact: see attention.cu "Tiled
-# backward"): _rows and _keys (the encoded rows as float64 integers), _stats (m, L, poisoned), _fields
+# backward"): _rows and _keys (the encoded rows as int32, padded to the kernels' head_dim), _stats (m, L, poisoned), _fields
 # (the coefficients' exponents E), _dq, _dkv and, for key tiles cut into several items, _finish.
 
 BACKWARD_THREADS = 256
 BACKWARD_METHODS = ("auto", "rows", "tiled")
 TILED_THREADS = 256  # the tiled kernels' block size (8 warps; their tiling assumes it)
-TILED_ROWS_THREADS = 128
+TILED_ROWS_THREADS = 256  # attention_backward_tiled_rows: one warp per row
 TILED_HEAD_DIMS = (64, 128, 256)  # the padded head_dim each tiled kernel is built for
 TILED_QUERY_STEP = 32  # query rows per step of attention_backward_tiled_dkv (RlpAttt::BQ2)
 #: (q row, head) pairs one dkv item sums: keeps its float64 sums of 37-bit products below 2^53
@@ -579,7 +579,7 @@ def tiled_head_dim(head_dim: int) -> int:
 def tiled_tiles(dpt: int) -> dict[str, int]:
     """The tiled kernels' tile sizes (RlpAttt in attention.cu): query rows and keys per step of the
     per-query-tile kernels, key rows and query rows per step of dkv."""
-    return {"bq": 4096 // dpt, "bk": min(32, 4096 // dpt), "bkv": 2048 // dpt, "bq2": TILED_QUERY_STEP}
+    return {"bq": 4096 // dpt, "bk": min(32, 4096 // dpt), "bkv": 4096 // dpt, "bq2": TILED_QUERY_STEP}
 
 
 def tiled_shared_bytes(dpt: int) -> dict[str, int]:
@@ -600,6 +600,22 @@ def _tiles(cu: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     seqs = np.repeat(np.arange(lengths.size, dtype=np.int64), counts)
     first = np.arange(seqs.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return seqs, cu[:-1][seqs] + first * size
+
+
+def _tiled_plan_cached(backend: Backend, cu: np.ndarray, dpt: int, group: int, max_terms: int):
+    """tiled_plan with its lists on the device, kept for the last few packings: a model's layers all
+    call the backward with one cu_seqlens."""
+    key = (id(backend), cu.tobytes(), dpt, group, max_terms)
+    if key not in _PLANS:
+        q_tiles, items, wide_rows = tiled_plan(cu, dpt, group, max_terms)
+        if len(_PLANS) >= 8:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = (backend.asarray(q_tiles), backend.asarray(items), backend.asarray(wide_rows),
+                       q_tiles.shape[0], items.shape[0], bool(wide_rows.any()), backend.asarray(cu.astype(np.int64)))
+    return _PLANS[key]
+
+
+_PLANS: dict = {}
 
 
 def tiled_plan(cu: np.ndarray, dpt: int, group: int, max_terms: int = TILED_MAX_TERMS):
@@ -709,36 +725,36 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     dpt = tiled_head_dim(dp)
     rows, key_rows = tokens * hq, tokens * hkv
-    q_tiles, items, wide_rows = tiled_plan(cu, dpt, hq // hkv, max_terms)
-    q_f64, do_f64 = backend.empty((rows, dpt), np.float64), backend.empty((rows, dpt), np.float64)
-    k_f64, v_f64 = backend.empty((key_rows, dpt), np.float64), backend.empty((key_rows, dpt), np.float64)
+    q_tiles, items, wide_rows, n_tiles, n_items, cut, device_cu = _tiled_plan_cached(backend, cu, dpt, hq // hkv,
+                                                                                    max_terms)
+    q_int, do_int = backend.empty((rows, dpt), np.int32), backend.empty((rows, dpt), np.int32)
+    k_int, v_int = backend.empty((key_rows, dpt), np.int32), backend.empty((key_rows, dpt), np.int32)
     row_info, row_stats = backend.empty((rows, 3), np.int32), backend.empty((rows, 3), np.float64)
     e_fields = backend.empty((rows,), np.int32)
     key_fields = backend.zeros((key_rows, 2), np.uint32)
-    cut = bool(wide_rows.any())
     wide_shape = (key_rows, dim, 2) if cut else (1, 2)
     dk_wide, dv_wide = backend.zeros(wide_shape, np.uint64), backend.zeros(wide_shape, np.uint64)
-    device_cu = backend.asarray(cu.astype(np.int64))
     backend.launch("attention", "attention_backward_tiled_keys", (min(-(-key_rows * dpt // 256), GRID_LIMIT),),
                    (256,), (cache.k_digits, cache.v_digits, np.int64(key_rows), np.int32(dp), np.int32(dpt),
-                            k_f64, v_f64))
-    backend.launch("attention", "attention_backward_tiled_rows", (min(rows, GRID_LIMIT),), (TILED_ROWS_THREADS,),
-                   (q, do, o, np.int64(rows), np.int32(dim), np.int32(dpt), q_f64, do_f64, row_info, row_stats))
+                            k_int, v_int))
+    backend.launch("attention", "attention_backward_tiled_rows", (min(-(-rows // (TILED_ROWS_THREADS // 32)), GRID_LIMIT),),
+                   (TILED_ROWS_THREADS,),
+                   (q, do, o, np.int64(rows), np.int32(dim), np.int32(dpt), q_int, do_int, row_info, row_stats))
     shared = tiled_shared_bytes(dpt)
-    query_args = (backend.asarray(q_tiles), device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_f64,
-                  do_f64, k_f64, v_f64, cache.k_exponents, cache.v_exponents, row_info, row_stats, e_fields,
+    query_args = (q_tiles, device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
+                  do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, e_fields,
                   key_fields, dq)
-    grid = (q_tiles.shape[0], hq)
+    grid = (n_tiles, hq)
     block = (TILED_THREADS,)
     for step, size in (("stats", "stats"), ("fields", "query"), ("dq", "query")):
         backend.launch("attention", f"attention_backward_tiled_{step}_d{dpt}", grid, block, query_args,
                        shared_mem=shared[size])
-    backend.launch("attention", f"attention_backward_tiled_dkv_d{dpt}", (items.shape[0], hkv), block,
-                   (backend.asarray(items), device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_f64,
-                    do_f64, k_f64, v_f64, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,
+    backend.launch("attention", f"attention_backward_tiled_dkv_d{dpt}", (n_items, hkv), block,
+                   (items, device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
+                    do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,
                     dv, dk_wide, dv_wide), shared_mem=shared["dkv"])
     if cut:
         n = key_rows * dim
         backend.launch("attention", "attention_backward_tiled_finish", (min(-(-n // 256), GRID_LIMIT),), (256,),
-                       (backend.asarray(wide_rows), np.int64(tokens), np.int32(hkv), np.int32(dim), key_fields,
+                       (wide_rows, np.int64(tokens), np.int32(hkv), np.int32(dim), key_fields,
                         dk_wide, dv_wide, dk, dv))

@@ -1606,7 +1606,7 @@ extern "C" __global__ void attention_backward_dkv(
 // ---------------------------------------------------------------------------
 // Tiled backward: the CUDA fast path of op "attention_backward", the bits of the rows kernels above
 // (ops/attention.py method "tiled"). Tiles of query rows x key columns in shared memory, every
-// product on the FP64 tensor cores (mma.sync m8n8k4 f64, sm_80+) over integer operands held exactly
+// product on the FP64 tensor cores (mma.sync m16n8k4 f64, sm_80+) over integer operands held exactly
 // in float64. Each partial sum of a product stays below 2^53, so each mma result is the exact integer
 // sum in any order, and the tiling changes nothing:
 //   S = qq . qk, dP = qdo . qv                |terms| < 2^36, D <= 256 terms
@@ -1634,46 +1634,52 @@ struct RlpAttt {
     static constexpr int ULD = 32 + RLP_ATTT_PAD;               // coefficient tiles' row stride
 };
 
-__device__ __forceinline__ void rlp_attt_mma(double (&c)[2], double a, double b) {
-    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+d"(c[0]), "+d"(c[1])
-                 : "d"(a), "d"(b));
+// One m16n8k4 f64 product (sm_80+; at twice m8n8k4's rate on Hopper: scripts/probe_dmma.py). Thread
+// (g, t) = (lane / 4, lane % 4) holds A (g, t) and (g + 8, t), B (t, g), C (g, 2t + i) for i = 0, 1 and
+// (g + 8, 2t + i) for i = 2, 3.
+__device__ __forceinline__ void rlp_attt_mma(double (&c)[4], double a0, double a1, double b) {
+    asm volatile("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+                 : "d"(a0), "d"(a1), "d"(b));
 }
 
-// 8x8 blocks of exact dot products: x[n] = a . b_n^T and y[n] = c . e_n^T for the NB blocks of b and e
-// that follow each other (b_n = b + 8 n ld), rows ld apart, k values each (k % 8 == 0; Y: also y). Thread
-// (lane / 4, lane % 4) gets row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1. The even and odd
-// k-steps go to two chains (integer sums: any split is exact), and a and c serve all NB blocks.
+// Row and column of element i of a thread's C fragment in a 16x8 block.
+__device__ __forceinline__ int rlp_attt_row(int i) { return ((threadIdx.x & 31) >> 2) + 8 * (i >> 1); }
+__device__ __forceinline__ int rlp_attt_col(int i) { return 2 * (threadIdx.x & 3) + (i & 1); }
+
+// 16x8 blocks of exact dot products: x[n] = a . b_n^T and y[n] = c . e_n^T for 16 rows of a (and c) and
+// the NB blocks of 8 rows of b (and e) that follow each other (b_n = b + 8 n ld), rows ld apart, k values
+// each (k % 8 == 0; Y: also y). The even and odd k-steps go to two chains (integer sums: any split is
+// exact), and a and c serve all NB blocks.
 template <int NB, bool Y>
-__device__ __forceinline__ void rlp_attt_dots(double (&x)[NB][2], double (&y)[NB][2], const double* a, const double* b,
+__device__ __forceinline__ void rlp_attt_dots(double (&x)[NB][4], double (&y)[NB][4], const double* a, const double* b,
                                               const double* c, const double* e, int ld, int k) {
     const int off = ((threadIdx.x & 31) >> 2) * ld + (threadIdx.x & 3);
-    double x1[NB][2], y1[NB][2];
+    double x1[NB][4], y1[NB][4];
 #pragma unroll
-    for (int n = 0; n < NB; ++n) {
-        x[n][0] = 0.0; x[n][1] = 0.0; y[n][0] = 0.0; y[n][1] = 0.0;
-        x1[n][0] = 0.0; x1[n][1] = 0.0; y1[n][0] = 0.0; y1[n][1] = 0.0;
-    }
-#pragma unroll 4
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { x[n][i] = 0.0; y[n][i] = 0.0; x1[n][i] = 0.0; y1[n][i] = 0.0; }
+#pragma unroll 2
     for (int i = 0; i < k; i += 8) {
-        const double a0 = a[off + i], a1 = a[off + i + 4];
-        double c0 = 0.0, c1 = 0.0;
-        if (Y) { c0 = c[off + i]; c1 = c[off + i + 4]; }
+        const double a0 = a[off + i], a1 = a[off + 8 * ld + i];
+        const double a2 = a[off + i + 4], a3 = a[off + 8 * ld + i + 4];
+        double c0 = 0.0, c1 = 0.0, c2 = 0.0, c3 = 0.0;
+        if (Y) { c0 = c[off + i]; c1 = c[off + 8 * ld + i]; c2 = c[off + i + 4]; c3 = c[off + 8 * ld + i + 4]; }
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
-            rlp_attt_mma(x[n], a0, b[off + n * 8 * ld + i]);
-            rlp_attt_mma(x1[n], a1, b[off + n * 8 * ld + i + 4]);
+            rlp_attt_mma(x[n], a0, a1, b[off + n * 8 * ld + i]);
+            rlp_attt_mma(x1[n], a2, a3, b[off + n * 8 * ld + i + 4]);
             if (Y) {
-                rlp_attt_mma(y[n], c0, e[off + n * 8 * ld + i]);
-                rlp_attt_mma(y1[n], c1, e[off + n * 8 * ld + i + 4]);
+                rlp_attt_mma(y[n], c0, c1, e[off + n * 8 * ld + i]);
+                rlp_attt_mma(y1[n], c2, c3, e[off + n * 8 * ld + i + 4]);
             }
         }
     }
 #pragma unroll
-    for (int n = 0; n < NB; ++n) {
-        x[n][0] += x1[n][0]; x[n][1] += x1[n][1];
-        y[n][0] += y1[n][0]; y[n][1] += y1[n][1];
-    }
+    for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { x[n][i] += x1[n][i]; y[n][i] += y1[n][i]; }
 }
 
 // The largest of v over the 8 rows of a fragment column (lanes with the same lane % 4).
@@ -1683,23 +1689,23 @@ __device__ __forceinline__ unsigned int rlp_attt_umax_columns(unsigned int v) {
     return max(v, __shfl_xor_sync(0xffffffffu, v, 16));
 }
 
-// acc[n] += U[8 rows, kk] . B[kk rows, 8 columns at n0 + 8 n] for N column blocks (U rows uld apart,
-// B rows ld apart), both halves of U.
+// acc[n] += U[16 rows, kk] . B[kk rows, 8 columns at 8 n] for N column blocks (U rows uld apart, B rows
+// ld apart), both halves of U.
 template <int N>
-__device__ __forceinline__ void rlp_attt_accumulate(double (&acc)[N][2][2], const double* u_hi, const double* u_lo,
+__device__ __forceinline__ void rlp_attt_accumulate(double (&acc)[N][2][4], const double* u_hi, const double* u_lo,
                                                     int uld, const double* b, int ld, int kk) {
     const int lane = threadIdx.x & 31;
     const int a_off = (lane >> 2) * uld + (lane & 3);
     const int b_off = (lane & 3) * ld + (lane >> 2);
 #pragma unroll 2
     for (int i = 0; i < kk; i += 4) {
-        const double ah = u_hi[a_off + i];
-        const double al = u_lo[a_off + i];
+        const double h0 = u_hi[a_off + i], h1 = u_hi[a_off + 8 * uld + i];
+        const double l0 = u_lo[a_off + i], l1 = u_lo[a_off + 8 * uld + i];
 #pragma unroll
         for (int n = 0; n < N; ++n) {
             const double bv = b[b_off + i * ld + 8 * n];
-            rlp_attt_mma(acc[n][0], ah, bv);
-            rlp_attt_mma(acc[n][1], al, bv);
+            rlp_attt_mma(acc[n][0], h0, h1, bv);
+            rlp_attt_mma(acc[n][1], l0, l1, bv);
         }
     }
 }
@@ -1872,7 +1878,7 @@ __device__ __forceinline__ void rlp_attt_stats(
     const int* __restrict__ q_int, const int* __restrict__ k_int, const int* __restrict__ k_exponents,
     const int* __restrict__ v_exponents, int* __restrict__ row_info, double* __restrict__ row_stats, double* smem) {
     using T = RlpAttt<DP>;
-    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, NSB = (BQ / 8) * (BK / 8);
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, NSB = (BQ / 16) * (BK / 8);  // 16x8 blocks of S
     constexpr int NB = NSB >= 2 * RLP_ATTT_WARPS ? NSB / RLP_ATTT_WARPS : 1;  // blocks per warp, sharing a
     double* qs = smem;
     double* ks = qs + BQ * LD;
@@ -1895,33 +1901,39 @@ __device__ __forceinline__ void rlp_attt_stats(
             __syncthreads();
             for (int sg = warp; sg < NSB / NB; sg += RLP_ATTT_WARPS) {
                 const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
-                double x[NB][2], unused[NB][2];
-                rlp_attt_dots<NB, false>(x, unused, qs + mb * 8 * LD, ks + nb0 * 8 * LD, qs, ks, LD, DP);
-                const int r = mb * 8 + (lane >> 2);
-                unsigned int key = 0u, flag = 0u;
-                long long part = 0;
+                double x[NB][4], unused[NB][4];
+                rlp_attt_dots<NB, false>(x, unused, qs + mb * 16 * LD, ks + nb0 * 8 * LD, qs, ks, LD, DP);
+                unsigned int key[2] = {0u, 0u}, flag[2] = {0u, 0u};
+                long long part[2] = {0, 0};
 #pragma unroll
                 for (int n = 0; n < NB; ++n)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = mb * 16 + rlp_attt_row(i), c = (nb0 + n) * 8 + rlp_attt_col(i);
                         if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
                             const float sc = __double2float_rn(
-                                (x[n][e] * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
-                            if (s.ek[c] == RLP_NONFINITE_EXPONENT || s.ev[c] == RLP_NONFINITE_EXPONENT) flag = 1u;
-                            else if (pass == 0) key = max(key, rlp_att_order_key(sc));
-                            else part += __double2ll_rn((double)rlp_exp_f32(sc - s.m[r]) * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                                (x[n][i] * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
+                            if (s.ek[c] == RLP_NONFINITE_EXPONENT || s.ev[c] == RLP_NONFINITE_EXPONENT) flag[i >> 1] = 1u;
+                            else if (pass == 0) key[i >> 1] = max(key[i >> 1], rlp_att_order_key(sc));
+                            else part[i >> 1] += __double2ll_rn((double)rlp_exp_f32(sc - s.m[r]) *
+                                                                rlp_pow2_f64(RLP_ATT_P_SHIFT));
                         }
                     }
-                if (pass == 0) {
-                    key = rlp_attm_umax_rows(key);
-                    flag |= __shfl_xor_sync(0xffffffffu, flag, 1);
-                    flag |= __shfl_xor_sync(0xffffffffu, flag, 2);
-                    if ((lane & 3) == 0 && r < rows) { atomicMax(&s.key[r], key); atomicOr(&s.flag[r], flag); }
-                } else {
-                    part += __shfl_xor_sync(0xffffffffu, part, 1);
-                    part += __shfl_xor_sync(0xffffffffu, part, 2);
-                    if ((lane & 3) == 0 && r < rows && part != 0) atomicAdd(&s.sum[r], (unsigned long long)part);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = mb * 16 + rlp_attt_row(2 * half);
+                    if (pass == 0) {
+                        const unsigned int k = rlp_attm_umax_rows(key[half]);
+                        unsigned int f = flag[half];
+                        f |= __shfl_xor_sync(0xffffffffu, f, 1);
+                        f |= __shfl_xor_sync(0xffffffffu, f, 2);
+                        if ((lane & 3) == 0 && r < rows) { atomicMax(&s.key[r], k); atomicOr(&s.flag[r], f); }
+                    } else {
+                        long long t = part[half];
+                        t += __shfl_xor_sync(0xffffffffu, t, 1);
+                        t += __shfl_xor_sync(0xffffffffu, t, 2);
+                        if ((lane & 3) == 0 && r < rows && t != 0) atomicAdd(&s.sum[r], (unsigned long long)t);
+                    }
                 }
             }
         }
@@ -1966,9 +1978,9 @@ __device__ __forceinline__ void rlp_attt_query_tile(
     const int* __restrict__ row_info, const double* __restrict__ row_stats, int* __restrict__ e_fields,
     unsigned int* __restrict__ key_fields, float* __restrict__ dq, double* smem) {
     using T = RlpAttt<DP>;
-    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSB = (BQ / 8) * (BK / 8);
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSB = (BQ / 16) * (BK / 8);
     constexpr int NB = NSB >= 2 * RLP_ATTT_WARPS ? NSB / RLP_ATTT_WARPS : 1;  // S blocks per warp, sharing a
-    constexpr int NPW = 8;  // accumulator blocks per warp: BQ DP / 64 blocks over 8 warps
+    constexpr int NPW = 4;  // 16x8 accumulator blocks per warp: BQ DP / 128 blocks over 8 warps
     double* qs = smem;
     double* ds_rows = qs + BQ * LD;
     double* ks = ds_rows + BQ * LD;
@@ -1990,9 +2002,11 @@ __device__ __forceinline__ void rlp_attt_query_tile(
         if (DQ) s.e[r] = r < rows ? e_fields[(t0 + r) * hq + h] : 0;
     }
     const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
-    double acc[NPW][2][2];
+    double acc[NPW][2][4];
 #pragma unroll
-    for (int n = 0; n < NPW; ++n) { acc[n][0][0] = 0.0; acc[n][0][1] = 0.0; acc[n][1][0] = 0.0; acc[n][1][1] = 0.0; }
+    for (int n = 0; n < NPW; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { acc[n][0][i] = 0.0; acc[n][1][i] = 0.0; }
     for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
         const int keys = (int)min((long long)BK, t0 + rows - j0);
         __syncthreads();
@@ -2003,54 +2017,57 @@ __device__ __forceinline__ void rlp_attt_query_tile(
         __syncthreads();
         for (int sg = warp; sg < NSB / NB; sg += RLP_ATTT_WARPS) {
             const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
-            double x[NB][2], y[NB][2];
-            rlp_attt_dots<NB, true>(x, y, qs + mb * 8 * LD, ks + nb0 * 8 * LD, ds_rows + mb * 8 * LD, vs + nb0 * 8 * LD,
-                                    LD, DP);
-            const int r = mb * 8 + (lane >> 2);
-            unsigned int fq = 0u;
+            double x[NB][4], y[NB][4];
+            rlp_attt_dots<NB, true>(x, y, qs + mb * 16 * LD, ks + nb0 * 8 * LD, ds_rows + mb * 16 * LD,
+                                    vs + nb0 * 8 * LD, LD, DP);
+            unsigned int fq[2] = {0u, 0u};
 #pragma unroll
             for (int n = 0; n < NB; ++n) {
-                unsigned int fk[2] = {0u, 0u}, fv[2] = {0u, 0u};
+                unsigned int fk[4] = {0u, 0u, 0u, 0u}, fv[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;
+                for (int i = 0; i < 4; ++i) {
+                    const int r = mb * 16 + rlp_attt_row(i), c = (nb0 + n) * 8 + rlp_attt_col(i);
                     const bool reach = r < rows && c < keys && j0 + c <= t0 + r;
                     const bool valid = reach && s.bad[r] == 0;
                     double big_p = 0.0, ds = 0.0;
-                    if (valid) rlp_attt_terms<DP>(s, r, c, x[n][e], y[n][e], scale, &big_p, &ds);
+                    if (valid) rlp_attt_terms<DP>(s, r, c, x[n][i], y[n][i], scale, &big_p, &ds);
                     if (DQ) {
                         double hi = 0.0, lo = 0.0;
                         if (valid) rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.ek[c]), s.e[r]), &hi, &lo);
                         u_hi[r * ULD + c] = hi;
                         u_lo[r * ULD + c] = lo;
                     } else if (valid) {
-                        fq = max(fq, rlp_attb_field(ds * rlp_pow2_f64(s.ek[c])));
-                        fk[e] = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
-                        fv[e] = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
+                        fq[i >> 1] = max(fq[i >> 1], rlp_attb_field(ds * rlp_pow2_f64(s.ek[c])));
+                        fk[i] = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
+                        fv[i] = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
                     } else if (reach) {
-                        fk[e] = RLP_ATTT_POISON;
-                        fv[e] = RLP_ATTT_POISON;
+                        fk[i] = RLP_ATTT_POISON;
+                        fv[i] = RLP_ATTT_POISON;
                     }
                 }
                 if (!DQ) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const unsigned int k_max = rlp_attt_umax_columns(fk[e]);
-                        const unsigned int v_max = rlp_attt_umax_columns(fv[e]);
-                        const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;
+                    for (int i = 0; i < 2; ++i) {  // column 2 t + i: rows g (element i) and g + 8 (element i + 2)
+                        const unsigned int k_max = rlp_attt_umax_columns(max(fk[i], fk[i + 2]));
+                        const unsigned int v_max = rlp_attt_umax_columns(max(fv[i], fv[i + 2]));
+                        const int c = (nb0 + n) * 8 + rlp_attt_col(i);
                         if (lane < 4 && k_max) atomicMax(&s.field_k[c], k_max);
                         if (lane < 4 && v_max) atomicMax(&s.field_v[c], v_max);
                     }
                 }
             }
             if (!DQ) {
-                fq = rlp_attm_umax_rows(fq);
-                if ((lane & 3) == 0 && r < rows && fq) atomicMax(&s.field_q[r], fq);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const unsigned int f = rlp_attm_umax_rows(fq[half]);
+                    const int r = mb * 16 + rlp_attt_row(2 * half);
+                    if ((lane & 3) == 0 && r < rows && f) atomicMax(&s.field_q[r], f);
+                }
             }
         }
         __syncthreads();
         if (DQ) {
-            rlp_attt_accumulate<NPW>(acc, u_hi + acc_m * 8 * ULD, u_lo + acc_m * 8 * ULD, ULD, ks + acc_n * 8, LD, BK);
+            rlp_attt_accumulate<NPW>(acc, u_hi + acc_m * 16 * ULD, u_lo + acc_m * 16 * ULD, ULD, ks + acc_n * 8, LD, BK);
         } else {
             for (int c = threadIdx.x; c < keys; c += RLP_ATTT_THREADS) {
                 unsigned int* kf = key_fields + 2 * ((j0 + c) * hkv + g);
@@ -2062,22 +2079,22 @@ __device__ __forceinline__ void rlp_attt_query_tile(
     __syncthreads();
     if (DQ) {
         const int unit_base = -(RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2);
-        const int r = acc_m * 8 + (lane >> 2);
-        if (r < rows) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = acc_m * 16 + rlp_attt_row(i);
+            if (r >= rows) continue;
             float* out = dq + ((t0 + r) * hq + h) * (long long)d;
 #pragma unroll
-            for (int n = 0; n < NPW; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = (acc_n + n) * 8 + 2 * (lane & 3) + e;
-                    if (col < d) {
-                        unsigned long long lo;
-                        long long hi;
-                        rlp_attt_words(acc[n][0][e], acc[n][1][e], &lo, &hi);
-                        out[col] = s.bad[r] ? rlp_canonical_nan()
-                                            : rlp_attb_round_wide(lo, (unsigned long long)hi, s.e[r] + unit_base);
-                    }
+            for (int n = 0; n < NPW; ++n) {
+                const int col = (acc_n + n) * 8 + rlp_attt_col(i);
+                if (col < d) {
+                    unsigned long long lo;
+                    long long hi;
+                    rlp_attt_words(acc[n][0][i], acc[n][1][i], &lo, &hi);
+                    out[col] = s.bad[r] ? rlp_canonical_nan()
+                                        : rlp_attb_round_wide(lo, (unsigned long long)hi, s.e[r] + unit_base);
                 }
+            }
         }
     } else {
         for (int r = threadIdx.x; r < rows; r += RLP_ATTT_THREADS)
@@ -2098,9 +2115,9 @@ __device__ __forceinline__ void rlp_attt_dkv(
     float* __restrict__ dk, float* __restrict__ dv, unsigned long long* __restrict__ dk_wide,
     unsigned long long* __restrict__ dv_wide, double* smem) {
     using T = RlpAttt<DP>;
-    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ULD = T::ULD, NSB = (BKV / 8) * (BQ2 / 8);
+    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ULD = T::ULD, NSB = (BKV / 16) * (BQ2 / 8);
     constexpr int NB = NSB >= 2 * RLP_ATTT_WARPS ? NSB / RLP_ATTT_WARPS : 1;  // S blocks per warp, sharing a
-    constexpr int NPW = 8;  // accumulator blocks per warp and output: BKV DP / 64 blocks over 8 warps
+    constexpr int NPW = 4;  // 16x8 accumulator blocks per warp and output: BKV DP / 128 blocks over 8 warps
     double* ks = smem;
     double* vs = ks + BKV * LD;
     double* qs = vs + BKV * LD;
@@ -2137,11 +2154,11 @@ __device__ __forceinline__ void rlp_attt_dkv(
         c_fv[r] = r < rows ? (int)key_fields[2 * kr + 1] : 0;
     }
     const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
-    double acc_k[NPW][2][2], acc_v[NPW][2][2];
+    double acc_k[NPW][2][4], acc_v[NPW][2][4];
 #pragma unroll
     for (int n = 0; n < NPW; ++n)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) { acc_k[n][i][0] = 0.0; acc_k[n][i][1] = 0.0; acc_v[n][i][0] = 0.0; acc_v[n][i][1] = 0.0; }
+        for (int i = 0; i < 4; ++i) { acc_k[n][0][i] = 0.0; acc_k[n][1][i] = 0.0; acc_v[n][0][i] = 0.0; acc_v[n][1][i] = 0.0; }
     for (int hh = 0; hh < group; ++hh) {
         const int h = g * group + hh;
         for (long long t0 = q_begin; t0 < q_end; t0 += BQ2) {
@@ -2162,23 +2179,23 @@ __device__ __forceinline__ void rlp_attt_dkv(
             __syncthreads();
             for (int sg = warp; sg < NSB / NB; sg += RLP_ATTT_WARPS) {
                 const int mb = sg / (BQ2 / 8 / NB), nb0 = (sg - mb * (BQ2 / 8 / NB)) * NB;
-                double x[NB][2], y[NB][2];
-                rlp_attt_dots<NB, true>(x, y, ks + mb * 8 * LD, qs + nb0 * 8 * LD, vs + mb * 8 * LD, dos + nb0 * 8 * LD,
-                                        LD, DP);
-                const int r = mb * 8 + (lane >> 2);  // key row
+                double x[NB][4], y[NB][4];
+                rlp_attt_dots<NB, true>(x, y, ks + mb * 16 * LD, qs + nb0 * 8 * LD, vs + mb * 16 * LD,
+                                        dos + nb0 * 8 * LD, LD, DP);
 #pragma unroll
                 for (int n = 0; n < NB; ++n)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int c = (nb0 + n) * 8 + 2 * (lane & 3) + e;  // query row
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = mb * 16 + rlp_attt_row(i);        // key row
+                        const int c = (nb0 + n) * 8 + rlp_attt_col(i);  // query row
                         double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
                         if (r < rows && c < qrows && j0 + r <= t0 + c && r_bad[c] == 0 &&
                             c_fk[r] < (int)RLP_ATTT_POISON) {
                             const float sc = __double2float_rn(
-                                (x[n][e] * rlp_pow2_f64(r_eq[c] + c_ek[r] - RLP_ATT_SCORE_SHIFT)) * scale);
+                                (x[n][i] * rlp_pow2_f64(r_eq[c] + c_ek[r] - RLP_ATT_SCORE_SHIFT)) * scale);
                             const double p = (double)rlp_exp_f32(sc - r_m[c]);
                             const double big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / r_total[c];
-                            const double dpv = y[n][e] * rlp_pow2_f64(r_edo[c] + c_ev[r] - RLP_ATTB_DP_SHIFT);
+                            const double dpv = y[n][i] * rlp_pow2_f64(r_edo[c] + c_ev[r] - RLP_ATTB_DP_SHIFT);
                             const double ds = (big_p * (dpv - r_delta[c])) * scale;
                             rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(r_eq[c]), rlp_attb_exponent(c_fk[r])),
                                            &kh, &kl);
@@ -2192,26 +2209,28 @@ __device__ __forceinline__ void rlp_attt_dkv(
                     }
             }
             __syncthreads();
-            rlp_attt_accumulate<NPW>(acc_k, uk_hi + acc_m * 8 * ULD, uk_lo + acc_m * 8 * ULD, ULD, qs + acc_n * 8, LD, BQ2);
-            rlp_attt_accumulate<NPW>(acc_v, uv_hi + acc_m * 8 * ULD, uv_lo + acc_m * 8 * ULD, ULD, dos + acc_n * 8, LD, BQ2);
+            rlp_attt_accumulate<NPW>(acc_k, uk_hi + acc_m * 16 * ULD, uk_lo + acc_m * 16 * ULD, ULD, qs + acc_n * 8, LD,
+                                     BQ2);
+            rlp_attt_accumulate<NPW>(acc_v, uv_hi + acc_m * 16 * ULD, uv_lo + acc_m * 16 * ULD, ULD, dos + acc_n * 8, LD,
+                                     BQ2);
         }
     }
-    const int r = acc_m * 8 + (lane >> 2);
-    if (r >= rows) return;
-    const long long kr = (j0 + r) * hkv + g;
-    const bool poisoned = c_fk[r] >= (int)RLP_ATTT_POISON;
-    const int unit_k = rlp_attb_exponent(c_fk[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
-    const int unit_v = rlp_attb_exponent(c_fv[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
 #pragma unroll
-    for (int n = 0; n < NPW; ++n)
+    for (int i = 0; i < 4; ++i) {
+        const int r = acc_m * 16 + rlp_attt_row(i);
+        if (r >= rows) continue;
+        const long long kr = (j0 + r) * hkv + g;
+        const bool poisoned = c_fk[r] >= (int)RLP_ATTT_POISON;
+        const int unit_k = rlp_attb_exponent(c_fk[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+        const int unit_v = rlp_attb_exponent(c_fv[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int col = (acc_n + n) * 8 + 2 * (lane & 3) + e;
+        for (int n = 0; n < NPW; ++n) {
+            const int col = (acc_n + n) * 8 + rlp_attt_col(i);
             if (col >= d) continue;
             unsigned long long lo_k, lo_v;
             long long hi_k, hi_v;
-            rlp_attt_words(acc_k[n][0][e], acc_k[n][1][e], &lo_k, &hi_k);
-            rlp_attt_words(acc_v[n][0][e], acc_v[n][1][e], &lo_v, &hi_v);
+            rlp_attt_words(acc_k[n][0][i], acc_k[n][1][i], &lo_k, &hi_k);
+            rlp_attt_words(acc_v[n][0][i], acc_v[n][1][i], &lo_v, &hi_v);
             const long long at = kr * d + col;
             if (wide) {
                 if (!poisoned) {
@@ -2225,6 +2244,7 @@ __device__ __forceinline__ void rlp_attt_dkv(
                 dv[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_v, (unsigned long long)hi_v, unit_v);
             }
         }
+    }
 }
 
 // The key rows of cut tiles (wide_rows[j] != 0): dk, dv rounded from their summed words.

@@ -619,14 +619,18 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
 @click.option("--steps", default=3, show_default=True, type=int, help="Timed steps, after one warm-up step.")
 @click.option("--peer", default="trl", show_default=True, type=click.Choice(["trl", "none"]),
               help="none: skip TRL's GRPOTrainer.")
-def bench_grpo(device, json_path, layers, steps, peer):
+@click.option("--prompt-len", default=64, show_default=True, type=int, help="Prompt tokens per sample.")
+@click.option("--completion-len", default=256, show_default=True, type=int,
+              help="Completion tokens per sample (every completion runs to this length).")
+def bench_grpo(device, json_path, layers, steps, peer, prompt_len, completion_len):
     """Wall time per GRPO step (rollout, training, total) against TRL's GRPOTrainer (HF generate, bf16)."""
     _check_json_path(json_path)
     from rlportable.bench import grpo as grpo_bench
 
     backend = _backend(device)
     try:
-        result = grpo_bench.run(backend, layers, steps, peer, progress=lambda text: click.echo(f"  {text}", err=True))
+        result = grpo_bench.run(backend, layers, steps, peer, progress=lambda text: click.echo(f"  {text}", err=True),
+                                prompt_len=prompt_len, completion_len=completion_len)
     except RlpError as error:
         _fail(error)
     sides = [(name, side) for name, side in (("rlportable GRPOTrainer", result["ours"]),

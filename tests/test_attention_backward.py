@@ -447,7 +447,22 @@ def test_backward_kernels_are_in_the_contract():
 # ---- the device path's launches agree with the kernels' signatures (no GPU needed)
 
 _POINTER_DTYPES = {"float": np.float32, "double": np.float64, "int": np.int32, "long long": np.int64,
-                   "signed char": np.int8}
+                   "signed char": np.int8, "unsigned int": np.uint32, "unsigned long long": np.uint64}
+
+
+def _expand_tiled_entries(text: str) -> str:
+    """The source with the tiled kernels' entry macros written out (RLP_ATTT_ENTRIES(DP, names...))."""
+    import re
+
+    text = text.replace("\\\n", " ")
+    args = re.search(r"#define RLP_ATTT_QUERY_ARGS(.*)", text).group(1)
+    body = re.search(r"#define RLP_ATTT_ENTRIES\(DP, STATS, FIELDS, DQ, DKV\)(.*)", text).group(1)
+    body = body.replace("__launch_bounds__(RLP_ATTT_THREADS) ", "").replace("RLP_ATTT_QUERY_ARGS", args)
+    entries = ""
+    for names in re.findall(r"^RLP_ATTT_ENTRIES\((\d+), (\w+),\s+(\w+),\s+(\w+),\s+(\w+)\)", text, re.M):
+        entries += re.sub(r"\b(DP|STATS|FIELDS|DQ|DKV)\b",
+                          lambda m: names[("DP", "STATS", "FIELDS", "DQ", "DKV").index(m.group(1))], body)
+    return text + entries
 
 
 def _kernel_parameters(vendor: str, suffix: str) -> dict[str, list[tuple[str, bool]]]:
@@ -457,6 +472,8 @@ def _kernel_parameters(vendor: str, suffix: str) -> dict[str, list[tuple[str, bo
     from rlportable.resources import resource_dir
 
     text = (resource_dir("backends") / vendor / f"attention.{suffix}").read_text()
+    if vendor == "cuda":
+        text = _expand_tiled_entries(text)
     kernels = {}
     for name, params in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
         parsed = []
@@ -487,12 +504,20 @@ def test_backward_launches_match_kernel_signatures(vendor, suffix):
     rng = np.random.default_rng(10)
     q, k, v, do = inputs(rng, 11, 6, 2, 40)
     o = ref.attention(q, k, v, np.arange(11))
-    op.attention_packed_backward(device, q, k, v, do, [0, 4, 11], o=o, threads=64)
+    op.attention_packed_backward(device, q, k, v, do, [0, 4, 11], o=o, threads=64, method="rows")
     signatures = _kernel_parameters(vendor, suffix)
     launched = [launch[1] for launch in device.launches]
     assert launched == ["attention_write_kv", "attention_backward_rows", "attention_backward_dq",
                         "attention_backward_dkv"]
+    _check_arguments(device.launches, signatures)
     for _, kernel, grid, block, args in device.launches:
+        assert block == (64,) or kernel == "attention_write_kv"
+    rows_grid, dkv_grid = device.launches[1][2], device.launches[3][2]
+    assert rows_grid == (11 * 6,) and dkv_grid == (11 * 2,)
+
+
+def _check_arguments(launches, signatures) -> None:
+    for _, kernel, grid, block, args in launches:
         params = signatures[kernel]
         assert len(args) == len(params), kernel
         for arg, (ctype, pointer) in zip(args, params):
@@ -501,6 +526,68 @@ def test_backward_launches_match_kernel_signatures(vendor, suffix):
                 assert isinstance(arg, np.ndarray) and arg.dtype == want and arg.flags.c_contiguous, (kernel, ctype)
             else:
                 assert isinstance(arg, np.generic) and arg.dtype == want, (kernel, ctype, type(arg))
-        assert block == (64,) or kernel == "attention_write_kv"
-    rows_grid, dkv_grid = device.launches[1][2], device.launches[3][2]
-    assert rows_grid == (11 * 6,) and dkv_grid == (11 * 2,)
+
+
+@pytest.mark.parametrize("dim,dpt", [(40, 64), (128, 128), (200, 256)])
+@pytest.mark.parametrize("terms", [op.TILED_MAX_TERMS, 96])
+def test_tiled_backward_launches_match_kernel_signatures(dim, dpt, terms):
+    """The tiled path ("auto" on CUDA sources): its launches, their arguments against the CUDA kernels'
+    signatures, grids from the plan, and the cut-tile finish only where a key tile is cut."""
+    device = _RecordingDevice()
+    rng = np.random.default_rng(11)
+    q, k, v, do = inputs(rng, 75, 6, 2, dim)
+    o = ref.attention(q, k, v, np.arange(75))
+    cu = np.array([0, 4, 75])
+    op.attention_packed_backward(device, q, k, v, do, cu, o=o, tiled_terms=terms)
+    launched = [launch[1] for launch in device.launches]
+    cut = terms < 3 * 71
+    assert launched == ["attention_write_kv", "attention_backward_tiled_keys", "attention_backward_tiled_rows"] + [
+        f"attention_backward_tiled_{step}_d{dpt}" for step in ("stats", "fields", "dq", "dkv")] + (
+        ["attention_backward_tiled_finish"] if cut else [])
+    _check_arguments(device.launches, _kernel_parameters("cuda", "cu"))
+    q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, 3, terms)
+    grids = {launch[1]: launch[2] for launch in device.launches}
+    assert grids[f"attention_backward_tiled_dq_d{dpt}"] == (q_tiles.shape[0], 6)
+    assert grids[f"attention_backward_tiled_dkv_d{dpt}"] == (items.shape[0], 2)
+    assert bool(wide_rows.any()) == cut
+    assert all(block == (op.TILED_THREADS,) for _, name, _, block, _ in device.launches if name[-1].isdigit())
+
+
+def test_tiled_plan_covers_every_pair_once():
+    """Every (query row, key) pair j <= t of every sequence lies in exactly one dq tile step and one dkv
+    item; cut items hold at most max_terms pairs per key row."""
+    cu = np.array([0, 1, 64, 64 + 100, 64 + 100 + 33])
+    for dpt, group, terms in ((128, 2, op.TILED_MAX_TERMS), (64, 1, 64), (256, 3, 96 * 2)):
+        tiles = op.tiled_tiles(dpt)
+        q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, group, terms)
+        seen = np.zeros((cu[-1], cu[-1]), dtype=np.int64)
+        for seq, first in q_tiles:
+            rows = np.arange(first, min(first + tiles["bq"], cu[seq + 1]))
+            seen[rows[:, None], np.arange(cu[seq], rows[-1] + 1)[None, :]] += 1
+        causal = np.zeros_like(seen)
+        for s in range(cu.size - 1):
+            block = np.arange(cu[s], cu[s + 1])
+            causal[block[:, None], block[None, :]] = block[:, None] >= block[None, :]
+        assert np.all(seen[causal == 1] == 1)
+        pairs = np.zeros_like(seen)
+        for seq, j0, begin, end, flag in items:
+            keys = np.arange(j0, min(j0 + tiles["bkv"], cu[seq + 1]))
+            pairs[begin:end, keys[0]:keys[-1] + 1] += 1
+            assert (end - begin) * group <= terms
+            assert bool(flag) == bool(wide_rows[j0])
+        assert np.all(pairs[causal == 1] == 1)
+
+
+def test_backward_method_errors():
+    """Bad method or tiled_terms values name the argument; "tiled" where it does not exist says why."""
+    rng = np.random.default_rng(12)
+    q, k, v, do = inputs(rng, 5, 2, 1, 8)
+    with pytest.raises(InputError, match="method must be one of"):
+        op.attention_packed_backward(CPU, q, k, v, do, [0, 5], method="fast")
+    with pytest.raises(InputError, match="tiled_terms must be an integer"):
+        op.attention_packed_backward(CPU, q, k, v, do, [0, 5], tiled_terms=0)
+    with pytest.raises(InputError, match="the tiled kernels exist for CUDA sources"):
+        op.attention_packed_backward(CPU, q, k, v, do, [0, 5], method="tiled")
+    assert op.backward_methods(CPU, 128, 2) == ("rows",)
+    assert op.backward_methods(_RecordingDevice(), 128, 2) == ("rows", "tiled")
+    assert op.backward_methods(_RecordingDevice(), 320, 2) == ("rows",)  # padded head_dim beyond 256

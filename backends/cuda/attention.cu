@@ -1634,13 +1634,20 @@ struct RlpAttt {
     static constexpr int ULD = 32 + RLP_ATTT_PAD;               // coefficient tiles' row stride
 };
 
-// One m16n8k4 f64 product (sm_80+; at twice m8n8k4's rate on Hopper: scripts/probe_dmma.py). Thread
-// (g, t) = (lane / 4, lane % 4) holds A (g, t) and (g + 8, t), B (t, g), C (g, 2t + i) for i = 0, 1 and
-// (g + 8, 2t + i) for i = 2, 3.
+// One 16x8x4 f64 product. Thread (g, t) = (lane / 4, lane % 4) holds A (g, t) and (g + 8, t), B (t, g),
+// C (g, 2t + i) for i = 0, 1 and (g + 8, 2t + i) for i = 2, 3. sm_90 has the m16n8k4 shape, at twice
+// m8n8k4's rate (scripts/probe_dmma.py); sm_80 runs it as two m8n8k4 (the same exact sums).
 __device__ __forceinline__ void rlp_attt_mma(double (&c)[4], double a0, double a1, double b) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
                  : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
                  : "d"(a0), "d"(a1), "d"(b));
+#else
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(c[0]), "+d"(c[1]) : "d"(a0), "d"(b));
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(c[2]), "+d"(c[3]) : "d"(a1), "d"(b));
+#endif
 }
 
 // Row and column of element i of a thread's C fragment in a 16x8 block.
@@ -2272,28 +2279,28 @@ extern "C" __global__ void attention_backward_tiled_finish(
         int *__restrict__ row_info, double *__restrict__ row_stats, int *__restrict__ e_fields,                 \
         unsigned int *__restrict__ key_fields, float *__restrict__ dq
 
-#define RLP_ATTT_ENTRIES(DP)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_stats_d##DP(         \
+#define RLP_ATTT_ENTRIES(DP, STATS, FIELDS, DQ, DKV)                                                             \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) STATS(         \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
         extern __shared__ double rlp_attt_smem[];                                                                \
         rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
                            row_stats, rlp_attt_smem);                                                            \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_fields_d##DP(        \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) FIELDS(        \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
         extern __shared__ double rlp_attt_smem[];                                                                \
         rlp_attt_query_tile<DP, false>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
                                        k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
                                        rlp_attt_smem);                                                           \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_dq_d##DP(            \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) DQ(            \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
         extern __shared__ double rlp_attt_smem[];                                                                \
         rlp_attt_query_tile<DP, true>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,       \
                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,    \
                                       rlp_attt_smem);                                                            \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) attention_backward_tiled_dkv_d##DP(           \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) DKV(           \
         const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d,        \
         double scale, const int* __restrict__ q_int, const int* __restrict__ do_int,                      \
         const int* __restrict__ k_int, const int* __restrict__ v_int, const int* __restrict__ k_exponents, \
@@ -2305,6 +2312,10 @@ extern "C" __global__ void attention_backward_tiled_finish(
                          v_exponents, row_info, row_stats, key_fields, dk, dv, dk_wide, dv_wide, rlp_attt_smem); \
     }
 
-RLP_ATTT_ENTRIES(64)
-RLP_ATTT_ENTRIES(128)
-RLP_ATTT_ENTRIES(256)
+// padded head_dim 64, 128 and 256 (192 runs as 256)
+RLP_ATTT_ENTRIES(64, attention_backward_tiled_stats_d64, attention_backward_tiled_fields_d64,
+                 attention_backward_tiled_dq_d64, attention_backward_tiled_dkv_d64)
+RLP_ATTT_ENTRIES(128, attention_backward_tiled_stats_d128, attention_backward_tiled_fields_d128,
+                 attention_backward_tiled_dq_d128, attention_backward_tiled_dkv_d128)
+RLP_ATTT_ENTRIES(256, attention_backward_tiled_stats_d256, attention_backward_tiled_fields_d256,
+                 attention_backward_tiled_dq_d256, attention_backward_tiled_dkv_d256)

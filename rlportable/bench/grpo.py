@@ -373,14 +373,15 @@ def measure(backend, config, weights, settings: Settings, peer: str = "trl", sam
     }
 
 
-def run(backend, layers: int | None = None, steps: int = 3, peer: str = "trl", progress=None) -> dict:
+def run(backend, layers: int | None = None, steps: int = 3, peer: str = "trl", progress=None,
+        prompt_len: int = Settings.prompt_len, completion_len: int = Settings.completion_len) -> dict:
     """`rlportable bench grpo`: the Qwen3-0.6B-shaped model on cuda."""
     if backend.name != "cuda":
         raise RlpError(f"bench grpo runs on the cuda backend (peer: TRL on CUDA); got {backend.label}")
     if layers is not None and layers < 1:
         raise InputError(f"bench grpo: --layers must be at least 1, got {layers}")
     config = qwen3_06b_config(layers)
-    settings = Settings(steps=steps)
+    settings = Settings(steps=steps, prompt_len=prompt_len, completion_len=completion_len)
     if progress:
         progress("random weights")
     return measure(backend, config, random_weights(config), settings, peer, progress=progress)

@@ -358,6 +358,17 @@ def test_bad_inputs_name_the_tensor():
         op.write_kv(CPU, cache, np.zeros((2, 3, 16), np.float32), np.zeros((2, 3, 16), np.float32), np.zeros(2, np.int32))
     with pytest.raises(InputError, match=r"slots must be distinct"):
         op.write_kv(CPU, cache, np.zeros((2, 2, 16), np.float32), np.zeros((2, 2, 16), np.float32), np.zeros(2, np.int32))
+    with pytest.raises(InputError, match=r"slots must be distinct"):  # not sorted: the full check
+        op.write_kv(CPU, cache, np.zeros((3, 2, 16), np.float32), np.zeros((3, 2, 16), np.float32),
+                    np.array([5, 2, 5], np.int32))
+    op.write_kv(CPU, cache, np.zeros((3, 2, 16), np.float32), np.zeros((3, 2, 16), np.float32),
+                np.array([5, -1, 2], np.int32))  # distinct, not sorted, one skipped: accepted
+    with pytest.raises(InputError, match=r"block_tables row 1 names a block outside"):  # a missing block
+        op.attention_paged(CPU, q, np.array([0, 1, 1], np.int32), np.array([0, 0, 5], np.int32), cache,
+                           np.array([[0, 1], [1, -1]], np.int32))
+    with pytest.raises(InputError, match=r"block_tables row 0 names a block outside"):  # slot 8 of 8, one row
+        op.attention_paged(CPU, q, seq, np.array([0, 1, 4], np.int32), cache, np.array([[0, 2]], np.int32))
+    op.attention_paged(CPU, q, seq, pos, cache, np.array([[1, 2]], np.int32))  # block 2 named but not reached
     with pytest.raises(InputError, match=r"slot 8 is outside"):
         op.write_kv(CPU, cache, np.zeros((1, 2, 16), np.float32), np.zeros((1, 2, 16), np.float32), np.array([8], np.int32))
     with pytest.raises(InputError, match=r"cu_seqlens must rise from 0 to the 3"):

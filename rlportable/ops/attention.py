@@ -142,7 +142,8 @@ def check_kv(cache: KVCache, k, v, slots) -> int:
         used = host[host >= 0]
         if used.size and used.max() >= cache.num_slots:
             raise InputError(f"write_kv: slot {int(used.max())} is outside the cache's {cache.num_slots} slots")
-        if np.unique(used).size != used.size:
+        increasing = used.size < 2 or bool(np.all(used[1:] > used[:-1]))  # the usual case, without a sort
+        if not increasing and np.unique(used).size != used.size:
             raise InputError("write_kv: slots must be distinct (a negative slot writes nothing)")
     return shape[0]
 
@@ -180,10 +181,26 @@ def _check_query(q, q_seq, q_pos, cache: KVCache, block_tables) -> tuple[int, in
         if seqs.min() < 0 or seqs.max() >= tables.shape[0]:
             raise InputError(f"attention: q_seq must lie in [0, {tables.shape[0]}) (rows of block_tables), "
                              f"got [{seqs.min()}, {seqs.max()}]")
-        for seq in np.unique(seqs):
-            length = int(positions[seqs == seq].max()) + 1
-            _key_slots(tables[seq], length, cache.block_size, cache.num_slots, int(seq))
+        _check_key_blocks(tables, seqs, positions, cache)
     return tq, hq
+
+
+def _check_key_blocks(tables: np.ndarray, seqs: np.ndarray, positions: np.ndarray, cache: KVCache) -> None:
+    """_key_slots' checks for every sequence the queries name, at the block level and at once: each
+    needs blocks 0..ceil(length / block_size) - 1 present in its row and inside the cache, length being
+    its largest query position + 1. A failing sequence raises through _key_slots (its message)."""
+    lengths = np.zeros(tables.shape[0], dtype=np.int64)
+    np.maximum.at(lengths, seqs, positions.astype(np.int64) + 1)
+    present = np.flatnonzero(lengths)
+    size = cache.block_size
+    needed = -(-lengths[present] // size)
+    column = np.arange(tables.shape[1], dtype=np.int64)[None, :]
+    in_use = column < needed[:, None]
+    blocks = tables[present].astype(np.int64)
+    last = np.where(column == needed[:, None] - 1, ((lengths[present] - 1) % size)[:, None], size - 1)
+    bad = (needed > tables.shape[1]) | (in_use & ((blocks < 0) | (blocks * size + last >= cache.num_slots))).any(axis=1)
+    for row in np.flatnonzero(bad):
+        _key_slots(tables[present[row]], int(lengths[present[row]]), size, cache.num_slots, int(present[row]))
 
 
 # ---- ops

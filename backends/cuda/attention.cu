@@ -1849,6 +1849,26 @@ struct RlpAtttRows {
     unsigned long long sum[BQ];
 };
 
+// The block's query tile: q_tiles[2 blockIdx.x] = sequence, [.. + 1] = first token t0; rows of it in its
+// sequence (at most bq), q head h = blockIdx.y and its kv head g; start = the sequence's first token.
+struct RlpAtttTile {
+    long long t0, start;
+    int rows, h, g;
+};
+
+__device__ __forceinline__ RlpAtttTile rlp_attt_query_tile_of(const int* __restrict__ q_tiles,
+                                                              const long long* __restrict__ cu_seqlens, int bq, int hq,
+                                                              int hkv) {
+    const int seq = q_tiles[2 * blockIdx.x];
+    RlpAtttTile tile;
+    tile.t0 = q_tiles[2 * blockIdx.x + 1];
+    tile.start = cu_seqlens[seq];
+    tile.rows = (int)min((long long)bq, cu_seqlens[seq + 1] - tile.t0);
+    tile.h = blockIdx.y;
+    tile.g = tile.h / (hq / hkv);
+    return tile;
+}
+
 // Loads a query tile's scalars: row r of the tile is token t0 + r (rows valid), head h.
 template <int DP>
 __device__ __forceinline__ void rlp_attt_row_scalars(RlpAtttRows<DP>& s, const int* __restrict__ row_info,
@@ -1891,11 +1911,9 @@ __device__ __forceinline__ void rlp_attt_stats(
     double* ks = qs + BQ * LD;
     RlpAtttRows<DP>& s = *reinterpret_cast<RlpAtttRows<DP>*>(ks + BK * LD);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int seq = q_tiles[2 * blockIdx.x];
-    const long long t0 = q_tiles[2 * blockIdx.x + 1];
-    const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
-    const int rows = (int)min((long long)BQ, end - t0);
-    const int h = blockIdx.y, g = h / (hq / hkv);
+    const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const long long t0 = tile.t0, start = tile.start;
+    const int rows = tile.rows, h = tile.h, g = tile.g;
     rlp_attt_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
     rlp_attt_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
     for (int r = threadIdx.x; r < BQ; r += RLP_ATTT_THREADS) { s.key[r] = 0u; s.flag[r] = 0u; s.sum[r] = 0ull; }
@@ -1996,11 +2014,9 @@ __device__ __forceinline__ void rlp_attt_query_tile(
     double* u_lo = u_hi + BQ * ULD;
     RlpAtttRows<DP>& s = *reinterpret_cast<RlpAtttRows<DP>*>(u_lo + BQ * ULD);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int seq = q_tiles[2 * blockIdx.x];
-    const long long t0 = q_tiles[2 * blockIdx.x + 1];
-    const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
-    const int rows = (int)min((long long)BQ, end - t0);
-    const int h = blockIdx.y, g = h / (hq / hkv);
+    const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const long long t0 = tile.t0, start = tile.start;
+    const int rows = tile.rows, h = tile.h, g = tile.g;
     rlp_attt_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
     rlp_attt_load<DP, BQ>(ds_rows, do_int, t0 * hq + h, hq, rows);
     rlp_attt_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);

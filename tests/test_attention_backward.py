@@ -457,6 +457,9 @@ def _expand_tiled_entries(text: str) -> str:
     text = text.replace("\\\n", " ")
     args = re.search(r"#define RLP_ATTT_QUERY_ARGS(.*)", text).group(1)
     body = re.search(r"#define RLP_ATTT_ENTRIES\(DP, STATS, FIELDS, DQ, DKV\)(.*)", text).group(1)
+    query = re.search(r"#define RLP_ATTT_QUERY_ENTRY\(NAME, DP, IS_DQ\)(.*)", text).group(1)
+    body = re.sub(r"RLP_ATTT_QUERY_ENTRY\((\w+), DP, (\w+)\)",
+                  lambda m: query.replace("NAME", m.group(1)).replace("IS_DQ", m.group(2)), body)
     body = body.replace("__launch_bounds__(RLP_ATTT_THREADS) ", "").replace("RLP_ATTT_QUERY_ARGS", args)
     entries = ""
     for names in re.findall(r"^RLP_ATTT_ENTRIES\((\d+), (\w+),\s+(\w+),\s+(\w+),\s+(\w+)\)", text, re.M):

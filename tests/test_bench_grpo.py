@@ -190,8 +190,8 @@ def test_cli_bench_grpo_prints_and_writes_json(tmp_path, monkeypatch):
     for both sides' measurements."""
     config = tiny_config()
 
-    def fake_run(backend, layers, steps, peer, progress=None):
-        assert (layers, steps, peer) == (1, 2, "trl")
+    def fake_run(backend, layers, steps, peer, progress=None, prompt_len=64, completion_len=256):
+        assert (layers, steps, peer, prompt_len, completion_len) == (1, 2, "trl", 64, 96)
         monkeypatch.setattr(bench, "measure_ours", lambda backend, config, weights, prompts, settings, **kw:
                             _fake_side(settings, (1.0, 2.0)))
         monkeypatch.setattr(bench, "measure_trl", lambda config, prompts, settings, **kw:
@@ -203,7 +203,7 @@ def test_cli_bench_grpo_prints_and_writes_json(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run", fake_run)
     out = tmp_path / "grpo.json"
     result = CliRunner().invoke(main, ["bench", "grpo", "--device", "cpu", "--layers", "1", "--steps", "2",
-                                       "--json", str(out)])
+                                       "--completion-len", "96", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "rlportable GRPOTrainer" in result.output and "TRL GRPOTrainer" in result.output
     assert "TRL 0.0, transformers x, torch t" in result.output

@@ -2295,28 +2295,25 @@ extern "C" __global__ void attention_backward_tiled_finish(
         int *__restrict__ row_info, double *__restrict__ row_stats, int *__restrict__ e_fields,                 \
         unsigned int *__restrict__ key_fields, float *__restrict__ dq
 
+// fields (IS_DQ false) and dq (true) of padded head_dim DP: rlp_attt_query_tile
+#define RLP_ATTT_QUERY_ENTRY(NAME, DP, IS_DQ)                                                                    \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) NAME(RLP_ATTT_QUERY_ARGS) {                   \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_query_tile<DP, IS_DQ>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
+                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
+                                       rlp_attt_smem);                                                           \
+    }
+
 #define RLP_ATTT_ENTRIES(DP, STATS, FIELDS, DQ, DKV)                                                             \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) STATS(         \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) STATS(                                       \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
         extern __shared__ double rlp_attt_smem[];                                                                \
         rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
                            row_stats, rlp_attt_smem);                                                            \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) FIELDS(        \
-        RLP_ATTT_QUERY_ARGS) {                                                                                   \
-        extern __shared__ double rlp_attt_smem[];                                                                \
-        rlp_attt_query_tile<DP, false>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
-                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
-                                       rlp_attt_smem);                                                           \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) DQ(            \
-        RLP_ATTT_QUERY_ARGS) {                                                                                   \
-        extern __shared__ double rlp_attt_smem[];                                                                \
-        rlp_attt_query_tile<DP, true>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,       \
-                                      k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,    \
-                                      rlp_attt_smem);                                                            \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) DKV(           \
+    RLP_ATTT_QUERY_ENTRY(FIELDS, DP, false)                                                                  \
+    RLP_ATTT_QUERY_ENTRY(DQ, DP, true)                                                                       \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTT_THREADS) DKV(                                         \
         const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d,        \
         double scale, const int* __restrict__ q_int, const int* __restrict__ do_int,                      \
         const int* __restrict__ k_int, const int* __restrict__ v_int, const int* __restrict__ k_exponents, \

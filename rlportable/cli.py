@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,20 @@ import click
 from tabulate import tabulate
 
 from rlportable.errors import RlpError
+
+class _NonNegativeFloat(click.ParamType):
+    """A finite float >= 0: click's FloatRange lets NaN and inf through (their comparisons are false)."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number) or number < 0:
+            self.fail(f"{value!r} is not a finite number >= 0.", param, ctx)
+        return number
+
+
+NON_NEGATIVE = _NonNegativeFloat()
 
 DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
                              type=click.Choice(["auto", "cpu", "cuda", "hip"]), help="Backend to run on.")
@@ -270,8 +285,8 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
 @click.option("--min-p", default=0.0, show_default=True, type=float)
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--max-batch", default=64, show_default=True, type=int, help="Sequences decoded together at most.")
-@click.option("--block-size", default=16, show_default=True, type=int, help="KV cache block size (tokens).")
+@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1), help="Sequences decoded together at most.")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="KV cache block size (tokens).")
 @click.option("--prefix-caching", is_flag=True, help="Share cached prompt blocks across requests.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Decode through CUDA / HIP graphs per batch-size bucket (default: on cuda and hip; on cpu "
@@ -332,21 +347,21 @@ def _run_options(f):
         click.option("--task", default=None, help="A built-in task, e.g. 'arithmetic:digits=1,ops=+' or 'countdown' "
                                                   "(default: the embedded default task, unless --data is given)."),
         click.option("--data", type=click.Path(dir_okay=False), default=None, help="A JSONL dataset."),
-        click.option("--steps", default=None, type=int, help="Optimiser steps (default: the embedded default's)."),
+        click.option("--steps", default=None, type=click.IntRange(min=1), help="Optimiser steps (default: the embedded default's)."),
         click.option("--out", default=None, type=click.Path(file_okay=False), help="Checkpoint folder."),
         click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint."),
-        click.option("--save-every", default=10, show_default=True, type=int, help="Checkpoint every N steps."),
+        click.option("--save-every", default=10, show_default=True, type=click.IntRange(min=1), help="Checkpoint every N steps."),
         click.option("--log-jsonl", default=None, type=click.Path(dir_okay=False), help="Per-step metrics as JSONL."),
         click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Draw the curve to this PNG."),
         click.option("--seed", default=0, show_default=True, type=int),
-        click.option("--lr", default=None, type=float, help="Peak learning rate."),
-        click.option("--warmup-steps", default=None, type=int, help="Linear warmup (default: the embedded default's)."),
-        click.option("--weight-decay", default=0.0, show_default=True, type=float),
-        click.option("--max-grad-norm", default=1.0, show_default=True, type=float, help="0 = no clipping."),
-        click.option("--micro-batch-tokens", default=16384, show_default=True, type=int,
+        click.option("--lr", default=None, type=NON_NEGATIVE, help="Peak learning rate (0: the weights stay as they are)."),
+        click.option("--warmup-steps", default=None, type=click.IntRange(min=0), help="Linear warmup (default: the embedded default's)."),
+        click.option("--weight-decay", default=0.0, show_default=True, type=NON_NEGATIVE),
+        click.option("--max-grad-norm", default=1.0, show_default=True, type=NON_NEGATIVE, help="0 = no clipping."),
+        click.option("--micro-batch-tokens", default=16384, show_default=True, type=click.IntRange(min=1),
                      help="Tokens per forward/backward pass (memory, not the result's definition)."),
         DEVICE_OPTION,
-        click.option("--dp", default=1, show_default=True, type=int,
+        click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
                      help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as "
                           "--dp 1."),
         click.option("--dp-emulate", is_flag=True,
@@ -388,8 +403,8 @@ def _train(kind: str, run, keys: list[str], steps: int):
 @main.command()
 @click.option("--model", "model_spec", default="tiny", show_default=True, help="'tiny', 'tiny-sft' or a directory.")
 @_run_options
-@click.option("--batch-size", default=32, show_default=True, type=int, help="Examples per optimiser step.")
-@click.option("--max-length", default=1024, show_default=True, type=int, help="Longest prompt + completion.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="Examples per optimiser step.")
+@click.option("--max-length", default=1024, show_default=True, type=click.IntRange(min=1), help="Longest prompt + completion.")
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
         weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, batch_size, max_length):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
@@ -397,8 +412,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
     from rlportable.train.sft import SFTConfig
 
     try:
-        config = SFTConfig(steps=steps or launch.DEFAULT_SFT_STEPS, batch_size=batch_size,
-                           learning_rate=lr or launch.DEFAULT_SFT_LR,
+        config = SFTConfig(steps=launch.DEFAULT_SFT_STEPS if steps is None else steps, batch_size=batch_size,
+                           learning_rate=launch.DEFAULT_SFT_LR if lr is None else lr,
                            warmup_steps=launch.DEFAULT_SFT_WARMUP if warmup_steps is None else warmup_steps,
                            weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
                            micro_batch_tokens=micro_batch_tokens, max_length=max_length, seed=seed)
@@ -417,20 +432,20 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--reward", "rewards", multiple=True, help="A reward function 'module:function' or 'file.py:function' "
                                                         "(repeatable; default: the task's exact-answer reward).")
 @click.option("--reward-weight", "reward_weights", multiple=True, type=float, help="One weight per --reward.")
-@click.option("--prompts-per-step", default=32, show_default=True, type=int)
-@click.option("--num-generations", "-G", default=8, show_default=True, type=int, help="Samples per prompt.")
-@click.option("--max-completion-length", default=8, show_default=True, type=int)
+@click.option("--prompts-per-step", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-generations", "-G", default=8, show_default=True, type=click.IntRange(min=1), help="Samples per prompt.")
+@click.option("--max-completion-length", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=1.0, show_default=True, type=float)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--min-p", default=0.0, show_default=True, type=float)
 @click.option("--epsilon", default=0.2, show_default=True, type=float)
 @click.option("--epsilon-high", default=None, type=float, help="Upper clip (default: --epsilon).")
-@click.option("--beta", default=0.0, show_default=True, type=float, help="k3 KL to the starting model.")
+@click.option("--beta", default=0.0, show_default=True, type=NON_NEGATIVE, help="k3 KL to the starting model.")
 @click.option("--loss-type", default="dapo", show_default=True, type=click.Choice(["grpo", "bnpo", "dr_grpo", "dapo"]))
 @click.option("--scale-rewards", default="group", show_default=True, type=click.Choice(["group", "batch", "none"]))
-@click.option("--num-iterations", default=1, show_default=True, type=int, help="Passes over each rollout.")
-@click.option("--mini-batches", default=1, show_default=True, type=int, help="Optimiser steps per pass.")
+@click.option("--num-iterations", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over each rollout.")
+@click.option("--mini-batches", default=1, show_default=True, type=click.IntRange(min=1), help="Optimiser steps per pass.")
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, temperature, top_p, top_k, min_p, epsilon,
@@ -443,9 +458,9 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
         if reward_weights and len(reward_weights) != len(rewards):
             raise RlpError(f"{len(reward_weights)} --reward-weight values for {len(rewards)} --reward functions")
         config = GRPOConfig(
-            steps=steps or launch.DEFAULT_GRPO_STEPS, prompts_per_step=prompts_per_step,
+            steps=launch.DEFAULT_GRPO_STEPS if steps is None else steps, prompts_per_step=prompts_per_step,
             num_generations=num_generations, max_completion_length=max_completion_length, temperature=temperature,
-            top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=lr or launch.DEFAULT_GRPO_LR,
+            top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=launch.DEFAULT_GRPO_LR if lr is None else lr,
             warmup_steps=launch.DEFAULT_GRPO_WARMUP if warmup_steps is None else warmup_steps,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
             epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,

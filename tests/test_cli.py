@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from rlportable.cli import main
@@ -64,3 +65,28 @@ def test_generate_json_gives_tokens_text_and_logprobs():
     payload = json.loads(result.stdout)
     samples = payload["results"][0]["samples"]
     assert len(samples) == 2 and all(len(s["token_ids"]) == 5 == len(s["logprobs"]) for s in samples)
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["sft", "--steps", "0"], "--steps"), (["grpo", "--steps", "-3"], "--steps"),
+    (["sft", "--lr", "-1e-4"], "--lr"), (["grpo", "--lr", "nan"], "--lr"), (["sft", "--lr", "inf"], "--lr"),
+    (["sft", "--max-grad-norm", "-1"], "--max-grad-norm"), (["grpo", "--save-every", "0"], "--save-every"),
+    (["sft", "--save-every", "-1"], "--save-every"), (["sft", "--batch-size", "0"], "--batch-size"),
+    (["grpo", "-G", "0"], "--num-generations"), (["grpo", "--beta", "-0.1"], "--beta"),
+    (["sft", "--dp", "0"], "--dp"), (["generate", "--model", "tiny", "--prompt", "x", "--max-batch", "0"], "--max-batch"),
+])
+def test_numeric_options_are_checked_before_any_work(args, flag, tmp_path):
+    """A zero, negative or non-finite value where the option cannot take it is one line naming the
+    flag, exit status 2, and nothing written (the run never starts)."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, args + (["--out", str(out)] if args[0] != "generate" else []))
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}'" in result.output or f"Invalid value for '-G' / '{flag}'" in result.output
+    assert not out.exists()
+
+
+def test_zero_learning_rate_is_taken_not_replaced_by_the_default():
+    """--lr 0 is a learning rate of 0 (the weights stay), not "not given"."""
+    result = CliRunner().invoke(main, ["sft", "--steps", "1", "--lr", "0", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "lr 0 " in result.output.splitlines()[-1] + " "

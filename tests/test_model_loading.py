@@ -280,6 +280,25 @@ def test_truncated_file(tiny_dir):
     assert_one_line_error(load_error(directory, config), str(path), "header length", "past the end")
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_nonfinite_weight_names_tensor_and_index(tiny_dir, value, dtype):
+    """A NaN or inf weight is refused at load, naming the file, the tensor and the first bad index."""
+    directory, config, weights = tiny_dir
+    entries = []
+    for name, array in weights.named_tensors(config).items():
+        array = array.copy()
+        if name == "model.layers.1.mlp.up_proj.weight":
+            array[3, 5] = value
+            array[7, 0] = value
+        blob = (array.astype("<f4").tobytes() if dtype == "F32"
+                else (array.view(np.uint32) >> 16).astype("<u2").tobytes())
+        entries.append((name, dtype, array.shape, blob))
+    write_raw(directory / "model.safetensors", entries)
+    assert_one_line_error(load_error(directory, config), "model.safetensors", "model.layers.1.mlp.up_proj.weight",
+                          "index [3, 5]", "2 non-finite")
+
+
 def test_corrupt_header(tiny_dir):
     directory, config, _ = tiny_dir
     path = directory / "model.safetensors"

@@ -229,6 +229,16 @@ def _to_float32(raw: bytes, entry: TensorEntry) -> np.ndarray:
     return np.ascontiguousarray(array.reshape(entry.shape))
 
 
+def _finite(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    """The array, or ModelError naming the first NaN or inf (one would poison every output it reaches)."""
+    bad = ~np.isfinite(array)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ModelError(f"{entry.path}: tensor {entry.name}: {array[index]} at index {list(index)} "
+                         f"({int(bad.sum())} non-finite values); weights must be finite")
+    return array
+
+
 def _read_tensors(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     by_file: dict[str, list[TensorEntry]] = {}
@@ -242,7 +252,7 @@ def _read_tensors(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
                     raw = handle.read(entry.stop - entry.start)
                     if len(raw) != entry.stop - entry.start:
                         raise ModelError(f"{path}: tensor {entry.name}: truncated while reading")
-                    out[entry.name] = _to_float32(raw, entry)
+                    out[entry.name] = _finite(_to_float32(raw, entry), entry)
         except OSError as error:
             raise ModelError(f"{path}: cannot be read: {error.strerror or error}") from None
     return out

@@ -90,3 +90,20 @@ def test_zero_learning_rate_is_taken_not_replaced_by_the_default():
     result = CliRunner().invoke(main, ["sft", "--steps", "1", "--lr", "0", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "lr 0 " in result.output.splitlines()[-1] + " "
+
+
+def test_out_folder_is_never_overwritten_and_resume_needs_a_checkpoint(tmp_path):
+    """A second run into an --out that holds checkpoints is refused (naming --resume and a new --out)
+    with the first run's checkpoints and `latest` untouched; --resume on an empty --out is refused."""
+    out = tmp_path / "run"
+    args = ["sft", "--steps", "1", "--device", "cpu", "--out", str(out)]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    latest = (out / "latest").read_text()
+    files = sorted(p.name for p in out.rglob("*"))
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code != 0 and "already holds a run" in again.output and "--resume" in again.output
+    assert (out / "latest").read_text() == latest and sorted(p.name for p in out.rglob("*")) == files
+    empty = CliRunner().invoke(main, ["sft", "--steps", "1", "--device", "cpu", "--resume", "--out",
+                                      str(tmp_path / "none")])
+    assert empty.exit_code != 0 and "holds no checkpoint" in empty.output
+    assert not (tmp_path / "none").exists()

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
-from rlportable.train import tasks
+from rlportable.train import checkpoint, tasks
 from rlportable.train.grpo import GRPOConfig, GRPOTrainer
 from rlportable.train.metrics import MetricsLog, plot_curve
 from rlportable.train.rewards import RewardSet
@@ -42,6 +42,21 @@ class RunOptions:
     plot: str | None
     task: str | None
     data: str | None
+
+
+def check_out(options: RunOptions) -> None:
+    """Before any work: an --out holding a run is continued with --resume or not touched (its checkpoints
+    and `latest` would be overwritten); --resume needs a checkpoint to continue."""
+    if options.out is None:
+        if options.resume:
+            raise InputError("--resume needs --out (the run's checkpoint folder)")
+        return
+    latest = checkpoint.latest_checkpoint(options.out) if os.path.isdir(options.out) else None
+    if latest is not None and not options.resume:
+        raise InputError(f"--out {options.out} already holds a run (latest checkpoint {latest}); continue it with "
+                         "--resume, or give a new --out")
+    if latest is None and options.resume:
+        raise InputError(f"--resume: --out {options.out} holds no checkpoint to continue (start without --resume)")
 
 
 def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict) -> tuple:

@@ -112,7 +112,7 @@ def test_crash_mid_file_write(tmp_path, model, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt, "_sha256", boom)
+    monkeypatch.setattr(ckpt, "sha256", boom)
     with pytest.raises(KeyboardInterrupt):
         _save(tmp_path, 2, model)
     monkeypatch.undo()
@@ -132,6 +132,27 @@ def test_corruption_detected(tmp_path, model, victim):
         handle.write(bytes(data))
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert victim in message and "corrupt" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_model_from_a_step_directory_is_checked_against_its_manifest(tmp_path, model, victim):
+    """--model DIR/step-N (load_model) verifies the manifest as --resume does: a flipped byte is
+    one line naming the file, never a silent score; an intact step directory loads bitwise."""
+    from rlportable.model import ModelError
+
+    path = _save(tmp_path, 5, model)
+    _, weights, _ = load_model(path)
+    assert _same_bits(weights.embed, model[1].embed)
+    target = os.path.join(path, victim)
+    with open(target, "rb") as handle:
+        data = bytearray(handle.read())
+    data[len(data) // 2] ^= 0x01
+    with open(target, "wb") as handle:
+        handle.write(bytes(data))
+    with pytest.raises(ModelError) as info:
+        load_model(path)
     message = str(info.value)
     assert victim in message and "corrupt" in message and "\n" not in message
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from rlportable.model import manifest
 from rlportable.model.config import ModelConfig, ModelError
 from rlportable.model.tokenizer import TOKENIZER_FILE, Tokenizer, check_vocab, load_tokenizer
 from rlportable.model.weights import ModelWeights, check_weights, load_weights, save_safetensors
@@ -34,6 +35,9 @@ def load_model(spec: str | os.PathLike) -> tuple[ModelConfig, ModelWeights, Toke
         raise ModelError(f"{directory}: no config.json")
     if not os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
         raise ModelError(f"{directory}: no {TOKENIZER_FILE}")
+    problem = manifest.directory_problem(directory)  # a checkpoint's step directory: its files as written
+    if problem:
+        raise ModelError(problem)
     config = ModelConfig.from_file(config_path)
     tokenizer = load_tokenizer(directory, config)
     weights = load_weights(directory, config)

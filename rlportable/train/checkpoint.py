@@ -18,7 +18,6 @@ per checkpoint directory is assumed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,11 +30,11 @@ import numpy as np
 
 from rlportable.errors import RlpError
 from rlportable.model.config import ModelConfig
+from rlportable.model.manifest import MANIFEST, files_problem, sha256
 from rlportable.model.tokenizer import Tokenizer
 from rlportable.model.weights import ModelWeights, atomic_write
 
 LATEST = "latest"
-MANIFEST = "manifest.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_STATE_FILE = "trainer_state.json"
 FORMAT = "rlportable-checkpoint-1"
@@ -78,14 +77,6 @@ def _fsync_path(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _files(root: str) -> list[str]:
@@ -214,7 +205,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
         for rel in _files(tmp):
             path = os.path.join(tmp, rel)
             _fsync_path(path)
-            files[rel] = {"sha256": _sha256(path), "size": os.path.getsize(path)}
+            files[rel] = {"sha256": sha256(path), "size": os.path.getsize(path)}
         manifest = {"format": FORMAT, "step": step, "files": files}
         atomic_write(os.path.join(tmp, MANIFEST), [(json.dumps(manifest, indent=2) + "\n").encode("utf-8")])
         _fsync_path(tmp)
@@ -257,14 +248,9 @@ def verify_checkpoint(step_dir: str | os.PathLike) -> dict:
     for required in ("config.json", "model.safetensors", OPTIMIZER_FILE, TRAINER_STATE_FILE):
         if required not in files:
             raise CheckpointError(f"{manifest_path}: does not list {required}")
-    for rel, entry in files.items():
-        path = os.path.join(step_dir, *rel.split("/"))
-        if ".." in rel.split("/") or not isinstance(entry, dict):
-            raise CheckpointError(f"{manifest_path}: bad entry {rel!r}")
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
-        if os.path.getsize(path) != entry.get("size") or _sha256(path) != entry.get("sha256"):
-            raise CheckpointError(f"{path}: corrupt (SHA-256 or size differs from {MANIFEST})")
+    problem = files_problem(step_dir, files)
+    if problem:
+        raise CheckpointError(problem)
     return manifest
 
 

@@ -41,6 +41,15 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+def _flip_byte(target):
+    """One bit of the file's middle byte flipped in place."""
+    with open(target, "rb") as handle:
+        data = bytearray(handle.read())
+    data[len(data) // 2] ^= 0x01
+    with open(target, "wb") as handle:
+        handle.write(bytes(data))
+
+
 def _save(directory, step, model, **kw):
     config, weights, tokenizer = model
     return save_checkpoint(directory, step, config, weights, tokenizer, _optimizer(step), _state(step), **kw)
@@ -124,12 +133,7 @@ def test_crash_mid_file_write(tmp_path, model, monkeypatch):
                                     "tokenizer.json", "config.json"])
 def test_corruption_detected(tmp_path, model, victim):
     path = _save(tmp_path, 5, model)
-    target = os.path.join(path, victim)
-    with open(target, "rb") as handle:
-        data = bytearray(handle.read())
-    data[len(data) // 2] ^= 0x01
-    with open(target, "wb") as handle:
-        handle.write(bytes(data))
+    _flip_byte(os.path.join(path, victim))
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(tmp_path)
     message = str(info.value)
@@ -145,12 +149,7 @@ def test_model_from_a_step_directory_is_checked_against_its_manifest(tmp_path, m
     path = _save(tmp_path, 5, model)
     _, weights, _ = load_model(path)
     assert _same_bits(weights.embed, model[1].embed)
-    target = os.path.join(path, victim)
-    with open(target, "rb") as handle:
-        data = bytearray(handle.read())
-    data[len(data) // 2] ^= 0x01
-    with open(target, "wb") as handle:
-        handle.write(bytes(data))
+    _flip_byte(os.path.join(path, victim))
     with pytest.raises(ModelError) as info:
         load_model(path)
     message = str(info.value)

@@ -419,7 +419,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
                            micro_batch_tokens=micro_batch_tokens, max_length=max_length, seed=seed)
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
-        launch.check_out(options)
+        launch.check_paths(options)
     except RlpError as error:
         _fail(error)
     _train_on_replicas("sft", lambda backend, on_step, group: launch.run_sft(backend, options, config, on_step, group),
@@ -468,7 +468,7 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, seed=seed)
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
-        launch.check_out(options)
+        launch.check_paths(options)
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
     except RlpError as error:
         _fail(error)

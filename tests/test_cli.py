@@ -107,3 +107,21 @@ def test_out_folder_is_never_overwritten_and_resume_needs_a_checkpoint(tmp_path)
                                       str(tmp_path / "none")])
     assert empty.exit_code != 0 and "holds no checkpoint" in empty.output
     assert not (tmp_path / "none").exists()
+
+
+def test_unwritable_paths_are_refused_before_the_first_step(tmp_path, monkeypatch):
+    """--out, --log-jsonl and --plot that cannot be written, and --plot without matplotlib, are one
+    line naming the flag before any step runs (not a traceback at the first save or after the run)."""
+    import importlib.util
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    base = ["sft", "--steps", "1", "--device", "cpu"]
+    for extra, words in ((["--out", str(blocker)], "--out"), (["--log-jsonl", str(blocker / "m.jsonl")], "--log-jsonl"),
+                         (["--plot", str(tmp_path)], "--plot"), (["--out", str(blocker / "sub" / "run")], "--out")):
+        result = CliRunner().invoke(main, base + extra)
+        assert result.exit_code != 0 and words in result.output and "step 1" not in result.output, result.output
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    result = CliRunner().invoke(main, base + ["--plot", str(tmp_path / "curve.png")])
+    assert result.exit_code != 0 and "--plot needs matplotlib" in result.output and "step 1" not in result.output

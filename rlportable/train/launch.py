@@ -59,6 +59,35 @@ def check_out(options: RunOptions) -> None:
         raise InputError(f"--resume: --out {options.out} holds no checkpoint to continue (start without --resume)")
 
 
+def check_paths(options: RunOptions) -> None:
+    """Before any work: check_out, and every path the run will write (--out, --log-jsonl, --plot) can be
+    written, and --plot's matplotlib is installed; else the first save or the end of the run would fail."""
+    check_out(options)
+    for flag, path, folder in (("--out", options.out, True), ("--log-jsonl", options.log_jsonl, False),
+                               ("--plot", options.plot, False)):
+        if path is not None:
+            _check_writable(flag, os.fspath(path), folder)
+    if options.plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise InputError("--plot needs matplotlib: pip install 'rlportable[plot]'")
+
+
+def _check_writable(flag: str, path: str, folder: bool) -> None:
+    if os.path.exists(path):
+        if folder != os.path.isdir(path):
+            raise InputError(f"{flag} {path}: {'not a folder' if folder else 'is a folder, not a file'}")
+        if not os.access(path, os.W_OK):
+            raise InputError(f"{flag} {path}: not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the folders the run would create
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: cannot be created ({parent} is not a writable folder)")
+
+
 def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict) -> tuple:
     """(model, tokenizer, first step, checkpoint or None): from --resume's checkpoint or --model."""
     ckpt = None

@@ -89,6 +89,7 @@ def plot_curve(records: list[dict], key: str, path: str, title: str) -> None:
     axes.set_title(title)
     axes.grid(alpha=0.3)
     figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp.png"
     figure.savefig(tmp)
     plt.close(figure)

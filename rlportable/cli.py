@@ -13,6 +13,7 @@ from tabulate import tabulate
 
 from rlportable.errors import RlpError
 
+
 class _NonNegativeFloat(click.ParamType):
     """A finite float >= 0: click's FloatRange lets NaN and inf through (their comparisons are false)."""
 

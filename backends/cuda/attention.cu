@@ -1981,15 +1981,22 @@ __device__ __forceinline__ void rlp_attt_stats(
     }
 }
 
-// P and dS of query row r, key c of a tile (the rows kernels' rlp_attb_terms from float64 sums).
+// P and dS of one (query row, key) pair from its two exact dot products (float64 integers) and the
+// row's and key's scalars: the rows kernels' rlp_attb_terms, step for step.
+__device__ __forceinline__ void rlp_attt_pair(double sum, double dp_sum, int eq, int ek, int edo, int ev, float m,
+                                              double total, double delta, double scale, double* big_p, double* ds) {
+    const float sc = __double2float_rn((sum * rlp_pow2_f64(eq + ek - RLP_ATT_SCORE_SHIFT)) * scale);
+    const double p = (double)rlp_exp_f32(sc - m);
+    *big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / total;
+    const double dp = dp_sum * rlp_pow2_f64(edo + ev - RLP_ATTB_DP_SHIFT);
+    *ds = (*big_p * (dp - delta)) * scale;
+}
+
+// rlp_attt_pair for query row r, key c of a query tile.
 template <int DP>
 __device__ __forceinline__ void rlp_attt_terms(const RlpAtttRows<DP>& s, int r, int c, double sum, double dp_sum,
                                                double scale, double* big_p, double* ds) {
-    const float sc = __double2float_rn((sum * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
-    const double p = (double)rlp_exp_f32(sc - s.m[r]);
-    *big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / s.total[r];
-    const double dp = dp_sum * rlp_pow2_f64(s.edo[r] + s.ev[c] - RLP_ATTB_DP_SHIFT);
-    *ds = (*big_p * (dp - s.delta[r])) * scale;
+    rlp_attt_pair(sum, dp_sum, s.eq[r], s.ek[c], s.edo[r], s.ev[c], s.m[r], s.total[r], s.delta[r], scale, big_p, ds);
 }
 
 // FIELDS: the largest exponent fields (per query row: of dS 2^ek, to e_fields; per key row and kv
@@ -2159,7 +2166,7 @@ __device__ __forceinline__ void rlp_attt_dkv(
     int* c_ev = c_ek + BKV;
     int* c_fk = c_ev + BKV;
     int* c_fv = c_fk + BKV;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int* item = items + 5 * blockIdx.x;
     const int seq = item[0];
     const long long j0 = item[1], q_begin = item[2], q_end = item[3];
@@ -2214,12 +2221,9 @@ __device__ __forceinline__ void rlp_attt_dkv(
                         double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
                         if (r < rows && c < qrows && j0 + r <= t0 + c && r_bad[c] == 0 &&
                             c_fk[r] < (int)RLP_ATTT_POISON) {
-                            const float sc = __double2float_rn(
-                                (x[n][i] * rlp_pow2_f64(r_eq[c] + c_ek[r] - RLP_ATT_SCORE_SHIFT)) * scale);
-                            const double p = (double)rlp_exp_f32(sc - r_m[c]);
-                            const double big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / r_total[c];
-                            const double dpv = y[n][i] * rlp_pow2_f64(r_edo[c] + c_ev[r] - RLP_ATTB_DP_SHIFT);
-                            const double ds = (big_p * (dpv - r_delta[c])) * scale;
+                            double big_p, ds;
+                            rlp_attt_pair(x[n][i], y[n][i], r_eq[c], c_ek[r], r_edo[c], c_ev[r], r_m[c], r_total[c],
+                                          r_delta[c], scale, &big_p, &ds);
                             rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(r_eq[c]), rlp_attb_exponent(c_fk[r])),
                                            &kh, &kl);
                             rlp_attt_split(rlp_attb_quantize(big_p * rlp_pow2_f64(r_edo[c]),

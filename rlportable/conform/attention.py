@@ -418,11 +418,12 @@ def _add_grads(tally: Tally, got, expected) -> None:
         tally.add(actual, want)
 
 
-def _add_all_methods(tally: Tally, backend: Backend, expected, q, k, v, do, cu, **options) -> None:
+def _add_all_methods(tally: Tally, backend: Backend, expected, q, k, v, do, cu, rows=slice(None), **options) -> None:
     """Every backward variant this backend runs for these shapes (rows, and tiled where it exists),
-    each against the expected bits."""
+    each against the expected bits (of the token rows `rows` of its gradients)."""
     for method in attention_op.backward_methods(backend, q.shape[2], q.shape[1] // k.shape[1]):
-        _add_grads(tally, _attention_backward(backend, q, k, v, do, cu, method=method, **options), expected)
+        got = _attention_backward(backend, q, k, v, do, cu, method=method, **options)
+        _add_grads(tally, (g[rows] for g in got), expected)
 
 
 def check_attention_backward_packed(backend: Backend, rng, quick: bool) -> Tally:
@@ -476,9 +477,7 @@ def check_attention_backward_invariance(backend: Backend, rng, quick: bool) -> T
         at = sum(before)
         for packed, alone in zip((pq, pk, pv, pdo), (q, k, v, do)):
             packed[at:at + target] = alone
-        for method in attention_op.backward_methods(backend, d, hq // hkv):
-            got = _attention_backward(backend, pq, pk, pv, pdo, _cu(lengths), method=method)
-            _add_grads(tally, (g[at:at + target] for g in got), expected)
+        _add_all_methods(tally, backend, expected, pq, pk, pv, pdo, _cu(lengths), rows=slice(at, at + target))
     for threads in (1, 32, 100, 1024) if not quick else (32, 1024):
         _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), threads=threads), expected)
     o = _attention_packed(backend, q, k, v, _cu([target]))

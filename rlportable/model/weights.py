@@ -231,12 +231,12 @@ def _to_float32(raw: bytes, entry: TensorEntry) -> np.ndarray:
 
 def _finite(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
     """The array, or ModelError naming the first NaN or inf (one would poison every output it reaches)."""
+    if np.isfinite(array).all():
+        return array
     bad = ~np.isfinite(array)
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ModelError(f"{entry.path}: tensor {entry.name}: {array[index]} at index {list(index)} "
-                         f"({int(bad.sum())} non-finite values); weights must be finite")
-    return array
+    index = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ModelError(f"{entry.path}: tensor {entry.name}: {array[index]} at index {list(index)} "
+                     f"({int(bad.sum())} non-finite values); weights must be finite")
 
 
 def _read_tensors(entries: list[TensorEntry]) -> dict[str, np.ndarray]:

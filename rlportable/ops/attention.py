@@ -28,7 +28,7 @@ encoded cache; every sum is exact, so the bits match the reference's for any blo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -567,8 +567,9 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 #   attention_backward_dkv   one block per (key token, kv head): dk and dv over t >= j and the group's heads.
 # "tiled", CUDA sources (sm_80+), padded head_dim <= 256: tiles of query rows x keys in shared memory,
 # every product on the FP64 tensor cores over integer operands (exact: see attention.cu "Tiled
-# backward"): _rows and _keys (the encoded rows as int32, padded to the kernels' head_dim), _stats (m, L, poisoned), _fields
-# (the coefficients' exponents E), _dq, _dkv and, for key tiles cut into several items, _finish.
+# backward"): _rows and _keys (the encoded rows as int32, padded to the kernels' head_dim), _stats
+# (m, L, poisoned), _fields (the coefficients' exponents E), _dq, _dkv and, for key tiles cut into
+# several items, _finish.
 
 BACKWARD_THREADS = 256
 BACKWARD_METHODS = ("auto", "rows", "tiled")
@@ -619,20 +620,30 @@ def _tiles(cu: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     return seqs, cu[:-1][seqs] + first * size
 
 
-def _tiled_plan_cached(backend: Backend, cu: np.ndarray, dpt: int, group: int, max_terms: int):
-    """tiled_plan with its lists on the device, kept for the last few packings: a model's layers all
-    call the backward with one cu_seqlens."""
+class _DevicePlan(NamedTuple):
+    """tiled_plan's lists on the device, with the counts the launches need."""
+    q_tiles: Any
+    items: Any
+    wide_rows: Any
+    cu: Any
+    n_tiles: int
+    n_items: int
+    cut: bool
+
+
+_PLANS: dict[tuple, _DevicePlan] = {}  # the last few packings: a model's layers share one cu_seqlens
+
+
+def _device_plan(backend: Backend, cu: np.ndarray, dpt: int, group: int, max_terms: int) -> _DevicePlan:
     key = (id(backend), cu.tobytes(), dpt, group, max_terms)
     if key not in _PLANS:
         q_tiles, items, wide_rows = tiled_plan(cu, dpt, group, max_terms)
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = (backend.asarray(q_tiles), backend.asarray(items), backend.asarray(wide_rows),
-                       q_tiles.shape[0], items.shape[0], bool(wide_rows.any()), backend.asarray(cu.astype(np.int64)))
+        _PLANS[key] = _DevicePlan(backend.asarray(q_tiles), backend.asarray(items), backend.asarray(wide_rows),
+                                  backend.asarray(cu.astype(np.int64)), q_tiles.shape[0], items.shape[0],
+                                  bool(wide_rows.any()))
     return _PLANS[key]
-
-
-_PLANS: dict = {}
 
 
 def tiled_plan(cu: np.ndarray, dpt: int, group: int, max_terms: int = TILED_MAX_TERMS):
@@ -742,36 +753,35 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     dpt = tiled_head_dim(dp)
     rows, key_rows = tokens * hq, tokens * hkv
-    q_tiles, items, wide_rows, n_tiles, n_items, cut, device_cu = _tiled_plan_cached(backend, cu, dpt, hq // hkv,
-                                                                                    max_terms)
+    plan = _device_plan(backend, cu, dpt, hq // hkv, max_terms)
     q_int, do_int = backend.empty((rows, dpt), np.int32), backend.empty((rows, dpt), np.int32)
     k_int, v_int = backend.empty((key_rows, dpt), np.int32), backend.empty((key_rows, dpt), np.int32)
     row_info, row_stats = backend.empty((rows, 3), np.int32), backend.empty((rows, 3), np.float64)
     e_fields = backend.empty((rows,), np.int32)
     key_fields = backend.zeros((key_rows, 2), np.uint32)
-    wide_shape = (key_rows, dim, 2) if cut else (1, 2)
+    wide_shape = (key_rows, dim, 2) if plan.cut else (1, 2)
     dk_wide, dv_wide = backend.zeros(wide_shape, np.uint64), backend.zeros(wide_shape, np.uint64)
     backend.launch("attention", "attention_backward_tiled_keys", (min(-(-key_rows * dpt // 256), GRID_LIMIT),),
                    (256,), (cache.k_digits, cache.v_digits, np.int64(key_rows), np.int32(dp), np.int32(dpt),
                             k_int, v_int))
-    backend.launch("attention", "attention_backward_tiled_rows", (min(-(-rows // (TILED_ROWS_THREADS // 32)), GRID_LIMIT),),
-                   (TILED_ROWS_THREADS,),
+    backend.launch("attention", "attention_backward_tiled_rows",
+                   (min(-(-rows // (TILED_ROWS_THREADS // 32)), GRID_LIMIT),), (TILED_ROWS_THREADS,),
                    (q, do, o, np.int64(rows), np.int32(dim), np.int32(dpt), q_int, do_int, row_info, row_stats))
     shared = tiled_shared_bytes(dpt)
-    query_args = (q_tiles, device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
+    query_args = (plan.q_tiles, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
                   do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, e_fields,
                   key_fields, dq)
-    grid = (n_tiles, hq)
+    grid = (plan.n_tiles, hq)
     block = (TILED_THREADS,)
     for step, size in (("stats", "stats"), ("fields", "query"), ("dq", "query")):
         backend.launch("attention", f"attention_backward_tiled_{step}_d{dpt}", grid, block, query_args,
                        shared_mem=shared[size])
-    backend.launch("attention", f"attention_backward_tiled_dkv_d{dpt}", (n_items, hkv), block,
-                   (items, device_cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
+    backend.launch("attention", f"attention_backward_tiled_dkv_d{dpt}", (plan.n_items, hkv), block,
+                   (plan.items, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
                     do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,
                     dv, dk_wide, dv_wide), shared_mem=shared["dkv"])
-    if cut:
+    if plan.cut:
         n = key_rows * dim
         backend.launch("attention", "attention_backward_tiled_finish", (min(-(-n // 256), GRID_LIMIT),), (256,),
-                       (wide_rows, np.int64(tokens), np.int32(hkv), np.int32(dim), key_fields,
+                       (plan.wide_rows, np.int64(tokens), np.int32(hkv), np.int32(dim), key_fields,
                         dk_wide, dv_wide, dk, dv))

@@ -44,25 +44,19 @@ class RunOptions:
     data: str | None
 
 
-def check_out(options: RunOptions) -> None:
-    """Before any work: an --out holding a run is continued with --resume or not touched (its checkpoints
-    and `latest` would be overwritten); --resume needs a checkpoint to continue."""
-    if options.out is None:
-        if options.resume:
-            raise InputError("--resume needs --out (the run's checkpoint folder)")
-        return
-    latest = checkpoint.latest_checkpoint(options.out) if os.path.isdir(options.out) else None
-    if latest is not None and not options.resume:
-        raise InputError(f"--out {options.out} already holds a run (latest checkpoint {latest}); continue it with "
-                         "--resume, or give a new --out")
-    if latest is None and options.resume:
-        raise InputError(f"--resume: --out {options.out} holds no checkpoint to continue (start without --resume)")
-
-
 def check_paths(options: RunOptions) -> None:
-    """Before any work: check_out, and every path the run will write (--out, --log-jsonl, --plot) can be
-    written, and --plot's matplotlib is installed; else the first save or the end of the run would fail."""
-    check_out(options)
+    """Before any work: an --out holding a run is continued with --resume or not touched (its checkpoints
+    and `latest` would be overwritten), --resume has a checkpoint to continue, every path the run writes
+    (--out, --log-jsonl, --plot) can be written and --plot's matplotlib is installed; else the first save
+    or the end of the run would fail. (--resume without --out: _load.)"""
+    if options.out is not None:
+        latest = checkpoint.latest_checkpoint(options.out) if os.path.isdir(options.out) else None
+        if latest is not None and not options.resume:
+            raise InputError(f"--out {options.out} already holds a run (latest checkpoint {latest}); continue it "
+                             "with --resume, or give a new --out")
+        if latest is None and options.resume:
+            raise InputError(f"--resume: --out {options.out} holds no checkpoint to continue (start without "
+                             "--resume)")
     for flag, path, folder in (("--out", options.out, True), ("--log-jsonl", options.log_jsonl, False),
                                ("--plot", options.plot, False)):
         if path is not None:

@@ -660,6 +660,10 @@ def bench_grpo(device, json_path, layers, steps, peer, prompt_len, completion_le
                f"{settings['prompt_len']} + {settings['completion_len']} tokens, {result['layers']} layers; "
                f"medians of {settings['steps']} steps after {settings['warmup']} warm-up")
     click.echo(tabulate(rows, headers=["GRPO step", "rollout s", "train s", "total s", "completion tokens"]))
+    if result["ours"] is not None and result["ours"].get("phases_s_median"):
+        phases = result["ours"]["phases_s_median"]
+        click.echo("ours, median seconds per phase: " + ", ".join(f"{name} {value:.3f}"
+                                                                  for name, value in phases.items()))
     if result["ours"] is not None:
         mismatches = sum(step["logp_mismatches"] for step in result["ours"]["steps"])
         click.echo(f"ours: log-prob mismatches {mismatches} over {len(result['ours']['steps'])} steps")
@@ -668,7 +672,8 @@ def bench_grpo(device, json_path, layers, steps, peer, prompt_len, completion_le
                    f"torch {result['trl']['torch']}")
     ratios = result["ratios"]
     if ratios:
-        click.echo(f"step time ratio ours/TRL {ratios['step_time_ratio']:.3f} (target <= 0.2); rollout "
+        click.echo(f"step time ratio ours/TRL {ratios['step_time_ratio']:.3f} "
+                   f"(target <= {result['targets']['step_time_ratio_at_most']}); rollout "
                    f"{ratios['rollout_ratio']:.3f}, train {ratios['train_ratio']:.3f}")
     _write_json(json_path, result)
     for side, key in (("ours", "ours_error"), ("the TRL peer", "peer_error")):

@@ -1,6 +1,6 @@
 """Where a training step's time goes: exclusive device time per op (synchronising after each call).
 
-    PYTHONPATH=. python3 scripts/profile_train.py [sequences] [length] [layers]
+    PYTHONPATH=. python3 scripts/profile_train.py sequences length [layers] [--recompute-attention]
 One forward + backward of packed sequences (all next-token rows scored), Qwen3-0.6B shape, random
 weights. Synchronising after every op makes the total a little larger than the real run's.
 """
@@ -18,8 +18,10 @@ from rlportable.ops import (activation, attention, embedding, fixedpoint, gemm, 
 from rlportable.runtime import get_backend
 from profiling import op_timer
 
-sequences, length = int(sys.argv[1]), int(sys.argv[2])
-layers = int(sys.argv[3]) if len(sys.argv) > 3 else None
+numbers = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
+sequences, length = numbers[0], numbers[1]
+layers = numbers[2] if len(numbers) > 2 else None
+KEEP_ATTENTION = "--recompute-attention" not in sys.argv
 backend = get_backend("cuda")
 config = qwen3_06b_config(layers)
 model = forward.Model(backend, config, random_weights(config), trainable=True)
@@ -28,22 +30,24 @@ cu = np.arange(0, sequences * length + 1, length)
 totals, calls, timed = op_timer(backend)
 
 
-PATCHES = ((gemm, ["gemm", "encode_weight"]), (fixedpoint, ["encode_rows"]),
+PATCHES = ((gemm, ["gemm", "gemm_columns", "encode_weight"]), (fixedpoint, ["encode_rows"]),
            (attention, ["attention_packed", "attention_packed_backward"]),
-           (norm, ["rmsnorm", "rmsnorm_heads", "rmsnorm_backward", "rmsnorm_heads_backward"]),
-           (rope, ["apply", "apply_backward"]), (activation, ["swiglu", "swiglu_backward"]),
+           (norm, ["rmsnorm", "rmsnorm_heads", "add_rmsnorm", "rmsnorm_heads_rope", "rmsnorm_backward",
+                   "rmsnorm_heads_backward"]),
+           (rope, ["apply", "apply_backward"]), (activation, ["swiglu", "swiglu_encode", "swiglu_backward"]),
            (residual, ["add", "add_bias", "transpose"]), (rowsum, ["rowsum"]),
            (embedding, ["gather", "gather_backward"]),
            (logprob, ["lm_head_logprobs", "logprobs_backward"]))
 for module, names in PATCHES:
     for name in names:
         setattr(module, name, timed(f"{module.__name__.split('.')[-1]}.{name}", getattr(module, name)))
-for name in ("input_grad", "weight_grad", "_layer_backward", "_recompute", "_lm_head_backward"):
+for name in ("input_grad", "weight_grad", "weight_grad_operand", "_layer_backward", "_recompute",
+             "_lm_head_backward"):
     setattr(backward, name, timed(f"backward.{name}", getattr(backward, name)))
 
 
 def step():
-    fwd = backward.forward(model, tokens, cu)
+    fwd = backward.forward(model, tokens, cu, keep_attention=KEEP_ATTENTION)
     grads = backward.backward(model, fwd, np.full(fwd.rows.size, -1.0 / fwd.rows.size, np.float32))
     return grads
 
@@ -57,5 +61,6 @@ step()
 backend.synchronize()
 wall = time.perf_counter() - start
 rows = sorted(totals.items(), key=lambda kv: -kv[1])
-print(json.dumps({"sequences": sequences, "length": length, "layers": config.num_hidden_layers, "wall_s": wall,
+print(json.dumps({"sequences": sequences, "length": length, "layers": config.num_hidden_layers,
+                  "keep_attention": KEEP_ATTENTION, "wall_s": wall,
                   "exclusive_s": dict(rows), "calls": dict(calls)}, indent=1))

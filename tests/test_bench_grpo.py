@@ -106,6 +106,13 @@ def test_our_side_on_cpu():
     assert all(s["total_s"] >= s["rollout_s"] > 0 for s in ours["steps"])
     assert ours["total_s_median"] == ours["steps"][1]["total_s"]  # the warm-up step is not counted
     assert ours["steps"][0]["reward_std"] > 0  # non-zero advantages
+    # every phase of the step is reported, and together they account for its time
+    phases = ours["steps"][1]["phases_s"]
+    assert {"rollout", "rewards", "kv_cache", "old_logp", "forward", "loss", "backward", "optimizer",
+            "other"} <= set(phases)
+    assert all(value >= 0 for value in phases.values()) and phases["backward"] > 0
+    assert sum(phases.values()) == pytest.approx(ours["steps"][1]["total_s"], rel=0.05)
+    assert set(ours["phases_s_median"]) == set(phases)
     assert ours["config"]["ignore_eos"] and ours["engine"]["sampler"] == "host"  # auto on cpu
     assert result["trl"] is None and result["ratios"] == {} and result["peer_error"] is None
 

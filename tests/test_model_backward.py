@@ -69,19 +69,27 @@ def test_gradients_match_torch_autograd(arch, tmp_path):
     assert worst * 10 < worst_bf16, (arch, worst, worst_bf16)  # measured: ~6e-4 against ~4e-2
 
 
-def test_backward_is_deterministic_and_checks_its_input():
+def test_backward_is_deterministic_and_checks_its_input(monkeypatch):
+    """Two runs give the same gradient bits, one keeping the forward's attention outputs (the
+    attention forward runs once per layer), one recomputing them (twice per layer)."""
     from rlportable.errors import InputError
+    from rlportable.ops import attention
 
     config, weights, _ = load_model("tiny")
     model = Model(CPU, config, weights, trainable=True)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 30).astype(np.int32)
     cu = np.array([0, 12, 30])
+    calls = []
+    packed = attention.attention_packed
+    monkeypatch.setattr(attention, "attention_packed", lambda *a, **k: calls.append(1) or packed(*a, **k))
     runs = []
-    for _ in range(2):
-        fwd = backward.forward(model, tokens, cu)
+    for keep in (True, False):
+        calls.clear()
+        fwd = backward.forward(model, tokens, cu, keep_attention=keep)
         g = np.linspace(-1, 1, fwd.rows.size).astype(np.float32)
         runs.append({k: v.view(np.uint32).copy() for k, v in backward.backward(model, fwd, g)
                      .named_tensors(config).items()})
+        assert len(calls) == config.num_hidden_layers * (1 if keep else 2)
     for name in runs[0]:
         assert np.array_equal(runs[0][name], runs[1][name]), name
     with pytest.raises(InputError, match="grad_logp"):

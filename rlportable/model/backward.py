@@ -16,8 +16,11 @@ How gradients are computed (docs/decisions.md, "Issue 5: gradients"):
 So the same batch gives the same gradient bits on every backend and vendor,
 and the same run twice gives the same weights.
 
-Per-layer activation checkpointing: only each layer's input is kept; the
-backward recomputes the layer's forward (the same bits) before going through it.
+Per-layer activation checkpointing: each layer's input is kept, and by default
+its attention output too (keep_attention: 4 * Hq * D bytes a token a layer, twice
+the input's for Qwen3-0.6B); the backward recomputes the rest of the layer's
+forward (the same bits) before going through it. The attention is the one
+recomputed op whose time grows with the square of the sequence length.
 """
 
 from __future__ import annotations
@@ -48,27 +51,37 @@ class TrainingForward:
     rows: np.ndarray           # int32 [R]: token rows whose next token is predicted
     targets: np.ndarray        # int32 [R]: that next token
     checkpoints: list          # device [T, H]: each layer's input, then the final norm's input
+    attention_outputs: list | None  # device [T, Hq, D]: each layer's attention output (keep_attention)
     picked: object             # device [R, H]: final-norm hidden states of `rows`
     logp: object               # device float32 [R]
     temperature: float
 
 
-def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=None) -> TrainingForward:
+def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=None,
+            keep_attention: bool = True) -> TrainingForward:
     """Packed forward keeping activation checkpoints; logp[r] = log P(tokens[rows[r] + 1] | tokens up to
     rows[r]). rows (token indices, each followed by a token of its own sequence) defaults to every
-    next-token row; a trainer passes only the completion tokens' rows."""
+    next-token row; a trainer passes only the completion tokens' rows. keep_attention: keep each
+    layer's attention output too, so that the backward does not run the attention forward again."""
     backend = model.backend
     tokens = np.asarray(tokens, dtype=np.int32)
     cu_seqlens = check_packing(tokens, cu_seqlens, model.config.vocab_size)
     temperature = logprob.check_temperature(temperature)
     positions = packed_positions(cu_seqlens).astype(np.int32)
     checkpoints: list = []
-    hidden = model._forward(tokens, positions, model.packed_attention(cu_seqlens), saved=checkpoints)
+    attend = model.packed_attention(cu_seqlens)
+    kept: list | None = [] if keep_attention else None
+    if kept is not None:
+        def attend(q, k, v, index, packed=attend):
+            kept.append(packed(q, k, v, index))
+            return kept[-1]
+    hidden = model._forward(tokens, positions, attend, saved=checkpoints)
     rows, targets = next_token_rows(tokens, cu_seqlens) if rows is None else _check_rows(rows, cu_seqlens, tokens)
     rows = rows.astype(np.int32)
     picked = embedding.gather(backend, hidden, backend.asarray(rows), host_ids=rows)
     logp = logprob.lm_head_logprobs(backend, picked, model.lm_head, backend.asarray(targets), temperature)
-    return TrainingForward(tokens, cu_seqlens, positions, rows, targets, checkpoints, picked, logp, temperature)
+    return TrainingForward(tokens, cu_seqlens, positions, rows, targets, checkpoints, kept, picked, logp,
+                           temperature)
 
 
 def _check_rows(rows, cu_seqlens: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -152,18 +165,26 @@ def input_grad(model: Model, dy, w):
     return total
 
 
-def weight_grad(backend, dy, x):
+def weight_grad_operand(backend, x) -> list:
+    """X^T [K, M] encoded at WEIGHT_GRAD_BITS as the weight-gradient GEMM's second operand, one
+    encoding per GEMM_K_CHUNK tokens: made once for every gradient that multiplies the same X."""
+    m = shape_of(x)[0]
+    return [gemm.encode_weight(backend, residual.transpose(backend, x[start:min(start + GEMM_K_CHUNK, m)]),
+                               bits=WEIGHT_GRAD_BITS) for start in range(0, m, GEMM_K_CHUNK)]
+
+
+def weight_grad(backend, dy, x, x_operand: list | None = None):
     """dW = dY^T X [N, K] for y = x W^T over M tokens: dY^T rows at 23 bits, X^T rows at 15 bits,
-    the token axis cut into GEMM_K_CHUNK chunks whose products are added in order."""
+    the token axis cut into GEMM_K_CHUNK chunks whose products are added in order. x_operand:
+    weight_grad_operand(x), when the caller shares it between gradients."""
     (m, n), k = shape_of(dy), shape_of(x)[1]
     if m == 0:
         return backend.zeros((n, k), np.float32)
+    chunks = weight_grad_operand(backend, x) if x_operand is None else x_operand
     total = None
-    for start in range(0, m, GEMM_K_CHUNK):
-        stop = min(start + GEMM_K_CHUNK, m)
-        dy_t = residual.transpose(backend, dy[start:stop])
-        x_t = gemm.encode_weight(backend, residual.transpose(backend, x[start:stop]), bits=WEIGHT_GRAD_BITS)
-        total = _accumulate(backend, total, gemm.gemm(backend, dy_t, x_t))
+    for index, start in enumerate(range(0, m, GEMM_K_CHUNK)):
+        dy_t = residual.transpose(backend, dy[start:min(start + GEMM_K_CHUNK, m)])
+        total = _accumulate(backend, total, gemm.gemm(backend, dy_t, chunks[index]))
     return total
 
 
@@ -177,12 +198,17 @@ def bias_grad(backend, dy):
 
 def _recompute(model: Model, index: int, fwd: TrainingForward, x) -> dict:
     """The layer's forward again from its checkpointed input (the same ops, so the same bits),
-    with its intermediate values."""
+    with its intermediate values; the attention output is the forward's when it was kept."""
     cos, sin = model.rope_tables(int(fwd.positions.max()) + 1 if fwd.positions.size else 1)
     positions = (model.backend.asarray(fwd.positions), fwd.positions)
     record: dict = {}
-    attend = model.packed_attention(fwd.cu_seqlens)
-    model._layer(model.layers[index], x, positions, cos, sin, lambda q, k, v: attend(q, k, v, index), record)
+    if fwd.attention_outputs is not None:
+        def attend(q, k, v):
+            return fwd.attention_outputs[index]
+    else:
+        def attend(q, k, v, packed=model.packed_attention(fwd.cu_seqlens)):
+            return packed(q, k, v, index)
+    model._layer(model.layers[index], x, positions, cos, sin, attend, record)
     return record
 
 
@@ -197,7 +223,9 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     # MLP: out = x2 + swiglu(h2 Wg^T, h2 Wu^T) Wd^T
     grads["down"] = weight_grad(backend, d_out, f.mlp)
     d_gate, d_up = activation.swiglu_backward(backend, f.gate, f.up, input_grad(model, d_out, w.down))
-    grads["gate"], grads["up"] = weight_grad(backend, d_gate, f.h2), weight_grad(backend, d_up, f.h2)
+    h2_operand = weight_grad_operand(backend, f.h2)
+    grads["gate"] = weight_grad(backend, d_gate, f.h2, h2_operand)
+    grads["up"] = weight_grad(backend, d_up, f.h2, h2_operand)
     d_h2 = residual.add(backend, input_grad(model, d_gate, w.gate), input_grad(model, d_up, w.up))
     d_x2, grads["mlp_norm"] = norm.rmsnorm_backward(backend, f.x2, w.mlp_norm, cfg.rms_norm_eps, d_h2)
     d_x2 = residual.add(backend, d_out, d_x2)
@@ -209,9 +237,9 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     d_q_lin = _head_backward(model, f.q_lin, w.q_norm, d_q, fwd, grads, "q_norm")
     d_k_lin = _head_backward(model, f.k_lin, w.k_norm, d_k, fwd, grads, "k_norm")
     d_v_lin = d_v.reshape(t, cfg.num_key_value_heads * cfg.head_dim)
-    d_h1 = None
+    d_h1, h1_operand = None, weight_grad_operand(backend, f.h1)
     for name, d_lin in (("q", d_q_lin), ("k", d_k_lin), ("v", d_v_lin)):
-        grads[name] = weight_grad(backend, d_lin, f.h1)
+        grads[name] = weight_grad(backend, d_lin, f.h1, h1_operand)
         if getattr(w, f"{name}_bias") is not None:
             grads[f"{name}_bias"] = bias_grad(backend, d_lin)
         d_h1 = _accumulate(backend, d_h1, input_grad(model, d_lin, getattr(w, name)))

@@ -31,6 +31,7 @@ from rlportable.model.forward import Model
 from rlportable.runtime.collectives import Group
 from rlportable.train import objectives
 from rlportable.train.data_parallel import Replicas
+from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.rewards import RewardSet, batch_from_records
 from rlportable.train.trainer import Sample, completion_logprobs, micro_batch_gradients, pack
@@ -116,22 +117,29 @@ class GRPOTrainer:
                           max_num_batched_tokens=max(4096, samples), sampler=cfg.sampler)
 
     def step(self, step: int) -> dict:
-        """One GRPO step (0-based index): rollout, rewards, training; returns the step's metrics."""
+        """One GRPO step (0-based index): rollout, rewards, training; returns the step's metrics,
+        with the seconds of each phase ("time/<phase>_s", train/metrics.PhaseClock)."""
         cfg = self.config
         started = time.perf_counter()
+        clock = PhaseClock(self.model.backend)
         records = records_for_step(self.dataset, cfg.seed, step, cfg.prompts_per_step)
-        samples, texts = self._rollout(records, step)
+        with clock.phase("rollout"):
+            samples, texts = self._rollout(records, step)
         rollout_s = time.perf_counter() - started
-        grouped = [r for r in records for _ in range(cfg.num_generations)]
-        total, columns = self.rewards.score(batch_from_records(grouped, texts, [s.completion_ids for s in samples]))
-        advantages = objectives.group_advantages(total, cfg.num_generations, cfg.scale_rewards)
-        for sample, advantage in zip(samples, advantages):
-            sample.advantage = float(advantage)
-        self.engine.release_kv_cache()
+        with clock.phase("rewards"):
+            grouped = [r for r in records for _ in range(cfg.num_generations)]
+            total, columns = self.rewards.score(batch_from_records(grouped, texts,
+                                                                   [s.completion_ids for s in samples]))
+            advantages = objectives.group_advantages(total, cfg.num_generations, cfg.scale_rewards)
+            for sample, advantage in zip(samples, advantages):
+                sample.advantage = float(advantage)
+        with clock.phase("kv_cache"):
+            self.engine.release_kv_cache()
         try:
-            metrics = self._train(samples)
+            metrics = self._train(samples, clock)
         finally:
-            self.engine.restore_kv_cache()
+            with clock.phase("kv_cache"):
+                self.engine.restore_kv_cache()
         seconds = time.perf_counter() - started
         tokens = sum(len(s.completion_ids) for s in samples)
         metrics.update({
@@ -139,6 +147,7 @@ class GRPOTrainer:
             **{f"reward/{name}": float(np.nanmean(values)) for name, values in columns.items()},
             "completion_length": tokens / len(samples), "rollout_s": rollout_s, "train_s": seconds - rollout_s,
             "step_s": seconds, "rollout_tokens_per_s": tokens / rollout_s if rollout_s else 0.0,
+            **clock.record(seconds),
         })
         return metrics
 
@@ -157,11 +166,12 @@ class GRPOTrainer:
         texts = [text for request in requests for _, text in request]
         return samples, texts
 
-    def _train(self, samples: list[Sample]) -> dict:
+    def _train(self, samples: list[Sample], clock: PhaseClock) -> dict:
         cfg, settings = self.config, self.config.settings()
         size = len(samples) // cfg.mini_batches
         minis = [samples[i:i + size] for i in range(0, len(samples), size)]
-        check = self._check_before_update(minis[1:])
+        with clock.phase("old_logp"):
+            check = self._check_before_update(minis[1:])
         losses, kls, clips, ratio_min, ratio_max, infos = [], [], [], [], [], []
         for iteration in range(cfg.num_iterations):
             for index, mini in enumerate(minis):
@@ -169,7 +179,7 @@ class GRPOTrainer:
                 results = self.replicas.train_rounds(
                     self.optimizer, pack(mini, cfg.micro_batch_tokens),
                     lambda batch, first=iteration == 0 and index == 0: self._micro_batch(batch, settings, counts,
-                                                                                           first))
+                                                                                           first, clock))
                 for loss in results:
                     if loss["check"] is not None:
                         check.append(loss["check"])
@@ -180,7 +190,8 @@ class GRPOTrainer:
                     if iteration == 0:
                         ratio_min.append(loss["ratio_min"])
                         ratio_max.append(loss["ratio_max"])
-                infos.append(self.optimizer.step())
+                with clock.phase("optimizer"):
+                    infos.append(self.optimizer.step())
         return {
             "loss": float(np.mean(losses)), "kl": float(np.mean(kls)), "clip_fraction": float(np.mean(clips)),
             "logp_mismatches": sum(c["mismatches"] for c in check),
@@ -190,17 +201,21 @@ class GRPOTrainer:
             "grad_norm": infos[0].norm, "lr": infos[-1].lr,
         }
 
-    def _micro_batch(self, batch, settings, counts: tuple[int, int], check_logp: bool) -> tuple[dict, dict]:
+    def _micro_batch(self, batch, settings, counts: tuple[int, int], check_logp: bool,
+                     clock: PhaseClock) -> tuple[dict, dict]:
         """(host metrics, gradients by name) of one micro-batch on this replica."""
         cfg = self.config
-        reference = self._reference_logp(batch) if cfg.beta > 0 else None
+        reference = None
+        if cfg.beta > 0:
+            with clock.phase("reference"):
+                reference = self._reference_logp(batch)
 
         def objective(logp):
             return objectives.grpo_token_loss(logp, [s.logp for s in batch.samples],
                                               np.array([s.advantage for s in batch.samples]), settings, reference,
                                               counts)
 
-        loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective)
+        loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective, clock)
         check = objectives.logp_mismatch(logp, [s.logp for s in batch.samples]) if check_logp else None
         metrics = {"loss": loss.loss, "check": check, **{key: loss.metrics[key] for key in (
             "kl", "clip_fraction", "ratio_min", "ratio_max")}}

@@ -5,8 +5,37 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
+from contextlib import contextmanager
 
 from rlportable.errors import InputError
+
+
+class PhaseClock:
+    """Seconds of each named phase of a training step. A phase ends with a device sync, so its
+    time is the device work it queued, not only the host's launches; a step has a handful of
+    phases, and the syncs stand where the loop waits for the device anyway (the log-probs the
+    objective reads, the gradient norm the optimiser step reads)."""
+
+    def __init__(self, backend=None):
+        self.backend = backend
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.backend is not None:
+                self.backend.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def record(self, total_s: float) -> dict[str, float]:
+        """{"time/<phase>_s": seconds}, with "time/other_s": the step's time outside every phase."""
+        out = {f"time/{name}_s": value for name, value in self.seconds.items()}
+        out["time/other_s"] = max(total_s - sum(self.seconds.values()), 0.0)
+        return out
 
 
 class MetricsLog:

@@ -23,6 +23,7 @@ from rlportable.runtime.collectives import Group
 from rlportable.train import objectives
 from rlportable.train.data_parallel import Replicas
 from rlportable.train.grpo import records_for_step
+from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.tasks import read_jsonl_objects
 from rlportable.train.trainer import Sample, micro_batch_gradients, pack
@@ -101,18 +102,21 @@ class SFTTrainer:
     def step(self, step: int) -> dict:
         cfg = self.config
         started = time.perf_counter()
+        clock = PhaseClock(self.model.backend)
         records = records_for_step(self.records, cfg.seed, step, cfg.batch_size)
         samples = [to_sample(r, self.tokenizer, cfg.max_length) for r in records]
         tokens = sum(len(s.completion_ids) for s in samples)
 
         def compute(batch):
             loss, _, grads = micro_batch_gradients(self.model, batch, 1.0,
-                                                   lambda logp: objectives.sft_token_loss(logp, tokens))
+                                                   lambda logp: objectives.sft_token_loss(logp, tokens), clock)
             return loss.loss, grads.named_tensors(self.model.config)
 
         losses = self.replicas.train_rounds(self.optimizer, pack(samples, cfg.micro_batch_tokens), compute)
-        info = self.optimizer.step()
+        with clock.phase("optimizer"):
+            info = self.optimizer.step()
         seconds = time.perf_counter() - started
         trained = sum(s.length for s in samples)
         return {"step": step + 1, "loss": float(np.sum(losses)), "grad_norm": info.norm, "lr": info.lr,
-                "completion_tokens": tokens, "step_s": seconds, "tokens_per_s": trained / seconds}
+                "completion_tokens": tokens, "step_s": seconds, "tokens_per_s": trained / seconds,
+                **clock.record(seconds)}

@@ -17,6 +17,7 @@ import numpy as np
 from rlportable.errors import InputError
 from rlportable.model import backward
 from rlportable.model.forward import Model
+from rlportable.train.metrics import PhaseClock
 from rlportable.train.objectives import TokenLoss
 from rlportable.train.optimizer import Optimizer
 
@@ -70,18 +71,26 @@ def _micro_batch(samples: list[Sample]) -> MicroBatch:
     return MicroBatch(samples, tokens, cu, np.concatenate(rows).astype(np.int64), splits)
 
 
-def completion_logprobs(model: Model, batch: MicroBatch, temperature: float):
-    """(forward state, per-sample completion-token log-probs on the host)."""
-    fwd = backward.forward(model, batch.tokens, batch.cu_seqlens, temperature, rows=batch.rows)
+def completion_logprobs(model: Model, batch: MicroBatch, temperature: float, for_backward: bool = False):
+    """(forward state, per-sample completion-token log-probs on the host); for_backward: keep what
+    the backward reuses (the attention outputs)."""
+    fwd = backward.forward(model, batch.tokens, batch.cu_seqlens, temperature, rows=batch.rows,
+                           keep_attention=for_backward)
     return fwd, np.split(model.backend.to_numpy(fwd.logp), batch.splits)
 
 
 def micro_batch_gradients(model: Model, batch: MicroBatch, temperature: float,
-                          objective: Callable[[list[np.ndarray]], TokenLoss]):
-    """Forward, the objective on the host, backward: (loss, per-sample log-probs, gradients)."""
-    fwd, logp = completion_logprobs(model, batch, temperature)
-    loss = objective(logp)
-    return loss, logp, backward.backward(model, fwd, loss.grad)
+                          objective: Callable[[list[np.ndarray]], TokenLoss], clock: PhaseClock | None = None):
+    """Forward, the objective on the host, backward: (loss, per-sample log-probs, gradients).
+    clock: times the phases "forward", "loss" and "backward"."""
+    clock = clock or PhaseClock()
+    with clock.phase("forward"):
+        fwd, logp = completion_logprobs(model, batch, temperature, for_backward=True)
+    with clock.phase("loss"):
+        loss = objective(logp)
+    with clock.phase("backward"):
+        grads = backward.backward(model, fwd, loss.grad)
+    return loss, logp, grads
 
 
 def train_micro_batch(model: Model, optimizer: Optimizer, batch: MicroBatch, temperature: float,

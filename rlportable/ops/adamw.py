@@ -58,15 +58,16 @@ def global_norm(backend, grads) -> float:
     if largest >= 0x7F800000:
         return ref.norm_from_parts(largest, 0)
     e = ref.exponent_of(largest)
-    total = 0
-    for g, n in zip(grads, sizes):
+    # every tensor's chunk sums into one buffer, read back once (not a device wait per tensor)
+    chunks = [-(-n // ref.NORM_CHUNK) for n in sizes]
+    offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    out = backend.zeros((max(int(offsets[-1]), 1),), np.int64)
+    for g, n, count, start in zip(grads, sizes, chunks, offsets):
         if n:
-            chunks = -(-n // ref.NORM_CHUNK)
-            out = backend.zeros((chunks,), np.int64)
-            backend.launch("adamw", "adamw_sumsq", (min(MAX_GRID, chunks),), (THREADS,),
+            backend.launch("adamw", "adamw_sumsq", (min(MAX_GRID, count),), (THREADS,),
                            (_flat(g), np.int64(n), np.int32(ref.NORM_BITS), np.int32(e),
-                            np.int64(ref.NORM_CHUNK), out))
-            total += sum(int(s) for s in backend.to_numpy(out))  # Python ints: exact
+                            np.int64(ref.NORM_CHUNK), out[int(start):int(start) + count]))
+    total = sum(int(s) for s in backend.to_numpy(out).tolist())  # Python ints: exact
     return ref.norm_from_parts(largest, total)
 
 

@@ -1,7 +1,14 @@
+#!/usr/bin/env bash
+# Kernel times of one training step (2 layers of the Qwen3-0.6B shape, 64 x 320 tokens, the
+# optimiser step included) under ncu, and the op-level profile of the 28-layer step.
+# Usage on the device machine: RLPORTABLE_COMMIT=<sha> bash scripts/device_train_kernels.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache PYTHONPATH=$PWD
-timeout 120 python3 -m rlportable.cli conform --device cuda --only adamw --json "$OUT/conform_cuda_adamw_h200.json" 2>&1 | tail -2
-timeout 150 python3 -m rlportable.cli bench grpo --device cuda --peer none --json "$OUT/grpo_ours_h200.json" 2>&1 | grep -v "step "
-timeout 280 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv python3 scripts/profile_train.py 64 320 2 > /tmp/ncu.csv 2>/tmp/ncu.err
-echo "ncu rc $?"; tail -3 /tmp/ncu.err
-python3 scripts/profile_train_kernels.py /tmp/ncu.csv > "$OUT/train_kernels_2layers_h200.json"; head -c 5000 "$OUT/train_kernels_2layers_h200.json"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+timeout 90 python3 scripts/profile_train.py 64 320 > "$OUT/train_profile_h200.json" 2> "$OUT/train_profile.log"
+timeout 300 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv \
+    python3 scripts/profile_train.py 64 320 2 > "$OUT/train_kernels_ncu_h200.csv" 2> "$OUT/ncu.log"
+echo "ncu rc $?"
+python3 scripts/profile_train_kernels.py "$OUT/train_kernels_ncu_h200.csv" > "$OUT/train_kernels_2layers_h200.json"
+head -c 6000 "$OUT/train_kernels_2layers_h200.json"
+gzip "$OUT/train_kernels_ncu_h200.csv"

@@ -1,4 +1,5 @@
-"""Where a training step's time goes: exclusive device time per op (synchronising after each call).
+"""Where a training step's time goes: exclusive device time per op (synchronising after each call),
+the optimiser step (AdamW and the weights' re-encoding) included.
 
     PYTHONPATH=. python3 scripts/profile_train.py sequences length [layers] [--recompute-attention]
 One forward + backward of packed sequences (all next-token rows scored), Qwen3-0.6B shape, random
@@ -6,6 +7,7 @@ weights. Synchronising after every op makes the total a little larger than the r
 """
 
 import json
+import os
 import sys
 import time
 
@@ -13,16 +15,17 @@ import numpy as np
 
 from rlportable.bench.forward import qwen3_06b_config, random_weights
 from rlportable.model import backward, forward
-from rlportable.ops import (activation, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope,
+from rlportable.ops import (activation, adamw, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope,
                             rowsum)
 from rlportable.runtime import get_backend
+from rlportable.train.optimizer import Hyper, Optimizer, Schedule
 from profiling import op_timer
 
 numbers = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
 sequences, length = numbers[0], numbers[1]
 layers = numbers[2] if len(numbers) > 2 else None
 KEEP_ATTENTION = "--recompute-attention" not in sys.argv
-backend = get_backend("cuda")
+backend = get_backend(os.environ.get("RLP_PROFILE_DEVICE", "cuda"))
 config = qwen3_06b_config(layers)
 model = forward.Model(backend, config, random_weights(config), trainable=True)
 tokens = np.random.default_rng(1).integers(0, config.vocab_size, sequences * length).astype(np.int32)
@@ -46,10 +49,18 @@ for name in ("input_grad", "weight_grad", "weight_grad_operand", "_layer_backwar
     setattr(backward, name, timed(f"backward.{name}", getattr(backward, name)))
 
 
+optimizer = Optimizer(model, Hyper(lr=1e-6), Schedule(total_steps=10))
+optimizer.step = timed("optimizer.step", optimizer.step)
+model.reencode = timed("model.reencode", model.reencode)
+for name in ("adamw_step", "global_norm"):
+    setattr(adamw, name, timed(f"adamw.{name}", getattr(adamw, name)))
+
+
 def step():
     fwd = backward.forward(model, tokens, cu, keep_attention=KEEP_ATTENTION)
     grads = backward.backward(model, fwd, np.full(fwd.rows.size, -1.0 / fwd.rows.size, np.float32))
-    return grads
+    optimizer.accumulate(grads)
+    optimizer.step()
 
 
 step()  # warm-up (compiles)

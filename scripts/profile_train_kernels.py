@@ -23,7 +23,8 @@ for row in rows:
         continue
     name = row["Kernel Name"].split("(")[0]
     value = float(row["Metric Value"].replace(",", ""))
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}[row["Metric Unit"]]
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+             "second": 1e6, "s": 1e6}[row["Metric Unit"]]
     totals[name] += value * scale / steps
     calls[name] += 1 / steps
 print(json.dumps({"total_us": sum(totals.values()),

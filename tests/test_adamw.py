@@ -143,3 +143,14 @@ def test_bias_correction_powers():
     assert ref.power(0.9, 0) == 1.0
     with pytest.raises(ValueError):
         ref.hyper_scalars(ref.Hyper(), 0)
+
+
+def test_exact_sum_is_the_python_integer_sum():
+    from rlportable.ops.adamw import exact_sum
+
+    rng = np.random.default_rng(5)
+    values = rng.integers(0, 1 << 62, 100_000, dtype=np.int64)
+    values[:3] = (1 << 62) - 1  # the largest chunk sum the contract allows
+    assert exact_sum(values) == sum(int(v) for v in values)
+    assert exact_sum(np.zeros(0, np.int64)) == 0
+

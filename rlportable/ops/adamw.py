@@ -25,6 +25,9 @@ from rlportable.ops.checks import require_contiguous, shape_of
 
 THREADS = 256
 MAX_GRID = 65535
+#: elements per block of adamw_sumsq (<= the contract's 2^18, so every partial sum stays exact in
+#: int64): small enough that a [1024, 1024] gradient fills 64 blocks, not 4
+SUMSQ_CHUNK = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -59,16 +62,22 @@ def global_norm(backend, grads) -> float:
         return ref.norm_from_parts(largest, 0)
     e = ref.exponent_of(largest)
     # every tensor's chunk sums into one buffer, read back once (not a device wait per tensor)
-    chunks = [-(-n // ref.NORM_CHUNK) for n in sizes]
+    chunks = [-(-n // SUMSQ_CHUNK) for n in sizes]
     offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
     out = backend.zeros((max(int(offsets[-1]), 1),), np.int64)
     for g, n, count, start in zip(grads, sizes, chunks, offsets):
         if n:
             backend.launch("adamw", "adamw_sumsq", (min(MAX_GRID, count),), (THREADS,),
                            (_flat(g), np.int64(n), np.int32(ref.NORM_BITS), np.int32(e),
-                            np.int64(ref.NORM_CHUNK), out[int(start):int(start) + count]))
-    total = sum(int(s) for s in backend.to_numpy(out).tolist())  # Python ints: exact
-    return ref.norm_from_parts(largest, total)
+                            np.int64(SUMSQ_CHUNK), out[int(start):int(start) + count]))
+    return ref.norm_from_parts(largest, exact_sum(backend.to_numpy(out)))
+
+
+def exact_sum(values: np.ndarray) -> int:
+    """The exact sum of int64 values in [0, 2^62), as a Python int: numpy sums of the two 31-bit
+    halves, which cannot overflow for fewer than 2^32 values."""
+    values = np.asarray(values, dtype=np.int64)
+    return (int(np.sum(values >> 31)) << 31) + int(np.sum(values & ((1 << 31) - 1)))
 
 
 def clip_factor(backend, grads, max_norm) -> tuple[float, float]:

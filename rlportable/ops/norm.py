@@ -233,15 +233,18 @@ def rmsnorm_backward(backend, x, weight, eps: float, dy):
     if rows == 0 or h == 0:
         return dx, dweight
     row_scale = backend.empty((rows,), np.float64)
-    backend.launch("norm", "norm_rmsnorm_backward", (min(rows, MAX_GRID),), (NORM_THREADS,),
+    # blocks no wider than the row (QK-norm's rows of 128 left half of 256 threads idle); the sums are
+    # exact integers, so the bits do not depend on the block size
+    backend.launch("norm", "norm_rmsnorm_backward", (min(rows, MAX_GRID),), (min(NORM_THREADS, row_threads(h)),),
                    (x, weight, dy, np.int64(rows), np.int32(h), np.float64(eps), dx, row_scale))
     largest = backend.zeros((h,), np.uint64)
     total = backend.zeros((h,), np.int64)
-    grid = (min(-(-h // GRAD_COLUMNS), MAX_GRID), min(-(-rows // GRAD_ROWS_PER_CHUNK), MAX_GRID))
+    columns = min(GRAD_COLUMNS, row_threads(h))
+    grid = (min(-(-h // columns), MAX_GRID), min(-(-rows // GRAD_ROWS_PER_CHUNK), MAX_GRID))
     args = (dy, x, row_scale, np.int64(rows), np.int32(h), np.int32(GRAD_ROWS_PER_CHUNK))
-    backend.launch("norm", "norm_rmsnorm_dweight_largest", grid, (GRAD_COLUMNS,), args + (largest,))
-    backend.launch("norm", "norm_rmsnorm_dweight_sum", grid, (GRAD_COLUMNS,), args + (largest, total))
-    backend.launch("norm", "norm_rmsnorm_dweight_round", (min(-(-h // GRAD_COLUMNS), MAX_GRID),), (GRAD_COLUMNS,),
+    backend.launch("norm", "norm_rmsnorm_dweight_largest", grid, (columns,), args + (largest,))
+    backend.launch("norm", "norm_rmsnorm_dweight_sum", grid, (columns,), args + (largest, total))
+    backend.launch("norm", "norm_rmsnorm_dweight_round", (min(-(-h // columns), MAX_GRID),), (columns,),
                    (largest, total, np.int32(h), dweight))
     return dx, dweight
 

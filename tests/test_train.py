@@ -64,6 +64,10 @@ def test_grpo_resume_after_a_crash_continues_bitwise(tmp_path):
     with pytest.raises(InputError, match="different settings"):
         launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _grpo_config(learning_rate=1e-3), [],
                         lambda r: None)
+    # another --steps changes the schedule of every step: refused, naming both values and the way on
+    with pytest.raises(InputError, match=r"--steps 5, but the run was started with --steps 3.*--model"):
+        launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _grpo_config(steps=5), [],
+                        lambda r: None)
 
 
 def test_a_broken_rollout_logprob_stops_the_run(tmp_path, monkeypatch):

@@ -49,6 +49,13 @@ def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoi
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
         raise InputError(f"{path}: --resume with different settings ({', '.join(changed)}); "
                          "use the run's own settings or a new --out")
+    saved_steps, steps = state.get("settings", {}).get("steps"), settings.get("steps")
+    if saved_steps != steps:
+        # the warmup + cosine schedule runs to --steps: another total changes every step's learning rate
+        raise InputError(f"{path}: --resume with --steps {steps}, but the run was started with --steps "
+                         f"{saved_steps}, and its learning-rate schedule (warmup, then cosine to the last step) "
+                         f"depends on it, so the result would differ from an unbroken run; resume with --steps "
+                         f"{saved_steps}, or start a new run from the weights with --model {path}")
     return ckpt
 
 

@@ -393,6 +393,8 @@ def _train(kind: str, run, keys: list[str], steps: int):
             def on_step(record):
                 bar.update(1)
                 click.echo("\n" + format_line(record, keys), err=True)
+                for note in record.get("notes", []):
+                    click.echo(f"note: {note}", err=True)
 
             records = run(on_step)
     except RlpError as error:

@@ -125,3 +125,20 @@ def test_unwritable_paths_are_refused_before_the_first_step(tmp_path, monkeypatc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     result = CliRunner().invoke(main, base + ["--plot", str(tmp_path / "curve.png")])
     assert result.exit_code != 0 and "--plot needs matplotlib" in result.output and "step 1" not in result.output
+
+
+def test_a_reward_with_no_values_is_a_note_not_a_numpy_warning(tmp_path):
+    """A reward function that returns NaN for every completion: the step says so in one line, and
+    no numpy RuntimeWarning ("Mean of empty slice") leaks out."""
+    import warnings
+
+    (tmp_path / "nan_reward.py").write_text("def nothing(completions, **kw):\n"
+                                            "    return [float('nan')] * len(completions)\n")
+    args = ["grpo", "--steps", "1", "--device", "cpu", "--prompts-per-step", "2", "-G", "2",
+            "--max-completion-length", "2", "--reward", f"{tmp_path / 'nan_reward.py'}:nothing"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "note: reward function" in result.output and "gave no value" in result.output
+    assert "Mean of empty slice" not in result.output

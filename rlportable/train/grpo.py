@@ -142,9 +142,13 @@ class GRPOTrainer:
                 self.engine.restore_kv_cache()
         seconds = time.perf_counter() - started
         tokens = sum(len(s.completion_ids) for s in samples)
+        empty = [name for name, values in columns.items() if not np.any(~np.isnan(values))]
+        if empty:
+            metrics["notes"] = [f"reward function {name!r} gave no value (None or NaN) for any of the "
+                                f"{len(samples)} completions: it added nothing to the rewards" for name in empty]
         metrics.update({
             "step": step + 1, "reward_mean": float(total.mean()), "reward_std": float(total.std()),
-            **{f"reward/{name}": float(np.nanmean(values)) for name, values in columns.items()},
+            **{f"reward/{name}": _mean_of_values(values) for name, values in columns.items()},
             "completion_length": tokens / len(samples), "rollout_s": rollout_s, "train_s": seconds - rollout_s,
             "step_s": seconds, "rollout_tokens_per_s": tokens / rollout_s if rollout_s else 0.0,
             **clock.record(seconds),
@@ -239,6 +243,13 @@ class GRPOTrainer:
     def _reference_logp(self, batch) -> list[np.ndarray]:
         _, logp = completion_logprobs(self.reference, batch, self.config.temperature)
         return logp
+
+
+def _mean_of_values(values: np.ndarray) -> float:
+    """The mean over the completions a reward function scored (NaN: it scored none; the step's
+    "notes" say so)."""
+    scored = values[~np.isnan(values)]
+    return float(scored.mean()) if scored.size else float("nan")
 
 
 def _raise_on_mismatch(check: dict) -> None:

@@ -285,3 +285,26 @@ def test_cpu_ops_run_the_batched_reference(monkeypatch):
     assert same_bits(op.attention_packed(CPU, q, k, v, cu), want_o)
     for got, w in zip(op.attention_packed_backward(CPU, q, k, v, do, cu), want):
         assert same_bits(got, w)
+
+
+def test_long_sequences_run_in_query_row_blocks_with_the_same_bits(monkeypatch):
+    """One sequence's forward in blocks of query rows: the same bits at any block size, and peak
+    memory linear in the length (doubling it at most ~doubles the peak; [T, T] arrays would
+    quadruple it)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((300, h, 16)).astype(np.float32) for h in (4, 2, 2))
+    whole = ref.attention_packed_batched(q, k, v, [0, 120, 300])
+    monkeypatch.setattr(ref, "ROW_BLOCK_ELEMENTS", 1)
+    for budget in (1, 1000):  # one row a block; a few rows
+        assert np.array_equal(bits(ref.attention_packed_batched(q, k, v, [0, 120, 300], budget=budget)), bits(whole))
+    monkeypatch.setattr(ref, "ROW_BLOCK_ELEMENTS", 2**18)
+    peaks = []
+    for length in (1500, 3000):
+        q, k, v = (rng.standard_normal((length, 1, 64)).astype(np.float32) for _ in range(3))
+        tracemalloc.start()
+        ref.attention_packed_batched(q, k, v, [0, length])
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 2.5 * peaks[0], peaks

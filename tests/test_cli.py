@@ -142,3 +142,40 @@ def test_a_reward_with_no_values_is_a_note_not_a_numpy_warning(tmp_path):
     assert result.exit_code == 0, result.output
     assert "note: reward function" in result.output and "gave no value" in result.output
     assert "Mean of empty slice" not in result.output
+
+
+@pytest.mark.parametrize("command", ["logp", "generate", "sft", "grpo"])
+def test_non_utf8_jsonl_is_one_line_naming_file_and_line(tmp_path, command):
+    """The same reader for every command's JSONL: invalid UTF-8 bytes and lone surrogates name the
+    file and line, no UnicodeDecodeError or tokenizer TypeError."""
+    field = {"logp": "text", "generate": "prompt"}.get(command, "prompt")
+    flag = "--data" if command in ("sft", "grpo") else "--jsonl"
+    extra = '"completion": "1", ' if command == "sft" else ""
+    raw = tmp_path / "raw.jsonl"
+    raw.write_bytes(b'{"' + field.encode() + b'": "ok", ' + extra.encode() + b'"answer": "1"}\n'
+                    b'{"' + field.encode() + b'": "bad \xff byte", ' + extra.encode() + b'"answer": "1"}\n')
+    escaped = tmp_path / "escaped.jsonl"
+    escaped.write_text('{"' + field + '": "lone \\udcff surrogate", ' + extra + '"answer": "1"}\n')
+    args = [command, "--device", "cpu"] + (["--steps", "1"] if command in ("sft", "grpo") else [])
+    for path, line, problem in ((raw, 2, "byte 0xff"), (escaped, 1, "byte 0xff")):
+        result = CliRunner().invoke(main, args + [flag, str(path)])
+        assert result.exit_code == 1, result.output
+        assert f"{path}:{line}" in result.output and "not valid UTF-8" in result.output and problem in result.output
+        assert "Traceback" not in result.output and "Error:" not in result.output.replace("error:", "")
+
+
+@pytest.mark.parametrize("args", [["logp", "--text"], ["generate", "--prompt"]])
+def test_non_utf8_text_arguments_are_one_line(args):
+    """Undecodable bytes in an argument reach Python as lone surrogates: refused, naming the flag."""
+    result = CliRunner().invoke(main, args + ["12+\udcff=", "--device", "cpu"])
+    assert result.exit_code == 1 and f"{args[1]}: not valid UTF-8" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_logp_refuses_a_text_longer_than_the_model(tmp_path):
+    from rlportable.model.load import load_model
+
+    limit = load_model("tiny")[0].max_position_embeddings
+    result = CliRunner().invoke(main, ["logp", "--device", "cpu", "--text", "1" * (limit + 10)])
+    assert result.exit_code == 1, result.output
+    assert f"more than the model's maximum length {limit}" in result.output and "Traceback" not in result.output

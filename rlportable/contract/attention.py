@@ -322,6 +322,7 @@ def attention_packed_backward(q, k, v, do, cu_seqlens, o=None) -> tuple[np.ndarr
 # their temporaries stay in the cpu caches (a few hundred NumPy calls per chunk).
 
 BATCH_ELEMENTS = 2**15  # entries per chunk: 256 KB per float64 [S, Hq, Tq, max(L, D)] array
+ROW_BLOCK_ELEMENTS = 2**22  # the forward's cap once a chunk is one head: 32 MB per float64 [S, rows, L] array
 
 
 def batch_chunks(query_counts, key_counts, heads: int, width: int = 0,
@@ -455,8 +456,14 @@ def attention_encoded_batched(qq, eq, qk, ek, qv, ev, positions, budget: int = B
         raise ValueError(f"attention: {length} keys exceed the contract's limit {MAX_KEYS}")
     out = np.empty((s, tq, hq, dim), dtype=np.float32)
     for h, g in _head_slices(qq, qk, budget, whole_groups=False):
-        out[:, :, h] = _forward_chunk(qq[:, :, h], eq[:, :, h], qk[:, :, g], ek[:, :, g], qv[:, :, g], ev[:, :, g],
-                                      positions)
+        # query rows in blocks too (each row's bits are its own), so that one long sequence's
+        # [rows, L] arrays stay within budget: memory linear in the length, not quadratic
+        heads = h.stop - h.start
+        step = max(1, max(budget, ROW_BLOCK_ELEMENTS) // max(s * heads * max(length, dim), 1))
+        for r in range(0, tq, step):
+            rows = slice(r, min(r + step, tq))
+            out[:, rows, h] = _forward_chunk(qq[:, rows, h], eq[:, rows, h], qk[:, :, g], ek[:, :, g], qv[:, :, g],
+                                             ev[:, :, g], positions[:, rows])
     return out
 
 

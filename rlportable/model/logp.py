@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 from rlportable.errors import InputError
+from rlportable.textio import check_utf8, read_jsonl_objects
 
 
 def read_texts(text: str | None, jsonl: str | None) -> list[str]:
@@ -15,16 +13,15 @@ def read_texts(text: str | None, jsonl: str | None) -> list[str]:
     if (text is None) == (jsonl is None):
         raise InputError("give exactly one of --text or --jsonl")
     if text is not None:
-        return [text]
+        return [check_utf8("--text", text)]
     texts = []
-    path = Path(jsonl)
-    for number, record in _jsonl_records(jsonl):
-        if isinstance(record, dict) and isinstance(record.get("text"), str):
+    for where, record in _records(jsonl):
+        if isinstance(record.get("text"), str):
             texts.append(record["text"])
-        elif isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
             texts.append(record["prompt"] + record["completion"])
         else:
-            raise InputError(f"{path}:{number}: expected an object with a string field 'text' (or 'prompt' and 'completion')")
+            raise InputError(f"{where}: expected an object with a string field 'text' (or 'prompt' and 'completion')")
     return texts
 
 
@@ -33,42 +30,33 @@ def read_prompts(prompts: list[str], jsonl: str | None) -> list[str]:
     if bool(prompts) == (jsonl is not None):
         raise InputError("give --prompt (one or more) or --jsonl, not both and not neither")
     if prompts:
-        return list(prompts)
-    records = _jsonl_records(jsonl)
+        return [check_utf8("--prompt", p) for p in prompts]
     texts = []
-    for number, record in records:
-        text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+    for where, record in _records(jsonl):
+        text = record.get("prompt", record.get("text"))
         if not isinstance(text, str):
-            raise InputError(f"{jsonl}:{number}: expected an object with a string field 'prompt'")
+            raise InputError(f"{where}: expected an object with a string field 'prompt'")
         texts.append(text)
     return texts
 
 
-def _jsonl_records(jsonl: str) -> list[tuple[int, object]]:
-    path = Path(jsonl)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror}") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append((number, json.loads(line)))
-        except json.JSONDecodeError as error:
-            raise InputError(f"{path}:{number}: not JSON ({error.msg})") from None
+def _records(jsonl: str) -> list[tuple[str, dict]]:
+    records = list(read_jsonl_objects(jsonl))
     if not records:
-        raise InputError(f"{path}: no records")
+        raise InputError(f"{jsonl}: no records")
     return records
 
 
 def score(model, tokenizer, texts: list[str], temperature: float = 1.0) -> list[dict]:
     """For each text: its tokens and the log-probability of every token after the first."""
     ids = [tokenizer.encode(t) for t in texts]
+    limit = model.config.max_position_embeddings
     for text, seq in zip(texts, ids):
         if len(seq) < 2:
             raise InputError(f"text {text[:40]!r} has {len(seq)} token(s); log-probs need at least 2")
+        if len(seq) > limit:
+            raise InputError(f"text {text[:40]!r} has {len(seq)} tokens, more than the model's maximum length "
+                             f"{limit} (max_position_embeddings)")
     cu = np.concatenate([[0], np.cumsum([len(s) for s in ids])])
     lps = model.logprobs(np.concatenate(ids).astype(np.int32), cu, temperature)
     results = []

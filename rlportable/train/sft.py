@@ -25,7 +25,7 @@ from rlportable.train.data_parallel import Replicas
 from rlportable.train.grpo import records_for_step
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
-from rlportable.train.tasks import read_jsonl_objects
+from rlportable.textio import read_jsonl_objects
 from rlportable.train.trainer import Sample, micro_batch_gradients, pack
 
 

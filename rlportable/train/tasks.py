@@ -33,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from rlportable.errors import InputError
+from rlportable.textio import read_jsonl_objects
 
 
 @runtime_checkable
@@ -251,29 +252,6 @@ def parse_task_spec(spec: str) -> Task:
 
 
 # ---------------------------------------------------------------- JSONL datasets
-
-
-def read_jsonl_objects(path: str | os.PathLike):
-    """(where "file:line", object) for each non-blank line of a JSONL file; one-line errors."""
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        yield where, record
 
 
 def load_jsonl_dataset(path: str | os.PathLike) -> list[dict[str, Any]]:

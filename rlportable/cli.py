@@ -285,7 +285,9 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
 @click.option("--min-p", default=0.0, show_default=True, type=float)
 @click.option("--ignore-eos", is_flag=True)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1),
+              help="The call's seed: with its index in the call, the key of each prompt without a JSONL "
+                   "\"seed\" of its own (one with a seed samples the same alone or in any batch).")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1), help="Sequences decoded together at most.")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="KV cache block size (tokens).")
 @click.option("--prefix-caching", is_flag=True, help="Share cached prompt blocks across requests.")
@@ -303,9 +305,10 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
     from rlportable.model.logp import read_prompts
 
     try:
-        texts = read_prompts(list(prompts), jsonl)
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed)
+        records = read_prompts(list(prompts), jsonl)
+        texts = [text for text, _ in records]
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                 max_tokens=max_tokens, ignore_eos=ignore_eos, seed=own) for _, own in records]
     except RlpError as error:
         _fail(error)
 
@@ -313,7 +316,7 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
         llm = LLM(model_spec, device=backend, block_size=block_size, max_num_seqs=max_batch,
                   enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, group=group)
         if group.rank:
-            return llm, llm.generate(texts, params)
+            return llm, llm.generate(texts, params, seed=seed)
         with click.progressbar(length=len(texts) * n * max_tokens, label="generating", file=sys.stderr) as bar:
             done = [0]
 
@@ -321,7 +324,7 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
                 bar.update(tokens - done[0])
                 done[0] = tokens
 
-            return llm, llm.generate(texts, params, progress=progress)
+            return llm, llm.generate(texts, params, progress=progress, seed=seed)
 
     reports, (llm, outputs) = _run_ranks(device, tp, tp_emulate, work)
     if not reports:

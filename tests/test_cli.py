@@ -179,3 +179,22 @@ def test_logp_refuses_a_text_longer_than_the_model(tmp_path):
     result = CliRunner().invoke(main, ["logp", "--device", "cpu", "--text", "1" * (limit + 10)])
     assert result.exit_code == 1, result.output
     assert f"more than the model's maximum length {limit}" in result.output and "Traceback" not in result.output
+
+
+def test_generate_takes_a_seed_per_jsonl_record(tmp_path):
+    """A record's "seed" is that request's own: the same samples alone or after other prompts."""
+    def samples(lines):
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        result = CliRunner().invoke(main, ["generate", "--device", "cpu", "--jsonl", str(path), "-n", "2",
+                                           "--max-tokens", "4", "--ignore-eos", "--json"])
+        assert result.exit_code == 0, result.output
+        return [r["samples"] for r in json.loads(result.stdout)["results"]]
+
+    seeded = {"prompt": "12+34=", "seed": 7}
+    among = samples([{"prompt": "a"}, {"prompt": "bb"}, seeded])
+    assert among[2] == samples([seeded])[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1", "seed": -4}\n')
+    result = CliRunner().invoke(main, ["generate", "--device", "cpu", "--jsonl", str(bad)])
+    assert result.exit_code == 1 and f"{bad}:1" in result.output and '"seed" must be an integer' in result.output

@@ -87,3 +87,29 @@ def test_prompt_ids_of_numpy_and_python_integers_are_the_same_request():
     assert int_list([1, True]) is None and int_list([1, 2.0]) is None
     with pytest.raises(InputError, match="found -1"):
         Sequence(0, iter([1, -1]))
+
+
+def test_a_request_with_its_own_seed_samples_the_same_alone_or_in_a_batch_of_300(tiny):
+    """vLLM's convention: SamplingParams(seed=...) keys the request's draws by that seed and the
+    sample index, wherever it stands in the call and whatever else is in it; a request without one
+    is keyed by the call's seed and its index."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, tiny[0].vocab_size, int(rng.integers(1, 9))).tolist() for _ in range(300)]
+    others = SamplingParams(n=1, temperature=1.0, max_tokens=3, ignore_eos=True)
+    own = SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True, seed=2**64 - 3)
+    params = [others] * 300
+    params[137] = own
+
+    def samples(output):
+        return [(c.token_ids, np.asarray(c.logprobs, np.float32).view(np.uint32).tolist()) for c in output.outputs]
+
+    batch = LLM(device="cpu", loaded=tiny, max_num_seqs=64).generate(prompts, params, seed=11)
+    alone = LLM(device="cpu", loaded=tiny).generate([prompts[137]], own)
+    assert samples(batch[137]) == samples(alone[0])
+    # without a seed of its own, a request's draws follow the call's seed and its index
+    moved = LLM(device="cpu", loaded=tiny).generate([prompts[5], prompts[4]], others, seed=11, request_ids=[5, 4])
+    assert samples(moved[0]) == samples(batch[5]) and samples(moved[1]) == samples(batch[4])
+    other_seed = LLM(device="cpu", loaded=tiny).generate(prompts[:8], others, seed=12)
+    assert [samples(o) for o in other_seed] != [samples(o) for o in batch[:8]]
+    with pytest.raises(InputError, match="seed"):
+        SamplingParams(seed=-1)

@@ -388,7 +388,7 @@ def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: in
     max_len = prompt_len + new_tokens
     sampler_kwargs, sampler = engine_sampler(backend.name, sampler)
     params = SamplingParams(n=1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=new_tokens,
-                            ignore_eos=True, seed=0)
+                            ignore_eos=True)  # no seed of its own: each request keyed by its index
     log = StepLog(sequences, new_tokens, time_limit)
     timings: dict[str, dict[int, float]] = {}
     tracker = PeakTracker(backend.cupy) if backend.name == "cuda" else contextlib.nullcontext()

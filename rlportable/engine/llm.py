@@ -4,8 +4,10 @@
     outputs = llm.generate(["12+34="], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=1))
     outputs[0].outputs[2].token_ids, .text, .logprobs
 
-A request's id is its index in the generate() call, so its tokens depend only on
-(seed, prompt, index, sample, position): never on batching or scheduling.
+A request with its own seed (SamplingParams.seed, vLLM's convention) draws by (seed, sample,
+position): the same tokens alone or inside any batch. A request without one draws by the call's
+seed (generate's `seed`) and its id, by default its index in the call. Never on batching or
+scheduling.
 """
 
 from __future__ import annotations
@@ -158,12 +160,13 @@ class LLM:
 
     def generate(self, prompts: Seq, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 request_ids: Seq[int] | None = None) -> list[RequestOutput]:
+                 request_ids: Seq[int] | None = None, seed: int = 0) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); returns one RequestOutput per prompt, in order.
 
-        progress(done_tokens, total_budget) is called after every step. request_ids: the ids that key
-        the requests' randomness (default 0, 1, ...; distinct integers >= 0), so a share of a batch
-        (a data-parallel replica's) samples exactly what it would have in the whole batch."""
+        progress(done_tokens, total_budget) is called after every step. seed: the key, with the
+        request's id, of the requests without a seed of their own. request_ids: those ids (default
+        0, 1, ...; distinct integers >= 0), so a share of a batch (a data-parallel replica's) samples
+        exactly what it would have in the whole batch."""
         if isinstance(prompts, (str, bytes)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -183,7 +186,7 @@ class LLM:
         for index, (prompt, p, request_id) in enumerate(zip(prompts, params, request_ids)):
             text, ids = self._encode(prompt, index)
             requests.append(RequestOutput(request_id, text, ids))
-            groups.append(scheduler.add_request(request_id, ids, p))
+            groups.append(scheduler.add_request(request_id, ids, p, call_seed=seed))
         budget = sum(p.n * p.max_tokens for p in params)
         start = time.perf_counter()
         run = self._run_overlapped if self.async_scheduling else self._run_in_turn

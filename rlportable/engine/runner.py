@@ -398,8 +398,8 @@ def _sampling_arrays(samples: list[Sequence]) -> dict:
         temperature=np.array([p.temperature for p in params], dtype=np.float64),
         top_k=np.array([p.top_k for p in params]), top_p=np.array([p.top_p for p in params]),
         min_p=np.array([p.min_p for p in params]),
-        seed=np.array([p.seed for p in params], dtype=np.uint64),
-        request=np.array([s.request_id for s in samples]),
+        seed=np.array([s.sampler_key[0] for s in samples], dtype=np.uint64),
+        request=np.array([s.sampler_key[1] for s in samples]),
         sample_index=np.array([s.sample_index for s in samples]),
         position=np.array([s.num_tokens for s in samples]))
 

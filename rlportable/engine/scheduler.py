@@ -149,10 +149,12 @@ class Scheduler:
 
     # ---- requests
 
-    def add_request(self, request_id: int, prompt_token_ids, params: SamplingParams | None = None) -> list[Sequence]:
+    def add_request(self, request_id: int, prompt_token_ids, params: SamplingParams | None = None,
+                    call_seed: int = 0) -> list[Sequence]:
         """Make and add the params.n sequences of one request; returns them (sample 0 first)."""
         params = SamplingParams() if params is None else params
-        seqs = [Sequence(request_id, prompt_token_ids, params, sample_index=i) for i in range(params.n)]
+        seqs = [Sequence(request_id, prompt_token_ids, params, sample_index=i, call_seed=call_seed)
+                for i in range(params.n)]
         self.add(seqs)
         return seqs
 

@@ -22,6 +22,9 @@ from rlportable.errors import InputError
 
 U32 = 1 << 32
 U64 = 1 << 64
+#: the request key of a request with its own seed: it samples as the first request of a call with
+#: that seed would, wherever it stands in its own call
+SEEDED_REQUEST = 0
 
 
 def _is_int(value) -> bool:
@@ -55,7 +58,9 @@ class SamplingParams:
     stop_token_ids  stop after sampling any of these (always, ignore_eos or not)
     stop            stop strings: checked by the caller that detokenizes (Scheduler's stop_checker)
     ignore_eos      do not stop at the model's eos tokens
-    seed            the sampler's key, in [0, 2^64): tokens depend on (seed, request, sample, position)
+    seed            None, or this request's own key in [0, 2^64) (vLLM's convention): its draws depend on
+                    (seed, sample, position) only, whatever else is in the call; None: on the call's
+                    seed and the request's id (LLM.generate, Sequence.sampler_key)
     logprobs        how many top alternatives to return per token besides the sampled token's log-prob
     """
 
@@ -68,7 +73,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    seed: int = 0
+    seed: int | None = None
     logprobs: int = 0
 
     def __post_init__(self):
@@ -95,7 +100,8 @@ class SamplingParams:
         real("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
         real("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
         integer("max_tokens", 1)
-        integer("seed", 0, U64)
+        if self.seed is not None:
+            integer("seed", 0, U64)
         integer("logprobs", 0)
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", self.ignore_eos, "a bool")
@@ -140,7 +146,9 @@ class Sequence:
 
     Attributes the engine reads and writes:
       seq_id               unique in the process (dictionary key)
-      request_id           the request's id, in [0, 2^32) (a key of the sampler's counter)
+      request_id           the request's id, in [0, 2^32)
+      sampler_key          (seed, request) of the sampler's counter: (params.seed, SEEDED_REQUEST) for a
+                           request with its own seed, else (the call's seed, request_id)
       sample_index         0..n-1 within the request
       params               the request's SamplingParams
       prompt_token_ids     list[int], never empty
@@ -160,10 +168,10 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "sample_index", "params", "prompt_token_ids", "output_token_ids",
                  "output_logprobs", "output_top_logprobs", "status", "finish_reason", "block_table",
                  "num_computed_tokens", "num_cached_tokens", "num_preemptions", "arrival", "block_hashes",
-                 "_tokens")
+                 "sampler_key", "_tokens")
 
     def __init__(self, request_id: int, prompt_token_ids, params: SamplingParams | None = None,
-                 sample_index: int = 0, arrival: int | None = None):
+                 sample_index: int = 0, arrival: int | None = None, call_seed: int = 0):
         if not _is_int(request_id) or not 0 <= request_id < U32:
             raise InputError(f"Sequence: request_id must be an integer in [0, 2^32), got {request_id!r}")
         params = SamplingParams() if params is None else params
@@ -198,6 +206,9 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival = arrival
         self.block_hashes: list[bytes] = []
+        if not _is_int(call_seed) or not 0 <= call_seed < U64:
+            raise InputError(f"the call's seed must be an integer in [0, 2^64), got {call_seed!r}")
+        self.sampler_key = (int(call_seed), self.request_id) if params.seed is None else (params.seed, SEEDED_REQUEST)
         self._tokens = list(self.prompt_token_ids)  # prompt + output, kept in step
 
     # ---- tokens

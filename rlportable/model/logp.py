@@ -25,19 +25,23 @@ def read_texts(text: str | None, jsonl: str | None) -> list[str]:
     return texts
 
 
-def read_prompts(prompts: list[str], jsonl: str | None) -> list[str]:
-    """Prompts from --prompt options, or the "prompt" (or "text") field of each JSONL line."""
+def read_prompts(prompts: list[str], jsonl: str | None) -> list[tuple[str, int | None]]:
+    """(prompt, its own seed or None) from --prompt options, or from each JSONL line's "prompt" (or
+    "text") field and optional "seed" (an integer in [0, 2^64))."""
     if bool(prompts) == (jsonl is not None):
         raise InputError("give --prompt (one or more) or --jsonl, not both and not neither")
     if prompts:
-        return [check_utf8("--prompt", p) for p in prompts]
-    texts = []
+        return [(check_utf8("--prompt", p), None) for p in prompts]
+    out = []
     for where, record in _records(jsonl):
         text = record.get("prompt", record.get("text"))
         if not isinstance(text, str):
             raise InputError(f"{where}: expected an object with a string field 'prompt'")
-        texts.append(text)
-    return texts
+        seed = record.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+            raise InputError(f"{where}: \"seed\" must be an integer in [0, 2^64), got {seed!r}")
+        out.append((text, seed))
+    return out
 
 
 def _records(jsonl: str) -> list[tuple[str, dict]]:

@@ -159,9 +159,10 @@ class GRPOTrainer:
         cfg = self.config
         params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, min_p=cfg.min_p, max_tokens=cfg.max_completion_length,
-                                ignore_eos=cfg.ignore_eos, seed=sampling_seed(cfg.seed, step))
+                                ignore_eos=cfg.ignore_eos)
         mine = self.replicas.share(len(records))  # this replica's requests, keyed by their global index
-        outputs = self.engine.generate([records[i]["prompt"] for i in mine], params, request_ids=mine) if mine else []
+        outputs = self.engine.generate([records[i]["prompt"] for i in mine], params, request_ids=mine,
+                                       seed=sampling_seed(cfg.seed, step)) if mine else []
         requests = self.replicas.gather_in_order([
             [(Sample(list(request.prompt_token_ids), list(completion.token_ids),
                      np.asarray(completion.logprobs, dtype=np.float32)), completion.text)

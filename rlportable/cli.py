@@ -268,7 +268,8 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
                                "results": results}))
         return
     for result in results:
-        rows = [[i, t, p, "" if lp is None else f"{lp:.6f}"]
+        # the piece as a JSON string: a leading space stays visible, as in --json
+        rows = [[i, t, json.dumps(p, ensure_ascii=False), "" if lp is None else f"{lp:.6f}"]
                 for i, (t, p, lp) in enumerate(zip(result["tokens"], result["pieces"], result["logprobs"]))]
         click.echo(tabulate(rows, headers=["#", "token", "piece", "logprob"]))
         click.echo(f"sum of log-probs: {result['sum_logprob']:.6f}\n")
@@ -376,20 +377,21 @@ def _run_options(f):
     return f
 
 
-def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str, dp: int, dp_emulate: bool):
+def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str, dp: int, dp_emulate: bool,
+                       out: str | None = None):
     """run(backend, on_step, group) on every data-parallel replica (one without --dp); rank 0 prints."""
     def work(backend, group):
         if group.rank == 0:
-            _train(kind, lambda on_step: run(backend, on_step, group), keys, steps)
+            _train(kind, lambda on_step: run(backend, on_step, group), keys, steps, out)
         else:
             run(backend, lambda record: None, group)
 
     _run_ranks(device, dp, dp_emulate, work)
 
 
-def _train(kind: str, run, keys: list[str], steps: int):
-    """Run with a progress bar and one printed line per step; errors are one line."""
-    from rlportable.train.metrics import format_line
+def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None):
+    """Run with a progress bar and one printed line per step, then a summary; errors are one line."""
+    from rlportable.train.metrics import format_line, summary_lines
 
     try:
         with click.progressbar(length=steps, label=kind, file=sys.stderr) as bar:
@@ -402,6 +404,8 @@ def _train(kind: str, run, keys: list[str], steps: int):
             records = run(on_step)
     except RlpError as error:
         _fail(error)
+    for line in summary_lines(kind, records, out):
+        click.echo(line, err=True)
     if records:
         click.echo(format_line(records[-1], keys))
 
@@ -429,7 +433,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
     except RlpError as error:
         _fail(error)
     _train_on_replicas("sft", lambda backend, on_step, group: launch.run_sft(backend, options, config, on_step, group),
-                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, dp, dp_emulate)
+                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, dp, dp_emulate, out)
 
 
 @main.command()
@@ -482,7 +486,7 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
                                                                                on_step, group),
                        ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches",
                         "max_abs_dlogp", "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"],
-                       config.steps, device, dp, dp_emulate)
+                       config.steps, device, dp, dp_emulate, out)
 
 
 @main.group()

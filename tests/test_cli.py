@@ -198,3 +198,20 @@ def test_generate_takes_a_seed_per_jsonl_record(tmp_path):
     bad.write_text('{"prompt": "1", "seed": -4}\n')
     result = CliRunner().invoke(main, ["generate", "--device", "cpu", "--jsonl", str(bad)])
     assert result.exit_code == 1 and f"{bad}:1" in result.output and '"seed" must be an integer' in result.output
+
+
+def test_training_ends_with_a_summary_saying_where_the_weights_went(tmp_path):
+    result = CliRunner().invoke(main, ["sft", "--steps", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "sft: 2 steps; loss" in result.output and "(mean of the last 2)" in result.output
+    assert "the trained weights are not kept (no --out)" in result.output
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["sft", "--steps", "2", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"weights: {out / 'step-000002'}" in result.output and "--resume" in result.output
+
+
+def test_logp_table_keeps_a_pieces_leading_space_visible():
+    result = CliRunner().invoke(main, ["logp", "--device", "cpu", "--text", "12 + 34"])
+    assert result.exit_code == 0, result.output
+    assert '" ' in result.output  # a piece starting with a space, quoted as in --json

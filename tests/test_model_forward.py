@@ -91,14 +91,13 @@ def test_bad_packing_is_an_input_error(tiny):
         model.logprobs(np.array([0, 10**7], dtype=np.int32), np.array([0, 2]))
 
 
-# ---- accuracy against HF transformers (float32 forward on the CPU)
-# Tolerance: rlportable rounds weights to 15 bits and activations to 23 bits relative
-# to each row's largest element, and keys/values to 15 bits: per-element relative
-# errors near 2^-15 = 3e-5, which move a log-prob by O(1e-5) through these small
-# models. A bf16 forward rounds every operand to 8 bits (2^-9 = 2e-3) and moves
-# log-probs by O(1e-2); the test measures that too and demands ours be 10x smaller,
-# so the bound 2e-3 sits well below what bf16 shows.
-HF_TOLERANCE = 2e-3
+# ---- accuracy against HF transformers (a float64 forward on the CPU)
+# The criterion is the contract's promise: the log-probs' largest error against a float64 forward is
+# at most 1/10 of a bf16 forward's. rlportable rounds weights to 15 bits and activations to 23 bits
+# relative to each row's largest element, and keys/values to 15 bits (per-element errors near
+# 2^-15); bf16 rounds every operand to 8 bits (2^-9). No absolute bound: on a real pretrained 135M
+# checkpoint the largest error reached 4.2e-3 (mean 3.2e-4) while staying 1/80 of bf16's.
+ERROR_RATIO_TO_BF16 = 10
 
 
 def _hf_models():
@@ -158,9 +157,8 @@ def test_logprobs_match_hf_transformers(arch, tmp_path):
     model = Model(CPU, rl_config, weights)
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, 96).astype(np.int32)
     (ours,) = model.logprobs(tokens, np.array([0, tokens.size]))
-    reference = _hf_logprobs(hf, tokens, torch.float32)
+    reference = _hf_logprobs(hf, tokens, torch.float64)
     bf16 = _hf_logprobs(hf, tokens, torch.bfloat16)
     ours_error = np.abs(ours.astype(np.float64) - reference).max()
     bf16_error = np.abs(bf16 - reference).max()
-    assert ours_error < HF_TOLERANCE, (arch, ours_error, bf16_error)
-    assert ours_error * 10 < bf16_error, (arch, ours_error, bf16_error)
+    assert ours_error * ERROR_RATIO_TO_BF16 <= bf16_error, (arch, ours_error, bf16_error)

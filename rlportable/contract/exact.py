@@ -38,7 +38,7 @@ def exact_int_matmul(qa: np.ndarray, qw: np.ndarray) -> np.ndarray:
     BLAS product of the integer-valued arrays is exact whatever its summation order
     or use of fma.
     """
-    return (qa.astype(np.float64) @ qw.astype(np.float64).T).astype(np.int64)
+    return (qa.astype(np.float64, copy=False) @ qw.astype(np.float64, copy=False).T).astype(np.int64)
 
 
 def gemm(x: np.ndarray, w: np.ndarray, bits_a: int, bits_w: int) -> np.ndarray:

@@ -22,7 +22,8 @@ is bitwise the unsharded gemm.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -51,10 +52,19 @@ class GemmWeight:
     encoded: EncodedRows
     n: int
     k: int
+    _host_integers: Any = field(default=None, repr=False, compare=False)
 
     @property
     def bits(self) -> int:
         return self.encoded.bits
+
+    def host_integers(self) -> np.ndarray:
+        """The weight's integers as float64 [N, K] (exact: below 2^53), joined once per weight version
+        (an encoding is never changed in place: Model.reencode makes new GemmWeights). The cpu
+        reference's products use it instead of joining the digits on every call."""
+        if self._host_integers is None:
+            self._host_integers = joined_integers(self.encoded).astype(np.float64)
+        return self._host_integers
 
 
 def encode_weight(backend: Backend, w, bits: int = DEFAULT_BITS_W, exponents=None) -> GemmWeight:
@@ -166,7 +176,7 @@ def _check_shared_encoding(op: str, encoded: EncodedRows | None, m: int, k: int,
 def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarray:
     qa, ea = fp.quantize_rows(x, bits_a)
     encoded = weight.encoded
-    return exact.gemm_from_encoded(qa, ea, bits_a, joined_integers(encoded), np.asarray(encoded.exponents),
+    return exact.gemm_from_encoded(qa, ea, bits_a, weight.host_integers(), np.asarray(encoded.exponents),
                                    weight.bits)
 
 
@@ -180,7 +190,7 @@ def gemm_sums(backend: Backend, x_encoded: EncodedRows, weight: GemmWeight):
     _check_encoded_operands(x_encoded, weight)
     m, n = x_encoded.rows, weight.n
     if backend.kernel_vendor is None:
-        return exact.exact_int_matmul(joined_integers(x_encoded), joined_integers(weight.encoded))
+        return exact.exact_int_matmul(joined_integers(x_encoded), weight.host_integers())
     if m == 0 or n == 0 or weight.k == 0:
         return backend.zeros((m, n), np.int64)  # an empty sum is exactly 0
     sums = backend.empty((m, n), np.int64)

@@ -86,6 +86,26 @@ def _rewrite(path: str, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def summary_lines(kind: str, records: list[dict], out_dir: str | None) -> list[str]:
+    """The end of a run: its steps, the first and last ten-step means of its curve (GRPO: the mean
+    reward; SFT: the loss), and where the trained weights went."""
+    from rlportable.train.checkpoint import step_dir_name
+
+    key = "reward_mean" if kind == "grpo" else "loss"
+    values = [r[key] for r in records if isinstance(r.get(key), float) and math.isfinite(r[key])]
+    window = min(10, len(values))
+    lines = [f"{kind}: {len(records)} steps"]
+    if window:
+        first, last = sum(values[:window]) / window, sum(values[-window:]) / window
+        lines[0] += f"; {key} {first:.4g} (mean of the first {window}) -> {last:.4g} (mean of the last {window})"
+    if out_dir is None:
+        lines.append("the trained weights are not kept (no --out); pass --out DIR to keep them")
+    elif records:
+        path = os.path.join(out_dir, step_dir_name(records[-1]["step"]))
+        lines.append(f"weights: {path} (load with --model {path}; continue with --out {out_dir} --resume)")
+    return lines
+
+
 def format_line(record: dict, keys: list[str]) -> str:
     """'step 3 | reward 0.250 | loss -0.012 ...' for the keys present."""
     parts = [f"step {record['step']}"]

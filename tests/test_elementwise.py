@@ -247,3 +247,22 @@ def test_cuda_source_compiles(tmp_path):
                str(CUDA_SOURCE)]
     completed = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr
+
+
+def test_exp_fast_path_gives_the_full_evaluations_bits():
+    """exp_f32's NumPy fast path (plain float64, kept only where its float32 rounding is certain)
+    against the full evaluation of every element, bitwise: random bit patterns, dense ranges across
+    the fast domain's ends and the float32 range's, and inputs whose fast value falls inside the
+    window around a rounding midpoint (so the full evaluation decides them). All 2^32 inputs were
+    compared once (conformance/results/cpu/exp_fast_path_exhaustive_cpu.json)."""
+    rng = np.random.default_rng(11)
+    samples = [rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)]
+    for edge in (ew.EXP_FAST_LOW, ew.EXP_FAST_HIGH, -87.3365, 88.7228, 0.0, 1.0, -1.0):
+        centre = np.float32(edge).view(np.uint32).astype(np.int64)
+        samples.append((centre + np.arange(-2**15, 2**15)).astype(np.uint32).view(np.float32))
+    near_one = (np.float32(0.25).view(np.uint32) + np.arange(1 << 22)).astype(np.uint32).view(np.float32)
+    _, certain = ew._exp_fast_core(near_one.astype(np.float64))
+    assert 0 < np.count_nonzero(~certain) < near_one.size // 1000  # some go the full way, few
+    samples.append(near_one[~certain])
+    for x in samples:
+        assert np.array_equal(ew.exp_f32(x).view(np.uint32), ew.exp_f32(x, full=True).view(np.uint32))

@@ -257,7 +257,7 @@ def test_exp_fast_path_gives_the_full_evaluations_bits():
     compared once (conformance/results/cpu/exp_fast_path_exhaustive_cpu.json)."""
     rng = np.random.default_rng(11)
     samples = [rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)]
-    for edge in (ew.EXP_FAST_LOW, ew.EXP_FAST_HIGH, -87.3365, 88.7228, 0.0, 1.0, -1.0):
+    for edge in (ew.NUMPY_FAST_EXP_LOW, ew.NUMPY_FAST_EXP_HIGH, -87.3365, 88.7228, 0.0, 1.0, -1.0):
         centre = np.float32(edge).view(np.uint32).astype(np.int64)
         samples.append((centre + np.arange(-2**15, 2**15)).astype(np.uint32).view(np.float32))
     near_one = (np.float32(0.25).view(np.uint32) + np.arange(1 << 22)).astype(np.uint32).view(np.float32)

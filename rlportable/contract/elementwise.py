@@ -63,7 +63,7 @@ exact, so the relative error stays small there too.
 NumPy's fast path (exp_f32 without full=True): e^x in plain binary64 (the same
 reduction, table and polynomial, no double-double) is within a few ulps, so its
 RNE conversion to float32 is the correctly rounded one wherever the binary64
-value lies more than EXP_FAST_WINDOW = 2^10 ulps from a float32 rounding
+value lies more than NUMPY_FAST_EXP_WINDOW = 2^10 ulps from a float32 rounding
 midpoint, for x in [-87, 88.5] (normal float32 results). Elsewhere, about 4e-6
 of the inputs in that range and all outside it, the full evaluation decides.
 The same bits for all 2^32 inputs (compared once; tests compare samples).
@@ -368,15 +368,16 @@ def _blocked(core, x: np.ndarray, out: np.ndarray) -> None:
 
 #: the NumPy fast path's domain: results far inside float32's normal range (outside it, the full
 #: evaluation); and its margin, in float64 units in the last place around a float32 rounding midpoint
-EXP_FAST_LOW, EXP_FAST_HIGH = -87.0, 88.5
-EXP_FAST_WINDOW = 1 << 10
+#: (NumPy only: the device sources have their own fast path, RLP_EXP_FAST_*)
+NUMPY_FAST_EXP_LOW, NUMPY_FAST_EXP_HIGH = -87.0, 88.5
+NUMPY_FAST_EXP_WINDOW = 1 << 10
 
 
 def _exp_fast_core(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(float32 RNE(e^x) where `certain`, certain): e^x in plain float64 (table and degree-7 polynomial,
     a few float64 ulps of error) rounded to float32 where the float64 value lies more than
-    EXP_FAST_WINDOW ulps from a float32 rounding midpoint, so that the exact value rounds the same way.
-    x: exact float32 values in [EXP_FAST_LOW, EXP_FAST_HIGH]."""
+    NUMPY_FAST_EXP_WINDOW ulps from a float32 rounding midpoint, so that the exact value rounds the same way.
+    x: exact float32 values in [NUMPY_FAST_EXP_LOW, NUMPY_FAST_EXP_HIGH]."""
     t = x * EXP_INV_LN2_64 + SHIFT
     n = t.view(np.int64) - _SHIFT_BITS
     fn = t - SHIFT
@@ -391,7 +392,7 @@ def _exp_fast_core(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     v = th + (th * (r + (r * r) * poly) + _EXP_T_LO[j])
     wide = v * (((n >> 6) + 1023) << 52).view(np.float64)  # an exact power-of-two scaling
     low = wide.view(np.int64) & ((1 << 29) - 1)  # the 29 bits float32 rounds away; midpoint 2^28
-    certain = np.abs(low - (1 << 28)) > EXP_FAST_WINDOW
+    certain = np.abs(low - (1 << 28)) > NUMPY_FAST_EXP_WINDOW
     return wide.astype(np.float32), certain
 
 
@@ -399,7 +400,7 @@ def _exp_core_fast_first(x: np.ndarray) -> np.ndarray:
     """_exp_core's bits, by the fast path where it is certain and _exp_core elsewhere."""
     with np.errstate(over="ignore", invalid="ignore"):  # outside the domain the fast values are discarded
         y, certain = _exp_fast_core(x)
-    certain &= (x >= EXP_FAST_LOW) & (x <= EXP_FAST_HIGH)
+    certain &= (x >= NUMPY_FAST_EXP_LOW) & (x <= NUMPY_FAST_EXP_HIGH)
     rest = np.flatnonzero(~certain)
     if rest.size:
         y[rest] = _exp_core(x[rest])

@@ -7,7 +7,6 @@ weights. Synchronising after every op makes the total a little larger than the r
 """
 
 import json
-import os
 import sys
 import time
 
@@ -25,7 +24,7 @@ numbers = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
 sequences, length = numbers[0], numbers[1]
 layers = numbers[2] if len(numbers) > 2 else None
 KEEP_ATTENTION = "--recompute-attention" not in sys.argv
-backend = get_backend(os.environ.get("RLP_PROFILE_DEVICE", "cuda"))
+backend = get_backend("cuda")
 config = qwen3_06b_config(layers)
 model = forward.Model(backend, config, random_weights(config), trainable=True)
 tokens = np.random.default_rng(1).integers(0, config.vocab_size, sequences * length).astype(np.int32)

@@ -1,6 +1,7 @@
 """Device time of attention_packed_backward per method (rows, tiled), one layer's call, and their bits.
 
-    PYTHONPATH=. python3 scripts/profile_attention_backward.py [sequences] [length] [hq] [hkv] [head_dim]
+    PYTHONPATH=. python3 scripts/profile_attention_backward.py [sequences] [length] [hq] [hkv] [head_dim] [source]
+source: "native" (default, backends/cuda) or "hip" (backends/hip through the HIP-on-CUDA prelude).
 Qwen3-0.6B's attention by default (16 q heads, 8 kv heads, head_dim 128) over 64 packed sequences of
 320 tokens (bench grpo's default step: 64 + 256 tokens). Prints JSON: milliseconds per call (median
 of 5 after a warm-up), each kernel's mean, and whether the two methods' outputs are bitwise equal.
@@ -16,7 +17,8 @@ from rlportable.runtime import get_backend
 
 sequences, length = (int(x) for x in sys.argv[1:3]) if len(sys.argv) > 2 else (64, 320)
 hq, hkv, dim = (int(x) for x in sys.argv[3:6]) if len(sys.argv) > 5 else (16, 8, 128)
-backend = get_backend("cuda")
+source = sys.argv[6] if len(sys.argv) > 6 else "native"
+backend = get_backend("cuda", kernel_source=source)
 cupy = backend.cupy
 rng = np.random.default_rng(0)
 tokens = sequences * length
@@ -24,7 +26,7 @@ q, k, v, do = (backend.asarray(rng.standard_normal((tokens, heads, dim)).astype(
                for heads in (hq, hkv, hkv, hq))
 cu = np.arange(0, tokens + 1, length, dtype=np.int64)
 o = attention.attention_packed(backend, q, k, v, cu)
-result = {"sequences": sequences, "length": length, "hq": hq, "hkv": hkv, "head_dim": dim, "ms": {}}
+result = {"kernel_source": source, "sequences": sequences, "length": length, "hq": hq, "hkv": hkv, "head_dim": dim, "ms": {}}
 outputs = {}
 kernels = {}  # method -> kernel -> (start, stop) events of the timed runs
 current = [None]

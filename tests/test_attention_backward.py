@@ -10,6 +10,7 @@ tests/test_kernel_sources.py.
 
 from __future__ import annotations
 
+import itertools
 from fractions import Fraction
 
 import numpy as np
@@ -460,7 +461,7 @@ def _expand_tiled_entries(text: str) -> str:
     query = re.search(r"#define RLP_ATTT_QUERY_ENTRY\(NAME, DP, IS_DQ\)(.*)", text).group(1)
     body = re.sub(r"RLP_ATTT_QUERY_ENTRY\((\w+), DP, (\w+)\)",
                   lambda m: query.replace("NAME", m.group(1)).replace("IS_DQ", m.group(2)), body)
-    body = body.replace("__launch_bounds__(RLP_ATTT_THREADS) ", "").replace("RLP_ATTT_QUERY_ARGS", args)
+    body = re.sub(r"__launch_bounds__\(\w+\) ", "", body).replace("RLP_ATTT_QUERY_ARGS", args)
     entries = ""
     for names in re.findall(r"^RLP_ATTT_ENTRIES\((\d+), (\w+),\s+(\w+),\s+(\w+),\s+(\w+)\)", text, re.M):
         entries += re.sub(r"\b(DP|STATS|FIELDS|DQ|DKV)\b",
@@ -474,9 +475,7 @@ def _kernel_parameters(vendor: str, suffix: str) -> dict[str, list[tuple[str, bo
 
     from rlportable.resources import resource_dir
 
-    text = (resource_dir("backends") / vendor / f"attention.{suffix}").read_text()
-    if vendor == "cuda":
-        text = _expand_tiled_entries(text)
+    text = _expand_tiled_entries((resource_dir("backends") / vendor / f"attention.{suffix}").read_text())
     kernels = {}
     for name, params in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
         parsed = []
@@ -489,12 +488,14 @@ def _kernel_parameters(vendor: str, suffix: str) -> dict[str, list[tuple[str, bo
 
 
 class _RecordingDevice(CPU.__class__):
-    """A cpu backend that claims to run CUDA sources and records launches instead of running them."""
+    """A cpu backend that claims to run CUDA (or HIP) sources and records launches instead of running them."""
 
     kernel_vendor = "cuda"
     label = "fake-cuda"
 
-    def __init__(self):
+    def __init__(self, vendor: str = "cuda"):
+        self.kernel_vendor = vendor
+        self.label = f"fake-{vendor}"
         self.launches = []
 
     def launch(self, family, kernel, grid, block, args, shared_mem=0):
@@ -531,12 +532,14 @@ def _check_arguments(launches, signatures) -> None:
                 assert isinstance(arg, np.generic) and arg.dtype == want, (kernel, ctype, type(arg))
 
 
+@pytest.mark.parametrize("vendor,suffix", [("cuda", "cu"), ("hip", "hip")])
 @pytest.mark.parametrize("dim,dpt", [(40, 64), (128, 128), (200, 256)])
 @pytest.mark.parametrize("terms", [op.TILED_MAX_TERMS, 96])
-def test_tiled_backward_launches_match_kernel_signatures(dim, dpt, terms):
-    """The tiled path ("auto" on CUDA sources): its launches, their arguments against the CUDA kernels'
-    signatures, grids from the plan, and the cut-tile finish only where a key tile is cut."""
-    device = _RecordingDevice()
+def test_tiled_backward_launches_match_kernel_signatures(vendor, suffix, dim, dpt, terms):
+    """The tiled path ("auto" on GPU sources): its launches, their arguments against that vendor's
+    kernels' signatures, grids from that vendor's plan, and the cut-tile finish only where a key tile
+    is cut."""
+    device = _RecordingDevice(vendor)
     rng = np.random.default_rng(11)
     q, k, v, do = inputs(rng, 75, 6, 2, dim)
     o = ref.attention(q, k, v, np.arange(75))
@@ -547,8 +550,8 @@ def test_tiled_backward_launches_match_kernel_signatures(dim, dpt, terms):
     assert launched == ["attention_write_kv", "attention_backward_tiled_keys", "attention_backward_tiled_rows"] + [
         f"attention_backward_tiled_{step}_d{dpt}" for step in ("stats", "fields", "dq", "dkv")] + (
         ["attention_backward_tiled_finish"] if cut else [])
-    _check_arguments(device.launches, _kernel_parameters("cuda", "cu"))
-    q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, 3, terms)
+    _check_arguments(device.launches, _kernel_parameters(vendor, suffix))
+    q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, 3, terms, vendor)
     grids = {launch[1]: launch[2] for launch in device.launches}
     assert grids[f"attention_backward_tiled_dq_d{dpt}"] == (q_tiles.shape[0], 6)
     assert grids[f"attention_backward_tiled_dkv_d{dpt}"] == (items.shape[0], 2)
@@ -560,9 +563,12 @@ def test_tiled_plan_covers_every_pair_once():
     """Every (query row, key) pair j <= t of every sequence lies in exactly one dq tile step and one dkv
     item; cut items hold at most max_terms pairs per key row."""
     cu = np.array([0, 1, 64, 64 + 100, 64 + 100 + 33])
-    for dpt, group, terms in ((128, 2, op.TILED_MAX_TERMS), (64, 1, 64), (256, 3, 96 * 2)):
-        tiles = op.tiled_tiles(dpt)
-        q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, group, terms)
+    for vendor, dpt, group, terms in itertools.product(("cuda", "hip"), (128, 64, 256), (1, 2, 3),
+                                                       (op.TILED_MAX_TERMS, 96)):
+        tiles = op.tiled_tiles(dpt, vendor)
+        if terms // group < tiles["bq2"]:
+            continue
+        q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, group, terms, vendor)
         seen = np.zeros((cu[-1], cu[-1]), dtype=np.int64)
         for seq, first in q_tiles:
             rows = np.arange(first, min(first + tiles["bq"], cu[seq + 1]))
@@ -581,6 +587,17 @@ def test_tiled_plan_covers_every_pair_once():
         assert np.all(pairs[causal == 1] == 1)
 
 
+def test_portable_tiled_kernels_fit_mi300x_shared_memory():
+    """The hip tiled kernels' dynamic shared memory stays within MI300X's 64 KiB per workgroup (the
+    CUDA ones use up to the H200's 227 KiB), and the accumulators' thread mapping divides evenly."""
+    for dpt in op.TILED_HEAD_DIMS:
+        assert max(op.tiled_shared_bytes(dpt, "hip").values()) <= op.PORTABLE_SHARED_LIMIT
+        t = op.tiled_tiles(dpt, "hip")
+        assert t["bq"] * dpt % op.TILED_THREADS == 0 and t["bkv"] * dpt % op.TILED_THREADS == 0
+        assert op.TILED_THREADS % t["bk"] == 0 and op.TILED_THREADS % t["bq2"] == 0
+    assert max(op.tiled_shared_bytes(256, "cuda").values()) > op.PORTABLE_SHARED_LIMIT
+
+
 def test_backward_method_errors():
     """Bad method or tiled_terms values name the argument; "tiled" where it does not exist says why."""
     rng = np.random.default_rng(12)
@@ -589,8 +606,9 @@ def test_backward_method_errors():
         op.attention_packed_backward(CPU, q, k, v, do, [0, 5], method="fast")
     with pytest.raises(InputError, match="tiled_terms must be an integer"):
         op.attention_packed_backward(CPU, q, k, v, do, [0, 5], tiled_terms=0)
-    with pytest.raises(InputError, match="the tiled kernels exist for CUDA sources"):
+    with pytest.raises(InputError, match="the tiled kernels exist for GPU kernel sources"):
         op.attention_packed_backward(CPU, q, k, v, do, [0, 5], method="tiled")
     assert op.backward_methods(CPU, 128, 2) == ("rows",)
     assert op.backward_methods(_RecordingDevice(), 128, 2) == ("rows", "tiled")
     assert op.backward_methods(_RecordingDevice(), 320, 2) == ("rows",)  # padded head_dim beyond 256
+    assert op.backward_methods(_RecordingDevice("hip"), 128, 2) == ("rows", "tiled")

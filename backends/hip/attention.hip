@@ -1214,3 +1214,632 @@ extern "C" __global__ void attention_backward_dkv(
         __syncthreads();
     }
 }
+
+// ---------------------------------------------------------------------------
+// Tiled backward, portable (ops/attention.py method "tiled"): the bits of the rows kernels above from
+// tiles of query rows x keys in shared memory. The operands sit in shared memory as int32; every
+// product and partial sum is an integer below 2^53 formed with float64 FMAs, so each sum is exact in
+// any order and any cut (the bounds and the U = U_hi 2^16 + U_lo split of backends/cuda/attention.cu's
+// tiled section, and its launch plan). No warp width is assumed: products are per thread, maxima and
+// sums meet through shared-memory atomics, and the one per-row kernel gives a row to a 32-lane segment.
+// Tiles are sized so that each kernel's shared memory stays within 64 KiB (MI300X's LDS per
+// workgroup): ops/attention.py tiled_tiles / tiled_shared_bytes say the same numbers.
+#define RLP_ATTP_THREADS 256
+#define RLP_ATTT_POISON 4096u  // a key row's field above every exponent field: a poisoned pair reaches it
+#define RLP_ATTT_HALF 16       // U = U_hi 2^16 + U_lo
+
+template <int DP>
+struct RlpAttp {
+    static constexpr int LD = DP + 1;  // int32 rows an odd stride apart: a walk down a column hits distinct banks
+    static constexpr int BQ = 2048 / DP;                          // query rows of a stats / fields / dq tile
+    static constexpr int BK = (2048 / DP < 16) ? 2048 / DP : 16;  // keys per step of those
+    static constexpr int BKV = 2048 / DP;                         // key rows of a dkv tile
+    static constexpr int BQ2 = (2048 / DP < 16) ? 2048 / DP : 16; // query rows per step of dkv
+};
+
+// How the threads share a ROWS x COLS tile of dot products: thread t takes column t % COLS and rows
+// r0 + k RGS (k < RPT) over one of SL slices of the DP terms (SL > 1 where the tile has fewer rows
+// than thread groups); PARTS partial sums per operand pair.
+template <int ROWS, int COLS>
+struct RlpAttpDots {
+    static constexpr int RG = RLP_ATTP_THREADS / COLS;
+    static constexpr int RGS = RG < ROWS ? RG : ROWS;
+    static constexpr int SL = RG / RGS;
+    static constexpr int RPT = ROWS / RGS;
+    static constexpr int OUT = ROWS * COLS;
+    static constexpr int PARTS = SL * OUT;
+};
+
+// Partial dot products px[slice][r][c] = a_r . b_c over the slice's terms (py: e_r . f_c when Y),
+// rows of DP int32 LD apart; float64 integers (exact: see the section's comment).
+template <int DP, int ROWS, int COLS, bool Y>
+__device__ __forceinline__ void rlp_attp_dots(const int* a, const int* b, const int* e, const int* f, double* px,
+                                              double* py) {
+    using T = RlpAttpDots<ROWS, COLS>;
+    constexpr int LD = RlpAttp<DP>::LD, SPAN = DP / T::SL;
+    const int c = threadIdx.x % COLS, group = threadIdx.x / COLS;
+    const int r0 = group % T::RGS, slice = group / T::RGS;
+    double x[T::RPT], y[T::RPT];
+#pragma unroll
+    for (int k = 0; k < T::RPT; ++k) { x[k] = 0.0; y[k] = 0.0; }
+    const int* bc = b + c * LD;
+    const int* fc = f + c * LD;
+#pragma unroll 4
+    for (int i = slice * SPAN; i < (slice + 1) * SPAN; ++i) {
+        const double bv = (double)bc[i];
+        const double fv = Y ? (double)fc[i] : 0.0;
+#pragma unroll
+        for (int k = 0; k < T::RPT; ++k) {
+            const int at = (r0 + k * T::RGS) * LD + i;
+            x[k] = rlp_fma_f64((double)a[at], bv, x[k]);
+            if (Y) y[k] = rlp_fma_f64((double)e[at], fv, y[k]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < T::RPT; ++k) {
+        const int o = slice * T::OUT + (r0 + k * T::RGS) * COLS + c;
+        px[o] = x[k];
+        if (Y) py[o] = y[k];
+    }
+}
+
+// The whole dot product of output o from its slices (exact integers: any order).
+template <int ROWS, int COLS>
+__device__ __forceinline__ double rlp_attp_sum(const double* parts, int o) {
+    using T = RlpAttpDots<ROWS, COLS>;
+    double s = parts[o];
+#pragma unroll
+    for (int slice = 1; slice < T::SL; ++slice) s += parts[slice * T::OUT + o];
+    return s;
+}
+
+// acc[k] += sum_c (U_hi, U_lo)[r][c] b[c][col] for the thread's outputs: column t % DP, rows
+// t / DP + k (THREADS / DP); U is ROWS x COLS (zero where no pair), b holds COLS rows of DP int32.
+template <int DP, int ROWS, int COLS>
+__device__ __forceinline__ void rlp_attp_accumulate(double (&acc)[ROWS * DP / RLP_ATTP_THREADS][2], const double* u_hi,
+                                                    const double* u_lo, const int* b) {
+    constexpr int RS = RLP_ATTP_THREADS / DP, RPT = ROWS / RS, LD = RlpAttp<DP>::LD;
+    const int col = threadIdx.x % DP, r0 = threadIdx.x / DP;
+#pragma unroll 4
+    for (int c = 0; c < COLS; ++c) {
+        const double bv = (double)b[c * LD + col];
+#pragma unroll
+        for (int k = 0; k < RPT; ++k) {
+            const int at = (r0 + k * RS) * COLS + c;
+            acc[k][0] = rlp_fma_f64(u_hi[at], bv, acc[k][0]);
+            acc[k][1] = rlp_fma_f64(u_lo[at], bv, acc[k][1]);
+        }
+    }
+}
+
+// Rows [count] of DP int32 from global (row r at src + (first + r step) DP) to shared memory (stride LD);
+// rows at or beyond count are zero.
+template <int DP, int ROWS>
+__device__ __forceinline__ void rlp_attp_load(int* dst, const int* __restrict__ src, long long first, long long step,
+                                              int count) {
+    for (int i = threadIdx.x; i < ROWS * DP; i += RLP_ATTP_THREADS) {
+        const int r = i / DP, col = i - r * DP;
+        dst[r * RlpAttp<DP>::LD + col] = r < count ? src[(first + r * step) * DP + col] : 0;
+    }
+}
+
+// int32 elements rounded up to a whole number of 8-byte words (what follows them is 8-byte aligned).
+__device__ __forceinline__ constexpr int rlp_attp_words(int ints) { return (ints + 1) / 2; }
+
+// U split exactly into U_hi 2^16 + U_lo with U_lo in [-2^15, 2^15).
+__device__ __forceinline__ void rlp_attt_split(long long u, double* hi, double* lo) {
+    const long long low = ((u + (1LL << 15)) & 0xffffLL) - (1LL << 15);
+    *lo = (double)low;
+    *hi = (double)((u - low) >> RLP_ATTT_HALF);
+}
+
+// The exact sum hi_sum 2^16 + lo_sum as the two words (lo, hi) rlp_attb_round_wide takes.
+__device__ __forceinline__ void rlp_attt_words(double hi_sum, double lo_sum, unsigned long long* lo, long long* hi) {
+    const long long a = rlp_double2ll_rn(hi_sum);  // exact: integers below 2^53
+    const long long b = rlp_double2ll_rn(lo_sum);
+    *lo = (((unsigned long long)a << RLP_ATTT_HALF) & 0xffffffffull) + ((unsigned long long)b & 0xffffffffull);
+    *hi = (a >> (RLP_ATTB_LOW_BITS - RLP_ATTT_HALF)) + (b >> RLP_ATTB_LOW_BITS);
+}
+
+// P and dS of one (query row, key) pair from its two exact dot products: rlp_attb_terms, step for step.
+__device__ __forceinline__ void rlp_attt_pair(double sum, double dp_sum, int eq, int ek, int edo, int ev, float m,
+                                              double total, double delta, double scale, double* big_p, double* ds) {
+    const float sc = rlp_double2float_rn((sum * rlp_pow2_f64(eq + ek - RLP_ATT_SCORE_SHIFT)) * scale);
+    const double p = (double)rlp_exp_f32(sc - m);
+    *big_p = (p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) / total;
+    const double dp = dp_sum * rlp_pow2_f64(edo + ev - RLP_ATTB_DP_SHIFT);
+    *ds = (*big_p * (dp - delta)) * scale;
+}
+
+// One segment per (token, q head) row, grid-stride: q and do as 23-bit integers (rows of dpt, zero beyond
+// d; zero for a non-finite row), eq, edo and the bad-rows flag (q, do or o non-finite) in row_info,
+// delta in row_stats[2].
+extern "C" __global__ void attention_backward_tiled_rows(
+    const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ o, long long rows, int d,
+    int dpt, int* __restrict__ q_int, int* __restrict__ do_int, int* __restrict__ row_info,
+    double* __restrict__ row_stats) {
+    const int lane = rlp_segment_lane();
+    for (long long item = rlp_segment_first_row(); item < rows; item += rlp_segment_row_stride()) {
+        const float* qr = q + item * (long long)d;
+        const float* dr = dout + item * (long long)d;
+        const float* orow = o + item * (long long)d;
+        unsigned int local_q = 0u, local_do = 0u, local_o = 0u;
+        for (int i = lane; i < d; i += RLP_SEGMENT) {
+            local_q = rlp_max_u32(local_q, rlp_magnitude_bits(qr[i]));
+            local_do = rlp_max_u32(local_do, rlp_magnitude_bits(dr[i]));
+            local_o = rlp_max_u32(local_o, rlp_magnitude_bits(orow[i]));
+        }
+        const int eq = rlp_row_exponent(rlp_segment_max_u32(local_q));
+        const int edo = rlp_row_exponent(rlp_segment_max_u32(local_do));
+        const bool bad_rows = eq == RLP_NONFINITE_EXPONENT || edo == RLP_NONFINITE_EXPONENT ||
+                              rlp_row_exponent(rlp_segment_max_u32(local_o)) == RLP_NONFINITE_EXPONENT;
+        unsigned int local_field = 0u;
+        for (int i = lane; i < dpt; i += RLP_SEGMENT) {
+            int a = 0, b = 0;
+            if (i < d && !bad_rows) {
+                a = (int)rlp_quantize(qr[i], RLP_ATT_Q_BITS, eq);
+                b = (int)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo);
+                local_field = rlp_max_u32(local_field, rlp_attb_field((double)b * (double)orow[i]));
+            }
+            q_int[item * dpt + i] = a;
+            do_int[item * dpt + i] = b;
+        }
+        // delta: W_d = RNE(w_d 2^(51 - E_w)) of the exact products w_d = qdo_d o_d, an exact int64 sum
+        const int e_delta = rlp_attb_exponent(rlp_segment_max_u32(local_field));
+        long long delta_sum = 0;
+        if (!bad_rows)  // segment-uniform
+            for (int i = lane; i < d; i += RLP_SEGMENT) {
+                const double w = (double)rlp_quantize(dr[i], RLP_ATTB_DO_BITS, edo) * (double)orow[i];
+                delta_sum += rlp_double2ll_rn(w * rlp_pow2_f64(RLP_ATTB_DELTA_BITS - 2 - e_delta));
+            }
+        delta_sum = (long long)rlp_segment_sum_u64((unsigned long long)delta_sum);
+        if (lane == 0) {
+            int* info = row_info + 3 * item;
+            info[0] = bad_rows ? 0 : eq;
+            info[1] = bad_rows ? 0 : edo;
+            info[2] = bad_rows ? 1 : 0;
+            row_stats[3 * item + 2] = bad_rows ? 0.0 : rlp_ll2double_rn(delta_sum) *
+                                      rlp_pow2_f64(e_delta - (RLP_ATTB_DELTA_BITS - 2) + edo - RLP_ATTB_ROW_SHIFT);
+        }
+    }
+}
+
+// The cache's k and v rows (two digits) as 15-bit integers, rows of dpt (zero beyond dp).
+extern "C" __global__ void attention_backward_tiled_keys(
+    const signed char* __restrict__ k_digits, const signed char* __restrict__ v_digits, long long rows, int dp,
+    int dpt, int* __restrict__ k_int, int* __restrict__ v_int) {
+    const long long n = rows * dpt;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / dpt;
+        const int c = (int)(i - r * dpt);
+        int kv = 0, vv = 0;
+        if (c < dp) {
+            const signed char* kr = k_digits + r * (2LL * dp);
+            const signed char* vr = v_digits + r * (2LL * dp);
+            kv = (int)kr[c] + 256 * (int)kr[dp + c];
+            vv = (int)vr[c] + 256 * (int)vr[dp + c];
+        }
+        k_int[i] = kv;
+        v_int[i] = vv;
+    }
+}
+
+// The per-query-tile kernels' scalars: the tile's rows' and a step's keys'.
+template <int BQ, int BK>
+struct RlpAtttRows {
+    int eq[BQ], edo[BQ], bad[BQ], e[BQ];
+    float m[BQ];
+    double total[BQ], delta[BQ];
+    int ek[BK], ev[BK];
+    unsigned int key[BQ], flag[BQ], field_q[BQ], field_k[BK], field_v[BK];
+    unsigned long long sum[BQ];
+};
+
+// The block's query tile: q_tiles[2 blockIdx.x] = sequence, [.. + 1] = first token t0; rows of it in its
+// sequence (at most bq), q head h = blockIdx.y and its kv head g; start = the sequence's first token.
+struct RlpAtttTile {
+    long long t0, start;
+    int rows, h, g;
+};
+
+__device__ __forceinline__ RlpAtttTile rlp_attt_query_tile_of(const int* __restrict__ q_tiles,
+                                                              const long long* __restrict__ cu_seqlens, int bq, int hq,
+                                                              int hkv) {
+    const int seq = q_tiles[2 * blockIdx.x];
+    RlpAtttTile tile;
+    tile.t0 = q_tiles[2 * blockIdx.x + 1];
+    tile.start = cu_seqlens[seq];
+    const long long left = cu_seqlens[seq + 1] - tile.t0;
+    tile.rows = (int)(left < (long long)bq ? left : (long long)bq);
+    tile.h = blockIdx.y;
+    tile.g = tile.h / (hq / hkv);
+    return tile;
+}
+
+// A query tile's scalars: row r of the tile is token t0 + r (rows valid), head h.
+template <int BQ, int BK>
+__device__ __forceinline__ void rlp_attt_row_scalars(RlpAtttRows<BQ, BK>& s, const int* __restrict__ row_info,
+                                                     const double* __restrict__ row_stats, long long t0, int rows,
+                                                     int hq, int h) {
+    for (int r = threadIdx.x; r < BQ; r += RLP_ATTP_THREADS) {
+        const long long item = (t0 + r) * hq + h;
+        const bool in = r < rows;
+        s.eq[r] = in ? row_info[3 * item] : 0;
+        s.edo[r] = in ? row_info[3 * item + 1] : 0;
+        s.bad[r] = in ? row_info[3 * item + 2] : 1;
+        s.m[r] = in ? rlp_double2float_rn(row_stats[3 * item]) : 0.0f;
+        s.total[r] = in ? row_stats[3 * item + 1] : 1.0;
+        s.delta[r] = in ? row_stats[3 * item + 2] : 0.0;
+    }
+}
+
+template <int BQ, int BK>
+__device__ __forceinline__ void rlp_attt_key_scalars(RlpAtttRows<BQ, BK>& s, const int* __restrict__ k_exponents,
+                                                     const int* __restrict__ v_exponents, long long j0, int keys,
+                                                     int hkv, int g) {
+    for (int c = threadIdx.x; c < BK; c += RLP_ATTP_THREADS) {
+        s.ek[c] = c < keys ? k_exponents[(j0 + c) * hkv + g] : 0;
+        s.ev[c] = c < keys ? v_exponents[(j0 + c) * hkv + g] : 0;
+        s.field_k[c] = 0u;
+        s.field_v[c] = 0u;
+    }
+}
+
+// Query tiles, grid (tiles, hq). Pass 1: m (an integer max of order keys) and the flag of a non-finite
+// key or value row among 0..t; pass 2: L = sum RNE(p 2^21). Writes m and L to row_stats and the
+// poisoned flag to row_info[2]. Shared: partial sums, q rows, k rows, scalars.
+template <int DP>
+__device__ __forceinline__ void rlp_attt_stats(
+    const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, double scale,
+    const int* __restrict__ q_int, const int* __restrict__ k_int, const int* __restrict__ k_exponents,
+    const int* __restrict__ v_exponents, int* __restrict__ row_info, double* __restrict__ row_stats, double* smem) {
+    using T = RlpAttp<DP>;
+    using D = RlpAttpDots<T::BQ, T::BK>;
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD;
+    double* px = smem;
+    int* qs = reinterpret_cast<int*>(px + D::PARTS);
+    int* ks = qs + BQ * LD;
+    RlpAtttRows<BQ, BK>& s = *reinterpret_cast<RlpAtttRows<BQ, BK>*>(px + D::PARTS + rlp_attp_words((BQ + BK) * LD));
+    const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const long long t0 = tile.t0, start = tile.start;
+    const int rows = tile.rows, h = tile.h, g = tile.g;
+    rlp_attp_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
+    rlp_attt_row_scalars<BQ, BK>(s, row_info, row_stats, t0, rows, hq, h);
+    for (int r = threadIdx.x; r < BQ; r += RLP_ATTP_THREADS) { s.key[r] = 0u; s.flag[r] = 0u; s.sum[r] = 0ull; }
+    for (int pass = 0; pass < 2; ++pass) {
+        for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
+            const long long left = t0 + rows - j0;
+            const int keys = (int)(left < (long long)BK ? left : (long long)BK);
+            __syncthreads();
+            rlp_attp_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
+            rlp_attt_key_scalars<BQ, BK>(s, k_exponents, v_exponents, j0, keys, hkv, g);
+            __syncthreads();
+            rlp_attp_dots<DP, BQ, BK, false>(qs, ks, qs, ks, px, px);
+            __syncthreads();
+            for (int o = threadIdx.x; o < D::OUT; o += RLP_ATTP_THREADS) {
+                const int r = o / BK, c = o - r * BK;
+                if (r >= rows || c >= keys || j0 + c > t0 + r || s.bad[r] != 0) continue;
+                if (s.ek[c] == RLP_NONFINITE_EXPONENT || s.ev[c] == RLP_NONFINITE_EXPONENT) {
+                    atomicOr(&s.flag[r], 1u);
+                    continue;
+                }
+                const float sc = rlp_double2float_rn(
+                    (rlp_attp_sum<BQ, BK>(px, o) * rlp_pow2_f64(s.eq[r] + s.ek[c] - RLP_ATT_SCORE_SHIFT)) * scale);
+                if (pass == 0) {
+                    atomicMax(&s.key[r], rlp_att_order_key(sc));
+                } else {
+                    const long long part = rlp_double2ll_rn((double)rlp_exp_f32(sc - s.m[r]) * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                    if (part != 0) atomicAdd(&s.sum[r], (unsigned long long)part);
+                }
+            }
+        }
+        __syncthreads();
+        if (pass == 0)
+            for (int r = threadIdx.x; r < BQ; r += RLP_ATTP_THREADS) {
+                const float m = rlp_att_from_order_key(s.key[r]);
+                if (s.flag[r] != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) s.bad[r] = 1;
+                s.m[r] = m;
+            }
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < rows; r += RLP_ATTP_THREADS) {
+        const long long item = (t0 + r) * hq + h;
+        const bool poisoned = s.bad[r] != 0;
+        if (poisoned) { row_info[3 * item] = 0; row_info[3 * item + 1] = 0; row_info[3 * item + 2] = 1; }
+        row_stats[3 * item] = poisoned ? 0.0 : (double)s.m[r];
+        row_stats[3 * item + 1] = poisoned ? 0.0 : rlp_ll2double_rn((long long)s.sum[r]);
+        if (poisoned) row_stats[3 * item + 2] = 0.0;
+    }
+}
+
+// FIELDS (DQ false): the largest exponent fields (per query row: of dS 2^ek, to e_fields; per key row and
+// kv head: of dS 2^eq and P 2^edo, atomicMax into key_fields [T hkv, 2], RLP_ATTT_POISON where a
+// poisoned row reaches the key). DQ: dq of the tile's rows from the exact sums of U . qk.
+// Shared: partial sums of S and dP, U_hi and U_lo, q, do, k, v rows, scalars.
+template <int DP, bool DQ>
+__device__ __forceinline__ void rlp_attt_query_tile(
+    const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
+    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
+    const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, int* __restrict__ e_fields,
+    unsigned int* __restrict__ key_fields, float* __restrict__ dq, double* smem) {
+    using T = RlpAttp<DP>;
+    using D = RlpAttpDots<T::BQ, T::BK>;
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ACC = BQ * DP / RLP_ATTP_THREADS;
+    double* px = smem;
+    double* py = px + D::PARTS;
+    double* u_hi = py + D::PARTS;
+    double* u_lo = u_hi + D::OUT;
+    int* qs = reinterpret_cast<int*>(u_lo + D::OUT);
+    int* dos = qs + BQ * LD;
+    int* ks = dos + BQ * LD;
+    int* vs = ks + BK * LD;
+    RlpAtttRows<BQ, BK>& s =
+        *reinterpret_cast<RlpAtttRows<BQ, BK>*>(u_lo + D::OUT + rlp_attp_words(2 * (BQ + BK) * LD));
+    const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const long long t0 = tile.t0, start = tile.start;
+    const int rows = tile.rows, h = tile.h, g = tile.g;
+    rlp_attp_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
+    rlp_attp_load<DP, BQ>(dos, do_int, t0 * hq + h, hq, rows);
+    rlp_attt_row_scalars<BQ, BK>(s, row_info, row_stats, t0, rows, hq, h);
+    for (int r = threadIdx.x; r < BQ; r += RLP_ATTP_THREADS) {
+        s.field_q[r] = 0u;
+        if (DQ) s.e[r] = r < rows ? e_fields[(t0 + r) * hq + h] : 0;
+    }
+    double acc[ACC][2];
+#pragma unroll
+    for (int k = 0; k < ACC; ++k) { acc[k][0] = 0.0; acc[k][1] = 0.0; }
+    for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
+        const long long left = t0 + rows - j0;
+        const int keys = (int)(left < (long long)BK ? left : (long long)BK);
+        __syncthreads();
+        rlp_attp_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
+        rlp_attp_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
+        rlp_attt_key_scalars<BQ, BK>(s, k_exponents, v_exponents, j0, keys, hkv, g);
+        __syncthreads();
+        rlp_attp_dots<DP, BQ, BK, true>(qs, ks, dos, vs, px, py);
+        __syncthreads();
+        for (int o = threadIdx.x; o < D::OUT; o += RLP_ATTP_THREADS) {
+            const int r = o / BK, c = o - r * BK;
+            const bool reach = r < rows && c < keys && j0 + c <= t0 + r;
+            const bool valid = reach && s.bad[r] == 0;
+            double big_p = 0.0, ds = 0.0;
+            if (valid)
+                rlp_attt_pair(rlp_attp_sum<BQ, BK>(px, o), rlp_attp_sum<BQ, BK>(py, o), s.eq[r], s.ek[c], s.edo[r],
+                              s.ev[c], s.m[r], s.total[r], s.delta[r], scale, &big_p, &ds);
+            if (DQ) {
+                double hi = 0.0, lo = 0.0;
+                if (valid) rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.ek[c]), s.e[r]), &hi, &lo);
+                u_hi[o] = hi;
+                u_lo[o] = lo;
+            } else if (valid) {
+                const unsigned int fq = rlp_attb_field(ds * rlp_pow2_f64(s.ek[c]));
+                const unsigned int fk = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
+                const unsigned int fv = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
+                if (fq) atomicMax(&s.field_q[r], fq);
+                if (fk) atomicMax(&s.field_k[c], fk);
+                if (fv) atomicMax(&s.field_v[c], fv);
+            } else if (reach) {
+                atomicMax(&s.field_k[c], RLP_ATTT_POISON);
+                atomicMax(&s.field_v[c], RLP_ATTT_POISON);
+            }
+        }
+        __syncthreads();
+        if (DQ) {
+            rlp_attp_accumulate<DP, BQ, BK>(acc, u_hi, u_lo, ks);
+        } else {
+            for (int c = threadIdx.x; c < keys; c += RLP_ATTP_THREADS) {
+                unsigned int* kf = key_fields + 2 * ((j0 + c) * hkv + g);
+                if (s.field_k[c]) atomicMax(kf, s.field_k[c]);
+                if (s.field_v[c]) atomicMax(kf + 1, s.field_v[c]);
+            }
+        }
+    }
+    __syncthreads();
+    if (DQ) {
+        const int unit_base = -(RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2);
+        const int col = threadIdx.x % DP;
+#pragma unroll
+        for (int k = 0; k < ACC; ++k) {
+            const int r = threadIdx.x / DP + k * (RLP_ATTP_THREADS / DP);
+            if (r >= rows || col >= d) continue;
+            unsigned long long lo;
+            long long hi;
+            rlp_attt_words(acc[k][0], acc[k][1], &lo, &hi);
+            dq[((t0 + r) * hq + h) * (long long)d + col] =
+                s.bad[r] ? rlp_canonical_nan() : rlp_attb_round_wide(lo, (unsigned long long)hi, s.e[r] + unit_base);
+        }
+    } else {
+        for (int r = threadIdx.x; r < rows; r += RLP_ATTP_THREADS)
+            e_fields[(t0 + r) * hq + h] = rlp_attb_exponent(s.field_q[r]);
+    }
+}
+
+// The dkv kernel's scalars: a step's query rows and the tile's key rows.
+template <int BQ2, int BKV>
+struct RlpAtttKeys {
+    int r_eq[BQ2], r_edo[BQ2], r_bad[BQ2];
+    float r_m[BQ2];
+    double r_total[BQ2], r_delta[BQ2];
+    int c_ek[BKV], c_ev[BKV], c_fk[BKV], c_fv[BKV];
+};
+
+// One block per (key tile item, kv head): items[5 i ..] = sequence, first key j0, first and end query row
+// of the item's range (t >= j0), and a flag (ops/attention.py tiled_plan): nonzero where the key tile is
+// cut into several items, whose exact sums go to dk_wide / dv_wide ([T hkv, d, 2] words) for _finish.
+// dk = sum over pairs of U(dS 2^eq) qq, dv = sum of U(P 2^edo) qdo. Shared: partial sums of S^T and dP^T,
+// the four U tiles, k, v, q, do rows, scalars.
+template <int DP>
+__device__ __forceinline__ void rlp_attt_dkv(
+    const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
+    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
+    const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields,
+    float* __restrict__ dk, float* __restrict__ dv, unsigned long long* __restrict__ dk_wide,
+    unsigned long long* __restrict__ dv_wide, double* smem) {
+    using T = RlpAttp<DP>;
+    using D = RlpAttpDots<T::BKV, T::BQ2>;
+    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ACC = BKV * DP / RLP_ATTP_THREADS;
+    double* px = smem;
+    double* py = px + D::PARTS;
+    double* uk_hi = py + D::PARTS;
+    double* uk_lo = uk_hi + D::OUT;
+    double* uv_hi = uk_lo + D::OUT;
+    double* uv_lo = uv_hi + D::OUT;
+    int* ks = reinterpret_cast<int*>(uv_lo + D::OUT);
+    int* vs = ks + BKV * LD;
+    int* qs = vs + BKV * LD;
+    int* dos = qs + BQ2 * LD;
+    RlpAtttKeys<BQ2, BKV>& s =
+        *reinterpret_cast<RlpAtttKeys<BQ2, BKV>*>(uv_lo + D::OUT + rlp_attp_words(2 * (BKV + BQ2) * LD));
+    const int* item = items + 5 * blockIdx.x;
+    const int seq = item[0];
+    const long long j0 = item[1], q_begin = item[2], q_end = item[3];
+    const bool wide = item[4] != 0;
+    const long long left = cu_seqlens[seq + 1] - j0;
+    const int rows = (int)(left < (long long)BKV ? left : (long long)BKV);
+    const int g = blockIdx.y, group = hq / hkv;
+    rlp_attp_load<DP, BKV>(ks, k_int, j0 * hkv + g, hkv, rows);
+    rlp_attp_load<DP, BKV>(vs, v_int, j0 * hkv + g, hkv, rows);
+    for (int r = threadIdx.x; r < BKV; r += RLP_ATTP_THREADS) {
+        const long long kr = (j0 + r) * hkv + g;
+        s.c_ek[r] = r < rows ? k_exponents[kr] : 0;
+        s.c_ev[r] = r < rows ? v_exponents[kr] : 0;
+        s.c_fk[r] = r < rows ? (int)key_fields[2 * kr] : 0;
+        s.c_fv[r] = r < rows ? (int)key_fields[2 * kr + 1] : 0;
+    }
+    double acc_k[ACC][2], acc_v[ACC][2];
+#pragma unroll
+    for (int k = 0; k < ACC; ++k) { acc_k[k][0] = 0.0; acc_k[k][1] = 0.0; acc_v[k][0] = 0.0; acc_v[k][1] = 0.0; }
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = g * group + hh;
+        for (long long t0 = q_begin; t0 < q_end; t0 += BQ2) {
+            const long long qleft = q_end - t0;
+            const int qrows = (int)(qleft < (long long)BQ2 ? qleft : (long long)BQ2);
+            __syncthreads();
+            rlp_attp_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
+            rlp_attp_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
+            for (int c = threadIdx.x; c < BQ2; c += RLP_ATTP_THREADS) {
+                const long long it = (t0 + c) * hq + h;
+                const bool in = c < qrows;
+                s.r_eq[c] = in ? row_info[3 * it] : 0;
+                s.r_edo[c] = in ? row_info[3 * it + 1] : 0;
+                s.r_bad[c] = in ? row_info[3 * it + 2] : 1;
+                s.r_m[c] = in ? rlp_double2float_rn(row_stats[3 * it]) : 0.0f;
+                s.r_total[c] = in ? row_stats[3 * it + 1] : 1.0;
+                s.r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
+            }
+            __syncthreads();
+            rlp_attp_dots<DP, BKV, BQ2, true>(ks, qs, vs, dos, px, py);
+            __syncthreads();
+            for (int o = threadIdx.x; o < D::OUT; o += RLP_ATTP_THREADS) {
+                const int r = o / BQ2, c = o - r * BQ2;  // key row r, query row c
+                double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
+                if (r < rows && c < qrows && j0 + r <= t0 + c && s.r_bad[c] == 0 && s.c_fk[r] < (int)RLP_ATTT_POISON) {
+                    double big_p, ds;
+                    rlp_attt_pair(rlp_attp_sum<BKV, BQ2>(px, o), rlp_attp_sum<BKV, BQ2>(py, o), s.r_eq[c], s.c_ek[r],
+                                  s.r_edo[c], s.c_ev[r], s.r_m[c], s.r_total[c], s.r_delta[c], scale, &big_p, &ds);
+                    rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.r_eq[c]), rlp_attb_exponent(s.c_fk[r])), &kh,
+                                   &kl);
+                    rlp_attt_split(rlp_attb_quantize(big_p * rlp_pow2_f64(s.r_edo[c]), rlp_attb_exponent(s.c_fv[r])),
+                                   &vh, &vl);
+                }
+                uk_hi[o] = kh;
+                uk_lo[o] = kl;
+                uv_hi[o] = vh;
+                uv_lo[o] = vl;
+            }
+            __syncthreads();
+            rlp_attp_accumulate<DP, BKV, BQ2>(acc_k, uk_hi, uk_lo, qs);
+            rlp_attp_accumulate<DP, BKV, BQ2>(acc_v, uv_hi, uv_lo, dos);
+        }
+    }
+    const int col = threadIdx.x % DP;
+#pragma unroll
+    for (int k = 0; k < ACC; ++k) {
+        const int r = threadIdx.x / DP + k * (RLP_ATTP_THREADS / DP);
+        if (r >= rows || col >= d) continue;
+        const long long at = ((j0 + r) * hkv + g) * d + col;
+        const bool poisoned = s.c_fk[r] >= (int)RLP_ATTT_POISON;
+        unsigned long long lo_k, lo_v;
+        long long hi_k, hi_v;
+        rlp_attt_words(acc_k[k][0], acc_k[k][1], &lo_k, &hi_k);
+        rlp_attt_words(acc_v[k][0], acc_v[k][1], &lo_v, &hi_v);
+        if (wide) {
+            if (!poisoned) {
+                atomicAdd(dk_wide + 2 * at, lo_k);
+                atomicAdd(dk_wide + 2 * at + 1, (unsigned long long)hi_k);
+                atomicAdd(dv_wide + 2 * at, lo_v);
+                atomicAdd(dv_wide + 2 * at + 1, (unsigned long long)hi_v);
+            }
+        } else {
+            const int unit_k = rlp_attb_exponent(s.c_fk[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+            const int unit_v = rlp_attb_exponent(s.c_fv[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+            dk[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_k, (unsigned long long)hi_k, unit_k);
+            dv[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_v, (unsigned long long)hi_v, unit_v);
+        }
+    }
+}
+
+// The key rows of cut tiles (wide_rows[j] != 0): dk, dv rounded from their summed words.
+extern "C" __global__ void attention_backward_tiled_finish(
+    const int* __restrict__ wide_rows, long long tokens, int hkv, int d, const unsigned int* __restrict__ key_fields,
+    const unsigned long long* __restrict__ dk_wide, const unsigned long long* __restrict__ dv_wide,
+    float* __restrict__ dk, float* __restrict__ dv) {
+    const long long n = tokens * hkv * d;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long kr = i / d;
+        if (wide_rows[kr / hkv] == 0) continue;
+        const unsigned int fk = key_fields[2 * kr], fv = key_fields[2 * kr + 1];
+        if (fk >= RLP_ATTT_POISON) { dk[i] = rlp_canonical_nan(); dv[i] = rlp_canonical_nan(); continue; }
+        dk[i] = rlp_attb_round_wide(dk_wide[2 * i], dk_wide[2 * i + 1],
+                                    rlp_attb_exponent(fk) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT);
+        dv[i] = rlp_attb_round_wide(dv_wide[2 * i], dv_wide[2 * i + 1],
+                                    rlp_attb_exponent(fv) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT);
+    }
+}
+
+#define RLP_ATTT_QUERY_ARGS                                                                                      \
+    const int *__restrict__ q_tiles, const long long *__restrict__ cu_seqlens, int hq, int hkv, int d, double scale, \
+        const int *__restrict__ q_int, const int *__restrict__ do_int, const int *__restrict__ k_int,   \
+        const int *__restrict__ v_int, const int *__restrict__ k_exponents, const int *__restrict__ v_exponents, \
+        int *__restrict__ row_info, double *__restrict__ row_stats, int *__restrict__ e_fields,                 \
+        unsigned int *__restrict__ key_fields, float *__restrict__ dq
+
+// fields (IS_DQ false) and dq (true) of padded head_dim DP: rlp_attt_query_tile
+#define RLP_ATTT_QUERY_ENTRY(NAME, DP, IS_DQ)                                                                    \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) NAME(RLP_ATTT_QUERY_ARGS) {                   \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_query_tile<DP, IS_DQ>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
+                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
+                                       rlp_attt_smem);                                                           \
+    }
+
+#define RLP_ATTT_ENTRIES(DP, STATS, FIELDS, DQ, DKV)                                                             \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) STATS(                                       \
+        RLP_ATTT_QUERY_ARGS) {                                                                                   \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
+                           row_stats, rlp_attt_smem);                                                            \
+    }                                                                                                            \
+    RLP_ATTT_QUERY_ENTRY(FIELDS, DP, false)                                                                  \
+    RLP_ATTT_QUERY_ENTRY(DQ, DP, true)                                                                       \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) DKV(                                         \
+        const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d,        \
+        double scale, const int* __restrict__ q_int, const int* __restrict__ do_int,                      \
+        const int* __restrict__ k_int, const int* __restrict__ v_int, const int* __restrict__ k_exponents, \
+        const int* __restrict__ v_exponents, const int* __restrict__ row_info,                                  \
+        const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields, float* __restrict__ dk, \
+        float* __restrict__ dv, unsigned long long* __restrict__ dk_wide, unsigned long long* __restrict__ dv_wide) { \
+        extern __shared__ double rlp_attt_smem[];                                                                \
+        rlp_attt_dkv<DP>(items, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,         \
+                         v_exponents, row_info, row_stats, key_fields, dk, dv, dk_wide, dv_wide, rlp_attt_smem); \
+    }
+
+// padded head_dim 64, 128 and 256 (192 runs as 256)
+RLP_ATTT_ENTRIES(64, attention_backward_tiled_stats_d64, attention_backward_tiled_fields_d64,
+                 attention_backward_tiled_dq_d64, attention_backward_tiled_dkv_d64)
+RLP_ATTT_ENTRIES(128, attention_backward_tiled_stats_d128, attention_backward_tiled_fields_d128,
+                 attention_backward_tiled_dq_d128, attention_backward_tiled_dkv_d128)
+RLP_ATTT_ENTRIES(256, attention_backward_tiled_stats_d256, attention_backward_tiled_fields_d256,
+                 attention_backward_tiled_dq_d256, attention_backward_tiled_dkv_d256)

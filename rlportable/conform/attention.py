@@ -483,7 +483,8 @@ def check_attention_backward_invariance(backend: Backend, rng, quick: bool) -> T
     o = _attention_packed(backend, q, k, v, _cu([target]))
     _add_all_methods(tally, backend, expected, q, k, v, do, _cu([target]), o=o)
     if "tiled" in attention_op.backward_methods(backend, d, hq // hkv):  # key tiles cut into several items
-        for terms in (attention_op.TILED_QUERY_STEP * (hq // hkv), 3 * attention_op.TILED_QUERY_STEP * (hq // hkv)):
+        step = attention_op.tiled_query_step(backend, d)
+        for terms in (step * (hq // hkv), 3 * step * (hq // hkv)):
             _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), method="tiled",
                                                   tiled_terms=terms), expected)
     return tally

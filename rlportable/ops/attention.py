@@ -27,6 +27,7 @@ encoded cache; every sum is exact, so the bits match the reference's for any blo
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -573,20 +574,28 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 
 BACKWARD_THREADS = 256
 BACKWARD_METHODS = ("auto", "rows", "tiled")
-TILED_THREADS = 256  # the tiled kernels' block size (8 warps; their tiling assumes it)
-TILED_ROWS_THREADS = 256  # attention_backward_tiled_rows: one warp per row
+TILED_THREADS = 256  # the tiled kernels' block size (their tiling assumes it)
+TILED_ROWS_THREADS = 256  # attention_backward_tiled_rows: one warp (cuda) or 32-lane segment (hip) per row
 TILED_HEAD_DIMS = (64, 128, 256)  # the padded head_dim each tiled kernel is built for
-TILED_QUERY_STEP = 32  # query rows per step of attention_backward_tiled_dkv (RlpAttt::BQ2)
+TILED_QUERY_STEP = 32  # query rows per step of the CUDA attention_backward_tiled_dkv (RlpAttt::BQ2)
 #: (q row, head) pairs one dkv item sums: keeps its float64 sums of 37-bit products below 2^53
 TILED_MAX_TERMS = 2**15
+#: shared memory per workgroup the portable (hip) tiled kernels stay within: MI300X's LDS
+PORTABLE_SHARED_LIMIT = 64 * 1024
 
 
 def backward_methods(backend: Backend, head_dim: int, group: int) -> tuple[str, ...]:
     """The backward variants this backend runs for this head_dim and group (cpu: the reference, "rows")."""
-    if (backend.kernel_vendor == "cuda" and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]
-            and group * TILED_QUERY_STEP <= TILED_MAX_TERMS):
+    if (backend.kernel_vendor is not None and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]
+            and group * tiled_query_step(backend, head_dim) <= TILED_MAX_TERMS):
         return ("rows", "tiled")
     return ("rows",)
+
+
+def tiled_query_step(backend: Backend, head_dim: int) -> int:
+    """Query rows per step of this backend's tiled dkv kernel for head_dim (tiled_plan cuts key tiles
+    into whole steps)."""
+    return tiled_tiles(tiled_head_dim(round_up(head_dim, K_ALIGN)), backend.kernel_vendor)["bq2"]
 
 
 def tiled_head_dim(head_dim: int) -> int:
@@ -594,21 +603,53 @@ def tiled_head_dim(head_dim: int) -> int:
     return next(dp for dp in TILED_HEAD_DIMS if dp >= head_dim)
 
 
-def tiled_tiles(dpt: int) -> dict[str, int]:
-    """The tiled kernels' tile sizes (RlpAttt in attention.cu): query rows and keys per step of the
-    per-query-tile kernels, key rows and query rows per step of dkv."""
-    return {"bq": 4096 // dpt, "bk": min(32, 4096 // dpt), "bkv": 4096 // dpt, "bq2": TILED_QUERY_STEP}
+def tiled_tiles(dpt: int, vendor: str = "cuda") -> dict[str, int]:
+    """The tiled kernels' tile sizes: query rows and keys per step of the per-query-tile kernels, key
+    rows and query rows per step of dkv. cuda: RlpAttt in backends/cuda/attention.cu (FP64 mma
+    fragments, up to 227 KiB of shared memory); hip: RlpAttp in backends/hip/attention.hip (portable,
+    within PORTABLE_SHARED_LIMIT)."""
+    if vendor == "cuda":
+        return {"bq": 4096 // dpt, "bk": min(32, 4096 // dpt), "bkv": 4096 // dpt, "bq2": TILED_QUERY_STEP}
+    b = 2048 // dpt
+    return {"bq": b, "bk": min(16, b), "bkv": b, "bq2": min(16, b)}
 
 
-def tiled_shared_bytes(dpt: int) -> dict[str, int]:
-    """Dynamic shared memory of each tiled kernel (the layouts in attention.cu, plus slack for the
-    scalars' struct padding)."""
-    t = tiled_tiles(dpt)
-    ld, uld = dpt + 4, 32 + 4
-    scalars = 56 * t["bq"] + 16 * t["bk"] + 256
-    return {"stats": 8 * (t["bq"] + t["bk"]) * ld + scalars,
-            "query": 8 * (2 * t["bq"] * ld + 2 * t["bk"] * ld + 2 * t["bq"] * uld) + scalars,
-            "dkv": 8 * (2 * t["bkv"] * ld + 2 * t["bq2"] * ld + 4 * t["bkv"] * uld) + 32 * t["bq2"] + 16 * t["bkv"]}
+def _struct_bytes(fields: list[tuple[str, Any, int]]) -> int:
+    """sizeof a C struct of arrays (name, ctypes type, length), by ctypes' C layout rules."""
+    return ctypes.sizeof(type("_S", (ctypes.Structure,), {"_fields_": [(n, t * k) for n, t, k in fields]}))
+
+
+def _portable_parts(rows: int, cols: int) -> int:
+    """RlpAttpDots<rows, cols>::PARTS: the partial sums of a tile of dot products."""
+    groups = TILED_THREADS // cols
+    per_slice = min(groups, rows)
+    return (groups // per_slice) * rows * cols
+
+
+def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
+    """Dynamic shared memory of each tiled kernel. cuda: the layouts in attention.cu plus slack for the
+    scalars' struct padding; hip: attention.hip's layouts, exactly."""
+    t = tiled_tiles(dpt, vendor)
+    if vendor == "cuda":
+        ld, uld = dpt + 4, 32 + 4
+        scalars = 56 * t["bq"] + 16 * t["bk"] + 256
+        return {"stats": 8 * (t["bq"] + t["bk"]) * ld + scalars,
+                "query": 8 * (2 * t["bq"] * ld + 2 * t["bk"] * ld + 2 * t["bq"] * uld) + scalars,
+                "dkv": 8 * (2 * t["bkv"] * ld + 2 * t["bq2"] * ld + 4 * t["bkv"] * uld) + 32 * t["bq2"] + 16 * t["bkv"]}
+    i32, u32, f32, f64, u64 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_double, ctypes.c_uint64
+    bq, bk, bkv, bq2, ld = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 1
+    rows = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("e", i32, bq), ("m", f32, bq),
+                          ("total", f64, bq), ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk),
+                          ("key", u32, bq), ("flag", u32, bq), ("field_q", u32, bq), ("field_k", u32, bk),
+                          ("field_v", u32, bk), ("sum", u64, bq)])
+    keys = _struct_bytes([("r_eq", i32, bq2), ("r_edo", i32, bq2), ("r_bad", i32, bq2), ("r_m", f32, bq2),
+                          ("r_total", f64, bq2), ("r_delta", f64, bq2), ("c_ek", i32, bkv), ("c_ev", i32, bkv),
+                          ("c_fk", i32, bkv), ("c_fv", i32, bkv)])
+    words = lambda ints: 8 * (-(-ints // 2))  # int32 arrays rounded up to whole 8-byte words
+    query_parts, key_parts = _portable_parts(bq, bk), _portable_parts(bkv, bq2)
+    return {"stats": 8 * query_parts + words((bq + bk) * ld) + rows,
+            "query": 8 * (2 * query_parts + 2 * bq * bk) + words(2 * (bq + bk) * ld) + rows,
+            "dkv": 8 * (2 * key_parts + 4 * bkv * bq2) + words(2 * (bkv + bq2) * ld) + keys}
 
 
 def _tiles(cu: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -635,9 +676,9 @@ _PLANS: dict[tuple, _DevicePlan] = {}  # the last few packings: a model's layers
 
 
 def _device_plan(backend: Backend, cu: np.ndarray, dpt: int, group: int, max_terms: int) -> _DevicePlan:
-    key = (id(backend), cu.tobytes(), dpt, group, max_terms)
+    key = (id(backend), backend.kernel_vendor, cu.tobytes(), dpt, group, max_terms)
     if key not in _PLANS:
-        q_tiles, items, wide_rows = tiled_plan(cu, dpt, group, max_terms)
+        q_tiles, items, wide_rows = tiled_plan(cu, dpt, group, max_terms, backend.kernel_vendor)
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = _DevicePlan(backend.asarray(q_tiles), backend.asarray(items), backend.asarray(wide_rows),
@@ -646,13 +687,14 @@ def _device_plan(backend: Backend, cu: np.ndarray, dpt: int, group: int, max_ter
     return _PLANS[key]
 
 
-def tiled_plan(cu: np.ndarray, dpt: int, group: int, max_terms: int = TILED_MAX_TERMS):
+def tiled_plan(cu: np.ndarray, dpt: int, group: int, max_terms: int = TILED_MAX_TERMS, vendor: str = "cuda"):
     """The tiled kernels' launch lists: q_tiles int32 [n, 2] (sequence, first token) for the
     per-query-tile kernels; items int32 [m, 5] (sequence, first key, first and end query row, cut)
     for dkv: a key tile's queries t >= its first key in ranges of at most max_terms / group rows
     (whole query steps), cut = 1 where a tile has several; wide_rows int32 [T]: 1 on the key rows
-    of cut tiles (their sums meet in integer atomics, then attention_backward_tiled_finish)."""
-    t = tiled_tiles(dpt)
+    of cut tiles (their sums meet in integer atomics, then attention_backward_tiled_finish); the tiles
+    of `vendor`'s kernels (tiled_tiles)."""
+    t = tiled_tiles(dpt, vendor)
     seqs, first = _tiles(cu, t["bq"])
     q_tiles = np.stack([seqs, first], axis=1).astype(np.int32)
     per = (max_terms // group) // t["bq2"] * t["bq2"]
@@ -705,7 +747,7 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
         raise InputError(f"{name}: tiled_terms must be an integer in [1, {TILED_MAX_TERMS}], got {tiled_terms!r}")
     available = backward_methods(backend, dim, hq // hkv)
     if method == "tiled" and "tiled" not in available:
-        raise InputError(f"{name}: the tiled kernels exist for CUDA sources, padded head_dim <= "
+        raise InputError(f"{name}: the tiled kernels exist for GPU kernel sources, padded head_dim <= "
                          f"{TILED_HEAD_DIMS[-1]} and groups <= {TILED_MAX_TERMS // TILED_QUERY_STEP}; got "
                          f"{backend.label} with head_dim {dim}, group {hq // hkv}")
     if method == "auto":
@@ -767,7 +809,7 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
     backend.launch("attention", "attention_backward_tiled_rows",
                    (min(-(-rows // (TILED_ROWS_THREADS // 32)), GRID_LIMIT),), (TILED_ROWS_THREADS,),
                    (q, do, o, np.int64(rows), np.int32(dim), np.int32(dpt), q_int, do_int, row_info, row_stats))
-    shared = tiled_shared_bytes(dpt)
+    shared = tiled_shared_bytes(dpt, backend.kernel_vendor)
     query_args = (plan.q_tiles, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
                   do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, e_fields,
                   key_fields, dq)

@@ -68,21 +68,15 @@ def check_bits(bits: int) -> None:
 def row_exponents(x: np.ndarray) -> np.ndarray:
     """e per row: ilogb of the largest magnitude, -149 for zero rows, sentinel for non-finite rows."""
     x = np.asarray(x, dtype=np.float32)
-    magnitude_bits = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
     if x.shape[1] == 0:
         return np.full(x.shape[0], ZERO_ROW_EXPONENT, dtype=np.int32)
-    largest = magnitude_bits.max(axis=1)
-    exponent_field = (largest >> np.uint32(23)).astype(np.int32)
-    mantissa = (largest & np.uint32(0x7FFFFF)).astype(np.int64)
-    normal = exponent_field - 127
-    # subnormal: value = mantissa * 2^-149, ilogb = floor(log2(mantissa)) - 149
-    floor_log2 = np.zeros_like(mantissa)
-    nonzero = mantissa > 0
-    floor_log2[nonzero] = np.frexp(mantissa[nonzero].astype(np.float64))[1] - 1
-    subnormal = (floor_log2 - 149).astype(np.int32)
-    e = np.where(exponent_field == 0, subnormal, normal).astype(np.int32)
+    largest = (x.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1)
+    # ilogb from frexp of the largest magnitude's exact float64 value (subnormals included: 2^-149 is normal
+    # there); non-finite rows (a signalling NaN's conversion flags invalid) are overwritten below
+    with np.errstate(invalid="ignore"):
+        e = (np.frexp(largest.view(np.float32).astype(np.float64))[1] - 1).astype(np.int32)
     e[largest == 0] = ZERO_ROW_EXPONENT
-    e[exponent_field == 255] = NONFINITE_EXPONENT
+    e[largest >= np.uint32(0x7F800000)] = NONFINITE_EXPONENT
     return e
 
 

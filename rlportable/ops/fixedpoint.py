@@ -6,7 +6,7 @@ kernels: backends/{cuda,hip}/fixedpoint.*.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,9 @@ class EncodedRows:
     bits: int
     k: int
     descending: bool
+    #: on cpu, the integers q [rows, k] int64 the digits were split from (the reference's products
+    #: read them instead of joining the digits again); None on devices
+    host_q: Any = field(default=None, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -52,11 +55,13 @@ def encode_rows_reference(x: np.ndarray, bits: int, descending: bool = False, ex
     digits = np.zeros((rows, fp.slice_count(bits), round_up(k, K_ALIGN)), dtype=np.int8)
     slices = np.moveaxis(fp.split_digits(q, bits), 0, 1)  # [rows, slices, k]
     digits[:, :, :k] = slices[:, ::-1, :] if descending else slices
-    return EncodedRows(digits, e, bits, k, descending)
+    return EncodedRows(digits, e, bits, k, descending, host_q=q)
 
 
 def joined_integers(encoded: EncodedRows) -> np.ndarray:
     """The q int64 [rows, k] of host-side encoded rows (the inverse of encode_rows_reference's digit split)."""
+    if encoded.host_q is not None:
+        return encoded.host_q
     digits = np.asarray(encoded.digits)[:, :, : encoded.k]
     ascending = digits[:, ::-1] if encoded.descending else digits
     return fp.join_digits(np.moveaxis(ascending, 1, 0))

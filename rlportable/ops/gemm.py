@@ -89,7 +89,7 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
 
     encoded: x already encoded at bits_a (encode_rows), shared by several products of the same
     activations (q, k and v; gate and up): the encoding is a function of x alone, so the bits are
-    the same. The NumPy reference ignores it (it quantizes x itself)."""
+    the same."""
     m, k = require_matrix("x", x)
     bits_a = require_bits("bits_a", bits_a)
     check_gemm_shapes((m, k), weight, bits_a)
@@ -97,7 +97,7 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
         raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
     _check_shared_encoding("gemm", encoded, m, k, bits_a)
     if backend.kernel_vendor is None:
-        return _gemm_reference(backend.to_numpy(x), weight, bits_a)
+        return _gemm_reference(backend.to_numpy(x), weight, bits_a, encoded)
     method = resolve_method(backend, m, bits_a, weight, method)
     if m == 0 or weight.n == 0 or k == 0:
         return backend.zeros((m, weight.n), np.float32)  # an empty sum is exactly +0
@@ -125,8 +125,12 @@ def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: Encoded
              resolve_method(backend, m, DEFAULT_BITS_A, stacked.whole, "auto") == "fused")
     spec = tile_spec(tile or pick_tile(m, stacked.whole.n, has_wgmma(backend), k)) if joint else None
     _check_shared_encoding("gemm_columns", encoded, m, k, DEFAULT_BITS_A)
-    if encoded is None and backend.kernel_vendor is not None and m and k:
-        encoded = encode_rows(backend, x, DEFAULT_BITS_A)  # once for every part (the reference quantizes itself)
+    if backend.kernel_vendor is None:  # one product with the stacked weight, its columns split
+        y = _gemm_reference(backend.to_numpy(x), stacked.whole, DEFAULT_BITS_A, encoded)
+        bounds = np.cumsum([0] + [part.n for part in stacked.parts])
+        return [np.ascontiguousarray(y[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    if encoded is None and m and k:
+        encoded = encode_rows(backend, x, DEFAULT_BITS_A)  # once for every part
     if spec is None or spec.kind != "wgmma":
         return [gemm(backend, x, part, encoded=encoded, tile=tile) for part in stacked.parts]
     outputs = [backend.empty((m, part.n), np.float32) for part in stacked.parts]
@@ -173,8 +177,12 @@ def _check_shared_encoding(op: str, encoded: EncodedRows | None, m: int, k: int,
                          f"x is {m}x{k} at {bits_a} bits")
 
 
-def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int) -> np.ndarray:
-    qa, ea = fp.quantize_rows(x, bits_a)
+def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int, x_encoded: EncodedRows | None = None) -> np.ndarray:
+    """The cpu product; x_encoded: x's encoding when its producer made it (its integers, not quantized again)."""
+    if x_encoded is not None and x_encoded.host_q is not None:
+        qa, ea = x_encoded.host_q, np.asarray(x_encoded.exponents)
+    else:
+        qa, ea = fp.quantize_rows(x, bits_a)
     encoded = weight.encoded
     return exact.gemm_from_encoded(qa, ea, bits_a, weight.host_integers(), np.asarray(encoded.exponents),
                                    weight.bits)

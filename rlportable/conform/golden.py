@@ -882,6 +882,66 @@ def _tiny_train_updated(backend, s, r):
     return step["updated_weights"]
 
 
+# ---- whole training runs: the weights and AdamW state after a few steps of `rlportable sft` and
+# `rlportable grpo` as their defaults run them (the embedded models and task), shortened; matching these
+# digests proves the whole loop on a device (sampling, rewards, log-probs, gradients, optimiser), not
+# only its parts. The metrics that are functions of the bits (not of time) are recorded too.
+
+TRAJECTORY_TASK = "arithmetic:digits=1,ops=+"  # train/launch.py DEFAULT_TASK
+SFT_RUN = dict(seed=120, model="tiny", task=TRAJECTORY_TASK,
+               config=dict(steps=3, batch_size=8, learning_rate=3e-3, warmup_steps=1, seed=0),
+               run="SFTTrainer(model, tokenizer, task_sft_records(task dataset), SFTConfig(**config)).step(i), "
+                   "i < steps, as rlportable sft runs them")
+GRPO_RUN = dict(seed=121, model="tiny-sft", task=TRAJECTORY_TASK,
+                config=dict(steps=2, prompts_per_step=4, num_generations=4, max_completion_length=8,
+                            learning_rate=4e-4, warmup_steps=1, seed=0),
+                run="GRPOTrainer(model, tokenizer, task dataset, the task's reward, GRPOConfig(**config)).step(i), "
+                    "i < steps, as rlportable grpo runs them")
+SFT_METRICS = ("loss", "grad_norm", "lr", "completion_tokens")
+GRPO_METRICS = ("reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches", "grad_norm", "lr")
+
+
+def _trajectory(backend, model, optimizer, records: list[dict], keys) -> list[tuple[str, np.ndarray]]:
+    out = [(f"step{i + 1}.{key}", np.array([float(record[key])], np.float64))
+           for i, record in enumerate(records) for key in keys if key in record]
+    out += [(f"weights.{name}", _host(backend, p)) for name, p in model.params.named_tensors(model.config).items()]
+    return out + [(f"optimizer.{name}", canonical(np.array(a, copy=True))) for name, a in optimizer.state().items()]
+
+
+@_case("training", "sft.trajectory", **SFT_RUN)
+def _sft_trajectory(backend, s, r):
+    from rlportable.model.forward import Model
+    from rlportable.model.load import load_model
+    from rlportable.train.launch import task_records
+    from rlportable.train.sft import SFTConfig, SFTTrainer, task_sft_records
+
+    config = SFTConfig(**r["config"])
+    model_config, weights, tokenizer = load_model(r["model"])
+    model = Model(backend, model_config, weights, trainable=True)
+    records, _ = task_records(r["task"], None, config.seed)
+    trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config)
+    steps = [trainer.step(i) for i in range(config.steps)]
+    return _trajectory(backend, model, trainer.optimizer, steps, SFT_METRICS)
+
+
+@_case("training", "grpo.trajectory", **GRPO_RUN)
+def _grpo_trajectory(backend, s, r):
+    from rlportable.model.forward import Model
+    from rlportable.model.load import load_model
+    from rlportable.train.grpo import GRPOConfig, GRPOTrainer
+    from rlportable.train.launch import task_records
+    from rlportable.train.rewards import RewardSet
+
+    config = GRPOConfig(**r["config"])
+    model_config, weights, tokenizer = load_model(r["model"])
+    model = Model(backend, model_config, weights, trainable=True)
+    records, task = task_records(r["task"], None, config.seed)
+    trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config)
+    steps = [trainer.step(i) for i in range(config.steps)]
+    del trainer.engine  # its KV cache
+    return _trajectory(backend, model, trainer.optimizer, steps, GRPO_METRICS)
+
+
 # Layers of the Qwen3-0.6B-shaped model: each has the full shape (hidden 1024, 16 / 8 heads of 128, MLP 3072,
 # vocabulary 151,936), but 28 of them cost the NumPy reference about 140 s of CPU time here (the engine's
 # every step re-reads all weights), too slow for CI; 4 keep the whole group near 50 s. The device check

@@ -22,7 +22,18 @@ def resource_dir(name: str) -> Path:
     )
 
 
+def portable_source_path(family: str) -> Path | None:
+    """backends/portable/<family>.hip: the family's one source for both vendors, or None where the family
+    still has a source per vendor."""
+    path = resource_dir("backends") / "portable" / f"{family}.hip"
+    return path if path.is_file() else None
+
+
 def kernel_source_path(vendor: str, family: str) -> Path:
-    """backends/cuda/<family>.cu or backends/hip/<family>.hip."""
+    """The source a vendor compiles for a family: backends/portable/<family>.hip where it exists, else
+    backends/cuda/<family>.cu or backends/hip/<family>.hip."""
+    portable = portable_source_path(family)
+    if portable is not None:
+        return portable
     suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
     return resource_dir("backends") / vendor / f"{family}{suffix}"

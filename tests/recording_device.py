@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rlportable.resources import resource_dir
+from rlportable.resources import kernel_source_path
 
 
 class Launch(NamedTuple):
@@ -50,7 +50,6 @@ _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\(
 
 def kernel_parameters(vendor: str, family: str) -> dict[str, list[Any]]:
     """kernel name -> parameter types (names and __restrict__ stripped), from backends/<vendor>/<family>.*."""
-    suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
-    text = (resource_dir("backends") / vendor / f"{family}{suffix}").read_text()
+    text = kernel_source_path(vendor, family).read_text()
     return {name: [" ".join(p.replace("__restrict__", "").split()).rsplit(" ", 1)[0] for p in params.split(",")]
             for name, params in _KERNEL.findall(text)}

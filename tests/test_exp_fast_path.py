@@ -21,7 +21,7 @@ from rlportable.contract import elementwise as reference
 from rlportable.resources import resource_dir
 
 HEADERS = {"cuda": resource_dir("backends") / "cuda" / "contract_math.cuh",
-           "hip": resource_dir("backends") / "hip" / "contract_math.h"}
+           "hip": resource_dir("backends") / "portable" / "contract_math.h"}
 _HEX = r"-?0x[0-9a-fA-F.]+p[+-]?\d+"
 
 

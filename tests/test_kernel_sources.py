@@ -1,8 +1,9 @@
 """Every kernel source compiles, as the runtime compiles it, for every target (no GPU needed).
 
-backends/cuda/*.cu with nvcc for sm_80 and sm_90; backends/hip/*.hip with hipcc
-and with hiprtc for gfx90a; backends/hip/*.hip behind hip_on_cuda.h with nvcc for
-sm_90. Sources and options come from the runtime (rlportable.runtime.offline_compile).
+backends/portable/*.hip (behind cuda/prelude.h) and backends/cuda/*.cu with nvcc for sm_80 and
+sm_90; backends/portable/*.hip and backends/hip/*.hip with hipcc and with hiprtc for gfx90a, and
+behind cuda/prelude.h with nvcc for sm_90. Sources and options come from the runtime
+(rlportable.runtime.offline_compile).
 
 A missing compiler fails the test when the CI environment variable is set (.ci/run
 installs hipcc; nvcc is on the machine) and skips it otherwise.
@@ -15,7 +16,7 @@ import re
 
 import pytest
 
-from rlportable.resources import resource_dir
+from rlportable.resources import kernel_source_path, portable_source_path, resource_dir
 from rlportable.runtime import offline_compile
 
 # hip_runtime.h for hipcc and hiprtc, never under the HIP-on-CUDA prelude (NVRTC has no such header)
@@ -58,9 +59,7 @@ def test_kernel_source_compiles(compile_results, target, family):
 
 
 def _sources(vendor: str) -> dict[str, str]:
-    suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
-    folder = resource_dir("backends") / vendor
-    return {family: (folder / f"{family}{suffix}").read_text() for family in offline_compile.families(vendor)}
+    return {family: kernel_source_path(vendor, family).read_text() for family in offline_compile.families(vendor)}
 
 
 def _kernels(text: str) -> dict[str, str]:
@@ -100,12 +99,26 @@ SEGMENT_SHUFFLE = "__shfl_xor(value, lane_mask, 32)"
 
 
 def test_hip_common_header_is_warp_and_vendor_neutral():
-    text = (resource_dir("backends") / "hip" / "common.h").read_text()
+    text = (resource_dir("backends") / "portable" / "common.h").read_text()
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)
-    assert code.count(SEGMENT_SHUFFLE) == 1, f"hip/common.h must shuffle in exactly one place: {SEGMENT_SHUFFLE}"
+    assert code.count(SEGMENT_SHUFFLE) == 1, f"portable/common.h must shuffle in exactly one place: {SEGMENT_SHUFFLE}"
     code = code.replace(SEGMENT_SHUFFLE, "")
     for name in _WARP_OR_VENDOR_SPECIFIC:
-        assert name not in code, f"hip/common.h uses {name!r}: warp-width or vendor specific"
+        assert name not in code, f"portable/common.h uses {name!r}: warp-width or vendor specific"
+
+
+def test_portable_families_have_one_source():
+    """A family in backends/portable has no vendor copy left beside it (else which one runs would
+    depend on the lookup order), and the vendor folders hold only their prelude, their vendor
+    headers and the families that still have a source per vendor."""
+    backends = resource_dir("backends")
+    portable = {path.stem for path in (backends / "portable").glob("*.hip")}
+    assert {"norm", "logprob", "sampling", "adamw"} <= portable
+    for vendor, suffix in (("cuda", ".cu"), ("hip", ".hip")):
+        both = portable & {path.stem for path in (backends / vendor).glob(f"*{suffix}")}
+        assert not both, f"backends/{vendor} still holds copies of portable families: {sorted(both)}"
+    for family in portable:
+        assert kernel_source_path("cuda", family) == kernel_source_path("hip", family) == portable_source_path(family)
 
 
 # ---- the runtime's options switch contraction off in every compiler (contract rule 2)

@@ -1,9 +1,8 @@
 """The contract's float32 exp and log ("elementwise" family): the NumPy reference.
 
-This module is the executable form of contracts/elementwise.toml; the CUDA and
-HIP sources backends/cuda/elementwise.cu and backends/hip/elementwise.hip must
-equal it to the bit, and do so by performing the same sequence of IEEE-754
-operations.
+This module is the executable form of contracts/elementwise.toml; the kernel
+source backends/portable/elementwise.hip (one for both vendors) must equal it to
+the bit, and does so by performing the same sequence of IEEE-754 operations.
 
 What is computed, to the bit
 ----------------------------
@@ -89,7 +88,7 @@ def _h(value: str) -> float:
     return float.fromhex(value)
 
 
-# ---- shared constants (same hex literals in backends/cuda/elementwise.cu and backends/hip/elementwise.hip)
+# ---- shared constants (the same hex literals in backends/portable/contract_math.h and backends/cuda/contract_math.cuh)
 SHIFT = _h("0x1.8000000000000p+52")        # 1.5 * 2^52: t + SHIFT - SHIFT = RNE(t) for |t| < 2^51
 SPLIT = _h("0x1.0000002000000p+27")        # 2^27 + 1, Veltkamp's splitter
 EXP_INV_LN2_64 = _h("0x1.71547652b82fep+6")  # RN(64 / ln 2)

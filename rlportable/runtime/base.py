@@ -11,37 +11,44 @@ from typing import Any
 
 import numpy as np
 
-from rlportable.resources import kernel_source_path
+from rlportable.resources import kernel_source_path, resource_dir
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
 def assemble_source(vendor: str, family: str, prelude: str | None = None) -> str:
-    """A kernel family's source with its local #include "..." files inlined.
+    """A kernel family's source (kernel_source_path) with its local #include "..." files inlined.
 
     Inlining makes the source self-contained, so the compile cache key (a hash
-    of this text) covers every header it uses. `prelude` names a header of the
-    same folder put in front (the HIP-on-CUDA prelude).
+    of this text) covers every header it uses. A header is looked up beside the
+    source, then in backends/portable (common.h, contract_math.h). `prelude`, a
+    path under backends/ (cuda/prelude.h: the portable dialect on NVIDIA), is put
+    in front.
     """
     path = kernel_source_path(vendor, family)
     if not path.is_file():
         raise FileNotFoundError(f"kernel source {path} is missing")
     text = path.read_text()
+    backends = resource_dir("backends")
+    folders = (path.parent, backends / "portable")
     if prelude is not None:
-        text = f'#include "{prelude}"\n' + text
-    return _inline_includes(text, path.parent, seen=set())
+        text = _inline_includes(f'#include "{prelude}"', (backends,), seen=set()) + "\n" + text
+    return _inline_includes(text, folders, seen=set())
 
 
-def _inline_includes(text: str, folder: Path, seen: set[str]) -> str:
+def _inline_includes(text: str, folders, seen: set[str]) -> str:
+    if isinstance(folders, Path):
+        folders = (folders,)
+
     def replace(match: re.Match) -> str:
         name = match.group(1)
         if name in seen:
             return f"// (already included: {name})"
         seen.add(name)
-        included = folder / name
-        if not included.is_file():
-            raise FileNotFoundError(f"{folder}: included header {name} is missing")
-        return f"// ---- begin {name}\n{_inline_includes(included.read_text(), folder, seen)}\n// ---- end {name}"
+        included = next((folder / name for folder in folders if (folder / name).is_file()), None)
+        if included is None:
+            raise FileNotFoundError(f"{folders[0]}: included header {name} is missing")
+        return f"// ---- begin {name}\n{_inline_includes(included.read_text(), folders, seen)}\n// ---- end {name}"
 
     return _LOCAL_INCLUDE.sub(replace, text)
 

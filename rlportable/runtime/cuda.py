@@ -1,7 +1,9 @@
-"""The cuda backend: CuPy arrays, NVRTC-compiled kernels from backends/cuda, cuBLAS int8 GEMM.
+"""The cuda backend: CuPy arrays, NVRTC-compiled kernels, cuBLAS int8 GEMM.
 
-With kernel_source="hip" it compiles backends/hip instead, behind the
-prelude backends/hip/hip_on_cuda.h that maps HIP names to CUDA ones: the HIP
+A family with one portable source (backends/portable) compiles it behind the
+prelude backends/cuda/prelude.h that maps the portable dialect's few HIP names
+to CUDA ones; a family with a source per vendor compiles backends/cuda. With
+kernel_source="hip" those compile backends/hip behind the same prelude: the HIP
 kernels' logic then runs on NVIDIA hardware (with a warp of 32).
 
 The engine's step loop (engine/runner.py) runs on one non-default stream (graph
@@ -19,9 +21,10 @@ import numpy as np
 
 from rlportable.errors import BackendUnavailable, KernelCompileError
 from rlportable.runtime import cache, flags
+from rlportable.resources import portable_source_path
 from rlportable.runtime.base import Backend, assemble_source
 
-HIP_PRELUDE = "hip_on_cuda.h"
+PORTABLE_PRELUDE = "cuda/prelude.h"  # the portable dialect (and the HIP sources) on NVIDIA, under backends/
 
 # cuBLAS enums (cublas_api.h, library_types.h)
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
@@ -97,8 +100,10 @@ class CudaBackend(Backend):
         return options
 
     def source(self, family: str) -> str:
-        if self.kernel_vendor == "hip":
-            return assemble_source("hip", family, prelude=HIP_PRELUDE)
+        """backends/portable/<family>.hip behind the CUDA prelude; where a family still has a source per
+        vendor, backends/cuda/<family>.cu (or with kernel_source="hip" its HIP source behind the prelude)."""
+        if self.kernel_vendor == "hip" or portable_source_path(family) is not None:
+            return assemble_source("hip", family, prelude=PORTABLE_PRELUDE)
         return assemble_source("cuda", family)
 
     def module(self, family: str):

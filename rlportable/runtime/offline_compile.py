@@ -5,11 +5,12 @@ caught. Every target takes its source text and options from the runtime itself
 (CudaBackend / HipBackend .source() and .compile_options(), so assemble_source
 and runtime/flags.py), only the compiler differs:
 
-  cuda sm_80, cuda sm_90   backends/cuda/*.cu with nvcc -cubin
-  hip gfx90a (hipcc)       backends/hip/*.hip with hipcc, device code only, to a code object
-  hip gfx90a (hiprtc)      backends/hip/*.hip with hiprtc itself (the runtime's compiler),
-                           loaded from the ROCm runtime library, no GPU needed
-  hip-on-cuda sm_90        backends/hip/*.hip behind hip_on_cuda.h with nvcc -cubin
+  cuda sm_80, cuda sm_90   backends/portable/*.hip behind cuda/prelude.h, backends/cuda/*.cu, nvcc -cubin
+  hip gfx90a (hipcc)       backends/portable/*.hip and backends/hip/*.hip with hipcc, device code only,
+                           to a code object
+  hip gfx90a (hiprtc)      the same with hiprtc itself (the runtime's compiler), loaded from the
+                           ROCm runtime library, no GPU needed
+  hip-on-cuda sm_90        backends/portable/*.hip and backends/hip/*.hip behind cuda/prelude.h, nvcc -cubin
 
     python -m rlportable.runtime.offline_compile     # table family x target, exit 1 on any failure
 """
@@ -66,9 +67,12 @@ class Result:
 
 
 def families(vendor: str) -> list[str]:
-    """Kernel families of a vendor folder: backends/cuda/*.cu or backends/hip/*.hip."""
+    """Kernel families a vendor compiles: backends/portable/*.hip and its own backends/cuda/*.cu or
+    backends/hip/*.hip."""
     suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
-    return sorted(path.stem for path in (resource_dir("backends") / vendor).glob(f"*{suffix}"))
+    backends = resource_dir("backends")
+    return sorted({path.stem for folder in (backends / "portable", backends / vendor)
+                   for path in folder.glob(f"*{suffix if folder.name == vendor else '.hip'}")})
 
 
 def runtime_source_and_options(target: Target, family: str) -> tuple[str, tuple[str, ...]]:

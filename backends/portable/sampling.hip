@@ -4,8 +4,8 @@
 // Kernel family "sampling": one token per row of logits, the sampler's contract for rows
 // without top-k / top-p / min-p (the settings RL rollouts use: temperature > 0 and no filter,
 // or greedy). Contract: contracts/sampling.toml. Reference: rlportable/contract/sampling.py
-// (sample, philox4x32_10, random_u64, mul_u64, draw). Line-by-line port of
-// backends/cuda/sampling.cu. __umulhi and __umul64hi are defined by HIP and CUDA alike (HIP's
+// (sample, philox4x32_10, random_u64, mul_u64, draw). One source for both vendors
+// (backends/cuda/prelude.h on NVIDIA). __umulhi and __umul64hi are defined by HIP and CUDA alike (HIP's
 // __umul64hi composes the 128-bit product from 32-bit halves, exactly as sampling.mul_u64 does).
 #include "common.h"
 #include "contract_math.h"

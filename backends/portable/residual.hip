@@ -1,7 +1,9 @@
+#ifndef RLP_HIP_ON_CUDA
+#include <hip/hip_runtime.h>
+#endif
 // Kernel family "residual": IEEE float32 additions, and a bit-copy transpose (contracts/residual.toml).
-// Reference: rlportable/ops/residual.py. NaN results are canonicalised: hardware
-// NaN payload propagation differs between vendors.
-#include "common.cuh"
+// Reference: rlportable/ops/residual.py. One source for both vendors.
+#include "common.h"
 
 extern "C" __global__ void residual_add_f32(const float* __restrict__ a, const float* __restrict__ b,
                                             float* __restrict__ y, long long n) {

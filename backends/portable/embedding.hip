@@ -1,8 +1,11 @@
+#ifndef RLP_HIP_ON_CUDA
+#include <hip/hip_runtime.h>
+#endif
 // Kernel family "embedding": gather rows of a table by token id (a bit copy), and its gradient.
-// Contract: contracts/embedding.toml. Reference: rlportable/contract/embedding.py (gather, gather_shard,
+// Contract: contracts/embedding.toml. Reference: rlportable/contract/embedding.py (gather,
 // gather_backward).
-// backends/hip/embedding.hip is the same logic, line for line, in HIP spellings.
-#include "common.cuh"
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA) (no warp-width assumption anywhere).
+#include "common.h"
 
 // out[t, :] = table[ids[t], :], copied as 32-bit words (every bit kept: NaN payloads, -0,
 // subnormals). The host checked 0 <= ids[t] < V before the launch. Grid-stride over
@@ -33,7 +36,7 @@ extern "C" __global__ void embedding_gather_backward(const float* __restrict__ d
         const long long column = k - v * (long long)hidden;
         double total = 0.0;
         for (int j = offsets[v]; j < offsets[v + 1]; ++j) total += (double)dy[(long long)order[j] * (long long)hidden + column];
-        const float rounded = __double2float_rn(total);
+        const float rounded = rlp_double2float_rn(total);
         dtable[k] = rounded != rounded ? rlp_canonical_nan() : rounded;
     }
 }

@@ -4,7 +4,7 @@
 #include "common.h"
 // Kernel family "fixedpoint": per-row fixed-point encoding into int8 digits.
 // Contract: contracts/fixedpoint.toml. Reference: rlportable/contract/fixedpoint.py.
-// Line-by-line port of backends/cuda/fixedpoint.cu.
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA).
 
 // rlp_encode_row_digits (the quantize and digit-split loop of one row) lives in common, shared
 // with the fused kernels that encode their output.

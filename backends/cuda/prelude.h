@@ -1,8 +1,9 @@
-// HIP-on-CUDA prelude: lets NVRTC (or nvcc) compile backends/hip/*.hip on an
-// NVIDIA GPU, so the HIP kernels' logic is tested with a warp of 32 where no AMD
-// GPU is at hand. The runtime puts it in front of a HIP family's source
-// (CudaBackend(kernel_source="hip"), assemble_source("hip", family,
-// prelude="hip_on_cuda.h")) and also passes -DRLP_HIP_ON_CUDA=1.
+// The CUDA prelude of the portable dialect: lets NVRTC (or nvcc) compile
+// backends/portable/*.hip (each family's one source for both vendors) and
+// backends/hip/*.hip on an NVIDIA GPU. The runtime puts it in front of a portable
+// family's source always (CudaBackend.source), and of a HIP family's source with
+// kernel_source="hip" (the HIP kernels' logic tested with a warp of 32 where no AMD
+// GPU is at hand), where it also passes -DRLP_HIP_ON_CUDA=1.
 //
 // What it maps, and why that is all:
 //   * <hip/hip_runtime.h> is not available to NVRTC; every .hip file includes
@@ -26,8 +27,8 @@
 //     warp calls it (common.h's rlp_block_* preconditions).
 // Include guard rather than #pragma once: the runtime inlines this file into
 // the compiled text, where #pragma once would draw a warning.
-#ifndef RLP_HIP_ON_CUDA_H
-#define RLP_HIP_ON_CUDA_H
+#ifndef RLP_CUDA_PRELUDE_H
+#define RLP_CUDA_PRELUDE_H
 
 #ifndef RLP_HIP_ON_CUDA
 #define RLP_HIP_ON_CUDA 1
@@ -35,4 +36,4 @@
 
 #define __shfl_xor(var, lane_mask, width) __shfl_xor_sync(0xffffffffu, (var), (lane_mask), (width))
 
-#endif  // RLP_HIP_ON_CUDA_H
+#endif  // RLP_CUDA_PRELUDE_H

@@ -1,16 +1,19 @@
+#ifndef RLP_HIP_ON_CUDA
+#include <hip/hip_runtime.h>
+#endif
 // Kernel family "activation": SwiGLU, silu(gate) * up, with the contract's exp.
 // Contract: contracts/activation.toml. Reference: rlportable/contract/activation.py (swiglu, swiglu_backward).
-// backends/hip/activation.hip is the same logic, line for line, in HIP spellings.
-#include "common.cuh"
-#include "contract_math.cuh"
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA) (no warp-width assumption anywhere).
+#include "common.h"
+#include "contract_math.h"
 
 // y = RNE_f32((double(g) / (1 + double(exp_f32(-g)))) * double(u)): the contract's exp
-// (rlp_exp_f32, contract_math.cuh), then IEEE float64 add, divide, multiply, one conversion.
+// (rlp_exp_f32, contract_math.h), then IEEE float64 add, divide, multiply, one conversion.
 // Elementwise, grid-stride: any grid and block size gives the same bits. NaN -> canonical NaN.
 __device__ __forceinline__ float rlp_swiglu(float g, float u) {
     const double e = (double)rlp_exp_f32(-g);
     const double silu = (double)g / (1.0 + e);
-    const float v = __double2float_rn(silu * (double)u);
+    const float v = rlp_double2float_rn(silu * (double)u);
     return (v != v) ? rlp_canonical_nan() : v;
 }
 
@@ -64,8 +67,8 @@ extern "C" __global__ void activation_swiglu_backward(const float* __restrict__ 
         const double sig = 1.0 / denominator;
         const double dsilu = sig * (1.0 + (double)g * (1.0 - sig));
         const double d_out = (double)dy[i];
-        float du = __double2float_rn(d_out * silu);
-        float dg = __double2float_rn((d_out * (double)up[i]) * dsilu);
+        float du = rlp_double2float_rn(d_out * silu);
+        float dg = rlp_double2float_rn((d_out * (double)up[i]) * dsilu);
         dup[i] = (du != du) ? rlp_canonical_nan() : du;
         dgate[i] = (dg != dg) ? rlp_canonical_nan() : dg;
     }

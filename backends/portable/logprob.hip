@@ -1,10 +1,13 @@
+#ifndef RLP_HIP_ON_CUDA
+#include <hip/hip_runtime.h>
+#endif
 // Kernel family "logprob": log-probabilities and entropy of logits at a temperature, and the
 // log-probabilities' gradient with respect to the logits.
 // Contract: contracts/logprob.toml. Reference: rlportable/contract/logprob.py (logprobs,
 // entropy, quantize_f64_rows, logprobs_backward, shard_max_keys, shard_sums, shard_finish).
-// backends/hip/logprob.hip is the same logic, line for line.
-#include "common.cuh"
-#include "contract_math.cuh"
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA).
+#include "common.h"
+#include "contract_math.h"
 
 #define RLP_LOGPROB_WANT_LOGP 1
 #define RLP_LOGPROB_WANT_ENTROPY 2
@@ -16,7 +19,7 @@ __device__ __forceinline__ unsigned long long rlp_logprob_max_u64(unsigned long 
 // a_v = RNE_f32(double(z_v) / double(T)) (IEEE float64 division). T = 1 gives z exactly, so it skips the
 // division (the one difference, a signalling NaN left unquieted, only ever feeds a canonical-NaN result).
 __device__ __forceinline__ float rlp_logprob_scaled(float z, double temperature) {
-    return temperature == 1.0 ? z : __double2float_rn((double)z / temperature);
+    return temperature == 1.0 ? z : rlp_double2float_rn((double)z / temperature);
 }
 
 // The NaN marker of a shard's key: above every float's key, so MAX over the ranks keeps it.
@@ -74,7 +77,7 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             float a = rlp_logprob_scaled(zr[i], temperature);
             if (a != a) nan = 1u;
-            else local_key = max(local_key, rlp_logprob_key(a));
+            else local_key = rlp_max_u32(local_key, rlp_logprob_key(a));
         }
         rlp_block_max_u32(&largest_key, local_key);
         rlp_block_or_u32(&has_nan, nan);
@@ -116,14 +119,14 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
                 for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
                     float d = rlp_logprob_scaled(zr[i], temperature) - m;
                     double w = rlp_logprob_term(rlp_exp_f32(d), d);
-                    local_q += __double2ll_rn((w * scale_hi) * scale_lo);
+                    local_q += rlp_double2ll_rn((w * scale_hi) * scale_lo);
                 }
                 rlp_block_sum_i64(&w_total, local_q);
                 __syncthreads();
                 if (threadIdx.x == 0) {
                     double w_sum = rlp_round_to_odd_f64((long long)w_total) * rlp_pow2_f64(e - (RLP_LOGPROB_SUM_BITS - 2));
                     double s_val = rlp_round_to_odd_f64(s) * rlp_pow2_f64(-(RLP_LOGPROB_SUM_BITS - 2));
-                    float mean = __double2float_rn(w_sum / s_val);
+                    float mean = rlp_double2float_rn(w_sum / s_val);
                     entropy[row] = ls - mean;
                 }
             }
@@ -137,7 +140,7 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
 __device__ __forceinline__ float rlp_logprob_grad_element(float p, bool is_target, double s_val, double scale) {
     const double q = (double)p / s_val;
     const double c = is_target ? 1.0 - q : -q;
-    return __double2float_rn(scale * c);
+    return rlp_double2float_rn(scale * c);
 }
 
 // The gradient of grad[row] * logp[row] with respect to logits[row, :] (logprobs_backward).
@@ -171,7 +174,7 @@ extern "C" __global__ void logprob_backward_rows(const float* __restrict__ logit
             for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
                 float a = rlp_logprob_scaled(zr[i], temperature);
                 if (a != a) nan = 1u;
-                else local_key = max(local_key, rlp_logprob_key(a));
+                else local_key = rlp_max_u32(local_key, rlp_logprob_key(a));
             }
             rlp_block_max_u32(&largest_key, local_key);
             rlp_block_or_u32(&has_nan, nan);
@@ -218,7 +221,7 @@ extern "C" __global__ void logprob_shard_max(const float* __restrict__ logits, l
         __syncthreads();
         unsigned int local_key = 0u;
         for (int i = threadIdx.x; i < width; i += blockDim.x) {
-            local_key = max(local_key, rlp_logprob_key_or_nan(rlp_logprob_scaled(zr[i], temperature)));
+            local_key = rlp_max_u32(local_key, rlp_logprob_key_or_nan(rlp_logprob_scaled(zr[i], temperature)));
         }
         rlp_block_max_u32(&largest_key, local_key);
         __syncthreads();

@@ -2,16 +2,22 @@
 // Contract: contracts/elementwise.toml. Reference: rlportable/contract/elementwise.py
 // (exp_f32, log_f32), which this file follows operation for operation: binary64
 // add, subtract, multiply and conversions only (round to nearest even), no fma,
-// no contraction (--fmad=false), no math library. Integer manipulation of bits
-// builds powers of two, reads exponents and rounds to odd.
-// backends/hip/elementwise.hip is the same logic, line for line, in HIP spellings.
+// no contraction (-ffp-contract=off, and the pragma below), no math library (no
+// OCML). Integer manipulation of bits builds powers of two, reads exponents and
+// rounds to odd. One source for both vendors (backends/cuda/prelude.h on NVIDIA).
+// Nothing here depends on the warp width (64 on CDNA, 32 under the HIP-on-CUDA
+// prelude): every lane works alone, and the checker counts with atomic adds.
 //
-// The one exception: elementwise_exhaustive_check calls CUDA's double exp()/log()
+// The one exception: elementwise_exhaustive_check calls the device double exp()/log()
 // as an ORACLE that grades the contract functions; nothing else uses libm.
 
+#ifndef RLP_HIP_ON_CUDA
+#include <hip/hip_runtime.h>
+#endif
+
 // The contract functions themselves (constants, tables, rlp_exp_f32, rlp_log_f32) live in
-// contract_math.cuh, shared with the other families that use them.
-#include "contract_math.cuh"
+// contract_math.h, shared with the other families that use them.
+#include "contract_math.h"
 
 // ---- kernels
 extern "C" __global__ void elementwise_exp_f32(const float* __restrict__ x, float* __restrict__ y, long long n) {

@@ -1,10 +1,13 @@
+#ifndef RLP_HIP_ON_CUDA
+#include <hip/hip_runtime.h>
+#endif
 // Kernel family "norm": RMSNorm (and the per-head QK-norm: rows = tokens * heads), and two fused
 // compositions: add_rmsnorm (the residual add, RMSNorm, optionally the gemm's encoding of the result)
 // and rmsnorm_heads_rope (QK-norm, then RoPE). Contract: contracts/norm.toml. Reference:
 // rlportable/contract/norm.py (rmsnorm, add_rmsnorm, rmsnorm_heads_rope, and rmsnorm_backward: the
 // gradient, dx per row and dweight over rows).
-// backends/hip/norm.hip is the same logic, line for line, in HIP spellings.
-#include "common.cuh"
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA) (no warp-width assumption anywhere).
+#include "common.h"
 
 // Contraction off even where a compiler's default would fuse; the build options say the same.
 #if defined(__clang__)
@@ -18,7 +21,8 @@
 // reference's float64 steps:
 //   mean = (double(ss) * 2^(2(e-21))) / double(H);  r = 1 / sqrt(mean + eps)
 //   y_i  = RNE_f32((double(x_i) * r) * double(w_i))
-// sqrt of a double is IEEE (correctly rounded) in CUDA; NaN results are the canonical NaN. A
+// sqrt of a double is IEEE (correctly rounded): OCML's sqrt_f64 on AMD (HIP's math API: 0 ulp),
+// CUDA's under the prelude. NaN results are the canonical NaN. A
 // non-finite row (e the sentinel) takes r = NaN, which makes every y_i the canonical NaN, as the
 // reference's NaN row. Two ways to walk rows, the same bits: norm_rmsnorm and norm_add_rmsnorm give a
 // row to a whole block (hidden-size rows, a few hundred per decode step: eight warps a row keep a
@@ -28,13 +32,13 @@
 // r from the row's exponent and exact sum of squares.
 __device__ __forceinline__ double rlp_rmsnorm_factor(int e, long long ss, int h, double eps) {
     if (e == RLP_NONFINITE_EXPONENT) return (double)rlp_canonical_nan();
-    const double mean = (__ll2double_rn(ss) * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
+    const double mean = (rlp_ll2double_rn(ss) * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
     return 1.0 / sqrt(mean + eps);
 }
 
 // y_i from x_i, the row's r and w_i; NaN results the canonical NaN.
 __device__ __forceinline__ float rlp_rmsnorm_value(float x, double r, float w) {
-    const float v = __double2float_rn(((double)x * r) * (double)w);
+    const float v = rlp_double2float_rn(((double)x * r) * (double)w);
     return (v != v) ? rlp_canonical_nan() : v;
 }
 
@@ -196,7 +200,7 @@ extern "C" __global__ void norm_rmsnorm_heads_rope_write_kv(
                           (double)cos_table[table_row + j], (double)sin_table[table_row + j], &low[p], &high[p]);
             yr[j] = low[p];
             yr[half + j] = high[p];
-            largest = max(largest, max(rlp_magnitude_bits(low[p]), rlp_magnitude_bits(high[p])));
+            largest = rlp_max_u32(largest, rlp_max_u32(rlp_magnitude_bits(low[p]), rlp_magnitude_bits(high[p])));
         }
         if (kind == 0 || cache_row < 0) continue;  // segment-uniform
         // the k row's cache encoding from the lanes' own outputs: its exponent from their maximum, as
@@ -241,7 +245,7 @@ __device__ __forceinline__ int rlp_norm_exponent_f64(unsigned long long magnitud
 // q = RNE((term * 2^half) * 2^(shift - half)), shift = bits - 2 - e, half = floor(shift / 2):
 // quantize_f64_rows's two exact power-of-two steps.
 __device__ __forceinline__ long long rlp_norm_quantize_f64(double term, double scale_hi, double scale_lo) {
-    return __double2ll_rn((term * scale_hi) * scale_lo);
+    return rlp_double2ll_rn((term * scale_hi) * scale_lo);
 }
 
 // dx: one block per row (grid-stride over rows). r is the forward's (same steps as norm_rmsnorm).
@@ -279,7 +283,7 @@ extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, co
             rlp_block_sum_i64(&total, local_sum);
             rlp_block_max_u64(&largest_t, local_t);
             __syncthreads();
-            const double ss = __ll2double_rn((long long)total);
+            const double ss = rlp_ll2double_rn((long long)total);
             const double mean = (ss * rlp_pow2_f64(2 * (e - (RLP_NORM_BITS - 2)))) / (double)h;
             const double r = 1.0 / sqrt(mean + eps);
             if (threadIdx.x == 0) row_scale[row] = r;
@@ -302,7 +306,7 @@ extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, co
                 const double c = (((r * r) * r) * s) / (double)h;
                 for (int i = threadIdx.x; i < h; i += blockDim.x) {
                     const double g = (double)dy[offset + i] * (double)w[i];
-                    float v = __double2float_rn((g * r) - ((double)x[offset + i] * c));
+                    float v = rlp_double2float_rn((g * r) - ((double)x[offset + i] * c));
                     dx[offset + i] = (v != v) ? rlp_canonical_nan() : v;
                 }
             }

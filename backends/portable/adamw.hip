@@ -4,7 +4,7 @@
 #include "common.h"
 // Kernel family "adamw": exact global gradient norm and the AdamW update of fp32 master weights.
 // Contract: contracts/adamw.toml. Reference: rlportable/contract/adamw.py.
-// Line-by-line port of backends/cuda/adamw.cu.
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA).
 
 // float64 -> float32, round to nearest even; a NaN is stored as the canonical NaN.
 __device__ __forceinline__ float rlp_adamw_store(double x) {

@@ -4,7 +4,7 @@
 // Kernel family "rope": rotary position embedding applied with tables made on the host.
 // Contract: contracts/rope.toml. Reference: rlportable/contract/rope.py (apply, apply_backward; the cos/sin
 // tables come from rope.tables, computed once on the host and uploaded).
-// Line-by-line port of backends/cuda/rope.cu (no warp-width assumption anywhere).
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA) (no warp-width assumption anywhere).
 #include "common.h"
 
 // Contraction off even where a compiler's default would fuse; the build options say the same.

@@ -4,7 +4,7 @@
 // beside it; CUDA, HIP and NumPy must agree to the bit.
 //
 // Spelling rules of the HIP sources (they also compile on NVIDIA through
-// hip_on_cuda.h, so they must mean the same thing under both compilers):
+// cuda/prelude.h, so they must mean the same thing under both compilers):
 //   * Only names that HIP and CUDA define identically are used as they are:
 //     threadIdx/blockIdx/blockDim/gridDim, __syncthreads, the bit casts
 //     __int_as_float, __float_as_int, __double_as_longlong, __longlong_as_double,
@@ -119,7 +119,7 @@ __device__ __forceinline__ unsigned int rlp_magnitude_bits(float x) {
 //   * every thread of the block calls the helper (block-uniform control flow).
 // The shared word is zeroed and synchronised by the caller, who synchronises again before
 // reading it. The same code as backends/cuda/common.cuh with HIP's __shfl_xor (width 32:
-// segments of 32 lanes of a 64-wide wavefront; hip_on_cuda.h maps it to __shfl_xor_sync).
+// segments of 32 lanes of a 64-wide wavefront; cuda/prelude.h maps it to __shfl_xor_sync).
 #define RLP_SEGMENT 32
 
 // The one shuffle: value of lane (this lane xor lane_mask), lane_mask < 32, within the segment.

@@ -1,13 +1,18 @@
+#ifndef RLP_HIP_ON_CUDA
+#include <hip/hip_runtime.h>
+#endif
+#include "common.h"
 // Kernel family "rowsum": exact sum of each row's fixed-point integers, rounded once.
 // Contract: contracts/rowsum.toml. Reference: rlportable/contract/exact.py (rowsum).
-#include "common.cuh"
+// One source for both vendors (backends/cuda/prelude.h on NVIDIA).
 
 #define RLP_HAS_NAN 1u
 #define RLP_HAS_POS_INF 2u
 #define RLP_HAS_NEG_INF 4u
 
 // One block per row (grid-stride over rows). Partial sums are combined with
-// 64-bit integer atomics: exact and order-free, whatever the block size.
+// 64-bit integer atomics in shared memory: exact and order-free, whatever the
+// block size or warp width.
 extern "C" __global__ void rowsum_exact(const float* __restrict__ x, long long rows, int k, int bits,
                                         float* __restrict__ y) {
     __shared__ unsigned int largest;

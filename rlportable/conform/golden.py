@@ -908,17 +908,23 @@ def _trajectory(backend, model, optimizer, records: list[dict], keys) -> list[tu
     return out + [(f"optimizer.{name}", canonical(np.array(a, copy=True))) for name, a in optimizer.state().items()]
 
 
-@_case("training", "sft.trajectory", **SFT_RUN)
-def _sft_trajectory(backend, s, r):
+def _run_setup(backend, r, seed: int):
+    """(model, tokenizer, task records, task) of a trajectory recipe: the embedded model, trainable."""
     from rlportable.model.forward import Model
     from rlportable.model.load import load_model
     from rlportable.train.launch import task_records
+
+    model_config, weights, tokenizer = load_model(r["model"])
+    records, task = task_records(r["task"], None, seed)
+    return Model(backend, model_config, weights, trainable=True), tokenizer, records, task
+
+
+@_case("training", "sft.trajectory", **SFT_RUN)
+def _sft_trajectory(backend, s, r):
     from rlportable.train.sft import SFTConfig, SFTTrainer, task_sft_records
 
     config = SFTConfig(**r["config"])
-    model_config, weights, tokenizer = load_model(r["model"])
-    model = Model(backend, model_config, weights, trainable=True)
-    records, _ = task_records(r["task"], None, config.seed)
+    model, tokenizer, records, _ = _run_setup(backend, r, config.seed)
     trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config)
     steps = [trainer.step(i) for i in range(config.steps)]
     return _trajectory(backend, model, trainer.optimizer, steps, SFT_METRICS)
@@ -926,16 +932,11 @@ def _sft_trajectory(backend, s, r):
 
 @_case("training", "grpo.trajectory", **GRPO_RUN)
 def _grpo_trajectory(backend, s, r):
-    from rlportable.model.forward import Model
-    from rlportable.model.load import load_model
     from rlportable.train.grpo import GRPOConfig, GRPOTrainer
-    from rlportable.train.launch import task_records
     from rlportable.train.rewards import RewardSet
 
     config = GRPOConfig(**r["config"])
-    model_config, weights, tokenizer = load_model(r["model"])
-    model = Model(backend, model_config, weights, trainable=True)
-    records, task = task_records(r["task"], None, config.seed)
+    model, tokenizer, records, task = _run_setup(backend, r, config.seed)
     trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config)
     steps = [trainer.step(i) for i in range(config.steps)]
     del trainer.engine  # its KV cache

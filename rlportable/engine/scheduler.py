@@ -200,10 +200,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._pending)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(len(p) for p in self._pending.values())
-
     # ---- scheduling
 
     @staticmethod

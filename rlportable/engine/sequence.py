@@ -244,10 +244,6 @@ class Sequence:
         return len(self._tokens) - self.num_computed_tokens
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    @property
     def priority(self) -> tuple[int, int, int]:
         """Sort key: older requests first, then sample index (preemption takes the largest)."""
         return (self.arrival if self.arrival is not None else 1 << 62, self.sample_index, self.seq_id)

@@ -203,9 +203,6 @@ class HipArray:
         self.memory.device_to_device(out.ptr, self.ptr, self.nbytes)
         return out
 
-    def fill_zero(self) -> None:
-        self.memory.memset(self.ptr, 0, self.nbytes)
-
     # ---- views (same memory, no copy)
     def _view(self, shape, offset_bytes: int = 0) -> HipArray:
         return HipArray(shape, self.dtype, memory=self.memory, _allocation=self._allocation,

@@ -19,7 +19,6 @@ from rlportable.model import backward
 from rlportable.model.forward import Model
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.objectives import TokenLoss
-from rlportable.train.optimizer import Optimizer
 
 
 @dataclass
@@ -91,11 +90,3 @@ def micro_batch_gradients(model: Model, batch: MicroBatch, temperature: float,
     with clock.phase("backward"):
         grads = backward.backward(model, fwd, loss.grad)
     return loss, logp, grads
-
-
-def train_micro_batch(model: Model, optimizer: Optimizer, batch: MicroBatch, temperature: float,
-                      objective: Callable[[list[np.ndarray]], TokenLoss]) -> tuple[TokenLoss, list[np.ndarray]]:
-    """Forward, the objective on the host, backward, accumulate. Returns (loss, per-sample log-probs)."""
-    loss, logp, grads = micro_batch_gradients(model, batch, temperature, objective)
-    optimizer.accumulate(grads)
-    return loss, logp

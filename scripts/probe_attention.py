@@ -276,7 +276,7 @@ def variants(source: str) -> dict:
             made[name] = (VARIANTS[name](source), None, None)
     baseline = os.environ.get("RLP_PROBE_BASELINE")
     if baseline:
-        text = _inline_includes(open(baseline).read(), kernel_source_path("cuda", "attention").parent, seen=set())
+        text = _inline_includes(open(baseline).read(), (kernel_source_path("cuda", "attention").parent,), seen=set())
         made = {"baseline": (text, 16384, None), **made}
     return made
 

@@ -7,26 +7,22 @@ clang-19, lld-19, rocm-device-libs and libamdhip64-dev)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from rlportable.runtime import amd_resources
+from test_kernel_sources import in_ci
 
 TABLE = Path(__file__).resolve().parent.parent / "conformance" / "results" / "hip_resources_gfx942.md"
 TABLE_MARK = amd_resources.TABLE_MARK
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @pytest.fixture(scope="module")
 def kernels():
     missing = amd_resources.missing_tools()
     if missing:
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"{missing} (CI must install the AMD compilers; see .ci/run)")
         pytest.skip(missing)
     return amd_resources.collect()

@@ -490,8 +490,7 @@ def _kernel_parameters(vendor: str, suffix: str) -> dict[str, list[tuple[str, bo
 class _RecordingDevice(CPU.__class__):
     """A cpu backend that claims to run CUDA (or HIP) sources and records launches instead of running them."""
 
-    kernel_vendor = "cuda"
-    label = "fake-cuda"
+    label = "fake-cuda"  # a plain attribute, shadowing the backend's property, so __init__ can set it
 
     def __init__(self, vendor: str = "cuda"):
         self.kernel_vendor = vendor

@@ -179,8 +179,8 @@ def _check_shared_encoding(op: str, encoded: EncodedRows | None, m: int, k: int,
 
 def _gemm_reference(x: np.ndarray, weight: GemmWeight, bits_a: int, x_encoded: EncodedRows | None = None) -> np.ndarray:
     """The cpu product; x_encoded: x's encoding when its producer made it (its integers, not quantized again)."""
-    if x_encoded is not None and x_encoded.host_q is not None:
-        qa, ea = x_encoded.host_q, np.asarray(x_encoded.exponents)
+    if x_encoded is not None:
+        qa, ea = joined_integers(x_encoded), np.asarray(x_encoded.exponents)
     else:
         qa, ea = fp.quantize_rows(x, bits_a)
     encoded = weight.encoded

@@ -131,13 +131,14 @@ def parse_remarks(text: str, family: str, arch: str, dynamic: dict[str, int]) ->
                             dynamic.get(k["kernel"], 0)) for k in kernels]
 
 
-def compile_family(family: str, arch: str, workdir: Path, dynamic: dict[str, int]) -> list[KernelResources]:
-    """Compile one family's HIP source (as the runtime assembles it) for arch; its kernels' resources."""
+def compile_family(family: str, arch: str, workdir: Path, libs: Path, dynamic: dict[str, int]) -> list[KernelResources]:
+    """Compile one family's HIP source (as the runtime assembles it) for arch with the device libraries
+    in libs (device_lib_dir); its kernels' resources."""
     from rlportable.runtime.base import assemble_source
 
     src = workdir / f"{family}-{arch}.hip"
     src.write_text(assemble_source("hip", family))
-    command = [CLANG, *CLANG_DEVICE_ONLY, *_options(arch), f"--rocm-device-lib-path={device_lib_dir(workdir)}",
+    command = [CLANG, *CLANG_DEVICE_ONLY, *_options(arch), f"--rocm-device-lib-path={libs}",
                "-c", str(src), "-o", str(workdir / f"{family}-{arch}.o")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -151,10 +152,10 @@ def collect(arches: tuple[str, ...] = ARCHES, workers: int | None = None) -> lis
     dynamic = dynamic_lds()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        device_lib_dir(root)
+        libs = device_lib_dir(root)
         jobs = [(family, arch) for arch in arches for family in families("hip")]
         with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-            results = pool.map(lambda job: compile_family(job[0], job[1], root, dynamic), jobs)
+            results = pool.map(lambda job: compile_family(job[0], job[1], root, libs, dynamic), jobs)
             return [kernel for family in results for kernel in family]
 
 

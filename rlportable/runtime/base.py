@@ -36,10 +36,7 @@ def assemble_source(vendor: str, family: str, prelude: str | None = None) -> str
     return _inline_includes(text, folders, seen=set())
 
 
-def _inline_includes(text: str, folders, seen: set[str]) -> str:
-    if isinstance(folders, Path):
-        folders = (folders,)
-
+def _inline_includes(text: str, folders: tuple[Path, ...], seen: set[str]) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
         if name in seen:

@@ -29,7 +29,9 @@ class _NonNegativeFloat(click.ParamType):
 NON_NEGATIVE = _NonNegativeFloat()
 
 DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
-                             type=click.Choice(["auto", "cpu", "cuda", "hip"]), help="Backend to run on.")
+                             type=click.Choice(["auto", "cpu", "cuda", "hip", "hip-cpu"]),
+                             help="Backend to run on (hip-cpu: the HIP sources on the CPU through HIP-CPU, "
+                                  "a 64-lane wavefront; never chosen by auto).")
 
 
 def tp_options(f):
@@ -109,7 +111,7 @@ def info():
     from rlportable.runtime import AUTO_ORDER, get_backend, probe
 
     rows = []
-    for name in AUTO_ORDER:
+    for name in (*AUTO_ORDER, "hip-cpu"):
         available, reason = probe(name)
         details = ""
         if available:

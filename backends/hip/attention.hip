@@ -747,7 +747,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
-    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
+    RLP_DYNAMIC_SHARED(unsigned long long, rlp_atts_values_smem);  // [lane][head of the round][dp]: N_d + B W parts
     rlp_atts_values<RLP_ATTS_VALUE_HEADS>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                                           scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
                                           out, rlp_atts_values_smem);
@@ -761,7 +761,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
     const unsigned int* __restrict__ split_info, const unsigned int* __restrict__ query_bad,
     long long* __restrict__ part_total, long long* __restrict__ part_num, float* __restrict__ out) {
-    extern __shared__ unsigned long long rlp_atts_values_smem[];  // [lane][head of the round][dp]: N_d + B W parts
+    RLP_DYNAMIC_SHARED(unsigned long long, rlp_atts_values_smem);  // [lane][head of the round][dp]: N_d + B W parts
     rlp_atts_values<2>(q_seq, q_pos, tq, hq, hkv, d, dp, num_seqs, v_digits, splits, chunk,
                        scores, key_rows, split_keys, split_info, query_bad, part_total, part_num,
                        out, rlp_atts_values_smem);
@@ -1809,7 +1809,7 @@ extern "C" __global__ void attention_backward_tiled_finish(
 // fields (IS_DQ false) and dq (true) of padded head_dim DP: rlp_attt_query_tile
 #define RLP_ATTT_QUERY_ENTRY(NAME, DP, IS_DQ)                                                                    \
     extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) NAME(RLP_ATTT_QUERY_ARGS) {                   \
-        extern __shared__ double rlp_attt_smem[];                                                                \
+        RLP_DYNAMIC_SHARED(double, rlp_attt_smem);                                                                \
         rlp_attt_query_tile<DP, IS_DQ>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
                                        k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
                                        rlp_attt_smem);                                                           \
@@ -1818,7 +1818,7 @@ extern "C" __global__ void attention_backward_tiled_finish(
 #define RLP_ATTT_ENTRIES(DP, STATS, FIELDS, DQ, DKV)                                                             \
     extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) STATS(                                       \
         RLP_ATTT_QUERY_ARGS) {                                                                                   \
-        extern __shared__ double rlp_attt_smem[];                                                                \
+        RLP_DYNAMIC_SHARED(double, rlp_attt_smem);                                                                \
         rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
                            row_stats, rlp_attt_smem);                                                            \
     }                                                                                                            \
@@ -1831,7 +1831,7 @@ extern "C" __global__ void attention_backward_tiled_finish(
         const int* __restrict__ v_exponents, const int* __restrict__ row_info,                                  \
         const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields, float* __restrict__ dk, \
         float* __restrict__ dv, unsigned long long* __restrict__ dk_wide, unsigned long long* __restrict__ dv_wide) { \
-        extern __shared__ double rlp_attt_smem[];                                                                \
+        RLP_DYNAMIC_SHARED(double, rlp_attt_smem);                                                                \
         rlp_attt_dkv<DP>(items, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,         \
                          v_exponents, row_info, row_stats, key_fields, dk, dv, dk_wide, dv_wide, rlp_attt_smem); \
     }

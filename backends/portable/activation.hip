@@ -34,7 +34,7 @@ extern "C" __global__ void activation_swiglu(const float* __restrict__ gate, con
 extern "C" __global__ void activation_swiglu_encode(const float* __restrict__ gate, const float* __restrict__ up,
                                                     long long rows, int h, int k_padded, float* __restrict__ y,
                                                     signed char* __restrict__ digits, int* __restrict__ exponents) {
-    extern __shared__ float rlp_activation_row[];  // [h]: the row's y
+    RLP_DYNAMIC_SHARED(float, rlp_activation_row);  // [h]: the row's y
     __shared__ unsigned int largest;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long base = row * (long long)h;

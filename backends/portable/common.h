@@ -25,6 +25,12 @@
 #ifndef RLP_HIP_COMMON_H
 #define RLP_HIP_COMMON_H
 
+// Dynamic shared memory (the bytes a launch asks for): `extern __shared__ T name[]` on both
+// vendors; the HIP-CPU prelude (hip/cpu_prelude.h) spells it its own way.
+#ifndef RLP_DYNAMIC_SHARED
+#define RLP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 #define RLP_NONFINITE_EXPONENT 2147483647
 #define RLP_ZERO_ROW_EXPONENT (-149)
 

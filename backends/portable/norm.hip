@@ -103,7 +103,7 @@ extern "C" __global__ void norm_add_rmsnorm(const float* __restrict__ a, const f
                                             float* __restrict__ sum, float* __restrict__ y,
                                             signed char* __restrict__ digits, int* __restrict__ exponents,
                                             int k_padded) {
-    extern __shared__ float rlp_norm_row[];  // [h]: the row's sum; encoding, [h] more: its y
+    RLP_DYNAMIC_SHARED(float, rlp_norm_row);  // [h]: the row's sum; encoding, [h] more: its y
     __shared__ unsigned int largest;
     __shared__ unsigned long long total;
     float* y_row = rlp_norm_row + h;

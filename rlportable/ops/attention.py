@@ -125,8 +125,9 @@ def _require(name: str, array, ndim: int, dtype) -> tuple[int, ...]:
 
 
 def _host(array) -> np.ndarray | None:
-    """The array if it lives on the host (values can be checked without a device sync), else None."""
-    return array if isinstance(array, np.ndarray) else None
+    """The array if it lives on the host (values can be checked without a device sync), else None. A
+    subclass is a backend's device array (hip-cpu's DeviceArray), not host data."""
+    return array if type(array) is np.ndarray else None
 
 
 def check_kv(cache: KVCache, k, v, slots) -> int:

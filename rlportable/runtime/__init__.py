@@ -1,4 +1,8 @@
-"""Device choice: --device auto|cpu|cuda|hip, with no silent fallback."""
+"""Device choice: --device auto|cpu|cuda|hip|hip-cpu, with no silent fallback.
+
+hip-cpu runs the HIP kernel sources on the CPU through AMD's HIP-CPU runtime (a 64-lane
+wavefront; runtime/hip_cpu.py). It is never picked by auto: it checks kernels, it is not fast.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,13 @@ import importlib
 from rlportable.errors import BackendUnavailable, RlpError
 from rlportable.runtime.base import Backend
 
-DEVICES = ("auto", "cpu", "cuda", "hip")
+DEVICES = ("auto", "cpu", "cuda", "hip", "hip-cpu")
 AUTO_ORDER = ("cuda", "hip", "cpu")
 KERNEL_SOURCES = ("native", "cuda", "hip")
 
 
 def _module(name: str):
-    return importlib.import_module(f"rlportable.runtime.{name}")
+    return importlib.import_module(f"rlportable.runtime.{name.replace('-', '_')}")
 
 
 def probe(name: str) -> tuple[bool, str]:
@@ -50,7 +54,8 @@ def get_backend(device: str = "auto", kernel_source: str = "native", device_inde
         raise RlpError(f"unknown kernel source {kernel_source!r}; choose one of {', '.join(KERNEL_SOURCES)}")
     if name == "cpu":
         if kernel_source != "native":
-            raise RlpError("the cpu backend runs the NumPy reference; --kernel-source applies to cuda and hip")
+            raise RlpError("the cpu backend runs the NumPy reference; --kernel-source applies to cuda and hip "
+                           "(--device hip-cpu runs the HIP sources on the CPU)")
         from rlportable.runtime.cpu import CpuBackend
 
         return CpuBackend()
@@ -63,7 +68,11 @@ def get_backend(device: str = "auto", kernel_source: str = "native", device_inde
             cupy.cuda.Device(int(device_index)).use()
         return CudaBackend(kernel_source="cuda" if kernel_source == "native" else kernel_source)
     if kernel_source == "cuda":
-        raise RlpError("CUDA sources cannot run on the hip backend")
+        raise RlpError(f"CUDA sources cannot run on the {name} backend")
+    if name == "hip-cpu":
+        from rlportable.runtime.hip_cpu import HipCpuBackend
+
+        return HipCpuBackend()
     available, reason = probe("hip")
     if not available:
         raise BackendUnavailable(f"device 'hip' is unavailable: {reason}")

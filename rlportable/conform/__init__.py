@@ -44,7 +44,7 @@ def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None =
         progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> list[CheckResult]:
     results = []
     for name, check in CHECKS + (EXHAUSTIVE_CHECKS if exhaustive else []):
-        if not selected(name, only) or (backend.kernel_vendor is None and name in DEVICE_ONLY) \
+        if not selected(name, only) or (backend.on_host and name in DEVICE_ONLY) \
                 or (quick and name in GOLDEN_QUICK_SKIPPED):
             continue
         if progress:

@@ -168,7 +168,7 @@ def load(backend, spec: str, quick: bool) -> Loaded:
 
 
 def models_for(backend) -> tuple[str, ...]:
-    return (TINY,) if backend.kernel_vendor is None else (TINY, QWEN3_06B)
+    return (TINY,) if backend.on_host else (TINY, QWEN3_06B)
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ SIZES = {
 
 
 def tier(backend, quick: bool) -> str:
-    return ("cpu" if backend.kernel_vendor is None else "device") + ("-quick" if quick else "")
+    return ("cpu" if backend.on_host else "device") + ("-quick" if quick else "")
 
 
 def workload(rng, vocab: int, size: Size, temperature: float | None, prefix: list[int] = ()) -> tuple[list, list]:
@@ -541,7 +541,7 @@ def first_mismatch(check: str, run: EngineRun, completions, trainer) -> Failure 
 def run_model(check: str, sweep: Sweep, loaded: Loaded, backend, rng, quick: bool, tally: Tally) -> dict:
     """One configuration on one model: generate, recompute in each packing, compare, measure, localize."""
     size = SIZES[loaded.spec][sweep.scale][tier(backend, quick)]
-    budget = TRAINER_TOKENS["cpu" if backend.kernel_vendor is None else "device"]
+    budget = TRAINER_TOKENS["cpu" if backend.on_host else "device"]
     runs = engine_runs(sweep, loaded, backend, size, rng)
     part = {"compared": 0, "mismatches": 0, "sequences": 0, "completion_tokens": 0, "runs": [],
             "packings": list(sweep.packings)}

@@ -161,7 +161,7 @@ def engine_check(spec: str) -> Callable:
 
 
 def checks(backend) -> list[tuple[str, Callable]]:
-    models = MODELS["cpu" if backend.kernel_vendor is None else "device"]
+    models = MODELS["cpu" if backend.on_host else "device"]
     return ([("tp.row_parallel_gemm", check_row_parallel_gemm), ("tp.vocab_embedding", check_vocab_embedding),
              ("tp.vocab_logprobs", check_vocab_logprobs)]
             + [(f"tp.model.{spec}", model_check(spec)) for spec in models]

@@ -28,9 +28,14 @@ def assemble_source(vendor: str, family: str, prelude: str | None = None) -> str
     path = kernel_source_path(vendor, family)
     if not path.is_file():
         raise FileNotFoundError(f"kernel source {path} is missing")
-    text = path.read_text()
+    return assemble_text(path.read_text(), prelude, path.parent)
+
+
+def assemble_text(text: str, prelude: str | None = None, folder: Path | None = None) -> str:
+    """Kernel source text with its local includes inlined: headers from `folder`, then
+    backends/portable; `prelude` (a path under backends/) in front."""
     backends = resource_dir("backends")
-    folders = (path.parent, backends / "portable")
+    folders = ((folder,) if folder is not None else ()) + (backends / "portable",)
     if prelude is not None:
         text = _inline_includes(f'#include "{prelude}"', (backends,), seen=set()) + "\n" + text
     return _inline_includes(text, folders, seen=set())
@@ -56,6 +61,9 @@ class Backend(ABC):
     name: str = "?"
     #: which kernel sources it runs: "cuda" (backends/cuda), "hip" (backends/hip), or None (NumPy)
     kernel_vendor: str | None = None
+    #: whether it computes on the host CPU (cpu, hip-cpu): the conformance suite sizes its inputs for
+    #: a CPU there and leaves out the models only a GPU runs in reasonable time
+    on_host: bool = False
 
     @abstractmethod
     def asarray(self, array: np.ndarray) -> Any: ...

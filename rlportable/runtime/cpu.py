@@ -12,6 +12,7 @@ from rlportable.runtime.base import Backend
 class CpuBackend(Backend):
     name = "cpu"
     kernel_vendor = None
+    on_host = True
 
     def asarray(self, array):
         return np.ascontiguousarray(array)

@@ -30,7 +30,7 @@ import numpy as np
 
 from rlportable.errors import BackendUnavailable, InputError, KernelCompileError
 from rlportable.runtime import cache
-from rlportable.runtime.base import Backend, assemble_source
+from rlportable.runtime.base import Backend, assemble_source, assemble_text
 
 ENVIRONMENT = "RLPORTABLE_HIP_CPU"
 PRELUDE = "hip/cpu_prelude.h"  # under backends/
@@ -132,8 +132,8 @@ def kernel_names(source: str, family: str, root: Path) -> list[str]:
     return names
 
 
-def build_library(family: str, root: Path) -> bytes:
-    source = family_source(family)
+def build_library(family: str, source: str, root: Path) -> bytes:
+    """The shared library of a family's source (behind the prelude), with its entry points."""
     names = kernel_names(source, family, root)
     text = source + _LAUNCHER + "".join(_ENTRY.format(name=name) for name in names)
     with tempfile.TemporaryDirectory(prefix="rlp-hip-cpu-") as folder:
@@ -184,8 +184,10 @@ def _argument(kernel: _Kernel, index: int, arg, expected: tuple[str, int]):
         if arg.dtype.kind not in wanted or arg.dtype.itemsize != size:
             raise InputError(f"{where}: a NumPy {arg.dtype.name} where the kernel takes a {size}-byte {kind}")
         return ctypes.create_string_buffer(np.asarray(arg).tobytes(), size)
-    raise InputError(f"{where}: cannot pass an object of type {type(arg).__name__} (pass NumPy arrays and "
-                     "NumPy scalars, as to every backend)")
+    if isinstance(arg, (bool, int, float)):
+        raise InputError(f"{where} is a Python {type(arg).__name__} ({arg!r}); pass a NumPy scalar (np.int32, "
+                         "np.int64, np.float32, ...) so that its width is explicit")
+    raise InputError(f"{where}: cannot pass an object of type {type(arg).__name__} to a kernel")
 
 
 class DeviceArray(np.ndarray):
@@ -196,6 +198,7 @@ class DeviceArray(np.ndarray):
 class HipCpuBackend(Backend):
     name = "hip-cpu"
     kernel_vendor = "hip"
+    on_host = True
 
     def __init__(self):
         available, reason = probe()
@@ -203,6 +206,7 @@ class HipCpuBackend(Backend):
             raise BackendUnavailable(f"device 'hip-cpu' is unavailable: {reason}")
         self.root = hip_cpu_root()
         self._libraries: dict[str, ctypes.CDLL] = {}
+        self._sources: dict[str, str] = {}  # families given as text (add_family)
         self._kernels: dict[tuple[str, str], _Kernel] = {}
         self._lock = threading.Lock()  # tensor-parallel ranks emulated as threads share the backend's caches
         self._compiler = _compiler_version()
@@ -225,12 +229,18 @@ class HipCpuBackend(Backend):
         return np.zeros(shape, dtype=dtype).view(DeviceArray)
 
     # ---- kernels
+    def add_family(self, family: str, source: str) -> None:
+        """A kernel family from source text, compiled as the others are (HIP code written to include
+        common.h's helpers behind the prelude; tests use it for kernels of their own)."""
+        self._sources[family] = assemble_text(source, PRELUDE)
+
     def library(self, family: str) -> ctypes.CDLL:
         with self._lock:
             if family not in self._libraries:
-                source = family_source(family) + _LAUNCHER + _ENTRY  # all the text the library is built from
-                key = cache.cache_key(source, OPTIONS, "hip-cpu", f"{self._compiler} {self.root.resolve()}")
-                binary = cache.cached_binary(key, ".so", lambda: build_library(family, self.root))
+                source = self._sources.get(family) or family_source(family)
+                text = source + _LAUNCHER + _ENTRY  # all the text the library is built from
+                key = cache.cache_key(text, OPTIONS, "hip-cpu", f"{self._compiler} {self.root.resolve()}")
+                binary = cache.cached_binary(key, ".so", lambda: build_library(family, source, self.root))
                 path = Path(self._folder.name) / f"{family}.so"
                 path.write_bytes(binary)
                 self._libraries[family] = ctypes.CDLL(str(path))

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rlportable.resources import kernel_source_path
+from rlportable.resources import assemble_text, kernel_source_path
 
 
 class Launch(NamedTuple):
@@ -45,11 +45,14 @@ class RecordingDevice:
         self.launches.append(Launch(family, kernel, tuple(grid), tuple(block), tuple(args), shared_mem))
 
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|RLP_LAUNCH_BOUNDS)\([^)]*\)\s*)?'
+                     r'(\w+)\s*\(([^)]*)\)')
 
 
 def kernel_parameters(vendor: str, family: str) -> dict[str, list[Any]]:
-    """kernel name -> parameter types (names and __restrict__ stripped), from backends/<vendor>/<family>.*."""
-    text = kernel_source_path(vendor, family).read_text()
+    """kernel name -> parameter types (names and __restrict__ stripped), from the source `vendor` compiles
+    for the family (its fast-path file with the portable source it includes, or the portable source)."""
+    path = kernel_source_path(vendor, family)
+    text = assemble_text(path.read_text(), folder=path.parent)
     return {name: [" ".join(p.replace("__restrict__", "").split()).rsplit(" ", 1)[0] for p in params.split(",")]
             for name, params in _KERNEL.findall(text)}

@@ -451,33 +451,36 @@ _POINTER_DTYPES = {"float": np.float32, "double": np.float64, "int": np.int32, "
                    "signed char": np.int8, "unsigned int": np.uint32, "unsigned long long": np.uint64}
 
 
-def _expand_tiled_entries(text: str) -> str:
-    """The source with the tiled kernels' entry macros written out (RLP_ATTT_ENTRIES(DP, names...))."""
+def _expand_tiled_entries(text: str, prefix: str) -> str:
+    """The source with one set of tiled entry macros written out (PREFIX_ENTRIES(DP, names...); RLP_ATTT:
+    the portable kernels, RLP_ATTD: CUDA's FP64 tensor-core ones)."""
     import re
 
     text = text.replace("\\\n", " ")
     args = re.search(r"#define RLP_ATTT_QUERY_ARGS(.*)", text).group(1)
-    body = re.search(r"#define RLP_ATTT_ENTRIES\(DP, STATS, FIELDS, DQ, DKV\)(.*)", text).group(1)
-    query = re.search(r"#define RLP_ATTT_QUERY_ENTRY\(NAME, DP, IS_DQ\)(.*)", text).group(1)
-    body = re.sub(r"RLP_ATTT_QUERY_ENTRY\((\w+), DP, (\w+)\)",
+    body = re.search(rf"#define {prefix}_ENTRIES\(DP, STATS, FIELDS, DQ, DKV\)(.*)", text).group(1)
+    query = re.search(rf"#define {prefix}_QUERY_ENTRY\(NAME, DP, IS_DQ\)(.*)", text).group(1)
+    body = re.sub(rf"{prefix}_QUERY_ENTRY\((\w+), DP, (\w+)\)",
                   lambda m: query.replace("NAME", m.group(1)).replace("IS_DQ", m.group(2)), body)
     body = re.sub(r"__launch_bounds__\(\w+\) ", "", body).replace("RLP_ATTT_QUERY_ARGS", args)
     entries = ""
-    for names in re.findall(r"^RLP_ATTT_ENTRIES\((\d+), (\w+),\s+(\w+),\s+(\w+),\s+(\w+)\)", text, re.M):
+    for names in re.findall(rf"^{prefix}_ENTRIES\((\d+), (\w+),\s+(\w+),\s+(\w+),\s+(\w+)\)", text, re.M):
         entries += re.sub(r"\b(DP|STATS|FIELDS|DQ|DKV)\b",
                           lambda m: names[("DP", "STATS", "FIELDS", "DQ", "DKV").index(m.group(1))], body)
     return text + entries
 
 
-def _kernel_parameters(vendor: str, suffix: str) -> dict[str, list[tuple[str, bool]]]:
-    """kernel name -> [(C type, is_pointer)] parsed from backends/<vendor>/attention.<suffix>."""
+def _kernel_parameters(vendor: str) -> dict[str, list[tuple[str, bool]]]:
+    """kernel name -> [(C type, is_pointer)] parsed from the attention source `vendor` compiles."""
     import re
 
-    from rlportable.resources import resource_dir
+    from rlportable.resources import assemble_text, kernel_source_path
 
-    text = _expand_tiled_entries((resource_dir("backends") / vendor / f"attention.{suffix}").read_text())
+    path = kernel_source_path(vendor, "attention")
+    text = assemble_text(path.read_text(), folder=path.parent)
+    text = _expand_tiled_entries(text, "RLP_ATTT") + (_expand_tiled_entries(text, "RLP_ATTD") if vendor == "cuda" else "")
     kernels = {}
-    for name, params in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
+    for name, params in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:RLP_LAUNCH_BOUNDS\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', text):
         parsed = []
         for param in params.split(","):
             words = param.replace("__restrict__", "").replace("const", "").split()
@@ -501,14 +504,14 @@ class _RecordingDevice(CPU.__class__):
         self.launches.append((family, kernel, grid, block, args))
 
 
-@pytest.mark.parametrize("vendor,suffix", [("cuda", "cu"), ("hip", "hip")])
-def test_backward_launches_match_kernel_signatures(vendor, suffix):
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_backward_launches_match_kernel_signatures(vendor):
     device = _RecordingDevice()
     rng = np.random.default_rng(10)
     q, k, v, do = inputs(rng, 11, 6, 2, 40)
     o = ref.attention(q, k, v, np.arange(11))
     op.attention_packed_backward(device, q, k, v, do, [0, 4, 11], o=o, threads=64, method="rows")
-    signatures = _kernel_parameters(vendor, suffix)
+    signatures = _kernel_parameters(vendor)
     launched = [launch[1] for launch in device.launches]
     assert launched == ["attention_write_kv", "attention_backward_rows", "attention_backward_dq",
                         "attention_backward_dkv"]
@@ -531,10 +534,10 @@ def _check_arguments(launches, signatures) -> None:
                 assert isinstance(arg, np.generic) and arg.dtype == want, (kernel, ctype, type(arg))
 
 
-@pytest.mark.parametrize("vendor,suffix", [("cuda", "cu"), ("hip", "hip")])
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
 @pytest.mark.parametrize("dim,dpt", [(40, 64), (128, 128), (200, 256)])
 @pytest.mark.parametrize("terms", [op.TILED_MAX_TERMS, 96])
-def test_tiled_backward_launches_match_kernel_signatures(vendor, suffix, dim, dpt, terms):
+def test_tiled_backward_launches_match_kernel_signatures(vendor, dim, dpt, terms):
     """The tiled path ("auto" on GPU sources): its launches, their arguments against that vendor's
     kernels' signatures, grids from that vendor's plan, and the cut-tile finish only where a key tile
     is cut."""
@@ -546,14 +549,15 @@ def test_tiled_backward_launches_match_kernel_signatures(vendor, suffix, dim, dp
     op.attention_packed_backward(device, q, k, v, do, cu, o=o, tiled_terms=terms)
     launched = [launch[1] for launch in device.launches]
     cut = terms < 3 * 71
+    steps = "attention_backward_mma" if vendor == "cuda" else "attention_backward_tiled"  # CUDA: FP64 tensor cores
     assert launched == ["attention_write_kv", "attention_backward_tiled_keys", "attention_backward_tiled_rows"] + [
-        f"attention_backward_tiled_{step}_d{dpt}" for step in ("stats", "fields", "dq", "dkv")] + (
+        f"{steps}_{step}_d{dpt}" for step in ("stats", "fields", "dq", "dkv")] + (
         ["attention_backward_tiled_finish"] if cut else [])
-    _check_arguments(device.launches, _kernel_parameters(vendor, suffix))
+    _check_arguments(device.launches, _kernel_parameters(vendor))
     q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, 3, terms, vendor)
     grids = {launch[1]: launch[2] for launch in device.launches}
-    assert grids[f"attention_backward_tiled_dq_d{dpt}"] == (q_tiles.shape[0], 6)
-    assert grids[f"attention_backward_tiled_dkv_d{dpt}"] == (items.shape[0], 2)
+    assert grids[f"{steps}_dq_d{dpt}"] == (q_tiles.shape[0], 6)
+    assert grids[f"{steps}_dkv_d{dpt}"] == (items.shape[0], 2)
     assert bool(wide_rows.any()) == cut
     assert all(block == (op.TILED_THREADS,) for _, name, _, block, _ in device.launches if name[-1].isdigit())
 

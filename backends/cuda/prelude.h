@@ -1,9 +1,8 @@
 // The CUDA prelude of the portable dialect: lets NVRTC (or nvcc) compile
-// backends/portable/*.hip (each family's one source for both vendors) and
-// backends/hip/*.hip on an NVIDIA GPU. The runtime puts it in front of a portable
-// family's source always (CudaBackend.source), and of a HIP family's source with
-// kernel_source="hip" (the HIP kernels' logic tested with a warp of 32 where no AMD
-// GPU is at hand), where it also passes -DRLP_HIP_ON_CUDA=1.
+// backends/portable/*.hip (each family's one source for both vendors) and the CUDA
+// fast paths that include them (backends/cuda/*.cu) on an NVIDIA GPU. The runtime puts
+// it in front of every family's source (CudaBackend.source); with kernel_source="hip"
+// it compiles the portable source alone (what an AMD GPU runs, with a warp of 32).
 //
 // What it maps, and why that is all:
 //   * <hip/hip_runtime.h> is not available to NVRTC; every .hip file includes
@@ -35,5 +34,8 @@
 #endif
 
 #define __shfl_xor(var, lane_mask, width) __shfl_xor_sync(0xffffffffu, (var), (lane_mask), (width))
+
+// common.h's launch bounds with NVIDIA's minimum of resident blocks per multiprocessor.
+#define RLP_LAUNCH_BOUNDS(threads, nvidia_min_blocks) __launch_bounds__(threads, nvidia_min_blocks)
 
 #endif  // RLP_CUDA_PRELUDE_H

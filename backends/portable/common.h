@@ -1,6 +1,5 @@
-// Contract helpers shared by every HIP kernel family: the line-by-line port of
-// backends/cuda/common.cuh (inlined by the runtime's source assembly, so they are
-// part of each family's cache key). The NumPy reference of each helper is named
+// Contract helpers shared by every kernel family, both vendors (inlined by the runtime's
+// source assembly, so they are part of each family's cache key). The NumPy reference of each helper is named
 // beside it; CUDA, HIP and NumPy must agree to the bit.
 //
 // Spelling rules of the HIP sources (they also compile on NVIDIA through
@@ -29,6 +28,12 @@
 // vendors; the HIP-CPU prelude (hip/cpu_prelude.h) spells it its own way.
 #ifndef RLP_DYNAMIC_SHARED
 #define RLP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
+// __launch_bounds__ with NVIDIA's minimum of resident blocks per multiprocessor (cuda/prelude.h);
+// HIP's second argument means something else (waves per execution unit), so HIP gets the threads only.
+#ifndef RLP_LAUNCH_BOUNDS
+#define RLP_LAUNCH_BOUNDS(threads, nvidia_min_blocks) __launch_bounds__(threads)
 #endif
 
 #define RLP_NONFINITE_EXPONENT 2147483647
@@ -124,8 +129,8 @@ __device__ __forceinline__ unsigned int rlp_magnitude_bits(float x) {
 //   * the block is one-dimensional with a multiple of 32 threads;
 //   * every thread of the block calls the helper (block-uniform control flow).
 // The shared word is zeroed and synchronised by the caller, who synchronises again before
-// reading it. The same code as backends/cuda/common.cuh with HIP's __shfl_xor (width 32:
-// segments of 32 lanes of a 64-wide wavefront; cuda/prelude.h maps it to __shfl_xor_sync).
+// reading it. HIP's __shfl_xor (width 32: segments of 32 lanes of a 64-wide wavefront;
+// cuda/prelude.h maps it to __shfl_xor_sync, hip/cpu_prelude.h to a segment-local wait).
 #define RLP_SEGMENT 32
 
 // The one shuffle: value of lane (this lane xor lane_mask), lane_mask < 32, within the segment.

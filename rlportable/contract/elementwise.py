@@ -88,7 +88,7 @@ def _h(value: str) -> float:
     return float.fromhex(value)
 
 
-# ---- shared constants (the same hex literals in backends/portable/contract_math.h and backends/cuda/contract_math.cuh)
+# ---- shared constants (the same hex literals in backends/portable/contract_math.h)
 SHIFT = _h("0x1.8000000000000p+52")        # 1.5 * 2^52: t + SHIFT - SHIFT = RNE(t) for |t| < 2^51
 SPLIT = _h("0x1.0000002000000p+27")        # 2^27 + 1, Veltkamp's splitter
 EXP_INV_LN2_64 = _h("0x1.71547652b82fep+6")  # RN(64 / ln 2)

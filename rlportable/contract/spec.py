@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlportable.errors import ContractError
-from rlportable.resources import resource_dir
+from rlportable.resources import assemble_text, resource_dir
 
 FAMILY_KEYS = {"name", "summary", "reference", "cuda_source", "hip_source"}
 OP_KEYS = {"name", "summary", "reference", "kernels", "computes", "inputs", "outputs", "params",
@@ -114,7 +114,7 @@ def validate(contract: Contract) -> None:
         source = _resolve_source(root, relative)
         if not source.is_file():
             raise ContractError(f"{contract.path}: {vendor} source {relative} does not exist")
-        text = source.read_text()
+        text = assemble_text(source.read_text(), folder=source.parent)  # a fast-path file includes the portable one
         defined = set(kernel_entry_points(text))
         for kernel in contract.all_kernels():
             if kernel not in defined:
@@ -139,7 +139,7 @@ def _import_reference(contract: Contract):
         raise ContractError(f"{contract.path}: reference module {contract.reference} does not import: {error}") from None
 
 
-_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|RLP_LAUNCH_BOUNDS)\([^)]*\)\s+)?(\w+)\s*\(')
 
 
 def kernel_entry_points(source: str) -> list[str]:

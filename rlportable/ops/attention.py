@@ -576,9 +576,9 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 BACKWARD_THREADS = 256
 BACKWARD_METHODS = ("auto", "rows", "tiled")
 TILED_THREADS = 256  # the tiled kernels' block size (their tiling assumes it)
-TILED_ROWS_THREADS = 256  # attention_backward_tiled_rows: one warp (cuda) or 32-lane segment (hip) per row
+TILED_ROWS_THREADS = 256  # attention_backward_tiled_rows: one 32-lane segment per row
 TILED_HEAD_DIMS = (64, 128, 256)  # the padded head_dim each tiled kernel is built for
-TILED_QUERY_STEP = 32  # query rows per step of the CUDA attention_backward_tiled_dkv (RlpAttt::BQ2)
+TILED_QUERY_STEP = 32  # query rows per step of the CUDA attention_backward_mma_dkv (RlpAttd::BQ2)
 #: (q row, head) pairs one dkv item sums: keeps its float64 sums of 37-bit products below 2^53
 TILED_MAX_TERMS = 2**15
 #: shared memory per workgroup the portable (hip) tiled kernels stay within: MI300X's LDS
@@ -606,9 +606,9 @@ def tiled_head_dim(head_dim: int) -> int:
 
 def tiled_tiles(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     """The tiled kernels' tile sizes: query rows and keys per step of the per-query-tile kernels, key
-    rows and query rows per step of dkv. cuda: RlpAttt in backends/cuda/attention.cu (FP64 mma
-    fragments, up to 227 KiB of shared memory); hip: RlpAttp in backends/hip/attention.hip (portable,
-    within PORTABLE_SHARED_LIMIT)."""
+    rows and query rows per step of dkv. cuda: RlpAttd in backends/cuda/attention.cu (FP64 mma
+    fragments, up to 227 KiB of shared memory); hip: RlpAttp in backends/portable/attention.hip
+    (within PORTABLE_SHARED_LIMIT)."""
     if vendor == "cuda":
         return {"bq": 4096 // dpt, "bk": min(32, 4096 // dpt), "bkv": 4096 // dpt, "bq2": TILED_QUERY_STEP}
     b = 2048 // dpt
@@ -628,8 +628,8 @@ def _portable_parts(rows: int, cols: int) -> int:
 
 
 def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
-    """Dynamic shared memory of each tiled kernel. cuda: the layouts in attention.cu plus slack for the
-    scalars' struct padding; hip: attention.hip's layouts, exactly."""
+    """Dynamic shared memory of each tiled kernel. cuda: the layouts in cuda/attention.cu plus slack for
+    the scalars' struct padding; hip: portable/attention.hip's layouts, exactly."""
     t = tiled_tiles(dpt, vendor)
     if vendor == "cuda":
         ld, uld = dpt + 4, 32 + 4
@@ -816,10 +816,10 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
                   key_fields, dq)
     grid = (plan.n_tiles, hq)
     block = (TILED_THREADS,)
+    steps = "attention_backward_mma" if backend.kernel_vendor == "cuda" else "attention_backward_tiled"
     for step, size in (("stats", "stats"), ("fields", "query"), ("dq", "query")):
-        backend.launch("attention", f"attention_backward_tiled_{step}_d{dpt}", grid, block, query_args,
-                       shared_mem=shared[size])
-    backend.launch("attention", f"attention_backward_tiled_dkv_d{dpt}", (plan.n_items, hkv), block,
+        backend.launch("attention", f"{steps}_{step}_d{dpt}", grid, block, query_args, shared_mem=shared[size])
+    backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_items, hkv), block,
                    (plan.items, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
                     do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,
                     dv, dk_wide, dv_wide), shared_mem=shared["dkv"])

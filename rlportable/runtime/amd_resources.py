@@ -1,7 +1,7 @@
 """What each HIP kernel needs on AMD GPUs, read off the compiler, and the checks CI makes on it.
 
 No AMD GPU runs here, but clang (Debian's clang-19 with lld-19, rocm-device-libs and libamdhip64-dev)
-compiles backends/hip for MI300X (gfx942, wave 64) and MI250X (gfx90a) with the options the runtime
+compiles every family's HIP source (backends/portable) for MI300X (gfx942, wave 64) and MI250X (gfx90a) with the options the runtime
 gives hiprtc, and prints every kernel's registers, scratch, occupancy and static LDS
 (-Rpass-analysis=kernel-resource-usage). Two things would stop a kernel on the GPU and are checked:
 
@@ -153,7 +153,7 @@ def collect(arches: tuple[str, ...] = ARCHES, workers: int | None = None) -> lis
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         libs = device_lib_dir(root)
-        jobs = [(family, arch) for arch in arches for family in families("hip")]
+        jobs = [(family, arch) for arch in arches for family in families()]
         with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
             results = pool.map(lambda job: compile_family(job[0], job[1], root, libs, dynamic), jobs)
             return [kernel for family in results for kernel in family]

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlportable.resources import kernel_source_path, resource_dir
-
-_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
-
+from rlportable.resources import assemble_text, kernel_source_path
 
 def assemble_source(vendor: str, family: str, prelude: str | None = None) -> str:
     """A kernel family's source (kernel_source_path) with its local #include "..." files inlined.
@@ -31,35 +26,12 @@ def assemble_source(vendor: str, family: str, prelude: str | None = None) -> str
     return assemble_text(path.read_text(), prelude, path.parent)
 
 
-def assemble_text(text: str, prelude: str | None = None, folder: Path | None = None) -> str:
-    """Kernel source text with its local includes inlined: headers from `folder`, then
-    backends/portable; `prelude` (a path under backends/) in front."""
-    backends = resource_dir("backends")
-    folders = ((folder,) if folder is not None else ()) + (backends / "portable",)
-    if prelude is not None:
-        text = _inline_includes(f'#include "{prelude}"', (backends,), seen=set()) + "\n" + text
-    return _inline_includes(text, folders, seen=set())
-
-
-def _inline_includes(text: str, folders: tuple[Path, ...], seen: set[str]) -> str:
-    def replace(match: re.Match) -> str:
-        name = match.group(1)
-        if name in seen:
-            return f"// (already included: {name})"
-        seen.add(name)
-        included = next((folder / name for folder in folders if (folder / name).is_file()), None)
-        if included is None:
-            raise FileNotFoundError(f"{folders[0]}: included header {name} is missing")
-        return f"// ---- begin {name}\n{_inline_includes(included.read_text(), folders, seen)}\n// ---- end {name}"
-
-    return _LOCAL_INCLUDE.sub(replace, text)
-
-
 class Backend(ABC):
     """One device: arrays, kernel launches, and the vendor integer GEMM."""
 
     name: str = "?"
-    #: which kernel sources it runs: "cuda" (backends/cuda), "hip" (backends/hip), or None (NumPy)
+    #: which kernel sources it runs: "cuda" (the portable ones with NVIDIA's fast paths, backends/cuda),
+    #: "hip" (the portable ones, backends/portable), or None (NumPy)
     kernel_vendor: str | None = None
     #: whether it computes on the host CPU (cpu, hip-cpu): the conformance suite sizes its inputs for
     #: a CPU there and leaves out the models only a GPU runs in reasonable time

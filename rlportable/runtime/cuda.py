@@ -1,10 +1,10 @@
 """The cuda backend: CuPy arrays, NVRTC-compiled kernels, cuBLAS int8 GEMM.
 
-A family with one portable source (backends/portable) compiles it behind the
+Every family has one portable source (backends/portable), compiled behind the
 prelude backends/cuda/prelude.h that maps the portable dialect's few HIP names
-to CUDA ones; a family with a source per vendor compiles backends/cuda. With
-kernel_source="hip" those compile backends/hip behind the same prelude: the HIP
-kernels' logic then runs on NVIDIA hardware (with a warp of 32).
+to CUDA ones; where NVIDIA has fast paths for a family, backends/cuda/<family>.cu
+adds them (it includes the portable source). With kernel_source="hip" the
+portable source alone compiles: what an AMD GPU runs, here with a warp of 32.
 
 The engine's step loop (engine/runner.py) runs on one non-default stream (graph
 capture cannot use the legacy default stream), copies its metadata to the device
@@ -21,7 +21,6 @@ import numpy as np
 
 from rlportable.errors import BackendUnavailable, KernelCompileError
 from rlportable.runtime import cache, flags
-from rlportable.resources import portable_source_path
 from rlportable.runtime.base import Backend, assemble_source
 
 PORTABLE_PRELUDE = "cuda/prelude.h"  # the portable dialect (and the HIP sources) on NVIDIA, under backends/
@@ -100,11 +99,10 @@ class CudaBackend(Backend):
         return options
 
     def source(self, family: str) -> str:
-        """backends/portable/<family>.hip behind the CUDA prelude; where a family still has a source per
-        vendor, backends/cuda/<family>.cu (or with kernel_source="hip" its HIP source behind the prelude)."""
-        if self.kernel_vendor == "hip" or portable_source_path(family) is not None:
-            return assemble_source("hip", family, prelude=PORTABLE_PRELUDE)
-        return assemble_source("cuda", family)
+        """The family's source behind the CUDA prelude: backends/cuda/<family>.cu where NVIDIA has fast
+        paths for it (that file includes the portable source), else backends/portable/<family>.hip; with
+        kernel_source="hip" the source an AMD GPU compiles."""
+        return assemble_source(self.kernel_vendor, family, prelude=PORTABLE_PRELUDE)
 
     def module(self, family: str):
         if family not in self._modules:

@@ -1,4 +1,4 @@
-"""The hip backend: hip-python arrays (HipArray), hiprtc-compiled kernels from backends/hip, hipBLAS int8 GEMM.
+"""The hip backend: hip-python arrays (HipArray), hiprtc-compiled kernels from backends/portable, hipBLAS int8 GEMM.
 
 It mirrors the cuda backend (runtime/cuda.py) call for call. hip-python's
 conventions it relies on (hip-python 6.x, the `hip` package: modules hip.hip,

@@ -3,7 +3,7 @@
 HIP-CPU (github.com/ROCm/HIP-CPU, header-only, MIT) compiles HIP code with g++ and runs it on
 the CPU: a block's threads are fibers on one OS thread, blocks spread over TBB's workers, and
 warpSize is 64, the wavefront of AMD Instinct GPUs (MI300X). This backend compiles each kernel
-family's HIP source (backends/portable, or backends/hip for attention and gemm) behind
+family's HIP source (backends/portable, what an AMD GPU compiles) behind
 backends/hip/cpu_prelude.h into a shared library, with one generated C entry point per kernel,
 and launches it through ctypes on NumPy arrays (host memory is the device memory). It is how the
 HIP sources run with a 64-lane wavefront where no AMD GPU is at hand: `rlportable conform
@@ -30,7 +30,8 @@ import numpy as np
 
 from rlportable.errors import BackendUnavailable, InputError, KernelCompileError
 from rlportable.runtime import cache
-from rlportable.runtime.base import Backend, assemble_source, assemble_text
+from rlportable.resources import assemble_text
+from rlportable.runtime.base import Backend, assemble_source
 
 ENVIRONMENT = "RLPORTABLE_HIP_CPU"
 PRELUDE = "hip/cpu_prelude.h"  # under backends/

@@ -5,12 +5,14 @@ caught. Every target takes its source text and options from the runtime itself
 (CudaBackend / HipBackend .source() and .compile_options(), so assemble_source
 and runtime/flags.py), only the compiler differs:
 
-  cuda sm_80, cuda sm_90   backends/portable/*.hip behind cuda/prelude.h, backends/cuda/*.cu, nvcc -cubin
-  hip gfx90a (hipcc)       backends/portable/*.hip and backends/hip/*.hip with hipcc, device code only,
+  cuda sm_80, cuda sm_90   each family's CUDA source (backends/cuda/<family>.cu where NVIDIA has fast
+                           paths, which includes the portable one, else backends/portable/<family>.hip)
+                           behind cuda/prelude.h, nvcc -cubin
+  hip gfx90a (hipcc)       the HIP source (backends/portable/<family>.hip) with hipcc, device code only,
                            to a code object
   hip gfx90a (hiprtc)      the same with hiprtc itself (the runtime's compiler), loaded from the
                            ROCm runtime library, no GPU needed
-  hip-on-cuda sm_90        backends/portable/*.hip and backends/hip/*.hip behind cuda/prelude.h, nvcc -cubin
+  hip-on-cuda sm_90        the HIP source behind cuda/prelude.h, nvcc -cubin
 
     python -m rlportable.runtime.offline_compile     # table family x target, exit 1 on any failure
 """
@@ -42,7 +44,7 @@ COMPILE_TIMEOUT_S = 600
 @dataclass(frozen=True)
 class Target:
     name: str  # column title
-    vendor: str  # which sources: "cuda" (backends/cuda) or "hip" (backends/hip)
+    vendor: str  # which sources: "cuda" (with NVIDIA's fast paths) or "hip" (the portable ones)
     compiler: str  # "nvcc", "hipcc" or "hiprtc"
     arch: str  # compute capability ("90") or gfx name ("gfx90a")
     hip_on_cuda: bool = False
@@ -66,13 +68,9 @@ class Result:
     command: str = ""
 
 
-def families(vendor: str) -> list[str]:
-    """Kernel families a vendor compiles: backends/portable/*.hip and its own backends/cuda/*.cu or
-    backends/hip/*.hip."""
-    suffix = {"cuda": ".cu", "hip": ".hip"}[vendor]
-    backends = resource_dir("backends")
-    return sorted({path.stem for folder in (backends / "portable", backends / vendor)
-                   for path in folder.glob(f"*{suffix if folder.name == vendor else '.hip'}")})
+def families() -> list[str]:
+    """The kernel families: backends/portable/*.hip (every family has one portable source)."""
+    return sorted(path.stem for path in (resource_dir("backends") / "portable").glob("*.hip"))
 
 
 def runtime_source_and_options(target: Target, family: str) -> tuple[str, tuple[str, ...]]:
@@ -211,7 +209,7 @@ def compile_one(target: Target, family: str, workdir: Path | None = None) -> Res
 
 
 def jobs() -> list[tuple[Target, str]]:
-    return [(target, family) for target in TARGETS for family in families(target.vendor)]
+    return [(target, family) for target in TARGETS for family in families()]
 
 
 def compile_all(workers: int | None = None) -> list[Result]:

@@ -3,10 +3,11 @@
 #endif
 #include "common.h"
 // Kernel family "gemm": Y = X @ W.T exactly (contracts/gemm.toml; reference
-// rlportable/contract/exact.py gemm). Line-by-line port of backends/cuda/gemm.cu.
+// rlportable/contract/exact.py gemm): the BLAS path's kernels, both vendors; backends/cuda/gemm.cu
+// adds NVIDIA's tensor-core kernels.
 //
 // Operands are fixed-point rows split into balanced int8 digits
-// (backends/hip/fixedpoint.hip). With digit i of an activation row and digit j of
+// (backends/portable/fixedpoint.hip). With digit i of an activation row and digit j of
 // a weight row weighted 256^(i+j), the exact dot product is
 //     S = sum_d 256^d * G_d,   G_d = sum_{i+j=d} X_i . W_j   (int32, exact)
 // and Y = RNE_f32(S * 2^(ea + ew - (Ba-2) - (Bw-2))), one rounding.

@@ -1,12 +1,13 @@
 // Kernel family "attention": exact causal GQA attention over the encoded (fixed-point) KV cache.
 // Contract: contracts/attention.toml. Reference: rlportable/contract/attention.py
-// (attention, attention_encoded). Line-by-line port of backends/cuda/attention.cu.
+// (attention, attention_encoded). One source for both vendors; backends/cuda/attention.cu adds
+// NVIDIA's tensor-core fast paths to it.
 //
 // Every reduction here is exact: the scores' dot products and the sums L and N_d are
 // int64 sums, the maxima (m, E, the q row's exponent) are integer maxima, all combined
 // with shared-memory atomics. So the bits depend on nothing but the query row and the
 // keys 0..t of its sequence: not on the thread count, the grid, the warp width (64 on
-// CDNA, 32 under the HIP-on-CUDA prelude), or on whether a score was kept in shared
+// CDNA and HIP-CPU, 32 on NVIDIA), or on whether a score was kept in shared
 // memory or computed again.
 #ifndef RLP_HIP_ON_CUDA
 #include <hip/hip_runtime.h>
@@ -232,8 +233,7 @@ extern "C" __global__ void attention_write_kv(
 }
 
 // ---------------------------------------------------------------------------
-// Split-KV path ("split" in ops/attention.py): the line-by-line port of backends/cuda/attention.cu's
-// split kernels (no warp-width assumption: block-wide results through shared-memory atomics and
+// Split-KV path ("split" in ops/attention.py): the decode-shaped kernels (no warp-width assumption: block-wide results through shared-memory atomics and
 // __syncthreads only; the byte products and permutes are plain integer code). The same bits as
 // attention_paged, for decode-shaped calls (few query rows per sequence). The keys of a query row
 // are cut into `splits` ranges of `chunk` keys (split s: keys s chunk .. min((s + 1) chunk, t + 1) - 1);
@@ -284,9 +284,9 @@ extern "C" __global__ void attention_write_kv(
 #define RLP_ATTS_VALUE_HEADS 4   // q heads per round of attention_split_values (register sums)
 #define RLP_ATTS_VALUE_KEYS 8    // keys per thread in flight in attention_split_values (twice that with 2 heads)
 #define RLP_ATTS_COLUMNS 4       // value columns per thread: one 4-byte load per digit plane and key
-// CUDA builds the score and value kernels for 8 and 6 blocks per multiprocessor (its __launch_bounds__
-// minimum, chosen on the H200); HIP's second __launch_bounds__ argument means waves per execution unit,
-// left to the compiler until an AMD GPU can choose it.
+// The score and value kernels ask NVIDIA for 8 and 6 blocks per multiprocessor (RLP_LAUNCH_BOUNDS'
+// second argument, chosen on the H200); on HIP the minimum is left to the compiler (its second
+// __launch_bounds__ argument means waves per execution unit) until an AMD GPU can choose it.
 
 // c + the four products of the signed bytes of a and b, exact in int32 (CUDA's __dp4a).
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) {
@@ -382,7 +382,7 @@ __device__ __forceinline__ long long rlp_atts_biased_integer(double sum) {
 // scores and each head's largest order key. Writes split_keys, split_info, query_bad (split 0), the
 // scores and key_rows (so the value pass loads each key's row and ev at once, not the slot and then
 // the exponent).
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_scores(
+extern "C" __global__ void RLP_LAUNCH_BOUNDS(RLP_ATTS_THREADS, 8) attention_split_scores(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
@@ -741,7 +741,7 @@ __device__ __forceinline__ void rlp_atts_values(
 }
 
 // rlp_atts_values with rounds of up to RLP_ATTS_VALUE_HEADS q heads (any group).
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_values(
+extern "C" __global__ void RLP_LAUNCH_BOUNDS(RLP_ATTS_THREADS, 6) attention_split_values(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
@@ -755,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_v
 
 // rlp_atts_values with rounds of up to 2 q heads, for groups of 1 or 2 (ops/attention.py picks it): half
 // the register sums of the 4-head build, the same bits.
-extern "C" __global__ void __launch_bounds__(RLP_ATTS_THREADS) attention_split_values_h2(
+extern "C" __global__ void RLP_LAUNCH_BOUNDS(RLP_ATTS_THREADS, 8) attention_split_values_h2(
     const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, int hq, int hkv, int d, int dp,
     int num_seqs, const signed char* __restrict__ v_digits, int splits, int chunk, const float* __restrict__ scores,
     const long long* __restrict__ key_rows, const unsigned int* __restrict__ split_keys,
@@ -817,7 +817,7 @@ extern "C" __global__ void attention_split_combine(
 
 // ---------------------------------------------------------------------------
 // Backward (contracts/attention.toml, op "attention_backward"; reference: attention_backward in
-// rlportable/contract/attention.py), the line-by-line port of backends/cuda/attention.cu's backward; no
+// rlportable/contract/attention.py), the per-row kernels; no
 // warp-width assumption (block-wide results through shared-memory atomics and __syncthreads only).
 // Packed sequences: key j of token t's sequence is token j, stored in slot j of a block-size-1 cache
 // (attention_write_kv), so cache row = j * hkv + g.
@@ -1219,8 +1219,8 @@ extern "C" __global__ void attention_backward_dkv(
 // Tiled backward, portable (ops/attention.py method "tiled"): the bits of the rows kernels above from
 // tiles of query rows x keys in shared memory. The operands sit in shared memory as int32; every
 // product and partial sum is an integer below 2^53 formed with float64 FMAs, so each sum is exact in
-// any order and any cut (the bounds and the U = U_hi 2^16 + U_lo split of backends/cuda/attention.cu's
-// tiled section, and its launch plan). No warp width is assumed: products are per thread, maxima and
+// any order and any cut (the bounds and the U = U_hi 2^16 + U_lo split are those of the FP64
+// tensor-core kernels in backends/cuda/attention.cu, and so is the launch plan). No warp width is assumed: products are per thread, maxima and
 // sums meet through shared-memory atomics, and the one per-row kernel gives a row to a 32-lane segment.
 // Tiles are sized so that each kernel's shared memory stays within 64 KiB (MI300X's LDS per
 // workgroup): ops/attention.py tiled_tiles / tiled_shared_bytes say the same numbers.

@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (issue 4): a decode step planned while the step before it runs, fed that step's
+"""Asynchronous scheduling: a decode step planned while the step before it runs, fed that step's
 tokens on the device. The same tokens and log-prob bits as the synchronous engine, no block leak, every
 request finishes.
 

@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # rlp_log_f32) live in the portable header it includes, and in CUDA's twin of it, which the families
 # with a CUDA source of their own (attention, gemm) include
 SOURCE = ROOT / "backends" / "portable" / "elementwise.hip"
-CUDA_HEADER = ROOT / "backends" / "cuda" / "contract_math.cuh"
 PORTABLE_HEADER = ROOT / "backends" / "portable" / "contract_math.h"
 HEADERS = {SOURCE: PORTABLE_HEADER}
 
@@ -223,16 +222,6 @@ def test_device_sources_spell_the_reference_constants(source):
     contract_part = re.sub(r"//[^\n]*|/\*.*?\*/", "", text.split("// ---- exhaustive checker")[0], flags=re.DOTALL)
     assert not re.search(r"\b(exp|log|expf|logf|exp2|log2|fma|fmaf|__fma_rn|__expf|__logf|ldexp|frexp|rint|floor)\s*\(",
                          contract_part)
-
-
-def test_cuda_header_is_line_parallel_to_the_portable_one():
-    """attention and gemm, which still have a CUDA source of their own, include contract_math.cuh:
-    the same contract functions as the portable header, line for line."""
-    def body(path):
-        text = path.read_text()
-        return text[text.index("#define RLP_EW_CANONICAL_NAN_BITS"):text.index("#endif  // RLP_CONTRACT_MATH")]
-
-    assert body(CUDA_HEADER).replace("(--fmad=false)", "") == body(PORTABLE_HEADER).replace("(-ffp-contract=off)", "")
 
 
 def test_exp_fast_path_gives_the_full_evaluations_bits():

@@ -1,4 +1,4 @@
-"""The host work of a decode step, made cheaper (issue 4): each shortcut is checked against the general
+"""The host work of a decode step, made cheaper: each shortcut is checked against the general
 path it stands for. The block manager's test for a decode token that needs nothing against its plan,
 the runner's block-table rows kept between steps against rows rebuilt from the sequences' lists (after
 new blocks, copy-on-write, preemption, frees and reused rows), the uploader's reused device views, and

@@ -9,7 +9,7 @@
 // rlp_exp_f32 first tries a shorter evaluation with explicit fused multiply-adds
 // (rlp_fma_f64: the IEEE operation) and keeps its result only where its
 // float32 rounding is certain (the same bits: both are correctly rounded; see its comment).
-// backends/cuda/contract_math.cuh is the same logic, line for line. Nothing here depends on
+// Both vendors compile this one header (behind their preludes). Nothing here depends on
 // the warp width.
 // Include guard rather than #pragma once: the runtime inlines this file into the
 // compiled text.

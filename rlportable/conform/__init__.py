@@ -2,7 +2,8 @@
 
 Each check returns how many elements it compared and how many differ in their
 raw bits (NaN payloads and signed zeros included). One module per part of the
-stack: primitives (issue 2), forward_ops and attention (issue 3), model.
+stack: primitives, forward_ops and attention, model, sampling, optim, the backward ops, the
+parallel ops, golden digests and end to end.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Conformance of the backward kernels of the small op families (issue 5): rmsnorm_backward,
+"""Conformance of the backward kernels of the small op families: rmsnorm_backward,
 swiglu_backward, rope's apply_backward and the residual family's transpose, each bitwise against
 its reference (on cpu the reference against itself)."""
 

@@ -1,4 +1,4 @@
-"""Conformance of the vocabulary-side backward ops (issue 5): the log-prob gradient with respect to the
+"""Conformance of the vocabulary-side backward ops: the log-prob gradient with respect to the
 logits and the embedding table's gradient, each bitwise against its reference."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End-to-end conformance (issue 6): the engine's recorded log-probs against the trainer's forward, bitwise.
+"""End-to-end conformance: the engine's recorded log-probs against the trainer's forward, bitwise.
 
 One check `e2e.<configuration>` per change the contracts promise to survive:
   1. the rollout engine (LLM) samples completions of seeded token-id prompts under that configuration

@@ -1,4 +1,4 @@
-"""Conformance of the forward ops (issue 3): norm, rope, activation, embedding, logprob, each bitwise
+"""Conformance of the forward ops: norm, rope, activation, embedding, logprob, each bitwise
 against its reference."""
 
 from __future__ import annotations

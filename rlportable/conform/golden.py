@@ -1,4 +1,4 @@
-"""Golden digests (issue 6, "across vendors"): SHA-256 digests of canonical outputs, computed by the
+"""Golden digests: SHA-256 digests of canonical outputs, computed by the
 NumPy reference and committed under conformance/golden/, that every backend must reproduce.
 
 A run on an H100 and a run on an MI300X that both reproduce the committed digests agree with each
@@ -219,7 +219,7 @@ def _host(backend: Backend, array, dtype: str | None = None) -> np.ndarray:
     return canonical(np.array(backend.to_numpy(array), copy=True), dtype)
 
 
-# ---- fixedpoint, gemm, rowsum, elementwise (issue 2)
+# ---- fixedpoint, gemm, rowsum, elementwise
 
 ROW_KINDS = ["uniform", "massive", "tiny", "huge", "zeros", "special", "nonfinite"]
 
@@ -294,7 +294,7 @@ _case("elementwise", "log_f32", seed=6, inputs="the contract's edge_inputs() the
       random_inputs=1 << 16)(_elementwise("log"))
 
 
-# ---- forward and backward ops (issues 3 and 5)
+# ---- forward and backward ops
 
 @_case("norm", "rmsnorm", seed=10, shapes=[[1, 1], [7, 13], [17, 257], [9, 1024], [5, 0], [0, 8]],
        kinds=ROW_KINDS, weights=["uniform", "special"], eps=[1e-6, 0.0])

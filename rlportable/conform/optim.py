@@ -1,4 +1,4 @@
-"""Conformance of the optimiser (issue 5): the adamw family's kernels against contract/adamw.py, bitwise."""
+"""Conformance of the optimiser: the adamw family's kernels against contract/adamw.py, bitwise."""
 
 from __future__ import annotations
 

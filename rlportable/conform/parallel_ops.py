@@ -1,4 +1,4 @@
-"""Conformance of the per-rank pieces of tensor parallelism (issue 7), bitwise against the reference.
+"""Conformance of the per-rank pieces of tensor parallelism, bitwise against the reference.
 
 Row-parallel gemm: fixedpoint.row_exponents, encode_rows with given exponents,
 gemm.gemm_sums and gemm.round_sums, and the k_sharding identity end to end

@@ -1,4 +1,4 @@
-"""Conformance of the vocabulary-parallel ops (issue 7, tensor parallelism): the log-prob's per-rank steps
+"""Conformance of the vocabulary-parallel ops: the log-prob's per-rank steps
 (shard_max_keys, shard_sums, shard_finish) and the embedding's gather_shard, each bitwise against its
 reference on every shard of ragged splits, and the ranks' combination (MAX of the keys, SUM of the int64
 pairs, uint32 SUM of the gathers, emulated here in NumPy) against the unsharded reference.

@@ -1,4 +1,4 @@
-"""Conformance of the exact primitives (issue 2): fixedpoint, gemm, rowsum, residual, elementwise."""
+"""Conformance of the exact primitives: fixedpoint, gemm, rowsum, residual, elementwise."""
 
 from __future__ import annotations
 

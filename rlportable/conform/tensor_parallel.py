@@ -1,4 +1,4 @@
-"""`rlportable conform --tp N`: tensor parallelism on real ranks (issue 7), bitwise against one device.
+"""`rlportable conform --tp N`: tensor parallelism on real ranks, bitwise against one device.
 
 Every rank runs every check (the collectives need all of them); rank 0 also computes the
 single-device result and compares, bit for bit:

@@ -7,7 +7,7 @@ the tokens and records their log-probs. Because every op is a contract op, a
 sequence's tokens and log-probs do not depend on the batch it ran in, on the
 chunking, the block size, sharing or preemption, nor on the device.
 
-Speed (issue 4, section 4):
+Speed:
   * One host-to-device copy per step: the step's metadata, copy-on-write slots and sampler
     parameters are packed into one upload (step_inputs.StepUploader); the ops' range checks
     run on the host arrays the runner already has.

@@ -1,4 +1,4 @@
-"""Data-parallel replicas (issue 7, section 3): training bitwise independent of the replica count.
+"""Data-parallel replicas: training bitwise independent of the replica count.
 
 Every replica holds the whole model. A step's work is dealt out by position, never by timing:
   * rollout: replica r generates requests r, r + R, r + 2R, ... of the step, each under its

@@ -11,8 +11,8 @@ import os
 import sys
 import time
 
-from rlportable.bench.decode import IdsOnlyTokenizer
-from rlportable.bench.forward import random_weights
+from rlportable.model.synthetic import IdsOnlyTokenizer
+from rlportable.model.synthetic import random_weights
 from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.model.config import ModelConfig

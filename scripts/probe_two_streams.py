@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.bench.timing import replay_ms
 from rlportable.engine.runner import ModelRunner
 from rlportable.engine.step_inputs import plan_decode

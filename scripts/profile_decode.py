@@ -29,7 +29,7 @@ import time
 
 
 from rlportable.bench.decode import copy_bandwidth, step_bytes
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.bench.timing import _SPIN_SOURCE, replay_ms
 from rlportable.engine.runner import ModelRunner
 from rlportable.engine.scheduler import SchedulerOutput

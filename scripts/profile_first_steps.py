@@ -14,8 +14,9 @@ import time
 
 import numpy as np
 
-from rlportable.bench.decode import IdsOnlyTokenizer, random_prompts
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.bench.decode import random_prompts
+from rlportable.model.synthetic import IdsOnlyTokenizer
+from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.runtime import get_backend

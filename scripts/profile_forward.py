@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.model import forward
 from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
 from rlportable.runtime import get_backend

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from profiling import op_timer
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.engine.runner import ModelRunner
 from rlportable.engine.scheduler import ScheduledSequence, SchedulerOutput
 from rlportable.engine.sequence import SamplingParams, Sequence, SequenceStatus

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.model import backward, forward
 from rlportable.ops import (activation, adamw, attention, embedding, fixedpoint, gemm, logprob, norm, residual, rope,
                             rowsum)

@@ -40,7 +40,7 @@ def test_step_bytes_of_the_tiny_model_by_hand():
 
 
 def test_step_bytes_of_the_qwen3_06b_shape():
-    from rlportable.bench.forward import qwen3_06b_config
+    from rlportable.model.synthetic import qwen3_06b_config
 
     config = qwen3_06b_config()
     parts = decode.step_bytes(config, [640] * 256, "ours")

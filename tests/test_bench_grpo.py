@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from rlportable.bench import grpo as bench
-from rlportable.bench.decode import IdsOnlyTokenizer
+from rlportable.model.synthetic import IdsOnlyTokenizer
 from rlportable.cli import main
 from rlportable.errors import InputError
 from rlportable.model.forward import Model

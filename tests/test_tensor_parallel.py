@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.errors import InputError

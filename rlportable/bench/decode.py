@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlportable.bench.forward import PeakTracker, qwen3_06b_config, random_weights
+from rlportable.bench.forward import PeakTracker
+from rlportable.model.synthetic import IdsOnlyTokenizer, qwen3_06b_config, random_weights
 from rlportable.errors import InputError, RlpError
 
 TARGETS = {"throughput_ratio_at_least": 10.0, "bound_fraction_at_least": 0.30}
@@ -346,20 +347,6 @@ def _timed_runner(llm, log: StepLog, timings: dict):
         del llm.runner.launch, llm.runner.wait
         for name, function in samplers.items():
             setattr(runner_module, name, function)
-
-
-class IdsOnlyTokenizer:
-    """What the engine asks of a tokenizer when prompts are token ids and nothing stops early."""
-
-    def __init__(self):
-        self.eos_token_id = None
-        self.stop_token_ids: list[int] = []
-
-    def encode(self, text: str) -> list[int]:
-        raise InputError("bench decode gives token-id prompts; there is no tokenizer")
-
-    def decode(self, ids) -> str:
-        return ""
 
 
 def random_prompts(config, sequences: int, prompt_len: int, seed: int = 1) -> np.ndarray:

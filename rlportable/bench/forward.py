@@ -15,25 +15,7 @@ import numpy as np
 
 from rlportable.errors import RlpError
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                 rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True)
-
-
-def qwen3_06b_config(layers: int | None = None):
-    from rlportable.model.config import ModelConfig
-
-    fields = dict(QWEN3_06B)
-    if layers is not None:
-        fields["num_hidden_layers"] = layers
-    return ModelConfig(architecture="Qwen3ForCausalLM", rope_scaling=None, qkv_bias=False, qk_norm=True,
-                       **fields)
-
-
-def random_weights(config, seed: int = 0):
-    from rlportable.model.tiny import tiny_weights
-
-    return tiny_weights(config, seed)  # seeded normal(0, 0.02) for any config
+from rlportable.model.synthetic import QWEN3_06B, qwen3_06b_config, random_weights
 
 
 class PeakTracker:

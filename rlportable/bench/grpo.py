@@ -1,7 +1,7 @@
 """`rlportable bench grpo`: wall time of one GRPO step, ours against TRL's GRPOTrainer.
 
 Both sides, in the same process on the same device: a Qwen3-0.6B-shaped model with random
-weights (bench/forward.py), 8 prompts x 8 samples per step, prompts of 64 random token ids,
+weights (model/synthetic.py), 8 prompts x 8 samples per step, prompts of 64 random token ids,
 completions of exactly 256 tokens, temperature 1 with no top-k / top-p / min-p filter, loss
 "dapo", beta 0 (no reference model), num_iterations 1, one optimiser step per rollout of 64
 samples (learning rate 1e-6, AdamW betas (0.9, 0.99), gradient clipping at 1), and one reward
@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from rlportable.bench.decode import IdsOnlyTokenizer, engine_sampler, hf_config, random_prompts
-from rlportable.bench.forward import qwen3_06b_config, random_weights
+from rlportable.bench.decode import engine_sampler, hf_config, random_prompts
 from rlportable.errors import InputError, RlpError
+from rlportable.model.synthetic import IdsOnlyTokenizer, qwen3_06b_config, random_weights
 
 TARGETS = {"step_time_ratio_at_most": 0.25, "train_s_at_most": 1.0}
 TRL_MICRO_BATCH = 32  # per_device_train_batch_size; gradient accumulation makes up the 64 samples

@@ -35,7 +35,7 @@ from rlportable.engine.sequence import SamplingParams
 
 TINY = "tiny"
 QWEN3_06B = "qwen3-0.6b-shape"
-QWEN3_06B_SEED = 0  # bench/forward.py's random_weights seed
+QWEN3_06B_SEED = 0  # model/synthetic.py's random_weights seed
 TRAINER_TOKENS = {"cpu": 2048, "device": 16384}  # the trainer's micro-batch budget (tokens per forward)
 PACKINGS = ("in-order", "alone", "reversed", "shuffled", "padded", "fillers")
 MIXED_TEMPERATURES = (1.0, 0.7, 1.3, 0.0)  # a mixed workload cycles through these (0 = greedy)
@@ -152,14 +152,14 @@ def load(backend, spec: str, quick: bool) -> Loaded:
             config, weights, tokenizer = tiny_model()
             describe = {"name": TINY, "weights": "rlportable.model.tiny.tiny_model() (seed 0)"}
         else:
-            from rlportable.bench.decode import IdsOnlyTokenizer
-            from rlportable.bench.forward import qwen3_06b_config, random_weights
+            from rlportable.model.synthetic import IdsOnlyTokenizer
+            from rlportable.model.synthetic import qwen3_06b_config, random_weights
 
             layers = 2 if quick else None
             config = qwen3_06b_config(layers)
             weights, tokenizer = random_weights(config, QWEN3_06B_SEED), IdsOnlyTokenizer()
             describe = {"name": QWEN3_06B, "layers": config.num_hidden_layers,
-                        "weights": f"rlportable.bench.forward.random_weights(qwen3_06b_config({layers}), "
+                        "weights": f"rlportable.model.synthetic.random_weights(qwen3_06b_config({layers}), "
                                    f"seed={QWEN3_06B_SEED})"}
         for other in [k for k in _LOADED if k[:3] == key[:3]]:
             del _LOADED[other]  # one copy of a model per backend kind

@@ -12,7 +12,7 @@ for the state s + (i + 1) * 0x9E3779B97F4A7C15 mod 2^64, consumed in the order t
 turned into float32 by exact constructions only (a 24-bit integer times a power of two, raw bit
 patterns, constants), never by NumPy's random generators or float arithmetic, so the inputs are
 the same on any machine and NumPy release. Exceptions, named in their recipes: the Qwen3-0.6B-shaped
-model's weights are `rlportable.bench.forward.random_weights(config, seed)` and the tiny model's
+model's weights are `rlportable.model.synthetic.random_weights(config, seed)` and the tiny model's
 are `tiny_model()`'s (NumPy normal streams, pinned by tests/test_tiny_model.py for the tiny model).
 
 Digest of a case: SHA-256 over its outputs in the case's order, each as the ASCII header
@@ -951,7 +951,7 @@ QWEN3_LAYERS = 4
 
 
 def _qwen3_model(backend, r):
-    from rlportable.bench.forward import qwen3_06b_config, random_weights
+    from rlportable.model.synthetic import qwen3_06b_config, random_weights
     from rlportable.model.forward import Model
 
     config = qwen3_06b_config(r["layers"])
@@ -968,7 +968,7 @@ class _NoTokenizer:
         return ""
 
 
-QWEN3_RECIPE = dict(model="rlportable.bench.forward.qwen3_06b_config(layers), random_weights(config, weights_seed)",
+QWEN3_RECIPE = dict(model="rlportable.model.synthetic.qwen3_06b_config(layers), random_weights(config, weights_seed)",
                     layers=QWEN3_LAYERS, weights_seed=7)
 
 

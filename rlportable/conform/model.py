@@ -44,7 +44,7 @@ def check_model_qwen3_06b_shape(backend, rng, quick: bool):
     """A Qwen3-0.6B-shaped model with random weights (all 28 layers; 2 layers with --quick),
     on GPUs only (DEVICE_ONLY): on cpu it would compare the reference with itself, on hip-cpu it takes
     too long for the CPU."""
-    from rlportable.bench.forward import qwen3_06b_config
+    from rlportable.model.synthetic import qwen3_06b_config
     from rlportable.conform.tally import Tally
     from rlportable.model.tiny import tiny_weights
 

@@ -94,8 +94,8 @@ def _loaded(spec: str, quick: bool):
         from rlportable.model.tiny import tiny_model
 
         return tiny_model()
-    from rlportable.bench.decode import IdsOnlyTokenizer
-    from rlportable.bench.forward import qwen3_06b_config, random_weights
+    from rlportable.model.synthetic import IdsOnlyTokenizer
+    from rlportable.model.synthetic import qwen3_06b_config, random_weights
 
     config = qwen3_06b_config(2 if quick else None)
     return config, random_weights(config, 0), IdsOnlyTokenizer()

@@ -218,7 +218,8 @@ def _unsigned(name: str, value, bits: int) -> np.ndarray:
     return array
 
 
-def _row_param(name: str, value, rows: int, dtype) -> np.ndarray:
+def row_parameter(name: str, value, rows: int, dtype) -> np.ndarray:
+    """A per-row sampling parameter (a scalar or [rows]) as `dtype` [rows]; refuses other shapes and kinds."""
     array = np.asarray(value)
     if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != rows):
         raise InputError(f"sampling: {name} must be a scalar or have shape ({rows},), got shape {array.shape}")
@@ -230,15 +231,29 @@ def _row_param(name: str, value, rows: int, dtype) -> np.ndarray:
     return np.broadcast_to(array.astype(dtype), (rows,))
 
 
-def _check_params(rows: int, temperature, top_k, top_p, min_p):
-    temperature = _row_param("temperature", temperature, rows, np.float64)
+def temperatures(temperature, rows: int) -> np.ndarray:
+    """float64 [rows]: the sampling temperature of each row, finite and >= 0 (0 = greedy)."""
+    temperature = row_parameter("temperature", temperature, rows, np.float64)
     if not np.all(np.isfinite(temperature) & (temperature >= 0)):
         raise InputError(f"sampling: temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    top_k = _row_param("top_k", 0 if top_k is None else top_k, rows, np.int64)
-    top_p = _row_param("top_p", 1.0 if top_p is None else top_p, rows, np.float64)
+    return temperature
+
+
+def check_vocab(vocab) -> int:
+    """The vocabulary size, an integer in [1, 2^25] (the contract's limit)."""
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or not 1 <= vocab <= MAX_VOCAB:
+        raise InputError(f"sampling: the vocabulary size must lie in [1, 2^25], got {vocab!r}")
+    return int(vocab)
+
+
+def check_parameters(rows: int, temperature, top_k, top_p, min_p):
+    """(temperature, top_k, top_p, min_p), each [rows], checked against the contract's ranges."""
+    temperature = temperatures(temperature, rows)
+    top_k = row_parameter("top_k", 0 if top_k is None else top_k, rows, np.int64)
+    top_p = row_parameter("top_p", 1.0 if top_p is None else top_p, rows, np.float64)
     if not np.all((top_p > 0) & (top_p <= 1)):  # NaN fails too
         raise InputError(f"sampling: top_p must lie in (0, 1], got {top_p}")
-    min_p = _row_param("min_p", 0.0 if min_p is None else min_p, rows, np.float64)
+    min_p = row_parameter("min_p", 0.0 if min_p is None else min_p, rows, np.float64)
     if not np.all((min_p >= 0) & (min_p <= 1)):
         raise InputError(f"sampling: min_p must lie in [0, 1], got {min_p}")
     return temperature, top_k, top_p, min_p
@@ -249,8 +264,7 @@ def _check_logits(logits) -> np.ndarray:
     if z.ndim != 2 or z.dtype != np.float32:
         raise InputError(f"sampling: logits must be a float32 matrix [rows, V], got "
                          f"{z.dtype.name} of shape {z.shape}")
-    if not 1 <= z.shape[1] <= MAX_VOCAB:
-        raise InputError(f"sampling: the vocabulary size must lie in [1, 2^25], got {z.shape[1]}")
+    check_vocab(z.shape[1])
     return z
 
 
@@ -262,7 +276,7 @@ def record_temperature(temperature) -> np.ndarray:
 
 # ---------------------------------------------------------------- the contract
 
-def _scaled(z: np.ndarray, temperature: np.ndarray, first_row: int) -> np.ndarray:
+def scaled_logits(z: np.ndarray, temperature: np.ndarray, first_row: int) -> np.ndarray:
     """a = z (T = 0) or RNE_f32(z / T); refuses rows with NaN, +inf or no finite value."""
     t = record_temperature(temperature)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -292,7 +306,7 @@ def _order_keys(a: np.ndarray) -> np.ndarray:
 
 def _kept_block(z, temperature, top_k, top_p, min_p, first_row) -> np.ndarray:
     rows, vocab = z.shape
-    a = _scaled(z, temperature, first_row)
+    a = scaled_logits(z, temperature, first_row)
     kept = np.zeros((rows, vocab), dtype=np.int64)
     greedy = temperature == 0
     if greedy.any():
@@ -343,7 +357,7 @@ def kept_weights(logits, temperature, top_k=None, top_p=None, min_p=None) -> np.
     (None: off, i.e. top_k 0, top_p 1, min_p 0)."""
     z = _check_logits(logits)
     rows, vocab = z.shape
-    temperature, top_k, top_p, min_p = _check_params(rows, temperature, top_k, top_p, min_p)
+    temperature, top_k, top_p, min_p = check_parameters(rows, temperature, top_k, top_p, min_p)
     out = np.zeros((rows, vocab), dtype=np.int64)
     for block in _row_blocks(rows, vocab):
         out[block] = _kept_block(z[block], temperature[block], top_k[block], top_p[block], min_p[block],
@@ -384,7 +398,7 @@ def sample(logits, temperature, top_k=None, top_p=None, min_p=None, *, seed, req
     Raises InputError for a row with a NaN, +inf (also from z / T) or no finite logit."""
     z = _check_logits(logits)
     rows, vocab = z.shape
-    temperature, top_k, top_p, min_p = _check_params(rows, temperature, top_k, top_p, min_p)
+    temperature, top_k, top_p, min_p = check_parameters(rows, temperature, top_k, top_p, min_p)
     random = random_u64(*row_counters(rows, seed, request, sample_index, position))
     tokens = np.zeros(rows, dtype=np.int32)
     for block in _row_blocks(rows, vocab):
@@ -415,7 +429,7 @@ def sampled_logprobs(logits, tokens, temperature) -> np.ndarray:
     if tokens.shape != (rows,) or tokens.dtype.kind not in "iu" or np.any(tokens < 0) \
             or np.any(tokens >= z.shape[1]):
         raise InputError(f"sampling: tokens must be integers in [0, {z.shape[1]}) of shape ({rows},)")
-    t = record_temperature(_row_param("temperature", temperature, rows, np.float64))
+    t = record_temperature(temperatures(temperature, rows))
     out = np.empty(rows, dtype=np.float32)
     for value in np.unique(t):
         group = np.flatnonzero(t == value)
@@ -441,16 +455,13 @@ def top_logprobs(logits, temperature, n: int) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= vocab:
         raise InputError(f"sampling: the number of top log-probs must be an integer in [0, {vocab}], got {n!r}")
     n = int(n)
-    temperature = _row_param("temperature", temperature, rows, np.float64)
-    if not np.all(np.isfinite(temperature) & (temperature >= 0)):
-        raise InputError(f"sampling: temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    t = record_temperature(temperature)
+    t = record_temperature(temperatures(temperature, rows))
     ids = np.zeros((rows, n), dtype=np.int32)
     values = np.zeros((rows, n), dtype=np.float32)
     if n == 0 or rows == 0:
         return ids, values
     for block in _row_blocks(rows, vocab):
-        _scaled(z[block], t[block], block.start)  # validity: the same refusals as sample
+        scaled_logits(z[block], t[block], block.start)  # validity: the same refusals as sample
         for value in np.unique(t[block]):
             group = block.start + np.flatnonzero(t[block] == value)
             lp = _all_logprobs(z[group], float(value))

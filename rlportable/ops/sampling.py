@@ -30,7 +30,7 @@ def device_rows(vocab: int, temperature, top_k=None, top_p=None, min_p=None) -> 
     or T > 0 with no filter (top_k < 1 or >= V, top_p = 1, min_p = 0). The others need the host."""
     temperature = np.atleast_1d(np.asarray(temperature, dtype=np.float64))
     rows = temperature.shape[0]
-    temperature, top_k, top_p, min_p = reference._check_params(rows, temperature, top_k, top_p, min_p)
+    temperature, top_k, top_p, min_p = reference.check_parameters(rows, temperature, top_k, top_p, min_p)
     unfiltered = ((top_k < 1) | (top_k >= vocab)) & (top_p == 1.0) & (min_p == 0.0)
     return (temperature == 0) | unfiltered
 
@@ -50,7 +50,7 @@ def _refuse(backend, logits, host_tokens: np.ndarray, temperature: np.ndarray) -
     row = int(bad[0])
     picked = embedding_op.gather(backend, logits, backend.asarray(np.array([row], dtype=np.int32)))
     z = np.asarray(backend.to_numpy(picked))
-    reference._scaled(z, temperature[row:row + 1], row)  # raises, naming the row
+    reference.scaled_logits(z, temperature[row:row + 1], row)  # raises, naming the row
     raise InputError(f"sampling: row {row} of the logits was refused by the kernel")  # pragma: no cover
 
 
@@ -64,11 +64,10 @@ def sample(backend, logits, temperature, top_k=None, top_p=None, min_p=None, *, 
     A row with a NaN, +inf (also from z / T) or no finite logit raises the reference's InputError.
     `threads`: the kernel's block size (any value in [1, 1024] gives the same tokens)."""
     rows, vocab = require_matrix("logits", logits)
-    if not 1 <= vocab <= reference.MAX_VOCAB:
-        raise InputError(f"sampling: the vocabulary size must lie in [1, 2^25], got {vocab}")
+    reference.check_vocab(vocab)
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
         raise InputError(f"sampling: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
-    temperature, top_k, top_p, min_p = reference._check_params(rows, temperature, top_k, top_p, min_p)
+    temperature, top_k, top_p, min_p = reference.check_parameters(rows, temperature, top_k, top_p, min_p)
     on_device = device_rows(vocab, temperature, top_k, top_p, min_p) if rows else np.zeros(0, bool)
     if not on_device.all():
         row = int(np.flatnonzero(~on_device)[0])
@@ -95,9 +94,7 @@ def sampled_logprobs(backend, logits, tokens, temperature):
     if shape_of(tokens) != (rows,) or np.dtype(tokens.dtype) != np.int32:
         raise InputError(f"sampling: tokens must be int32 of shape ({rows},), got "
                          f"{np.dtype(tokens.dtype).name} of shape {shape_of(tokens)}")
-    t = reference.record_temperature(reference._row_param("temperature", temperature, rows, np.float64))
-    if not np.all(np.isfinite(t) & (t > 0)):
-        raise InputError(f"sampling: temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    t = reference.record_temperature(reference.temperatures(temperature, rows))
     values = np.unique(t)
     if values.size == 1:
         return logprob_op.logprobs(backend, logits, tokens, float(values[0]))
@@ -117,9 +114,7 @@ def sampled_logprobs(backend, logits, tokens, temperature):
 def kernel_row_parameters(rows: int, temperature, seed, request, sample_index, position) -> list[np.ndarray]:
     """The sampling kernel's per-row arrays on the host, checked as `sample` checks them:
     temperature float64, seed uint64, request / sample_index / position uint32, each [rows]."""
-    temperature = np.ascontiguousarray(reference._row_param("temperature", temperature, rows, np.float64))
-    if not np.all(np.isfinite(temperature) & (temperature >= 0)):
-        raise InputError(f"sampling: temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    temperature = np.ascontiguousarray(reference.temperatures(temperature, rows))
     return [temperature] + _row_counters(rows, seed, request, sample_index, position)
 
 
@@ -134,8 +129,7 @@ def sample_on_device(backend, logits, temperature, seed, request, sample_index, 
     `logprob.logprobs` gives, from the kernel's own maximum and sum (contracts/sampling.toml); refused
     rows get the canonical NaN. On cpu this is the reference, which raises at once."""
     rows, vocab = require_matrix("logits", logits)
-    if not 1 <= vocab <= reference.MAX_VOCAB:
-        raise InputError(f"sampling: the vocabulary size must lie in [1, 2^25], got {vocab}")
+    reference.check_vocab(vocab)
     for name, array, dtype in (("temperature", temperature, np.float64), ("seed", seed, np.uint64),
                                ("request", request, np.uint32), ("sample_index", sample_index, np.uint32),
                                ("position", position, np.uint32)):
@@ -176,9 +170,7 @@ def sample_and_logprobs(backend, logits, temperature, *, seed, request, sample_i
 
 def token_id_table(backend, vocab: int):
     """int32 [vocab] with entry v = v, a backend array: feed_tokens reads drawn tokens through it."""
-    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or not 1 <= vocab <= reference.MAX_VOCAB:
-        raise InputError(f"sampling: the vocabulary size must be an integer in [1, 2^25], got {vocab!r}")
-    return backend.asarray(np.arange(int(vocab), dtype=np.int32))
+    return backend.asarray(np.arange(reference.check_vocab(vocab), dtype=np.int32))
 
 
 def feed_tokens(backend, drawn, rows, host_rows: np.ndarray, id_table, out) -> None:

@@ -1,0 +1,44 @@
+"""Synthetic models: the shapes of real ones with seeded random weights, for benchmarks and conformance.
+
+No weights can be downloaded in CI or on the benchmark machines, and neither speed nor bit-exactness
+depends on the weights' values. The Qwen3-0.6B shape here is the one `rlportable bench` measures and
+the conformance suite's golden digests name in their recipes.
+"""
+
+from __future__ import annotations
+
+from rlportable.errors import InputError
+from rlportable.model.config import ModelConfig
+from rlportable.model.tiny import tiny_weights
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                 rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True)
+
+
+def qwen3_06b_config(layers: int | None = None) -> ModelConfig:
+    """Qwen3-0.6B's shape (all 28 layers, or the first `layers`)."""
+    fields = dict(QWEN3_06B)
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    return ModelConfig(architecture="Qwen3ForCausalLM", rope_scaling=None, qkv_bias=False, qk_norm=True,
+                       **fields)
+
+
+def random_weights(config: ModelConfig, seed: int = 0):
+    """Seeded normal(0, 0.02) weights for any config (the tiny model's recipe)."""
+    return tiny_weights(config, seed)
+
+
+class IdsOnlyTokenizer:
+    """What the engine asks of a tokenizer when prompts are token ids and nothing stops early."""
+
+    def __init__(self):
+        self.eos_token_id = None
+        self.stop_token_ids: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        raise InputError("this model has no tokenizer: give token-id prompts")
+
+    def decode(self, ids) -> str:
+        return ""

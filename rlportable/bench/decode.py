@@ -269,10 +269,9 @@ def pure_decode_indices(outputs: list[int], sequences: int) -> list[int]:
             if outputs[i - 1] % n == 0 and outputs[i - 1] >= n and outputs[i] == outputs[i - 1] + n]
 
 
-#: the runner's sampling functions (where they exist) and the timing key of each
-SAMPLER_FUNCTIONS = {"sample_tokens": "host_sampler_s"}
-#: the runner's own breakdown of a step (ModelRunner.last_step) and the timing key of each
-RUNNER_PARTS = {"host_s": "runner_host_s", "wait_s": "runner_wait_s", "finish_s": "runner_finish_s"}
+#: ModelRunner.step_records entries and the timing key of each (execute_s: launch and wait together)
+RUNNER_PARTS = {"host_s": "runner_host_s", "wait_s": "runner_wait_s", "finish_s": "runner_finish_s",
+                "host_sampler_s": "host_sampler_s"}
 
 
 def engine_sampler(backend_name: str, sampler: str = "auto") -> tuple[dict, str]:
@@ -291,62 +290,22 @@ class _TimeLimit(Exception):
 
 @contextlib.contextmanager
 def _timed_runner(llm, log: StepLog, timings: dict):
-    """Times the runner's launch and wait of every step (execute_s: both; their parts from
-    ModelRunner.last_step) and the host sampler, keyed by the step's index in `log`, and records which
-    steps are pure decodes with their KV lengths, on this LLM only, while the benchmark runs; restores
-    everything afterwards. Steps are recorded (one `log` entry each) in the order they are launched,
-    with asynchronous scheduling too, so the n-th launch is step n of the log."""
-    from rlportable.engine import runner as runner_module
-
-    launch, wait = llm.runner.launch, llm.runner.wait
-    samplers = {name: getattr(runner_module, name) for name in SAMPLER_FUNCTIONS}
-    log.decode_kv = {}
-    index_of: dict[int, int] = {}  # id(launched step) -> its index in the log
-    launched = [0]
-
-    def add(key: str, index: int, seconds: float) -> None:
-        values = timings.setdefault(key, {})
-        values[index] = values.get(index, 0.0) + seconds
-
-    def timed(function, key):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            result = function(*args, **kwargs)
-            add(key, len(log.times), time.perf_counter() - start)
-            return result
-
-        return call
-
-    def launch_and_record(out, after=None):
-        index = launched[0]
-        launched[0] += 1
-        if len(out.scheduled) == log.sequences and all(e.is_decode for e in out.scheduled):
-            log.decode_kv[index] = [e.end for e in out.scheduled]  # positions 0..start: start + 1 = end
-        start = time.perf_counter()
-        step = launch(out, after)
-        add("execute_s", index, time.perf_counter() - start)
-        index_of[id(step)] = index
-        return step
-
-    def wait_and_record(step):
-        index = index_of.pop(id(step))
-        start = time.perf_counter()
-        result = wait(step)
-        add("execute_s", index, time.perf_counter() - start)
-        for part, key in RUNNER_PARTS.items():
-            if part in llm.runner.last_step:
-                add(key, index, llm.runner.last_step[part])
-        return result
-
-    llm.runner.launch, llm.runner.wait = launch_and_record, wait_and_record
-    for name, function in samplers.items():
-        setattr(runner_module, name, timed(function, SAMPLER_FUNCTIONS[name]))
+    """Reads the runner's record of every step (ModelRunner.step_records) while the benchmark runs:
+    execute_s (its launch and wait calls) and their parts, keyed by the step's index in `log`, and the KV
+    lengths of the steps that decode every sequence. Steps are recorded in the order they are launched,
+    with asynchronous scheduling too, so the n-th record is step n of the log."""
+    records = llm.runner.step_records = []
     try:
         yield
     finally:
-        del llm.runner.launch, llm.runner.wait
-        for name, function in samplers.items():
-            setattr(runner_module, name, function)
+        llm.runner.step_records = None
+        log.decode_kv = {index: record["decode_kv"] for index, record in enumerate(records)
+                         if record["decode_kv"] is not None and len(record["decode_kv"]) == log.sequences}
+        for index, record in enumerate(records):
+            timings.setdefault("execute_s", {})[index] = record["launch_s"] + record.get("wait_call_s", 0.0)
+            for part, key in RUNNER_PARTS.items():
+                if record.get(part) is not None:
+                    timings.setdefault(key, {})[index] = record[part]
 
 
 def random_prompts(config, sequences: int, prompt_len: int, seed: int = 1) -> np.ndarray:

@@ -1,14 +1,13 @@
 """Model weights: read and write Hugging Face safetensors checkpoints, all arrays float32.
 
-The safetensors format is read here directly (8-byte little-endian header
-length, a JSON header naming each tensor's dtype, shape and byte range, then
-the raw little-endian bytes), because NumPy has no bfloat16: BF16 widens to
-float32 by a 16-bit shift (exact, NaN payloads kept), F16 and F32 convert
-natively. Every file is checked before any tensor is read: the header fits in
-the file, every byte range fits in the data and matches its dtype and shape,
-every tensor the config needs is there with its exact shape and nothing else
-is. Each problem is a one-line ModelError naming the file and the tensor; a
-partial model is never returned.
+The tensors are read and written by the safetensors library (its NumPy API: BF16 as
+ml_dtypes.bfloat16, each file mapped lazily, tensor by tensor); BF16 and F16 widen to
+float32 exactly. Before any tensor is read, every file's header is checked here (the
+8-byte length, the JSON naming each tensor's dtype, shape and byte range): the header fits
+in the file, every byte range fits in the data and matches its dtype and shape, every
+tensor the config needs is there with its exact shape and nothing else is. That check is
+ours rather than the library's so that each problem is one line naming the file and the
+tensor (ModelError); a partial model is never returned.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+import safetensors
+import safetensors.numpy
 
 from rlportable.model.config import ModelConfig, ModelError
 
@@ -216,19 +217,6 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def _to_float32(raw: bytes, entry: TensorEntry) -> np.ndarray:
-    if entry.dtype == "BF16":
-        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << np.uint32(16)
-        array = bits.view(np.float32)
-    elif entry.dtype == "F16":
-        array = np.frombuffer(raw, dtype="<f2").astype(np.float32)
-    elif entry.dtype == "F32":
-        array = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-    else:  # checked before any read
-        raise ModelError(f"{entry.path}: tensor {entry.name}: dtype {entry.dtype} is not supported")
-    return np.ascontiguousarray(array.reshape(entry.shape))
-
-
 def _finite(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
     """The array, or ModelError naming the first NaN or inf (one would poison every output it reaches)."""
     if np.isfinite(array).all():
@@ -240,21 +228,21 @@ def _finite(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
 
 
 def _read_tensors(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
+    """The entries' tensors as float32, through the library (headers already checked by read_header)."""
     out: dict[str, np.ndarray] = {}
     by_file: dict[str, list[TensorEntry]] = {}
     for entry in entries:
         by_file.setdefault(entry.path, []).append(entry)
     for path, group in by_file.items():
         try:
-            with open(path, "rb") as handle:
-                for entry in sorted(group, key=lambda e: e.start):
-                    handle.seek(entry.start)
-                    raw = handle.read(entry.stop - entry.start)
-                    if len(raw) != entry.stop - entry.start:
-                        raise ModelError(f"{path}: tensor {entry.name}: truncated while reading")
-                    out[entry.name] = _finite(_to_float32(raw, entry), entry)
+            with safetensors.safe_open(path, framework="numpy") as handle:
+                for entry in group:
+                    array = np.ascontiguousarray(handle.get_tensor(entry.name), dtype=np.float32)
+                    out[entry.name] = _finite(array, entry)
         except OSError as error:
             raise ModelError(f"{path}: cannot be read: {error.strerror or error}") from None
+        except safetensors.SafetensorError as error:  # a file changed since its header was checked
+            raise ModelError(f"{path}: cannot be read: {' '.join(str(error).split())}") from None
     return out
 
 
@@ -394,25 +382,29 @@ def atomic_write(path: str, chunks) -> None:
         raise
 
 
-def _encode(array: np.ndarray, dtype: str) -> bytes:
-    if dtype == "BF16":
-        return np.ascontiguousarray(array, dtype=np.float32).astype(ml_dtypes.bfloat16).view("<u2").tobytes()
-    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+_NUMPY_DTYPE = {"BF16": ml_dtypes.bfloat16, "F32": np.float32}
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], dtype: str = "BF16") -> None:
-    """Write float32 arrays as one safetensors file (BF16 rounds to nearest even), atomically."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    itemsize = _ITEMSIZE[dtype]
-    for name, array in tensors.items():
-        nbytes = array.size * itemsize
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    prefix = len(text).to_bytes(8, "little")
-    atomic_write(path, [prefix + text, *(_encode(array, dtype) for array in tensors.values())])
+    """Write float32 arrays as one safetensors file (BF16 rounds to nearest even), atomically: the
+    library writes a temporary file beside `path`, which then replaces it."""
+    arrays = {name: np.ascontiguousarray(np.asarray(array, dtype=np.float32).astype(_NUMPY_DTYPE[dtype]))
+              for name, array in tensors.items()}
+    directory = os.path.dirname(path) or "."
+    handle = tempfile.NamedTemporaryFile("wb", dir=directory, prefix=".tmp-" + os.path.basename(path) + "-",
+                                         delete=False)
+    handle.close()
+    try:
+        safetensors.numpy.save_file(arrays, handle.name, metadata={"format": "pt"})
+        with open(handle.name, "rb+") as written:
+            os.fsync(written.fileno())
+        os.replace(handle.name, path)
+    except BaseException:
+        try:
+            os.unlink(handle.name)
+        except OSError:
+            pass
+        raise
 
 
 def save_safetensors(weights: ModelWeights, config: ModelConfig, directory: str | os.PathLike,

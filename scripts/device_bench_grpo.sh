@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO step time against TRL's GRPOTrainer on the H200 (issue 5, section 7).
+# GRPO step time against TRL's GRPOTrainer on the H200.
 #
 # The device machine has torch, transformers, accelerate, pandas, pyarrow, fsspec, xxhash, peft and
 # rich but no trl, datasets, dill or multiprocess: those travel as wheels in .whl/ (ignored by git

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Decode speed (issue 4) on one H200. Usage on the device machine:
-#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue4.sh gemm|attention|decode|all|step
+# Decode speed on one H200: the checks and measurements of the decode path. Usage on the device machine:
+#   RLPORTABLE_COMMIT=<sha> bash scripts/device_decode.sh gemm|attention|decode|all|step
 #   gemm:   the exact gemm's kernels (every tile, wgmma included) bitwise against the reference,
 #           then the tile sweep against torch bf16 (bench gemm --sweep-tiles)
 #   attention: the split-KV decode kernels (CUDA and HIP sources) bitwise against the reference, then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallelism on the 2 x H200 machine (kind nvidia-h200-x2). Usage there:
-#   RLPORTABLE_COMMIT=<sha> bash scripts/device_issue7.sh tp|kernels|dp
+#   RLPORTABLE_COMMIT=<sha> bash scripts/device_multi_gpu.sh tp|kernels|dp
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RLPORTABLE_CACHE_DIR=/tmp/rlp-cache
 # NVLink multicast stays off (the device notes: it can take the host's GPUs out of service)

@@ -22,8 +22,8 @@ MAX_FUSED_ENCODED_ROW = 8192
 #: the one encoding activation_swiglu_encode computes (RLP_ACTIVATION_ENCODE_BITS in backends/*/activation.*):
 #: gemm.DEFAULT_BITS_A, the activations' bits
 FUSED_ENCODE_BITS = fixedpoint_ref.ACTIVATION_BITS
-#: swiglu_encode's block per row: at decode's 256 rows of 3072, 512 threads beat 256 and 1024
-#: (bench/results/row_threads_probe_h200.json: 11.36 -> 9.13 us)
+#: swiglu_encode's block per row: the fastest of 256, 512 and 1024 at decode's rows on the H200
+#: (bench/results/row_threads_probe_h200.json)
 ENCODE_THREADS = 512
 
 

@@ -18,8 +18,8 @@ from rlportable.runtime.base import Backend
 
 #: K is padded with zero digits to a multiple of this, so integer GEMMs see aligned rows.
 K_ALIGN = 64
-#: one block of this many threads per row: at decode's 256 rows of 2048, 512 beat 256 and 1024
-#: (bench/results/row_threads_probe_h200.json: 7.03 -> 6.65 us)
+#: one block of this many threads per row: the fastest of 256, 512 and 1024 at decode's rows on the
+#: H200 (bench/results/row_threads_probe_h200.json)
 ENCODE_THREADS = 512
 
 

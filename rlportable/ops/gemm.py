@@ -1,7 +1,8 @@
 """Op family "gemm": Y = X @ W.T with exact integer accumulation, rounded once to float32.
 
 Contract: contracts/gemm.toml; reference: rlportable/contract/exact.py gemm;
-kernels: backends/{cuda,hip}/gemm.* (after backends/*/fixedpoint.* encodes rows).
+kernels: backends/portable/gemm.hip (both vendors) and backends/cuda/gemm.cu (the tensor-core
+kernels), after backends/portable/fixedpoint.hip encodes rows.
 
 Weights are encoded once per update (GemmWeight); activations are encoded on
 every call. Two device methods give the same bits:
@@ -9,8 +10,9 @@ every call. Two device methods give the same bits:
     int32 matrix G_d per digit shift d in a single call each (the digit pairs
     with i + j = d are laid out side by side along K), then gemm_combine_groups
     sums 256^d * G_d in int64 and rounds once.
-  * "fused": one hand-written tensor-core kernel (CUDA mma.sync) that keeps the
-    G_d in registers and writes float32 directly (default bits only).
+  * "fused": one hand-written tensor-core kernel (CUDA only: mma.sync, or wgmma on
+    compute capability 9.0; ops/gemm_fused.py picks the tile) that keeps the G_d
+    in registers and writes float32 directly (default bits only).
 
 Row-parallel layers (tensor parallelism) split the gemm in two around the
 all-reduce: gemm_sums gives a rank's exact int64 sums of its K-shard (the blas
@@ -249,13 +251,11 @@ def _check_encoded_operands(a: EncodedRows, weight: GemmWeight) -> None:
         raise InputError(f"gemm_sums: K={a.k} exceeds the contract's limit {limit} for {a.bits}x{weight.bits} bits")
 
 
-#: From M on, the vendor int8 GEMM + combine beats our mma.sync kernels (bench/results/); below
-#: it the fused kernels are always taken (so decode steps can be captured in graphs)
+#: From M on, the vendor int8 GEMM + combine beats our mma.sync kernels; below it the fused kernels
+#: are always taken (so decode steps can be captured in graphs)
 BLAS_FROM_M = 1024
-#: On wgmma devices the fused wgmma kernel also beats the vendor GEMM from BLAS_FROM_M on, up to
-#: this K (H200, bench/results/gemm_sweep_large_m_loads_h200.json, since the kernel's loads lost their
-#: divisions: M = 4096, K = 2048 181 against 211 us, K = 3072 246 against 264; M = 16384, K = 2048 716
-#: against 742, K = 3072 976 against 954, even; longer K was not measured)
+#: On wgmma devices the fused wgmma kernel also beats the vendor GEMM from BLAS_FROM_M on, up to this
+#: K, the longest measured (bench/results/gemm_sweep_large_m_loads_h200.json; docs/gemm_performance.md)
 WGMMA_LARGE_M_MAX_K = 3072
 
 

@@ -8,11 +8,8 @@ only. Three kinds:
   * "wgmma": Hopper warpgroup MMA from swizzled shared memory, one warpgroup per
     activation digit, or (the "g" tiles) one per third of the columns with the digit
     products in shift-grouped sums (compute capability 9.0 only: built for sm_90a).
-(Another kind, which encoded the float32 activations inside the GEMM kernel, was
-measured slower than a separate encode launch on the H200 and was removed;
-docs/gemm_performance.md.)
 `pick_tile` takes one per shape, from `rlportable bench gemm --sweep-tiles` on
-the H200 (bench/results/).
+the H200 (docs/gemm_performance.md).
 """
 
 from __future__ import annotations
@@ -55,34 +52,24 @@ WGMMA_ROWS, WGMMA_KBLOCK = 64, 128
 WGMMA_STAGES = {32: 3, 64: 4, 128: 4, 96: 4, 192: 3}
 #: compute capabilities whose builds have wgmma (runtime/flags.py ARCH_SPECIFIC)
 WGMMA_CAPABILITIES = ("90",)
+# pick_tile's thresholds, in tiles or blocks of a launch: each where the H200's sweeps put the faster
+# tile (the measurements behind each: docs/gemm_performance.md, "How pick_tile chooses").
 #: 64 x 128 tiles from this many on (two waves of the H200's 132 multiprocessors)
 WGMMA_WIDE_FROM_TILES = 264
-#: ... and while they fill one wave from this many (bench/results/wgmma_configs_h200.json, M = 256: N = 3072
-#: and 4096, 96 and 128 tiles, are faster in 64 x 128; N = 2048 (64) and 6144 (192) in 64 x 64)
+#: ... and while they fill one wave
 WGMMA_ONE_WAVE = (96, 132)
-#: 64 x 32 tiles below this many 64 x 64 ones (bench/results/gemm_sweep_wgmma_small_m_h200.json: M = 256,
-#: N = 1024 is faster in 64 x 32, N = 2048 and M = 64, N = 6144 in 64 x 64)
+#: 64 x 32 tiles below this many 64 x 64 ones
 WGMMA_NARROW_BELOW_TILES = 96
-#: ... unless K is this long: then 64 x 64 tiles split in two along K (wgmma_configs_h200.json, M = 256,
-#: N = 1024: K = 2048 16 against 21 us, K = 3072 21 against 29; K = 1024 about even)
+#: ... unless K is this long: then 64 x 64 tiles split in two along K
 WGMMA_SPLIT_FROM_K = 2048
-#: ... and in 64 x 32 tiles while those split blocks fit one per multiprocessor (wgmma_configs_own_partials_m128_h200
-#: .json, M = 128, N = 1024: K = 2048 11.1 against 13.7 us, K = 3072 13.5 against 16.7; at M = 256, 256 blocks,
-#: 64 x 64 stays faster)
+#: ... and in 64 x 32 tiles while those split blocks fit one per multiprocessor
 WGMMA_NARROW_SPLIT_MAX_BLOCKS = 132
-#: the grouped 64 x 192 tiles (each warpgroup 64 columns with all six digit products, no exchange of partials)
-#: from this many on, with more than 64 rows (bench/results/wgmma_shift_groups*_h200.json: M = 256, N = 6144,
-#: 128 tiles: 22.0 against 33.4 us; the LM head 488 against 602; M = 4096, every projection (o 105 against
-#: 111, gate/up 315 against 399); M = 128, the LM head 248 against 312; q/k/v at M = 256, 88 tiles: 21.6
-#: against 19.3 in 64 x 128)
+#: the grouped 64 x 192 tiles from this many on, with more than 64 rows
 WGMMA_GROUPED_FROM_TILES = 120
-#: ... else the grouped 64 x 96 tiles while they fill one wave (M = 128, N = 6144, 128 tiles: 15.8 against
-#: 20.3 us; 86 or 172 tiles lose)
+#: ... else the grouped 64 x 96 tiles while they fill one wave
 WGMMA_GROUPED_ONE_WAVE = (120, 132)
-#: For the 64 x 64 tiles split in two along K, their grouped twin over two warpgroups (32 columns each;
-#: bench/results/wgmma_phases_grouped2_h200.json, M = 256, L2-warm: o 14.1 -> 13.3 us, down 17.2 -> 16.8; in the
-#: decode step, decode_profile_gemm_groups2_h200.json: o 0.52 -> 0.48 ms, down 0.55 -> 0.54). The same build
-#: at 64 x 128 for q/k/v (20.3 -> 17.2 us L2-warm) was slower in the step (0.71 -> 0.78 ms): not built.
+# The 64 x 64 split tiles run in their two-warpgroup grouped build (w64x64g2s2); no grouped 64 x 128
+# build exists (slower in the decode step).
 
 
 def _wgmma(cols, splits=1, grouped=False, warpgroups=A_DIGITS):
@@ -128,8 +115,7 @@ def available_tiles(backend) -> list[str]:
 
 
 def pick_tile(m: int, n: int, wgmma: bool = False, k: int = 0) -> str:
-    """Fastest tile per shape in bench/results/gemm_sweep*_h200.json and wgmma_configs_h200.json
-    (H200, 2026-11-30).
+    """The fastest tile per shape in the H200's sweeps (docs/gemm_performance.md).
 
     wgmma (compute capability 9.0): from 65 rows on, and for wide outputs (N >= 4096) from 17. From 65
     rows, the grouped 64 x 192 tiles where they fill the multiprocessors, the grouped 64 x 96 ones where

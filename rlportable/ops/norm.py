@@ -16,8 +16,8 @@ from rlportable.ops import fixedpoint, segments
 from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
-#: the forward row kernels' blocks: at decode's 256 rows of 1024, 512 threads a row beat 256 and 1024
-#: (bench/results/row_threads_probe_h200.json: add_rmsnorm with the encoding 7.55 -> 7.0 us)
+#: the forward row kernels' blocks: the fastest of 256, 512 and 1024 threads a row at decode's rows on
+#: the H200 (bench/results/row_threads_probe_h200.json)
 ROW_THREADS = 512
 MAX_GRID = 65535
 #: rows up to these lengths run fused, longer ones as the ops in turn (the same bits): add_rmsnorm keeps

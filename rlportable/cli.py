@@ -155,18 +155,18 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, pee
         _conform_tensor_parallel(device, kernel_source, tp, tp_emulate, quick, seed, only, json_path)
         return
     backend = _backend(device, kernel_source)
-    end_to_end.SETTINGS.repro_dir, end_to_end.SETTINGS.seed = Path(repro_dir), seed
-    golden.set_directory(golden_dir)
+    settings = suite.Settings(seed=seed, repro_dir=Path(repro_dir), golden_dir=Path(golden_dir) if golden_dir else None)
     if write_golden:
         try:
-            written = golden.write_golden(backend, progress=lambda name: click.echo(f"  computing {name} ...", err=True))
+            written = golden.write_golden(backend, folder=settings.golden_dir,
+                                          progress=lambda name: click.echo(f"  computing {name} ...", err=True))
         except RlpError as error:
             _fail(error)
         for path in written:
             click.echo(f"wrote {path}")
         return
     try:
-        results = suite.run(backend, quick=quick, seed=seed, only=only, exhaustive=exhaustive,
+        results = suite.run(backend, quick=quick, only=only, exhaustive=exhaustive, settings=settings,
                             progress=lambda name: click.echo(f"  checking {name} ...", err=True))
     except RlpError as error:
         _fail(error)
@@ -181,13 +181,14 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, pee
             if part.get("reproducer"):
                 click.echo(f"{r.name} ({model}): reproducer {' '.join(part['reproducer'])}", err=True)
     payload = suite.report(backend.label, backend.info(), results)
-    golden_failures = {r.name: golden.GOLDEN_FAILURES[r.name] for r in results if r.name in golden.GOLDEN_FAILURES}
+    golden_failures = {r.name: r.message for r in results if r.message and r.name.startswith("golden.")}
     for message in golden_failures.values():
         click.echo(message, err=True)
     if golden_failures:
         payload["golden_failures"] = golden_failures
-    if suite.EXHAUSTIVE_REPORTS:
-        payload["exhaustive"] = suite.EXHAUSTIVE_REPORTS
+    exhaustive_reports = [r.details["exhaustive"] for r in results if r.details and "exhaustive" in r.details]
+    if exhaustive_reports:
+        payload["exhaustive"] = exhaustive_reports
     if peer == "hf":
         from rlportable.conform import peer_hf
 

@@ -13,20 +13,20 @@ from click.testing import CliRunner
 from rlportable.cli import main
 from rlportable.conform import CHECKS, end_to_end
 from rlportable.conform.end_to_end import E2E_CHECKS, SWEEPS, logprob_metrics
-from rlportable.conform.tally import check_rng
+from rlportable.conform.tally import Settings, check_rng
 from rlportable.runtime import get_backend
 
 CHECK = dict(E2E_CHECKS)
 
 
-def run_check(name: str, quick: bool = True):
+def run_check(name: str, quick: bool = True, repro_dir=None):
     rng = check_rng(0, name)  # as rlportable.conform.run seeds a check
-    return CHECK[name](get_backend("cpu"), rng, quick)
+    settings = Settings(repro_dir=repro_dir) if repro_dir is not None else Settings()
+    return CHECK[name](get_backend("cpu"), rng, quick, settings)
 
 
 @pytest.fixture
-def repro_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(end_to_end.SETTINGS, "repro_dir", tmp_path / "repro")
+def repro_dir(tmp_path):
     return tmp_path / "repro"
 
 
@@ -121,7 +121,7 @@ def test_an_injected_bit_flip_is_localized_to_its_op_and_layer(monkeypatch, repr
 
     # the engine's paged attention only (the trainer runs attention_packed): layer 1 of the tiny model's 2
     flip_in_layer(monkeypatch, attention, "attention_paged", layer=1, layers=2, bit=22, index=(0, 0, 3))
-    tally = run_check("e2e.batch-7")
+    tally = run_check("e2e.batch-7", repro_dir=repro_dir)
     assert tally.mismatches > 0
     part = tally.details["models"]["tiny"]
     where = part["first_divergence"]
@@ -146,7 +146,7 @@ def test_a_fault_in_the_recorded_logprob_is_localized_to_the_lm_head(monkeypatch
     from rlportable.contract import sampling
 
     flip_in_layer(monkeypatch, sampling, "sampled_logprobs", layer=0, layers=1, bit=0, index=0)
-    part = run_check("e2e.temperature-1.0").details["models"]["tiny"]
+    part = run_check("e2e.temperature-1.0", repro_dir=repro_dir).details["models"]["tiny"]
     where = part["first_divergence"]
     assert (where["op"], where["layer"]) == ("lm_head_logprob", None) and where["inputs_agree"] is True
     assert part["mismatches"] > 0 and part["metrics"]["max_abs_dlogp"] > 0

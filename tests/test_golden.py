@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from rlportable.cli import main
 from rlportable.conform import golden
+from rlportable.conform.tally import Settings
 from rlportable.errors import RlpError
 from rlportable.resources import resource_dir
 from rlportable.runtime import get_backend
@@ -22,12 +23,10 @@ CHEAP_GROUPS = [g for g in golden.groups() if not any(c.expensive for c in golde
 
 @pytest.fixture
 def golden_copy(tmp_path):
-    """A copy of the committed digests, read by the checks instead of the originals."""
+    """A copy of the committed digests, for the checks to read instead of the originals."""
     folder = tmp_path / "golden"
     shutil.copytree(COMMITTED, folder)
-    golden.set_directory(folder)
-    yield folder
-    golden.set_directory(None)
+    return folder
 
 
 def _case(check_name: str) -> golden.Case:
@@ -68,14 +67,14 @@ def test_a_corrupted_digest_fails_with_a_message_naming_it(golden_copy):
     item = next(d for d in document["digests"] if d["name"] == "rmsnorm")
     item["sha256"] = ("0" if item["sha256"][0] != "0" else "1") + item["sha256"][1:]
     path.write_text(json.dumps(document))
-    check = dict(golden.GOLDEN_CHECKS)["golden.norm.rmsnorm"]
-    tally = check(CPU, None, False)
+    settings = Settings(golden_dir=golden_copy)
+    tally = dict(golden.GOLDEN_CHECKS)["golden.norm.rmsnorm"](CPU, None, False, settings)
     assert tally.mismatches > 0 and tally.compared > 0
-    message = golden.GOLDEN_FAILURES["golden.norm.rmsnorm"]
+    message = tally.message
     assert "golden.norm.rmsnorm" in message and "differs" in message and "norm.json" in message
     # the other digests of the file still pass
-    assert dict(golden.GOLDEN_CHECKS)["golden.norm.rmsnorm_heads"](CPU, None, False).mismatches == 0
-    assert "golden.norm.rmsnorm_heads" not in golden.GOLDEN_FAILURES
+    other = dict(golden.GOLDEN_CHECKS)["golden.norm.rmsnorm_heads"](CPU, None, False, settings)
+    assert other.mismatches == 0 and other.message is None
 
     result = CliRunner().invoke(main, ["conform", "--device", "cpu", "--only", "golden.norm.rmsnorm",
                                        "--golden-dir", str(golden_copy)])
@@ -92,7 +91,7 @@ def test_a_changed_recipe_or_a_missing_digest_is_named(golden_copy):
     document["digests"] = document["digests"][:2]  # transpose removed
     path.write_text(json.dumps(document))
     for name, words in (("golden.residual.add", "another recipe"), ("golden.residual.transpose", "has no digest")):
-        compared, mismatches, message = golden.verify(CPU, _case(name))
+        compared, mismatches, message = golden.verify(CPU, _case(name), golden_copy)
         assert mismatches > 0 and name in message and words in message and "--write-golden" in message
 
 

@@ -22,9 +22,9 @@ from rlportable.conform.model import DEVICE_ONLY, MODEL_CHECKS
 from rlportable.conform.optim import OPTIM_CHECKS
 from rlportable.conform.parallel_ops import PARALLEL_OP_CHECKS
 from rlportable.conform.parallel_vocab import PARALLEL_VOCAB_CHECKS
-from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, EXHAUSTIVE_REPORTS, PRIMITIVE_CHECKS
+from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, PRIMITIVE_CHECKS
 from rlportable.conform.sampling import SAMPLING_CHECKS
-from rlportable.conform.tally import CheckResult, Tally, bit_mismatches, check_rng
+from rlportable.conform.tally import CheckResult, Settings, SettingsCheck, Tally, bit_mismatches, check_rng
 from rlportable.runtime.base import Backend
 
 CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
@@ -33,7 +33,7 @@ CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATT
                                       + GOLDEN_CHECKS)
 CHECKS += E2E_CHECKS  # end to end: the engine's log-probs against the trainer's forward (conform/end_to_end.py)
 
-__all__ = ["CHECKS", "CheckResult", "EXHAUSTIVE_REPORTS", "Tally", "bit_mismatches", "report", "run"]
+__all__ = ["CHECKS", "CheckResult", "Settings", "Tally", "bit_mismatches", "report", "run"]
 
 
 def selected(name: str, only: str | None) -> bool:
@@ -42,7 +42,11 @@ def selected(name: str, only: str | None) -> bool:
 
 
 def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None = None,
-        progress: Callable[[str], None] | None = None, exhaustive: bool = False) -> list[CheckResult]:
+        progress: Callable[[str], None] | None = None, exhaustive: bool = False,
+        settings: Settings | None = None) -> list[CheckResult]:
+    """The checks' results, in order. `settings` (default: Settings(seed=seed)) reach the checks that
+    take them (SettingsCheck); what a check reports beyond its counts comes back in its result."""
+    settings = settings or Settings(seed=seed)
     results = []
     for name, check in CHECKS + (EXHAUSTIVE_CHECKS if exhaustive else []):
         if not selected(name, only) or (backend.on_host and name in DEVICE_ONLY) \
@@ -50,8 +54,9 @@ def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None =
             continue
         if progress:
             progress(name)
-        tally = check(backend, check_rng(seed, name), quick)
-        results.append(CheckResult(name, tally.compared, tally.mismatches, getattr(tally, "details", None)))
+        rng = check_rng(settings.seed, name)
+        tally = check(backend, rng, quick, settings) if isinstance(check, SettingsCheck) else check(backend, rng, quick)
+        results.append(CheckResult(name, tally.compared, tally.mismatches, tally.details, tally.message))
     return results
 
 

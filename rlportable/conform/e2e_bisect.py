@@ -12,7 +12,7 @@ The chain embedding -> each layer's ops in Model._layer's order -> final norm ->
 is walked in order; the first op whose output differs at any position (smallest position first) is
 reported with its first differing element, and whether its own inputs agreed (then the op itself
 diverged) or not. The op's inputs from both sides, its small weights and the token ids go to an .npz,
-the configuration and the command that reruns the check to a .json, in SETTINGS.repro_dir.
+the configuration and the command that reruns the check to a .json, in the run's repro_dir.
 
 The hooks are instance attributes on the Model and the runner, removed afterwards; engine and model
 code are unchanged.
@@ -263,10 +263,8 @@ def replay(loaded, failure) -> tuple[Recorder, Recorder, np.float32 | None]:
     return engine, trainer, replayed
 
 
-def locate(loaded, failure, command: str) -> dict:
-    """{"first_divergence": ..., "reproducer": [files]} for the check's report."""
-    from rlportable.conform.end_to_end import SETTINGS
-
+def locate(loaded, failure, command: str, repro_dir: Path) -> dict:
+    """{"first_divergence": ..., "reproducer": [files in repro_dir]} for the check's report."""
     engine, trainer, replayed = replay(loaded, failure)
     num_layers = len(loaded.model.layers)
     where = first_divergence(engine, trainer, num_layers)
@@ -283,7 +281,7 @@ def locate(loaded, failure, command: str) -> dict:
     if where is None:
         report["note"] = "no recorded value differs in the replay (the mismatch did not reproduce)"
         where = {"op": "none", "layer": None, "position": report["diverging_position"]}
-    files = write_reproducer(Path(SETTINGS.repro_dir), loaded, failure, engine, trainer, where, report, command)
+    files = write_reproducer(Path(repro_dir), loaded, failure, engine, trainer, where, report, command)
     return {"first_divergence": {**where, **report}, "reproducer": [str(f) for f in files]}
 
 

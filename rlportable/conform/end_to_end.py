@@ -18,7 +18,7 @@ log-prob forward at TP=N is compared too. A model whose shape TP=N cannot split 
 
 A mismatch is localized by conform.e2e_bisect (first diverging op, layer, token and element, found by
 replaying the engine and the trainer with every layer's intermediate values recorded) and leaves a
-reproducer (.npz + .json) in SETTINGS.repro_dir (`rlportable conform --repro-dir`).
+reproducer (.npz + .json) in the run's Settings.repro_dir (`rlportable conform --repro-dir`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from rlportable.conform.tally import Tally
+from rlportable.conform.e2e_bisect import locate
+from rlportable.conform.tally import Settings, SettingsCheck, Tally
 from rlportable.engine.sequence import SamplingParams
 
 TINY = "tiny"
@@ -42,17 +42,6 @@ MIXED_TEMPERATURES = (1.0, 0.7, 1.3, 0.0)  # a mixed workload cycles through the
 PAD_TOKEN = 0
 PAD_MULTIPLE = 16
 SAFETY_BOUND = 20.0  # verl's clamp of log-ratios before exponentiating (chi-square)
-
-
-@dataclass
-class Settings:
-    """What the CLI passes to the checks besides (backend, rng, quick)."""
-
-    repro_dir: Path = Path("rlportable-repro")
-    seed: int = 0  # `conform --seed`, for the reproducer's command line
-
-
-SETTINGS = Settings()
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -538,7 +527,8 @@ def first_mismatch(check: str, run: EngineRun, completions, trainer) -> Failure 
     return None
 
 
-def run_model(check: str, sweep: Sweep, loaded: Loaded, backend, rng, quick: bool, tally: Tally) -> dict:
+def run_model(check: str, sweep: Sweep, loaded: Loaded, backend, rng, quick: bool, tally: Tally,
+              settings: Settings = Settings()) -> dict:
     """One configuration on one model: generate, recompute in each packing, compare, measure, localize."""
     size = SIZES[loaded.spec][sweep.scale][tier(backend, quick)]
     budget = TRAINER_TOKENS["cpu" if backend.on_host else "device"]
@@ -569,9 +559,7 @@ def run_model(check: str, sweep: Sweep, loaded: Loaded, backend, rng, quick: boo
     if sweep.kind == "preemption" and not any(r["preemptions"] for r in part["runs"]):
         part["note"] = "no sequence was preempted: the configuration did not exercise preemption"
     if failure is not None:
-        from rlportable.conform.e2e_bisect import locate
-
-        part.update(locate(loaded, failure, reproduce_command(backend, check, quick)))
+        part.update(locate(loaded, failure, reproduce_command(backend, check, quick, settings), settings.repro_dir))
     return part
 
 
@@ -594,12 +582,12 @@ def compare_forward_at_tp(loaded: Loaded, tp: int, generated: dict, tally: Tally
     return {"compared": tally.compared - before[0], "mismatches": tally.mismatches - before[1]}
 
 
-def reproduce_command(backend, check: str, quick: bool) -> str:
+def reproduce_command(backend, check: str, quick: bool, settings: Settings) -> str:
     args = ["rlportable", "conform", "--device", backend.name]
     if backend.name == "cuda" and backend.kernel_vendor == "hip":
         args += ["--kernel-source", "hip"]
-    args += ["--only", check, "--seed", str(SETTINGS.seed)] + (["--quick"] if quick else [])
-    return shlex.join(args + ["--repro-dir", str(SETTINGS.repro_dir)])
+    args += ["--only", check, "--seed", str(settings.seed)] + (["--quick"] if quick else [])
+    return shlex.join(args + ["--repro-dir", str(settings.repro_dir)])
 
 
 def cannot_split(loaded: Loaded, sweep: Sweep) -> str | None:
@@ -616,21 +604,22 @@ def cannot_split(loaded: Loaded, sweep: Sweep) -> str | None:
     return None
 
 
-def make_check(sweep: Sweep):
+def make_check(sweep: Sweep) -> SettingsCheck:
     check_name = f"e2e.{sweep.name}"
 
-    def check(backend, rng, quick: bool):
+    def check(backend, rng, quick: bool, settings: Settings):
         tally = E2ETally()
         tally.details["what"] = sweep.what
         for spec in models_for(backend):
             loaded = load(backend, spec, quick)
             reason = cannot_split(loaded, sweep)
             tally.details["models"][spec] = ({"status": "not applicable", "reason": reason} if reason else
-                                             run_model(check_name, sweep, loaded, backend, rng, quick, tally))
+                                             run_model(check_name, sweep, loaded, backend, rng, quick, tally,
+                                                       settings))
         return tally
 
     check.__name__ = f"check_e2e_{sweep.name.replace('-', '_').replace('.', '_')}"
-    return check
+    return SettingsCheck(check)
 
 
 E2E_CHECKS = [(f"e2e.{sweep.name}", make_check(sweep)) for sweep in SWEEPS]

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from rlportable.conform.inputs import SPECIAL_VALUES
-from rlportable.conform.tally import Tally
+from rlportable.conform.tally import Settings, SettingsCheck, Tally
 from rlportable.contract import elementwise as elementwise_ref, rope as rope_ref
 from rlportable.contract.adamw import Hyper, lr_at
 from rlportable.errors import RlpError
@@ -56,9 +56,6 @@ DIGEST_RULE = ("sha256 over the outputs in order, each as the ASCII header '<nam
 INPUT_RULE = ("rlportable.conform.golden.Stream(seed): SplitMix64 values drawn in the case's order, made "
               "into float32 by exact constructions (24-bit integers times powers of two, raw bit patterns)")
 REGENERATE = "rlportable conform --device cpu --write-golden"
-
-#: `rlportable conform` reports the golden digests whose checks failed here: check name -> message
-GOLDEN_FAILURES: dict[str, str] = {}
 
 
 # ----------------------------------------------------------------------------- canonical inputs
@@ -998,18 +995,10 @@ def _qwen3_generate(backend, s, r):
 
 # ----------------------------------------------------------------------------- files
 
-_directory_override: Path | None = None
-
-
-def set_directory(path) -> None:
-    """Read (and write) the digests in this folder instead of conformance/golden (None: back to it)."""
-    global _directory_override
-    _directory_override = None if path is None else Path(path)
-
-
-def directory() -> Path:
-    if _directory_override is not None:
-        return _directory_override
+def directory(folder: Path | None = None) -> Path:
+    """The golden digests' folder: `folder` (conform --golden-dir), else conformance/golden."""
+    if folder is not None:
+        return Path(folder)
     from rlportable.resources import resource_dir
 
     return resource_dir("conformance") / "golden"
@@ -1058,9 +1047,9 @@ def write_golden(backend: Backend, folder=None, only_groups=None, progress=None)
     return written
 
 
-def _expected(case: Case) -> tuple[dict | None, str | None]:
+def _expected(case: Case, folder: Path | None) -> tuple[dict | None, str | None]:
     """The committed entry of a case, or why there is none (a one-line message)."""
-    path = directory() / f"{case.group}.json"
+    path = directory(folder) / f"{case.group}.json"
     try:
         document = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -1073,9 +1062,9 @@ def _expected(case: Case) -> tuple[dict | None, str | None]:
     return None, f"{path} has no digest {case.name}: regenerate with `{REGENERATE}`"
 
 
-def verify(backend: Backend, case: Case) -> tuple[int, int, str | None]:
+def verify(backend: Backend, case: Case, folder: Path | None = None) -> tuple[int, int, str | None]:
     """(compared, mismatches, message): the case's outputs on the backend against its committed digest."""
-    expected, problem = _expected(case)
+    expected, problem = _expected(case, folder)
     try:
         outputs = case.outputs(backend)
     except RlpError as error:
@@ -1093,21 +1082,17 @@ def verify(backend: Backend, case: Case) -> tuple[int, int, str | None]:
     first = (f"first differing output: {differing[0][0].rsplit(' ', 1)[0]} (of {len(got['outputs'])})"
              if differing else "the outputs' order differs")
     message = (f"golden digest {case.check_name} differs: expected {expected['sha256'][:16]}..., got "
-               f"{got['sha256'][:16]}... ({directory() / (case.group + '.json')}); {first}")
+               f"{got['sha256'][:16]}... ({directory(folder) / (case.group + '.json')}); {first}")
     return got["elements"], max(bad, 1), message
 
 
-def _check(case: Case):
-    def check(backend: Backend, rng, quick: bool) -> Tally:
+def _check(case: Case) -> SettingsCheck:
+    def check(backend: Backend, rng, quick: bool, settings: Settings) -> Tally:
         tally = Tally()
-        tally.compared, tally.mismatches, message = verify(backend, case)
-        if message:
-            GOLDEN_FAILURES[case.check_name] = message
-        else:
-            GOLDEN_FAILURES.pop(case.check_name, None)
+        tally.compared, tally.mismatches, tally.message = verify(backend, case, settings.golden_dir)
         return tally
 
-    return check
+    return SettingsCheck(check)
 
 
 GOLDEN_CHECKS: list[tuple[str, Callable]] = [(case.check_name, _check(case)) for case in CASES]

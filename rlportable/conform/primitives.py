@@ -144,7 +144,7 @@ def _check_elementwise_exhaustive(name: str):
         tally = Tally()
         result = elementwise_op.exhaustive_check(backend, name)
         tally.compared, tally.mismatches = result["checked"], result["not_correctly_rounded"]
-        EXHAUSTIVE_REPORTS.append(result)
+        tally.details = {"exhaustive": result}
         return tally
 
     return check
@@ -164,8 +164,6 @@ def check_residual(backend: Backend, rng, quick: bool) -> Tally:
                       residual_op.add_bias_reference(a, bias))
     return tally
 
-
-EXHAUSTIVE_REPORTS: list[dict] = []
 
 PRIMITIVE_CHECKS: list[tuple[str, Callable]] = [
     ("fixedpoint.encode_rows", check_fixedpoint),

@@ -4,8 +4,28 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A conform run's settings beyond (backend, rng, quick), for the checks that need them."""
+
+    seed: int = 0  # `conform --seed`: the reproducer's command line names it
+    repro_dir: Path = Path("rlportable-repro")  # where a failing end-to-end check writes its reproducer
+    golden_dir: Path | None = None  # the golden digests' folder (None: conformance/golden)
+
+
+class SettingsCheck:
+    """A check that takes the run's Settings too: called check(backend, rng, quick, settings)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, backend, rng, quick: bool, settings: Settings):
+        return self.function(backend, rng, quick, settings)
 
 
 def check_rng(seed: int, name: str) -> np.random.Generator:
@@ -19,6 +39,7 @@ class CheckResult:
     compared: int
     mismatches: int
     details: dict | None = None  # a check's own JSON-ready report, if it has one (end to end: per model)
+    message: str | None = None  # a one-line account of a failure, for the user (golden digests)
 
     @property
     def passed(self) -> bool:
@@ -26,8 +47,9 @@ class CheckResult:
 
     def as_json(self) -> dict:
         out = {**asdict(self), "passed": self.passed}
-        if self.details is None:
-            del out["details"]
+        for key in ("details", "message"):
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -41,9 +63,13 @@ def bit_mismatches(actual: np.ndarray, expected: np.ndarray) -> int:
 
 
 class Tally:
+    """A check's counts, and what it reports beyond them (details: JSON-ready; message: one line)."""
+
     def __init__(self):
         self.compared = 0
         self.mismatches = 0
+        self.details: dict | None = None
+        self.message: str | None = None
 
     def add(self, actual, expected) -> None:
         self.compared += int(np.asarray(expected).size)

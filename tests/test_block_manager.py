@@ -9,6 +9,12 @@ from rlportable.engine.sequence import SamplingParams, Sequence
 from rlportable.errors import InputError
 
 
+
+def _decode_slot(bm, seq):
+    """allocate(seq, 1) for a decode token: (the slot of position num_computed_tokens, its copy or None)."""
+    copies = bm.allocate(seq, 1)
+    return seq.slot(seq.num_computed_tokens, bm.block_size), (copies[0] if copies else None)
+
 def make_seq(tokens, request=0, sample=0, n=1):
     return Sequence(request, tokens, SamplingParams(n=n, max_tokens=64), sample_index=sample)
 
@@ -51,7 +57,7 @@ def test_out_of_blocks():
         bm.allocate(seq, 12)
     bm.check_invariants([])  # nothing taken on failure
     compute(bm, seq, 8)
-    assert not bm.can_append(seq) and bm.max_new_tokens(seq) == 0
+    assert not bm.can_allocate(seq, 1) and bm.max_new_tokens(seq) == 0
     with pytest.raises(InputError):
         bm.allocate(seq, 5)  # more than the known tokens
 
@@ -77,7 +83,7 @@ def test_fork_shares_prompt_blocks_and_copies_the_partial_one():
     assert [bm.ref_count(b) for b in group[0].block_table] == [4, 4, 4]
     bm.check_invariants(group)
     shared = group[0].block_table[2]
-    results = [bm.append_slot(s) for s in group]
+    results = [_decode_slot(bm, s) for s in group]
     for s, (slot, copy) in zip(group[:3], results[:3]):
         assert copy == BlockCopy(shared, s.block_table[2], 2)  # positions 8, 9 are valid
         assert slot == s.block_table[2] * bs + 2
@@ -99,7 +105,7 @@ def test_fork_with_a_full_last_block_copies_nothing():
     group = fork_group(bm, list(range(8)), 3, 4)
     assert bm.num_used_blocks == 2
     for s in group:
-        slot, copy = bm.append_slot(s)
+        slot, copy = _decode_slot(bm, s)
         assert copy is None and slot == s.block_table[2] * 4
     assert bm.num_used_blocks == 5
 
@@ -161,17 +167,6 @@ def test_prefix_cache_evicts_least_recently_freed_tail_first():
     c = make_seq([1, 2, 3, 4, 5, 6, 7], request=2)
     assert bm.cached_prefix_length(c) == 2  # only a's head block survived
     bm.check_invariants([b])
-
-
-def test_reset_prefix_cache():
-    bm = BlockManager(4, 2, enable_prefix_caching=True)
-    a = make_seq([1, 2, 3, 4, 5])
-    compute(bm, a, 5)
-    bm.reset_prefix_cache()
-    assert bm.cached_prefix_length(make_seq([1, 2, 3, 4, 5], request=1)) == 0
-    bm.free(a)
-    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 4
-    bm.check_invariants([])
 
 
 def test_check_invariants_catches_corruption():

@@ -58,7 +58,7 @@ def random_block_traffic(seed: int, block_size: int, prefix_caching: bool):
             freed.append(seq)
         else:  # a decode token for one sequence (copy-on-write if it shares its partial block)
             for seq in rng.sample(live, min(len(live), 3)):
-                if bm.can_append(seq):
+                if bm.can_allocate(seq, 1):
                     bm.allocate(seq, 1)
                     bm.mark_computed(seq, 1)
                     seq.append_token(rng.randrange(20))

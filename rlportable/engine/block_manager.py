@@ -45,7 +45,7 @@ from rlportable.errors import InputError, RlpError
 
 
 class OutOfBlocks(RlpError):
-    """allocate/append_slot was called without enough free blocks (check can_allocate first)."""
+    """allocate was called without enough free blocks (check can_allocate first)."""
 
 
 class InvariantError(RlpError):
@@ -196,10 +196,6 @@ class BlockManager:
         """Whether allocate(seq, num_new_tokens) would succeed now."""
         return self._plan(seq, num_new_tokens)[2] <= self.num_free_blocks
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether append_slot(seq) would succeed now (one decode token)."""
-        return self.can_allocate(seq, 1)
-
     def max_new_tokens(self, seq: Sequence) -> int:
         """The most tokens a sequence that holds blocks can compute next with the free blocks now."""
         bs = self.block_size
@@ -296,11 +292,6 @@ class BlockManager:
         if self.blocks_needed_ahead(seq):
             seq.block_table.append(self._take_fresh())
 
-    def append_slot(self, seq: Sequence) -> tuple[int, BlockCopy | None]:
-        """allocate(seq, 1) for a decode token: (the slot of position num_computed_tokens, the copy or None)."""
-        copies = self.allocate(seq, 1)
-        return seq.slot(seq.num_computed_tokens, self.block_size), (copies[0] if copies else None)
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let child (another sample of parent's prompt, holding no blocks) share all of parent's blocks.
 
@@ -354,16 +345,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._seqs.pop(seq.seq_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every block hash (e.g. after the weights changed): evictable blocks become plain
-        free, blocks in use stay in use but will not be reused through the cache."""
-        for block in self._evictable:
-            self._free.append(block)
-        self._evictable.clear()
-        for block in self._cached.values():
-            self._hash[block] = None
-        self._cached.clear()
 
     # ---- checks
 

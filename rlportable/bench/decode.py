@@ -415,8 +415,9 @@ def measure_hf(config, prompts: np.ndarray, new_tokens: int, device: str = "cuda
     full-length call is the warm-up (its own numbers under "first_call"); the second is the peer. HF's first
     call in a process pays for every new KV length once (the caching allocator grows the cache tensor by
     tensor, kernels load and select per shape): in a fresh process 2.4-2.6x slower on the H200 than a later
-    call with the same shapes, which is what a long-lived process (an RL loop) sees (docs/decisions.md
-    "HF warm"). Each call gets the whole time limit; "warm" is False where the first call stopped early."""
+    call with the same shapes, which is what a long-lived process (an RL loop) sees (docs/engine.md,
+    "The peer is HF generate measured warm"). Each call gets the whole time limit; "warm" is False where
+    the first call stopped early."""
     try:
         import torch
         import transformers

@@ -1,5 +1,5 @@
 """AdamW with fp32 master weights, exact global-norm clipping and a warmup + cosine schedule:
-the NumPy reference of contracts/adamw.toml (kernels: backends/{cuda,hip}/adamw.*).
+the NumPy reference of contracts/adamw.toml (kernels: backends/portable/adamw.hip).
 
 Everything here is IEEE-754 binary32/binary64 add, subtract, multiply, divide, sqrt and
 conversions with round-to-nearest-even, exact integer arithmetic, and the contract's own

@@ -1,8 +1,7 @@
 """Row fixed-point encoding and exact rounding back to float32: the NumPy reference.
 
-This module is the executable form of contracts/fixedpoint.toml; the CUDA and
-HIP sources in backends/*/fixedpoint.* and backends/*/common.* must equal it to
-the bit.
+This module is the executable form of contracts/fixedpoint.toml; the kernels in
+backends/portable/fixedpoint.hip and backends/portable/common.h must equal it to the bit.
 
 Encoding a float32 row x of length K with B bits (B counts the sign):
   * The row is *non-finite* if any element is NaN or +-inf. Its exponent is the

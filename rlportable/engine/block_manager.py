@@ -19,10 +19,10 @@ returns a BlockCopy(src, dst, num_slots): the runner copies slots src*bs + i to 
 for i < num_slots (the positions already computed), in every layer's K and V, before it
 writes the step's K/V.
 
-Within one step a block can be the source of one copy and, after being freed by a
-preemption, the destination of a later one: apply the step's copies in list order, or as
-one gather of every source followed by one scatter to every destination (NumPy/CuPy
-`cache[dst_slots] = cache[src_slots]` does that), before the forward pass.
+The runner applies a step's copies as one gather of every source and one scatter to every
+destination, before the forward pass. It refuses a step whose copies chain (a block the
+destination of one copy and the source of another: ops/residual.check_copy_pairs) with an
+error rather than guess an order; no scheduler workload has been seen to produce one.
 
 Block hashes (prefix caching) form a chain: hash_i = sha256(hash_{i-1} || token ids of block
 i as little-endian int64), hash_{-1} = b"". A block gets its hash once all its slots are

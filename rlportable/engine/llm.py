@@ -96,8 +96,8 @@ class LLM:
         runs the same engine loop on its shard of the model (the scheduler and the sampler are
         deterministic, so the ranks agree without talking); the outputs are the same on every rank.
         `async_scheduling`: while a pure decode step runs on the device, plan and launch the next one,
-        fed the tokens it draws on the device, before reading its results (docs/decisions.md "Issue 4:
-        asynchronous scheduling"); needs sampler="device" and decode buckets (cuda_graphs). Other steps
+        fed the tokens it draws on the device, before reading its results (docs/engine.md, "Asynchronous
+        scheduling"); needs sampler="device" and decode buckets (cuda_graphs). Other steps
         run one at a time. None = on where the backend's downloads are asynchronous (cuda) and those
         hold. The same tokens and log-probs either way."""
         _check_engine_sizes(block_size=block_size, max_num_seqs=max_num_seqs,

@@ -21,7 +21,7 @@ Speed:
   * launch() queues a step (upload, forward, sampler, the download of its results) and wait()
     reads its results, so the host can queue the next step first (asynchronous scheduling, LLM):
     a step planned ahead takes the tokens the step before drew on the device (feed_tokens) and is
-    queued before the host waits for that step (docs/decisions.md "Issue 4: asynchronous scheduling").
+    queued before the host waits for that step (docs/engine.md, "Asynchronous scheduling").
   * Graphs read the weights, the KV cache, the RoPE tables and the upload buffer at the
     addresses they had at capture. Whenever one of those arrays is replaced (release_caches /
     restore_caches, Model.reencode after a training step, a larger upload buffer), the graphs

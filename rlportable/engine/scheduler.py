@@ -35,8 +35,8 @@ position) and logits that the exact kernels make independent of how the work was
 
 Asynchronous scheduling (LLM(async_scheduling=...)): while a pure decode step runs on the device,
 schedule_ahead(out) plans the next one before out's tokens are known, and the runner feeds it
-out's tokens on the device; then postprocess(out), then the step after (docs/decisions.md
-"Issue 4: asynchronous scheduling"). At most one step is in flight unrecorded when a step is
+out's tokens on the device; then postprocess(out), then the step after (docs/engine.md,
+"Asynchronous scheduling"). At most one step is in flight unrecorded when a step is
 planned, so every sequence has num_computed_tokens = num_tokens - 1 then.
 """
 

@@ -5,7 +5,7 @@ log-prob of every next token is bitwise the engine's), keeping each layer's
 input as an activation checkpoint. `backward` takes the loss's gradient with
 respect to those log-probs and returns the gradient of every weight.
 
-How gradients are computed (docs/decisions.md, "Issue 5: gradients"):
+How gradients are computed (docs/training.md, "Gradients under the contracts"):
   * every matrix product is the exact GEMM (ops.gemm): dX = dY W uses W's
     transpose encoded as a weight (15 bits); dW = dY^T X encodes dY^T rows at
     23 bits and X^T rows at 15 bits; K is cut into fixed chunks of GEMM_K_CHUNK

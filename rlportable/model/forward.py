@@ -95,7 +95,7 @@ class Model:
         if self.tp.size > 1:
             if trainable:
                 raise InputError("training under tensor parallelism is not implemented: the trainer runs on one "
-                                 "device (docs/decisions.md, Issue 7)")
+                                 "device (docs/parallelism.md, 'Training stays on one device')")
             weights = parallel.shard_weights(weights, config, self.tp)
             self.shape = self.tp.local_config(config)
         self.vocab_start = self.tp.vocab_start(config)

@@ -1,6 +1,6 @@
 """Tensor parallelism: how a model is cut over ranks, and the exact collectives between the cuts.
 
-Megatron's layout, one rank per GPU (docs/decisions.md, "Issue 7"):
+Megatron's layout, one rank per GPU (docs/parallelism.md, "Megatron's layout"):
   * column-parallel q/k/v (whole heads), gate and up: rank r computes its own output columns. Each
     output element depends on one activation row and one weight row, both whole on every rank:
     the same bits as one device, with no communication.

@@ -1,7 +1,7 @@
 """Op family "activation": SwiGLU, silu(gate) * up, with the contract's exp.
 
 Contract: contracts/activation.toml; reference: rlportable/contract/activation.py swiglu;
-kernels: backends/{cuda,hip}/activation.*.
+kernels: backends/portable/activation.hip.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ THREADS = 256
 MAX_GRID = 4096
 #: swiglu_encode keeps a row of y in shared memory (32 KB); longer rows run swiglu then encode_rows
 MAX_FUSED_ENCODED_ROW = 8192
-#: the one encoding activation_swiglu_encode computes (RLP_ACTIVATION_ENCODE_BITS in backends/*/activation.*):
+#: the one encoding activation_swiglu_encode computes (RLP_ACTIVATION_ENCODE_BITS in backends/portable/activation.hip):
 #: gemm.DEFAULT_BITS_A, the activations' bits
 FUSED_ENCODE_BITS = fixedpoint_ref.ACTIVATION_BITS
 #: swiglu_encode's block per row: the fastest of 256, 512 and 1024 at decode's rows on the H200

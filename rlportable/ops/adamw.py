@@ -1,7 +1,7 @@
 """Op family "adamw": exact global-norm clip factor and the in-place AdamW update.
 
 Contract: contracts/adamw.toml; reference: rlportable/contract/adamw.py;
-kernels: backends/{cuda,hip}/adamw.*.
+kernels: backends/portable/adamw.hip.
 
 API
   clip_factor(backend, grads, max_norm) -> (c, norm)     host float64 scalars

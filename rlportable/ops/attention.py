@@ -1,7 +1,7 @@
 """Op family "attention": exact causal GQA attention over an encoded (fixed-point) KV cache.
 
 Contract: contracts/attention.toml; reference: rlportable/contract/attention.py;
-kernels: backends/{cuda,hip}/attention.* (attention_paged, attention_write_kv; the split-KV decode
+kernels: backends/portable/attention.hip (NVIDIA's fast paths: backends/cuda/attention.cu) (attention_paged, attention_write_kv; the split-KV decode
 path attention_split_scores / _values (or _values_h2 for groups of at most 2 q heads per kv head) /
 _combine, METHODS "split").
 
@@ -396,7 +396,7 @@ def attention_step(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tabl
 
 def _attention_paged_split(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, scale,
                            keys_per_split: int | None, out) -> None:
-    """attention_paged by the split kernels (backends/*/attention.*: "Split-KV path"), in slices of
+    """attention_paged by the split kernels (backends/portable/attention.hip: "Split-KV path"), in slices of
     query rows whose scores fit SPLIT_SCRATCH_BYTES (the slicing depends on the shapes only)."""
     tq, hq, _ = shape_of(q)
     capacity = shape_of(block_tables)[1] * cache.block_size

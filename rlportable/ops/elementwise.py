@@ -1,7 +1,7 @@
 """Op family "elementwise": the contract's exp and log, float32 -> float32, correctly rounded.
 
 Contract: contracts/elementwise.toml; reference: rlportable/contract/elementwise.py;
-kernels: backends/{cuda,hip}/elementwise.*.
+kernels: backends/portable/elementwise.hip.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Op family "embedding": token embedding lookup, a bit copy of table rows, and its gradient.
 
 Contract: contracts/embedding.toml; reference: rlportable/contract/embedding.py gather, gather_shard, gather_backward;
-kernels: backends/{cuda,hip}/embedding.*.
+kernels: backends/portable/embedding.hip.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Op family "fixedpoint": rows of float32 -> (row exponents, int8 digit slices).
 
 Contract: contracts/fixedpoint.toml; reference: rlportable/contract/fixedpoint.py;
-kernels: backends/{cuda,hip}/fixedpoint.*.
+kernels: backends/portable/fixedpoint.hip.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ from rlportable.ops.fixedpoint import EncodedRows, empty_encoding, encode_rows, 
 from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
 from rlportable.runtime.base import Backend
 
-#: Chosen by measurement (docs/decisions.md, tests/test_gemm.py): 23-bit activations (3 int8
-#: digits) keep rows with massive activations more accurate than bf16; 15-bit weights are
-#: 2 int8 digits, the same bytes per weight as bf16.
+#: Chosen by measurement (docs/numerics.md, "Operand bits: 23-bit activations, 15-bit weights";
+#: tests/test_gemm.py): 23-bit activations (3 int8 digits) keep rows with massive activations more
+#: accurate than bf16; 15-bit weights are 2 int8 digits, the same bytes per weight as bf16.
 DEFAULT_BITS_A = fp.ACTIVATION_BITS
 DEFAULT_BITS_W = 15
 METHODS = ("auto", "blas", "fused")

@@ -3,7 +3,7 @@ that produces them block by block, and the log-probabilities' gradient with resp
 
 Contract: contracts/logprob.toml; reference: rlportable/contract/logprob.py (logprobs, entropy,
 logprobs_backward, and the vocabulary-parallel shard_max_keys, shard_sums, shard_finish);
-kernels: backends/{cuda,hip}/logprob.*.
+kernels: backends/portable/logprob.hip.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Op family "norm": RMSNorm, and the per-head QK-norm (the same op on rows = tokens * heads).
 
 Contract: contracts/norm.toml; reference: rlportable/contract/norm.py rmsnorm (and
-rmsnorm_backward, the gradient); kernels: backends/{cuda,hip}/norm.*.
+rmsnorm_backward, the gradient); kernels: backends/portable/norm.hip.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ MAX_FUSED_HEAD_DIM = 4096  # rmsnorm_heads_rope
 MAX_FUSED_ROW = 8192  # add_rmsnorm (32 KB: with the static scratch, under the 48 KB a launch may take unasked)
 #: add_rmsnorm with the gemm's encoding of y keeps y as a second shared row: 2 x 4096 floats, the same 32 KB
 MAX_FUSED_ENCODED_ROW = 4096
-#: the one encoding norm_add_rmsnorm computes (RLP_NORM_ENCODE_BITS/_SLICES in backends/*/norm.*):
+#: the one encoding norm_add_rmsnorm computes (RLP_NORM_ENCODE_BITS/_SLICES in backends/portable/norm.hip):
 #: gemm.DEFAULT_BITS_A, the activations' bits; other bits are encoded by a separate launch
 FUSED_ENCODE_BITS = reference.ENCODE_BITS
 #: a kernel's null pointer argument (an optional output left out): 8 bytes of zero, as a device address
 NULL_POINTER = np.uint64(0)
-THREAD_SEGMENT = segments.SEGMENT  # the kernels' block reductions work on segments of 32 lanes (backends/*/common.*)
+THREAD_SEGMENT = segments.SEGMENT  # the kernels' block reductions work on segments of 32 lanes (backends/portable/common.hip)
 
 
 def row_threads(h: int) -> int:

@@ -1,7 +1,7 @@
 """Op family "rope": rotary position embedding with host-made tables.
 
 Contract: contracts/rope.toml; reference: rlportable/contract/rope.py (inverse_frequencies,
-tables, apply, apply_backward); kernels: backends/{cuda,hip}/rope.*.
+tables, apply, apply_backward); kernels: backends/portable/rope.hip.
 """
 
 from __future__ import annotations

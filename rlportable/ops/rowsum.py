@@ -1,7 +1,7 @@
 """Op family "rowsum": exact sum of each float32 row (sums of squares, of exponentials).
 
 Contract: contracts/rowsum.toml; reference: rlportable/contract/exact.py rowsum;
-kernels: backends/{cuda,hip}/rowsum.*.
+kernels: backends/portable/rowsum.hip.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Op family "sampling": the sampler's contract on the device, for rows without filters.
 
 Contract: contracts/sampling.toml; reference: rlportable/contract/sampling.py (sample,
-sampled_logprobs); kernels: backends/{cuda,hip}/sampling.*.
+sampled_logprobs); kernels: backends/portable/sampling.hip.
 
 The kernel samples greedy rows (T = 0) and rows with T > 0 and no top-k / top-p / min-p: the
 settings RL rollouts use. A row with a filter is an InputError here on every backend (cpu

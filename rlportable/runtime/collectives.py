@@ -1,6 +1,7 @@
 """Collectives between tensor-parallel ranks: NCCL (cuda), RCCL (hip), and an in-process emulation.
 
-Every collective the model uses is exact by construction (docs/decisions.md, "Issue 7"):
+Every collective the model uses is exact by construction (docs/parallelism.md, "Collectives only on
+integers"):
   * all_reduce(x, "max") of int32 row exponents or uint32 order-preserving keys;
   * all_reduce(x, "sum") of int64 exact partial sums, or of uint32 bit patterns where one rank
     holds the value and every other rank holds 0 (a vocabulary-parallel gather);

@@ -10,9 +10,9 @@ Every replica holds the whole model. A step's work is dealt out by position, nev
     uses. So the accumulated gradient, the AdamW step and the new weights are bitwise those of
     one device, for any replica count, and all replicas stay identical without a broadcast.
 Where this stops: the micro-batch split itself (`micro_batch_tokens`) is part of the result, as on
-one device (float32 sums of micro-batch gradients; docs/decisions.md, Issue 5); and the gathered
-round costs R gradients of memory and traffic, against one for an all-reduce: the price of adding
-in a fixed order rather than reducing floats in whatever order the library picks.
+one device (float32 sums of micro-batch gradients; docs/training.md, "Gradients under the contracts");
+and the gathered round costs R gradients of memory and traffic, against one for an all-reduce: the
+price of adding in a fixed order rather than reducing floats in whatever order the library picks.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ central finite differences), the op against the reference bitwise, position-only
 propagation and input errors.
 
 The device kernels are checked against the same reference, bitwise, by `rlportable conform`
-(rlportable/conform/attention.py ATTENTION_BACKWARD_CHECKS); their sources compile in
+(rlportable/conform/attention.py, the attention.backward_* checks); their sources compile in
 tests/test_kernel_sources.py.
 """
 

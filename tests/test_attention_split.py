@@ -224,10 +224,10 @@ def test_keys_per_split_is_checked_on_every_backend():
 @pytest.mark.parametrize("name", ["attention.split_decode", "attention.split_nonfinite_rows"])
 def test_split_conform_checks_run_on_cpu(name):
     """The conformance checks of the split path (on cpu: the reference against itself) run clean."""
-    from rlportable.conform.attention import ATTENTION_CHECKS
+    from rlportable.conform.attention import CHECKS
     from rlportable.runtime import get_backend
 
-    check = dict(ATTENTION_CHECKS)[name]
+    check = dict(CHECKS)[name]
     tally = check(get_backend("cpu"), np.random.default_rng(0), True)
     assert tally.compared > 0 and tally.mismatches == 0
 

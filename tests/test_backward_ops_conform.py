@@ -1,4 +1,5 @@
-"""The backward ops' conformance checks (rlportable/conform/backward_ops.py) on the cpu backend.
+"""The backward ops' conformance checks (rlportable/conform/norm.py, activation.py, rope.py, residual.py)
+on the cpu backend.
 
 On cpu each check compares the reference with itself through the op, so this proves the checks run,
 cover inputs and agree with the ops' cpu path; on a GPU `rlportable conform` runs the same checks
@@ -9,16 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from rlportable.conform.backward_ops import BACKWARD_OP_CHECKS
+from rlportable.conform import activation, norm, residual, rope
 from rlportable.conform.tally import check_rng
 from rlportable.runtime import get_backend
 
 CPU = get_backend("cpu")
 
-
-def test_the_check_names():
-    assert [name for name, _ in BACKWARD_OP_CHECKS] == [
-        "norm.rmsnorm_backward", "activation.swiglu_backward", "rope.backward", "residual.transpose"]
+BACKWARD_OP_CHECKS = [(name, dict(family.CHECKS)[name]) for family, name in (
+    (norm, "norm.rmsnorm_backward"), (activation, "activation.swiglu_backward"), (rope, "rope.backward"),
+    (residual, "residual.transpose"))]
 
 
 @pytest.mark.parametrize("name,check", BACKWARD_OP_CHECKS, ids=[name for name, _ in BACKWARD_OP_CHECKS])

@@ -2,7 +2,7 @@
 order of its float64 additions, edge values, input checks, and the conformance check on cpu.
 
 The device kernels are checked bitwise against the same reference by `rlportable conform`
-(rlportable/conform/backward_vocab.py).
+(rlportable/conform/embedding.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from rlportable.conform.backward_vocab import BACKWARD_VOCAB_CHECKS
+from rlportable.conform.embedding import CHECKS
 from rlportable.contract import embedding as reference
 from rlportable.errors import InputError
 from rlportable.ops import embedding
@@ -156,6 +156,6 @@ def test_input_errors(args, message):
 
 
 def test_conformance_check_on_cpu():
-    check = dict(BACKWARD_VOCAB_CHECKS)["embedding.gather_backward"]
+    check = dict(CHECKS)["embedding.gather_backward"]
     tally = check(CPU, np.random.default_rng(0), True)
     assert tally.compared > 0 and tally.mismatches == 0

@@ -8,8 +8,8 @@ shards' row exponents (np.maximum), per-rank encodings and exact int64 sums, an 
 import numpy as np
 import pytest
 
-from rlportable.conform.inputs import ROW_KINDS, random_rows
-from rlportable.conform.parallel_ops import PARALLEL_OP_CHECKS, shard_bounds, split_columns
+from rlportable.conform import fixedpoint as fixedpoint_conform, gemm as gemm_conform
+from rlportable.conform.inputs import ROW_KINDS, random_rows, shard_bounds, split_columns
 from rlportable.contract import exact, fixedpoint as fp
 from rlportable.errors import InputError
 from rlportable.ops import fixedpoint as fixedpoint_op, gemm as gemm_op
@@ -192,7 +192,13 @@ def test_bad_operands_name_the_problem():
         gemm_op.round_sums(CPU, sums, encoded.exponents[:1], BA, weight)
 
 
-@pytest.mark.parametrize("name,check", PARALLEL_OP_CHECKS, ids=[name for name, _ in PARALLEL_OP_CHECKS])
+#: the conformance checks of the row-parallel pieces (rlportable/conform/fixedpoint.py and gemm.py)
+SHARDED_CHECKS = [(name, dict(family.CHECKS)[name]) for family, name in (
+    (fixedpoint_conform, "fixedpoint.row_exponents"), (fixedpoint_conform, "fixedpoint.encode_rows_given"),
+    (gemm_conform, "gemm.sums"), (gemm_conform, "gemm.round_sums"), (gemm_conform, "gemm.k_sharded"))]
+
+
+@pytest.mark.parametrize("name,check", SHARDED_CHECKS, ids=[name for name, _ in SHARDED_CHECKS])
 def test_conformance_checks_pass_on_cpu(name, check):
     tally = check(CPU, np.random.default_rng(0), True)
     assert tally.compared > 0 and tally.mismatches == 0

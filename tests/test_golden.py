@@ -1,7 +1,9 @@
-"""Golden digests (rlportable/conform/golden.py): the committed files are what --write-golden writes,
-a corrupted or changed digest fails with a message naming it, one flipped output bit changes it."""
+"""Golden digests (rlportable/conform/golden.py, golden_digest.py, golden_stream.py, and each family's
+cases): the committed files are what --write-golden writes, a corrupted or changed digest fails with a
+message naming it, one flipped output bit changes it."""
 
 import dataclasses
+import importlib
 import json
 import shutil
 
@@ -10,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from rlportable.cli import main
-from rlportable.conform import golden
+from rlportable.conform import golden, golden_digest, golden_stream
 from rlportable.conform.tally import Settings
 from rlportable.errors import RlpError
 from rlportable.resources import resource_dir
@@ -111,7 +113,7 @@ def test_one_flipped_bit_changes_the_digest_and_names_the_output(check_name, out
         raw = flipped.reshape(-1).view(f"u{array.dtype.itemsize}")
         raw[element] ^= raw.dtype.type(1 << bit)
         changed = outputs[:output % len(outputs)] + [(name, flipped)] + outputs[output % len(outputs) + 1:]
-        assert golden.digest(changed) != golden.digest(outputs)
+        assert golden_digest.digest(changed) != golden_digest.digest(outputs)
         bad_case = dataclasses.replace(case, compute=lambda backend, s, r, changed=changed: changed)
         compared, mismatches, message = golden.verify(CPU, bad_case)
         assert mismatches == flipped.size and f"first differing output: {name} " in message
@@ -120,28 +122,38 @@ def test_one_flipped_bit_changes_the_digest_and_names_the_output(check_name, out
 
 def test_digest_covers_names_shapes_and_dtypes():
     x = np.arange(6, dtype=np.float32)
-    base = golden.digest([("a", x)])
-    assert base != golden.digest([("b", x)])
-    assert base != golden.digest([("a", x.reshape(2, 3))])
-    assert base != golden.digest([("a", x.view(np.int32))])
-    assert base == golden.digest([("a", x.astype(">f4"))])  # byte order: always little-endian
-    assert golden.canonical(np.array([1, 2], np.int64), "int32").dtype == np.int32
+    base = golden_digest.digest([("a", x)])
+    assert base != golden_digest.digest([("b", x)])
+    assert base != golden_digest.digest([("a", x.reshape(2, 3))])
+    assert base != golden_digest.digest([("a", x.view(np.int32))])
+    assert base == golden_digest.digest([("a", x.astype(">f4"))])  # byte order: always little-endian
+    assert golden_digest.canonical(np.array([1, 2], np.int64), "int32").dtype == np.int32
     with pytest.raises(RlpError):
-        golden.canonical(np.array([2**40]), "int32")
+        golden_digest.canonical(np.array([2**40]), "int32")
 
 
 def test_canonical_inputs_are_fixed_and_exact():
     # SplitMix64's published first outputs for seed 0
-    assert [int(v) for v in golden.splitmix64(0, 0, 3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4,
-                                                            0x06C45D188009454F]
-    stream = golden.Stream(7)
-    assert np.array_equal(np.concatenate([stream.u64(3), stream.u64(2)]), golden.splitmix64(7, 0, 5))
-    tiny = golden.Stream(1).floats((64, 9), "tiny").astype(np.float64)
+    assert [int(v) for v in golden_stream.splitmix64(0, 0, 3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4,
+                                                                   0x06C45D188009454F]
+    stream = golden_stream.Stream(7)
+    assert np.array_equal(np.concatenate([stream.u64(3), stream.u64(2)]), golden_stream.splitmix64(7, 0, 5))
+    tiny = golden_stream.Stream(1).floats((64, 9), "tiny").astype(np.float64)
     assert np.array_equal(np.ldexp(tiny, 149), np.round(np.ldexp(tiny, 149)))  # multiples of 2^-149: exact
-    huge = golden.Stream(1).floats((64, 9), "huge")
+    huge = golden_stream.Stream(1).floats((64, 9), "huge")
     assert np.isfinite(huge).all() and np.abs(huge).max() > 1e37
-    nonfinite = golden.Stream(1).floats((6, 5), "nonfinite")
+    nonfinite = golden_stream.Stream(1).floats((6, 5), "nonfinite")
     assert (~np.isfinite(nonfinite)).sum(axis=1).tolist() == [1, 0, 1, 0, 1, 0]
+
+
+def test_every_recorded_function_names_its_cases_code():
+    """Each digest names the module and function that compute it (some are made by a factory there)."""
+    for path in COMMITTED.glob("*.json"):
+        for item in json.loads(path.read_text())["digests"]:
+            module, _, name = item["function"].rpartition(".")
+            case = next(c for c in golden.CASES if (c.group, c.name) == (path.stem, item["name"]))
+            assert importlib.import_module(module) is not None
+            assert (module, name) == (case.compute.__module__, case.compute.__name__)
 
 
 def test_write_golden_refuses_any_device_but_cpu(tmp_path):

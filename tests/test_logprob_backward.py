@@ -3,7 +3,7 @@ float64 analytic gradients and finite differences, chunk invariance, masked rows
 and the conformance check on cpu.
 
 The device kernels are checked bitwise against the same reference by `rlportable conform`
-(rlportable/conform/backward_vocab.py).
+(rlportable/conform/logprob.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlportable.conform.backward_vocab import BACKWARD_VOCAB_CHECKS
+from rlportable.conform.logprob import CHECKS
 from rlportable.contract import logprob as reference
 from rlportable.contract.elementwise import exp_f32
 from rlportable.errors import InputError
@@ -191,6 +191,6 @@ def test_input_errors(call, message):
 
 
 def test_conformance_check_on_cpu():
-    check = dict(BACKWARD_VOCAB_CHECKS)["logprob.backward"]
+    check = dict(CHECKS)["logprob.backward"]
     tally = check(CPU, np.random.default_rng(0), True)
     assert tally.compared > 0 and tally.mismatches == 0

@@ -1,7 +1,7 @@
 """Vocabulary-parallel ops on the cpu backend (tensor parallelism): the log-prob's per-rank steps
 (shard_max_keys -> MAX over ranks -> shard_sums -> SUM over ranks -> shard_finish) equal logprobs on
 the whole rows bit for bit, and the uint32 sum of the ranks' gather_shard equals gather; input checks;
-the conformance checks of rlportable/conform/parallel_vocab.py.
+the sharded conformance checks of rlportable/conform/logprob.py and embedding.py.
 
 The ranks are emulated in NumPy (np.maximum of the keys, integer sums); the device kernels are checked
 bitwise against the same references by `rlportable conform`.
@@ -13,14 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlportable.conform.parallel_vocab import (
-    PARALLEL_VOCAB_CHECKS,
-    SHARD_COUNTS,
-    ragged_cuts,
-    sharded_edge_rows,
-    sharded_logprobs,
-    targets_in_every_shard,
-)
+from rlportable.conform import embedding as embedding_conform, logprob as logprob_conform
+from rlportable.conform.inputs import SHARD_COUNTS, ragged_cuts
+from rlportable.conform.logprob import sharded_edge_rows, sharded_logprobs, targets_in_every_shard
 from rlportable.contract import logprob as reference
 from rlportable.errors import InputError
 from rlportable.ops import embedding, logprob
@@ -170,8 +165,9 @@ def test_gather_shard_input_errors(table, ids, start, message):
         embedding.gather_shard(CPU, table, ids, start)
 
 
-def test_the_check_names():
-    assert [name for name, _ in PARALLEL_VOCAB_CHECKS] == ["logprob.shards", "embedding.gather_shard"]
+#: the vocabulary-parallel conformance checks (rlportable/conform/logprob.py and embedding.py)
+PARALLEL_VOCAB_CHECKS = [(name, dict(family.CHECKS)[name]) for family, name in (
+    (logprob_conform, "logprob.shards"), (embedding_conform, "embedding.gather_shard"))]
 
 
 @pytest.mark.parametrize("name,check", PARALLEL_VOCAB_CHECKS, ids=[name for name, _ in PARALLEL_VOCAB_CHECKS])

@@ -1,36 +1,33 @@
 """The suite behind `rlportable conform`: every contract's kernels against the NumPy reference, bitwise.
 
-Each check returns how many elements it compared and how many differ in their
-raw bits (NaN payloads and signed zeros included). One module per part of the
-stack: primitives, forward_ops and attention, model, sampling, optim, the backward ops, the
-parallel ops, golden digests and end to end.
+Each check returns how many elements it compared and how many differ in their raw bits (NaN payloads and
+signed zeros included). One module per contract family (fixedpoint, gemm, rowsum, residual, elementwise,
+norm, rope, activation, embedding, logprob, attention, sampling, adamw) holds its forward, backward and
+sharded checks and its golden cases; then the model and engine checks, the golden digests and end to end.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-
-
-from rlportable.conform.attention import ATTENTION_BACKWARD_CHECKS, ATTENTION_CHECKS
-from rlportable.conform.backward_ops import BACKWARD_OP_CHECKS
-from rlportable.conform.backward_vocab import BACKWARD_VOCAB_CHECKS
+from rlportable.conform import (
+    activation, adamw, attention, elementwise, embedding, fixedpoint, gemm, logprob, norm, residual, rope, rowsum,
+    sampling,
+)
+from rlportable.conform.elementwise import EXHAUSTIVE_CHECKS
 from rlportable.conform.end_to_end import E2E_CHECKS
-from rlportable.conform.forward_ops import FORWARD_OP_CHECKS
 from rlportable.conform.golden import GOLDEN_CHECKS, QUICK_SKIPPED as GOLDEN_QUICK_SKIPPED
 from rlportable.conform.model import DEVICE_ONLY, MODEL_CHECKS
-from rlportable.conform.optim import OPTIM_CHECKS
-from rlportable.conform.parallel_ops import PARALLEL_OP_CHECKS
-from rlportable.conform.parallel_vocab import PARALLEL_VOCAB_CHECKS
-from rlportable.conform.primitives import EXHAUSTIVE_CHECKS, PRIMITIVE_CHECKS
-from rlportable.conform.sampling import SAMPLING_CHECKS
 from rlportable.conform.tally import CheckResult, Settings, SettingsCheck, Tally, bit_mismatches, check_rng
 from rlportable.runtime.base import Backend
 
-CHECKS: list[tuple[str, Callable]] = (PRIMITIVE_CHECKS + FORWARD_OP_CHECKS + ATTENTION_CHECKS + MODEL_CHECKS
-                                      + SAMPLING_CHECKS + OPTIM_CHECKS + BACKWARD_OP_CHECKS + BACKWARD_VOCAB_CHECKS
-                                      + ATTENTION_BACKWARD_CHECKS + PARALLEL_OP_CHECKS + PARALLEL_VOCAB_CHECKS
-                                      + GOLDEN_CHECKS)
+#: the contract families, in the order their checks run
+FAMILIES = (fixedpoint, gemm, rowsum, residual, elementwise, norm, rope, activation, embedding, logprob, attention,
+            sampling, adamw)
+
+CHECKS: list[tuple[str, Callable]] = [check for family in FAMILIES for check in family.CHECKS]
+CHECKS += MODEL_CHECKS  # whole models and the engine on the backend against the cpu reference
+CHECKS += GOLDEN_CHECKS  # the committed digests (conform/golden.py)
 CHECKS += E2E_CHECKS  # end to end: the engine's log-probs against the trainer's forward (conform/end_to_end.py)
 
 __all__ = ["CHECKS", "CheckResult", "Settings", "Tally", "bit_mismatches", "report", "run"]

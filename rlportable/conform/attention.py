@@ -1,11 +1,18 @@
-"""Conformance of attention (contracts/attention.toml): exact causal GQA attention over the encoded
-KV cache, packed and paged, every kernel variant, against the reference, bitwise."""
+"""Conformance of the attention family (contracts/attention.toml): exact causal GQA attention over the
+encoded KV cache, packed and paged, the cache writer, the split decode kernels, and attention_backward,
+every kernel variant, bitwise against the reference, with batch, block-size and launch-shape
+invariance; and its golden cases."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
-from rlportable.conform.inputs import ROW_KINDS, random_rows
+from rlportable.conform.golden_case import Cases
+from rlportable.conform.golden_digest import host
+from rlportable.conform.golden_stream import STREAM_ROW_KINDS, Stream
+from rlportable.conform.inputs import ROW_KINDS, cu_seqlens, random_rows
 from rlportable.conform.tally import Tally
 from rlportable.runtime.base import Backend
 
@@ -27,10 +34,6 @@ def _attention_qkv(rng, tokens: int, hq: int, hkv: int, d: int, kind: str = "nor
     return rows(hq), rows(hkv), rows(hkv)
 
 
-def _cu(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-
 def _attention_expected(q, k, v, cu) -> np.ndarray:
     """The reference, one sequence at a time (the contract's definition of a packed batch)."""
     out = np.empty(q.shape, dtype=np.float32)
@@ -41,7 +44,7 @@ def _attention_expected(q, k, v, cu) -> np.ndarray:
     return out
 
 
-def _attention_packed(backend: Backend, q, k, v, cu, threads: int = attention_op.THREADS,
+def _packed_output(backend: Backend, q, k, v, cu, threads: int = attention_op.THREADS,
                       method: str = "portable") -> np.ndarray:
     return backend.to_numpy(attention_op.attention_packed(backend, backend.asarray(q), backend.asarray(k),
                                                           backend.asarray(v), cu, threads=threads, method=method))
@@ -100,13 +103,13 @@ def check_attention_packed(backend: Backend, rng, quick: bool) -> Tally:
     lengths = list(ATTENTION_LENGTHS)
     order = rng.permutation(len(lengths))
     lengths = [lengths[i] for i in order] + ([] if quick else [517, 3])
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     for hq, hkv, d in ATTENTION_HEADS:
         for kind in ATTENTION_KINDS if (hq, hkv, d) == ATTENTION_HEADS[0] or not quick else ("normal", "massive"):
             q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, kind)
             expected = _attention_expected(q, k, v, cu)
             for method in _attention_methods(backend, d):
-                tally.add(_attention_packed(backend, q, k, v, cu, method=method), expected)
+                tally.add(_packed_output(backend, q, k, v, cu, method=method), expected)
     return tally
 
 
@@ -114,7 +117,7 @@ def check_attention_nonfinite(backend: Backend, rng, quick: bool) -> Tally:
     """A NaN q row, an inf k row and a NaN v row: NaN exactly where the contract says, nothing else touched."""
     tally = Tally()
     lengths = [33, 40, 7]
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     hq, hkv, d = 8, 2, 64
     q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
     q[5, 3, 17] = np.nan  # sequence 0, position 5, head 3 only
@@ -124,7 +127,7 @@ def check_attention_nonfinite(backend: Backend, rng, quick: bool) -> Tally:
     nan_rows = np.isnan(expected).all(axis=2)
     assert nan_rows.sum() == 1 + 20 * 4 + 4 * 4 and not np.isnan(expected[~nan_rows]).any()
     for method in _attention_methods(backend, d):
-        tally.add(_attention_packed(backend, q, k, v, cu, method=method), expected)
+        tally.add(_packed_output(backend, q, k, v, cu, method=method), expected)
     return tally
 
 
@@ -159,7 +162,7 @@ def check_attention_paged(backend: Backend, rng, quick: bool) -> Tally:
     tally = Tally()
     for hq, hkv, d in ATTENTION_HEADS:
         lengths = [45, 1, 130]
-        cu = _cu(lengths)
+        cu = cu_seqlens(lengths)
         q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
         run = _PagedRun(backend, rng, lengths, hkv, d, 16)
         for seq, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
@@ -202,8 +205,8 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
     target = 70 if quick else 300
     others = [7, 50, 1, 33]
     q, k, v = _attention_qkv(rng, target, hq, hkv, d, "massive")
-    alone = _attention_packed(backend, q, k, v, _cu([target]))
-    tally.add(alone, _attention_expected(q, k, v, _cu([target])))
+    alone = _packed_output(backend, q, k, v, cu_seqlens([target]))
+    tally.add(alone, _attention_expected(q, k, v, cu_seqlens([target])))
     methods = _attention_methods(backend, d)
     # position in batch: packed after (and before) other sequences, at several slot offsets
     for before in ([7], [50, 1], [33, 7, 50], []):
@@ -213,11 +216,11 @@ def check_attention_invariance(backend: Backend, rng, quick: bool) -> Tally:
         offset = sum(before)
         oq[offset:offset + target], ok[offset:offset + target], ov[offset:offset + target] = q, k, v
         for method in methods:
-            packed = _attention_packed(backend, oq, ok, ov, _cu(lengths), method=method)
+            packed = _packed_output(backend, oq, ok, ov, cu_seqlens(lengths), method=method)
             tally.add(packed[offset:offset + target], alone)
     # launch shape: any thread count
     for threads in (32, 100, 1024):
-        tally.add(_attention_packed(backend, q, k, v, _cu([target]), threads=threads), alone)
+        tally.add(_packed_output(backend, q, k, v, cu_seqlens([target]), threads=threads), alone)
     # prefill at once, chunked prefill, one-token decode steps (next to a second sequence), block sizes 1, 16, 32
     partner = 41
     pq, pk, pv = _attention_qkv(rng, partner, hq, hkv, d, "normal")
@@ -311,7 +314,7 @@ def check_attention_split(backend: Backend, rng, quick: bool) -> Tally:
     for hq, hkv, d, block_size in SPLIT_HEADS_QUICK if quick else SPLIT_HEADS:
         order = rng.permutation(len(lengths))
         seq_lengths = [lengths[i] for i in order]
-        cu = _cu(seq_lengths)
+        cu = cu_seqlens(seq_lengths)
         q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
         run = _PagedRun(backend, rng, seq_lengths, hkv, d, block_size)
         for seq, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
@@ -349,7 +352,7 @@ def _split_nonfinite_rows(backend: Backend, rng, tally: Tally, hq: int) -> None:
     hkv, d = 2, 64
     group = hq // hkv
     lengths = [300, 40, 7, 129]
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     q, k, v = _attention_qkv(rng, int(cu[-1]), hq, hkv, d, "massive")
     q[cu[0] + 299, 3, 17] = np.nan  # sequence 0's decode row, head 3 only
     k[cu[1] + 20, 1, 2] = np.inf  # sequence 1, positions >= 20, kv head 1 (its group's q heads)
@@ -377,17 +380,6 @@ def _split_nonfinite_rows(backend: Backend, rng, tally: Tally, hq: int) -> None:
     want[valid] = _expected_rows(rows[valid], k, v, cu, q_seq[valid], q_pos[valid])
     for method, keys in _methods_and_splits(backend, d):
         tally.add(run.query(rows, q_seq, q_pos, method=method, tables=tables, keys_per_split=keys), want)
-
-
-ATTENTION_CHECKS = [
-    ("attention.packed", check_attention_packed),
-    ("attention.nonfinite_rows", check_attention_nonfinite),
-    ("attention.write_kv", check_attention_write_kv),
-    ("attention.paged", check_attention_paged),
-    ("attention.invariance", check_attention_invariance),
-    ("attention.split_decode", check_attention_split),
-    ("attention.split_nonfinite_rows", check_attention_split_nonfinite),
-]
 
 
 # ---- backward (contracts/attention.toml, op "attention_backward")
@@ -432,7 +424,7 @@ def check_attention_backward_packed(backend: Backend, rng, quick: bool) -> Tally
     25,000x channel) on the others."""
     tally = Tally()
     lengths = BACKWARD_LENGTHS_QUICK if quick else BACKWARD_LENGTHS_FULL
-    cu = _cu([lengths[i] for i in rng.permutation(len(lengths))])
+    cu = cu_seqlens([lengths[i] for i in rng.permutation(len(lengths))])
     for index, (hq, hkv, d) in enumerate(BACKWARD_HEADS_QUICK if quick else BACKWARD_HEADS_FULL):
         for kind in ATTENTION_KINDS if index == 0 else ("massive",):
             q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, kind)
@@ -446,7 +438,7 @@ def check_attention_backward_nonfinite(backend: Backend, rng, quick: bool) -> Ta
     contract says (dq of the poisoned rows, dk and dv of their kv head at j <= t), nothing else touched."""
     tally = Tally()
     lengths = [33, 40, 7, 20]
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     hq, hkv, d = 8, 2, 64
     q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, "massive")
     q[5, 3, 17] = np.nan  # sequence 0, position 5, head 3 (kv head 0)
@@ -469,23 +461,23 @@ def check_attention_backward_invariance(backend: Backend, rng, quick: bool) -> T
     hq, hkv, d = 8, 2, 64
     target = 70 if quick else 300
     q, k, v, do = _backward_inputs(rng, target, hq, hkv, d, "massive")
-    expected = attention_ref.attention_packed_backward(q, k, v, do, _cu([target]))
-    _add_all_methods(tally, backend, expected, q, k, v, do, _cu([target]))
+    expected = attention_ref.attention_packed_backward(q, k, v, do, cu_seqlens([target]))
+    _add_all_methods(tally, backend, expected, q, k, v, do, cu_seqlens([target]))
     for before, after in (([7], [50, 1]), ([50, 1, 33], []), ([], [7, 33])):
         lengths = before + [target] + after
         pq, pk, pv, pdo = _backward_inputs(rng, sum(lengths), hq, hkv, d)
         at = sum(before)
         for packed, alone in zip((pq, pk, pv, pdo), (q, k, v, do)):
             packed[at:at + target] = alone
-        _add_all_methods(tally, backend, expected, pq, pk, pv, pdo, _cu(lengths), rows=slice(at, at + target))
+        _add_all_methods(tally, backend, expected, pq, pk, pv, pdo, cu_seqlens(lengths), rows=slice(at, at + target))
     for threads in (1, 32, 100, 1024) if not quick else (32, 1024):
-        _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), threads=threads), expected)
-    o = _attention_packed(backend, q, k, v, _cu([target]))
-    _add_all_methods(tally, backend, expected, q, k, v, do, _cu([target]), o=o)
+        _add_grads(tally, _attention_backward(backend, q, k, v, do, cu_seqlens([target]), threads=threads), expected)
+    o = _packed_output(backend, q, k, v, cu_seqlens([target]))
+    _add_all_methods(tally, backend, expected, q, k, v, do, cu_seqlens([target]), o=o)
     if "tiled" in attention_op.backward_methods(backend, d, hq // hkv):  # key tiles cut into several items
         step = attention_op.tiled_query_step(backend, d)
         for terms in (step * (hq // hkv), 3 * step * (hq // hkv)):
-            _add_grads(tally, _attention_backward(backend, q, k, v, do, _cu([target]), method="tiled",
+            _add_grads(tally, _attention_backward(backend, q, k, v, do, cu_seqlens([target]), method="tiled",
                                                   tiled_terms=terms), expected)
     return tally
 
@@ -496,7 +488,7 @@ def check_attention_backward_long(backend: Backend, rng, quick: bool) -> Tally:
     tally = Tally()
     lengths = [300, 5] if quick else [2100, 5]
     hq, hkv, d = 4, 2, 64
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, "normal")
     _add_all_methods(tally, backend, attention_ref.attention_packed_backward(q, k, v, do, cu), q, k, v, do, cu)
     return tally
@@ -514,17 +506,115 @@ def check_attention_backward_shapes(backend: Backend, rng, quick: bool) -> Tally
     head_dim 64 / 192 / 256, groups 1 to 8, massive rows."""
     tally = Tally()
     for hq, hkv, d, lengths in BACKWARD_SHAPES_QUICK if quick else BACKWARD_SHAPES_FULL:
-        cu = _cu(list(lengths))
+        cu = cu_seqlens(list(lengths))
         q, k, v, do = _backward_inputs(rng, int(cu[-1]), hq, hkv, d, "massive")
         _add_all_methods(tally, backend, attention_ref.attention_packed_backward(q, k, v, do, cu),
                          q, k, v, do, cu)
     return tally
 
 
-ATTENTION_BACKWARD_CHECKS = [
+CHECKS: list[tuple[str, Callable]] = [
+    ("attention.packed", check_attention_packed),
+    ("attention.nonfinite_rows", check_attention_nonfinite),
+    ("attention.write_kv", check_attention_write_kv),
+    ("attention.paged", check_attention_paged),
+    ("attention.invariance", check_attention_invariance),
+    ("attention.split_decode", check_attention_split),
+    ("attention.split_nonfinite_rows", check_attention_split_nonfinite),
     ("attention.backward_packed", check_attention_backward_packed),
     ("attention.backward_nonfinite_rows", check_attention_backward_nonfinite),
     ("attention.backward_invariance", check_attention_backward_invariance),
     ("attention.backward_long", check_attention_backward_long),
     ("attention.backward_shapes", check_attention_backward_shapes),
 ]
+
+
+# ---- golden
+
+GOLDEN_CASES = Cases("attention")
+
+
+def _qkv(s: Stream, tokens: int, hq: int, hkv: int, d: int, kind: str):
+    return tuple(s.floats((tokens, heads, d), kind) for heads in (hq, hkv, hkv))
+
+
+@GOLDEN_CASES.case("packed", seed=70, lengths=[7, 1, 33, 70], heads=[[8, 2, 64], [4, 4, 128], [8, 2, 20]],
+                   kinds=["uniform", "massive", "tiny", "huge", "zeros", "special"], heads_order="[Hq, Hkv, D]",
+                   nonfinite="heads[0], massive, with q[5, 3, 17] = NaN, k[cu[2] + 20, 1, 2] = inf, "
+                             "v[cu[3] + 3, 0, 0] = NaN")
+def _attention_packed(backend, s, r):
+    out, cu = [], cu_seqlens(r["lengths"])
+    for i, (hq, hkv, d) in enumerate(r["heads"]):
+        for kind in r["kinds"] if i == 0 else r["kinds"][:2]:
+            q, k, v = (backend.asarray(a) for a in _qkv(s, int(cu[-1]), hq, hkv, d, kind))
+            out.append((f"{i}.{kind}.o", host(backend, attention_op.attention_packed(backend, q, k, v, cu))))
+    hq, hkv, d = r["heads"][0]
+    q, k, v = _qkv(s, int(cu[-1]), hq, hkv, d, "massive")
+    q[5, 3, 17], k[cu[2] + 20, 1, 2], v[cu[3] + 3, 0, 0] = np.nan, np.inf, np.nan
+    o = attention_op.attention_packed(backend, *(backend.asarray(a) for a in (q, k, v)), cu)
+    return out + [("nonfinite.o", host(backend, o))]
+
+
+@GOLDEN_CASES.case("write_kv", seed=71, layouts=[[2, 64], [4, 128], [2, 20], [1, 1]], layouts_order="[Hkv, D]",
+                   kinds=STREAM_ROW_KINDS, tokens=13, num_slots=40, block_size=4, skipped_tokens=[2, 7])
+def _attention_write_kv(backend, s, r):
+    out, tokens = [], r["tokens"]
+    for i, (hkv, d) in enumerate(r["layouts"]):
+        for kind in r["kinds"]:
+            k, v = s.floats((tokens, hkv, d), kind), s.floats((tokens, hkv, d), kind)
+            slots = s.permutation(r["num_slots"])[:tokens].astype(np.int32)
+            slots[r["skipped_tokens"]] = -1
+            cache = attention_op.KVCache.allocate(backend, r["num_slots"], hkv, d, r["block_size"])
+            attention_op.write_kv(backend, cache, backend.asarray(k), backend.asarray(v), backend.asarray(slots))
+            for name in ("k_digits", "k_exponents", "v_digits", "v_exponents"):
+                out.append((f"{i}.{kind}.{name}", host(backend, getattr(cache, name),
+                                                       "int8" if name.endswith("digits") else "int32")))
+    return out
+
+
+@GOLDEN_CASES.case("paged", seed=72, lengths=[45, 1, 130], heads=[[8, 2, 64], [4, 2, 20]], block_size=16,
+                   spare_blocks=3, kind="massive", heads_order="[Hq, Hkv, D]",
+                   queries="every position of every sequence, then the rows in a random order, then each last "
+                           "position alone")
+def _attention_paged(backend, s, r):
+    out, lengths, block = [], r["lengths"], r["block_size"]
+    cu = cu_seqlens(lengths)
+    for i, (hq, hkv, d) in enumerate(r["heads"]):
+        q, k, v = _qkv(s, int(cu[-1]), hq, hkv, d, r["kind"])
+        needed = [-(-n // block) for n in lengths]
+        physical = s.permutation(sum(needed) + r["spare_blocks"])
+        tables = np.full((len(lengths), max(needed) + 1), -1, dtype=np.int32)
+        used = 0
+        for seq, count in enumerate(needed):
+            tables[seq, :count] = physical[used:used + count]
+            used += count
+        cache = attention_op.KVCache.allocate(backend, (sum(needed) + r["spare_blocks"]) * block, hkv, d, block)
+        q_seq = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+        q_pos = (np.arange(int(cu[-1])) - cu[:-1][q_seq]).astype(np.int32)
+        slots = (tables[q_seq, q_pos // block].astype(np.int64) * block + q_pos % block).astype(np.int32)
+        attention_op.write_kv(backend, cache, backend.asarray(k), backend.asarray(v), backend.asarray(slots))
+        tables_dev = backend.asarray(tables)
+
+        def query(rows, name):
+            o = attention_op.attention_paged(backend, backend.asarray(np.ascontiguousarray(q[rows])),
+                                             backend.asarray(q_seq[rows]), backend.asarray(q_pos[rows]), cache,
+                                             tables_dev)
+            out.append((f"{i}.{name}.o", host(backend, o)))
+
+        query(np.arange(int(cu[-1])), "all")
+        query(s.permutation(int(cu[-1])), "shuffled")
+        query(cu[1:] - 1, "last")
+    return out
+
+
+@GOLDEN_CASES.case("packed_backward", seed=73, lengths=[1, 7, 33, 40], heads=[[4, 1, 64], [4, 2, 40], [3, 3, 20]],
+                   kinds=["uniform", "massive", "special"], heads_order="[Hq, Hkv, D]")
+def _attention_packed_backward(backend, s, r):
+    out, cu = [], cu_seqlens(r["lengths"])
+    for i, (hq, hkv, d) in enumerate(r["heads"]):
+        for kind in r["kinds"] if i == 0 else r["kinds"][:2]:
+            q, k, v = _qkv(s, int(cu[-1]), hq, hkv, d, kind)
+            do = s.floats((int(cu[-1]), hq, d), kind)
+            grads = attention_op.attention_packed_backward(backend, *(backend.asarray(a) for a in (q, k, v, do)), cu)
+            out += [(f"{i}.{kind}.{name}", host(backend, g)) for name, g in zip(("dq", "dk", "dv"), grads)]
+    return out

@@ -1,6 +1,7 @@
-"""Conformance of the sampling kernel (contracts/sampling.toml): tokens bitwise against
+"""Conformance of the sampling family (contracts/sampling.toml): tokens bitwise against
 contract.sampling.sample for rows without filters, recorded log-probs against
-contract.sampling.sampled_logprobs, refusals, batch and launch-shape invariance."""
+contract.sampling.sampled_logprobs, refusals, batch and launch-shape invariance, and the engine's device
+sampler against the host one; and its golden case."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import re
 
 import numpy as np
 
+from rlportable.conform.golden_case import Cases
+from rlportable.conform.golden_digest import host
+from rlportable.conform.golden_stream import Stream
 from rlportable.conform.inputs import random_rows
+from rlportable.conform.logprob import golden_logits
 from rlportable.conform.tally import Tally
 from rlportable.contract import sampling as reference
 from rlportable.errors import InputError
@@ -246,10 +251,61 @@ def check_engine_device_sampler(backend: Backend, rng, quick: bool) -> Tally:
     return tally
 
 
-SAMPLING_CHECKS = [
+CHECKS = [
     ("sampling.sample", check_sample),
     ("sampling.sample_invariance", check_sample_invariance),
     ("sampling.sampled_logprobs", check_sampled_logprobs),
     ("sampling.refusals", check_sample_refusals),
     ("sampling.engine_device_sampler", check_engine_device_sampler),
 ]
+
+
+# ---- golden
+
+GOLDEN_CASES = Cases("sampling")
+GOLDEN_SAMPLING_SHAPES = [[6, 1], [9, 7], [8, 513], [4, 32000]]
+GOLDEN_SAMPLING_TEMPERATURES = [0.0, 0.5, 1.0, 1.7, 0.001]
+
+
+def _sampling_logits(s: Stream, rows: int, vocab: int, kind: str) -> np.ndarray:
+    if kind == "sharp":  # a few tokens hold the mass
+        return np.ldexp(s.floats((rows, vocab), "uniform"), 4).astype(np.float32)
+    if kind == "one_hot":
+        z = np.full((rows, vocab), -np.inf, dtype=np.float32)
+        z[np.arange(rows), s.ints((rows,), 0, vocab)] = s.floats((rows,), "uniform")
+        return z
+    if kind == "neg_inf":  # masked entries, at least one finite value per row
+        z = s.floats((rows, vocab), "logits")
+        z[s.ints((rows, vocab), 0, 10) < 3] = -np.inf
+        z[np.arange(rows), s.ints((rows,), 0, vocab)] = 1.0
+        return z
+    return golden_logits(s, rows, vocab, kind)
+
+
+def _sampling_rows(s: Stream, rows: int) -> dict:
+    """Per-row temperatures (cycled, then permuted) and counters, with the extremes in the first rows."""
+    temperature = np.array(GOLDEN_SAMPLING_TEMPERATURES * rows)[:rows][s.permutation(rows)]
+    counters = {"seed": s.u64(rows), "request": s.ints((rows,), 0, 1 << 32, np.uint32),
+                "sample_index": s.ints((rows,), 0, 64, np.uint32), "position": s.ints((rows,), 0, 1 << 32, np.uint32)}
+    extremes = [(2**64 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1), (0, 0, 0, 0)]
+    for row, values in zip(range(rows), extremes):
+        for name, value in zip(("seed", "request", "sample_index", "position"), values):
+            counters[name][row] = value
+    return {"temperature": temperature, **counters}
+
+
+@GOLDEN_CASES.case("sample_and_logprobs", seed=80, shapes=GOLDEN_SAMPLING_SHAPES,
+                   kinds=["logits", "sharp", "ties", "neg_inf", "one_hot", "tiny"],
+                   temperatures=GOLDEN_SAMPLING_TEMPERATURES,
+                   counters="seed u64, request u32, sample_index in [0, 64), position u32; rows 0 and 1 at the extremes")
+def _sampling_sample(backend, s, r):
+    out = []
+    for i, (rows, vocab) in enumerate(r["shapes"]):
+        for kind in r["kinds"]:
+            z = backend.asarray(_sampling_logits(s, rows, vocab, kind))
+            params = _sampling_rows(s, rows)
+            temperature = params.pop("temperature")
+            tokens, logp = sampling_op.sample_and_logprobs(backend, z, temperature, **params)
+            out += [(f"{i}.{kind}.tokens", host(backend, tokens, "int32")),
+                    (f"{i}.{kind}.logp", host(backend, logp))]
+    return out

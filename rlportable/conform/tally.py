@@ -74,3 +74,8 @@ class Tally:
     def add(self, actual, expected) -> None:
         self.compared += int(np.asarray(expected).size)
         self.mismatches += bit_mismatches(actual, expected)
+
+    def add_outputs(self, backend, actual, expected) -> None:
+        """Each of an op's outputs (on the backend) against its expected host array, in turn."""
+        for got, want in zip(actual, expected):
+            self.add(backend.to_numpy(got), want)

@@ -364,15 +364,25 @@ def check_weights(weights: ModelWeights, config: ModelConfig) -> None:
 
 
 def atomic_write(path: str, chunks) -> None:
+    """Write the byte chunks to `path` atomically (a temporary file beside it, synced, then renamed)."""
+    def write(name: str) -> None:
+        with open(name, "wb") as handle:
+            for chunk in chunks:
+                handle.write(chunk)
+
+    _atomic(path, write)
+
+
+def _atomic(path: str, write) -> None:
+    """write(temporary name) beside `path`, sync it, rename it to `path`; no trace left on failure."""
     directory = os.path.dirname(path) or "."
     handle = tempfile.NamedTemporaryFile("wb", dir=directory, prefix=".tmp-" + os.path.basename(path) + "-",
                                          delete=False)
+    handle.close()
     try:
-        with handle:
-            for chunk in chunks:
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write(handle.name)
+        with open(handle.name, "rb+") as written:
+            os.fsync(written.fileno())
         os.replace(handle.name, path)
     except BaseException:
         try:
@@ -386,25 +396,11 @@ _NUMPY_DTYPE = {"BF16": ml_dtypes.bfloat16, "F32": np.float32}
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], dtype: str = "BF16") -> None:
-    """Write float32 arrays as one safetensors file (BF16 rounds to nearest even), atomically: the
-    library writes a temporary file beside `path`, which then replaces it."""
+    """Write float32 arrays as one safetensors file (BF16 rounds to nearest even), atomically, through
+    the library."""
     arrays = {name: np.ascontiguousarray(np.asarray(array, dtype=np.float32).astype(_NUMPY_DTYPE[dtype]))
               for name, array in tensors.items()}
-    directory = os.path.dirname(path) or "."
-    handle = tempfile.NamedTemporaryFile("wb", dir=directory, prefix=".tmp-" + os.path.basename(path) + "-",
-                                         delete=False)
-    handle.close()
-    try:
-        safetensors.numpy.save_file(arrays, handle.name, metadata={"format": "pt"})
-        with open(handle.name, "rb+") as written:
-            os.fsync(written.fileno())
-        os.replace(handle.name, path)
-    except BaseException:
-        try:
-            os.unlink(handle.name)
-        except OSError:
-            pass
-        raise
+    _atomic(path, lambda name: safetensors.numpy.save_file(arrays, name, metadata={"format": "pt"}))
 
 
 def save_safetensors(weights: ModelWeights, config: ModelConfig, directory: str | os.PathLike,

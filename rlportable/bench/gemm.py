@@ -15,7 +15,7 @@ from rlportable.ops import gemm as gemm_op
 QWEN3_06B_SHAPES = [(1024, 2048), (1024, 1024), (2048, 1024), (1024, 4096), (1024, 6144), (3072, 1024),
                     (1024, 151936)]
 M_VALUES = [1, 16, 64, 256, 4096, 16384]
-TARGETS = {"small_m": (256, 1.5), "large_m": (4096, 5.0)}
+TARGETS = {"small_m": (256, 1.5), "large_m": (4096, 3.5)}  # the training-speed targets (exact / bf16 cuBLAS, at most)
 
 
 def peer_torch():

@@ -45,7 +45,8 @@ class RecordingDevice:
         self.launches.append(Launch(family, kernel, tuple(grid), tuple(block), tuple(args), shared_mem))
 
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|RLP_LAUNCH_BOUNDS)\([^)]*\)\s*)?'
+#: an extern "C" kernel's (name, parameter text) in a source
+KERNEL_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|RLP_LAUNCH_BOUNDS)\([^)]*\)\s*)?'
                      r'(\w+)\s*\(([^)]*)\)')
 
 
@@ -55,4 +56,4 @@ def kernel_parameters(vendor: str, family: str) -> dict[str, list[Any]]:
     path = kernel_source_path(vendor, family)
     text = assemble_text(path.read_text(), folder=path.parent)
     return {name: [" ".join(p.replace("__restrict__", "").split()).rsplit(" ", 1)[0] for p in params.split(",")]
-            for name, params in _KERNEL.findall(text)}
+            for name, params in KERNEL_ENTRY.findall(text)}

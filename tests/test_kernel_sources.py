@@ -17,14 +17,14 @@ import re
 
 import pytest
 
+from recording_device import KERNEL_ENTRY
+
 from rlportable import resources
 from rlportable.resources import kernel_source_path, portable_source_path, resource_dir
 from rlportable.runtime import offline_compile
 
 # hip_runtime.h for hipcc and hiprtc, never under the HIP-on-CUDA prelude (NVRTC has no such header)
 HIP_HEADER = "#ifndef RLP_HIP_ON_CUDA\n#include <hip/hip_runtime.h>\n#endif\n"
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|RLP_LAUNCH_BOUNDS)\([^)]*\)\s*)?'
-                     r'(\w+)\s*\(([^)]*)\)')
 # Names that tie a kernel to one warp width or one vendor: the HIP sources must run at 64 (CDNA)
 # and at 32 (NVIDIA, through the prelude), so block-wide results use shared-memory atomics, after
 # common.h's reductions over segments of 32 lanes (its one shuffle, SEGMENT_SHUFFLE below).
@@ -62,7 +62,7 @@ def test_kernel_source_compiles(compile_results, target, family):
 
 def _kernels(text: str) -> dict[str, str]:
     """Kernel name -> parameters, as written (entry macros' NAME-style parameters left out)."""
-    return {name: " ".join(params.split()) for name, params in _KERNEL.findall(text) if not name.isupper()}
+    return {name: " ".join(params.split()) for name, params in KERNEL_ENTRY.findall(text) if not name.isupper()}
 
 
 VENDOR_FILES = [(vendor, path) for vendor, suffix in resources.VENDOR_SUFFIX.items()

@@ -53,6 +53,17 @@ def test_thread_group_reduces_exactly_and_gathers_in_rank_order(cpu):
         assert gathered.tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
 
 
+def test_all_to_all_sends_row_j_to_rank_j(cpu):
+    def work(group):
+        rows = np.array([[100 * group.rank + j, -(100 * group.rank + j)] for j in range(group.size)], np.float32)
+        return group.all_to_all(rows)
+
+    for rank, received in enumerate(run_threads(cpu, 3, work)):
+        assert received.tolist() == [[100 * j + rank, -(100 * j + rank)] for j in range(3)]
+    with pytest.raises(InputError, match="first dimension must be the group size 1"):
+        SingleGroup().all_to_all(np.zeros((2, 3), np.float32))
+
+
 def test_floats_are_never_summed_across_ranks(cpu):
     with pytest.raises(InputError, match="float32 is not exact"):
         SingleGroup().all_reduce(np.zeros(2, np.float32), "sum")

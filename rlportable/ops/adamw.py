@@ -4,12 +4,15 @@ Contract: contracts/adamw.toml; reference: rlportable/contract/adamw.py;
 kernels: backends/portable/adamw.hip.
 
 API
-  clip_factor(backend, grads, max_norm) -> (c, norm)     host float64 scalars
-  adamw_step(backend, params, grads, m, v, step, hyper, lr=None) -> StepInfo(lr, norm, clip)
+  clip_factor(backend, grads, max_norm, group=None) -> (c, norm)     host float64 scalars
+  adamw_step(backend, params, grads, m, v, step, hyper, lr=None, group=None) -> StepInfo(lr, norm, clip)
       updates params, m and v IN PLACE (float32 backend arrays, C-contiguous, any shapes;
       m and v start as zeros); `hyper` is contract.adamw.Hyper; lr defaults to hyper.lr
       (pass contract.adamw.lr_at(step, ...) for the warmup + cosine schedule); step >= 1.
 The gradients are the caller's accumulated gradients (their sum over micro-batches must be exact).
+With a group, each rank passes its shard of every tensor (the update is element-wise; only the
+global norm spans the ranks, and it is exact: integer MAX and SUM), so every shard gets the bits
+one device computes.
 """
 
 from __future__ import annotations
@@ -48,19 +51,24 @@ def _flat(array):
     return array.reshape(-1) if hasattr(array, "reshape") else array
 
 
-def global_norm(backend, grads) -> float:
+def largest_bits(backend, grads) -> int:
+    """The largest float32 magnitude bits over every element of every tensor (0 when none)."""
     sizes = [_size(f"grads[{i}]", g) for i, g in enumerate(grads)]
     if backend.kernel_vendor is None:
-        return ref.global_norm([backend.to_numpy(g) for g in grads])
+        return ref.max_magnitude_bits([backend.to_numpy(g) for g in grads])
     largest_dev = backend.zeros((1,), np.uint32)
     for g, n in zip(grads, sizes):
         if n:
             grid = min(MAX_GRID, -(-n // THREADS))
             backend.launch("adamw", "adamw_max_bits", (grid,), (THREADS,), (_flat(g), np.int64(n), largest_dev))
-    largest = int(backend.to_numpy(largest_dev)[0])
-    if largest >= 0x7F800000:
-        return ref.norm_from_parts(largest, 0)
-    e = ref.exponent_of(largest)
+    return int(backend.to_numpy(largest_dev)[0])
+
+
+def sum_of_squares(backend, grads, e: int) -> int:
+    """The exact integer sum of every element's squared NORM_BITS fixed-point value at exponent e."""
+    sizes = [_size(f"grads[{i}]", g) for i, g in enumerate(grads)]
+    if backend.kernel_vendor is None:
+        return sum(int(s) for g in grads for s in ref.chunk_sums(backend.to_numpy(g), e))
     # every tensor's chunk sums into one buffer, read back once (not a device wait per tensor)
     chunks = [-(-n // SUMSQ_CHUNK) for n in sizes]
     offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
@@ -70,7 +78,21 @@ def global_norm(backend, grads) -> float:
             backend.launch("adamw", "adamw_sumsq", (min(MAX_GRID, count),), (THREADS,),
                            (_flat(g), np.int64(n), np.int32(ref.NORM_BITS), np.int32(e),
                             np.int64(SUMSQ_CHUNK), out[int(start):int(start) + count]))
-    return ref.norm_from_parts(largest, exact_sum(backend.to_numpy(out)))
+    return exact_sum(backend.to_numpy(out))
+
+
+def global_norm(backend, grads, group=None) -> float:
+    """The contract's global norm over every tensor; with a group, over the union of every rank's
+    tensors (each rank holding a shard): MAX of the largest bits, exact SUM of the integer parts."""
+    largest = largest_bits(backend, grads)
+    if group is not None and group.size > 1:
+        largest = int(backend.to_numpy(group.all_reduce(backend.asarray(np.array([largest], np.uint32)), "max"))[0])
+    if largest >= 0x7F800000:
+        return ref.norm_from_parts(largest, 0)
+    total = sum_of_squares(backend, grads, ref.exponent_of(largest))
+    if group is not None and group.size > 1:
+        total = sum(group.all_gather_object(total))  # Python ints: exact at any size
+    return ref.norm_from_parts(largest, total)
 
 
 def exact_sum(values: np.ndarray) -> int:
@@ -80,14 +102,16 @@ def exact_sum(values: np.ndarray) -> int:
     return (int(np.sum(values >> 31)) << 31) + int(np.sum(values & ((1 << 31) - 1)))
 
 
-def clip_factor(backend, grads, max_norm) -> tuple[float, float]:
+def clip_factor(backend, grads, max_norm, group=None) -> tuple[float, float]:
     """(c, norm): the contract's clip factor over every gradient tensor, and the global norm."""
-    norm = global_norm(backend, grads)
+    norm = global_norm(backend, grads, group)
     return ref.clip_from_norm(norm, max_norm), norm
 
 
-def adamw_step(backend, params, grads, m, v, step: int, hyper: Hyper, lr: float | None = None) -> StepInfo:
-    """One AdamW step over every tensor, in place (see the module docstring)."""
+def adamw_step(backend, params, grads, m, v, step: int, hyper: Hyper, lr: float | None = None,
+               group=None) -> StepInfo:
+    """One AdamW step over every tensor, in place (see the module docstring). group: the tensors
+    are this rank's shards of the whole set, whose global norm clips every shard."""
     if not (len(params) == len(grads) == len(m) == len(v)):
         raise InputError("adamw_step: params, grads, m and v must be lists of the same length")
     for i, tensors in enumerate(zip(params, grads, m, v)):
@@ -97,7 +121,7 @@ def adamw_step(backend, params, grads, m, v, step: int, hyper: Hyper, lr: float 
     if int(step) < 1:
         raise InputError(f"adamw_step: steps count from 1, got {step}")
     lr = float(hyper.lr if lr is None else lr)
-    c, norm = clip_factor(backend, grads, hyper.max_norm)
+    c, norm = clip_factor(backend, grads, hyper.max_norm, group)
     s = ref.hyper_scalars(hyper, step, lr)
     for i, (p, g, mi, vi) in enumerate(zip(params, grads, m, v)):
         n = _size(f"params[{i}]", p)

@@ -52,6 +52,10 @@ class Backend(ABC):
     def synchronize(self) -> None:
         pass
 
+    def copy_into(self, dst, src) -> None:
+        """Copy the elements of `src` into `dst` (same shape and dtype, both C-contiguous)."""
+        dst[...] = src
+
     def launch(self, family: str, kernel: str, grid, block, args, shared_mem: int = 0) -> None:
         raise NotImplementedError(f"the {self.name} backend runs no device kernels")
 

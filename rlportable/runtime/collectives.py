@@ -5,7 +5,9 @@ integers"):
   * all_reduce(x, "max") of int32 row exponents or uint32 order-preserving keys;
   * all_reduce(x, "sum") of int64 exact partial sums, or of uint32 bit patterns where one rank
     holds the value and every other rank holds 0 (a vocabulary-parallel gather);
-  * all_gather(x), a copy.
+  * all_gather(x), a copy;
+  * all_to_all(x), a copy: rank r's x[j] reaches rank j as its out[r] (the sharded optimiser's
+    gradient exchange; the ranks add what they receive in a fixed order themselves).
 Integer MAX and integer SUM do not depend on the reduction order, the algorithm (ring, tree) or
 the number of ranks, so any library and any topology give the same bits. No float is ever
 summed across ranks.
@@ -65,6 +67,10 @@ class Group(ABC):
     def all_gather(self, array):
         """A new array [size, *array.shape]: every rank's `array`, in rank order."""
 
+    @abstractmethod
+    def all_to_all(self, array):
+        """A new array [size, *rest] from `array` [size, *rest]: out[j] is rank j's array[rank]."""
+
     def barrier(self) -> None:
         """Every rank reaches this point before any leaves it."""
 
@@ -84,6 +90,14 @@ class Group(ABC):
         return [pickle.loads(everything[rank, : int(lengths[rank, 0])].tobytes()) for rank in range(self.size)]
 
 
+def _check_all_to_all(array, size: int) -> np.dtype:
+    dtype = _check("all_to_all", array.dtype, GATHER_DTYPES)
+    if not array.shape or array.shape[0] != size:
+        raise InputError(f"all_to_all: the array's first dimension must be the group size {size}, "
+                         f"got shape {tuple(array.shape)}")
+    return dtype
+
+
 class SingleGroup(Group):
     label = "single"
     backend = None
@@ -95,6 +109,10 @@ class SingleGroup(Group):
     def all_gather(self, array):
         _check("all_gather", array.dtype, GATHER_DTYPES)
         return array.reshape((1,) + tuple(array.shape))
+
+    def all_to_all(self, array):
+        _check_all_to_all(array, 1)
+        return array
 
 
 # ---- the in-process emulation
@@ -147,6 +165,11 @@ class ThreadGroup(Group):
     def all_gather(self, array):
         _check("all_gather", array.dtype, GATHER_DTYPES)
         return self.backend.asarray(np.stack(self._exchange(array)))
+
+    def all_to_all(self, array):
+        _check_all_to_all(array, self.size)
+        parts = self._exchange(array)
+        return self.backend.asarray(np.stack([part[self.rank] for part in parts]))
 
     def barrier(self) -> None:
         self._meeting.barrier.wait()
@@ -231,6 +254,18 @@ class NcclGroup(Group):
         self._comm.allGather(source.data.ptr, out.data.ptr, int(source.size), self._types[dtype], self._stream())
         return out
 
+    def all_to_all(self, array):
+        dtype = _check_all_to_all(array, self.size)
+        source = self._contiguous(array)
+        out = self.backend.empty(tuple(array.shape), dtype)
+        count, stream = int(source[0].size), self._stream()
+        self._nccl.groupStart()  # one fused exchange: every send and receive in flight together
+        for peer in range(self.size):
+            self._comm.send(source[peer].data.ptr, count, self._types[dtype], peer, stream)
+            self._comm.recv(out[peer].data.ptr, count, self._types[dtype], peer, stream)
+        self._nccl.groupEnd()
+        return out
+
     def barrier(self) -> None:
         self.all_reduce(self.backend.zeros((1,), np.int32), "sum")
         self.backend.synchronize()
@@ -281,6 +316,19 @@ class RcclGroup(Group):
         out = self.backend.empty((self.size,) + tuple(array.shape), dtype)
         self._check(self._rccl.ncclAllGather(source, out, int(source.size), self._types[dtype], self._comm,
                                              self.backend.stream), "ncclAllGather")
+        return out
+
+    def all_to_all(self, array):
+        dtype = _check_all_to_all(array, self.size)
+        out = self.backend.empty(tuple(array.shape), dtype)
+        count, rccl = int(array[0].size), self._rccl
+        self._check(rccl.ncclGroupStart(), "ncclGroupStart")
+        for peer in range(self.size):
+            self._check(rccl.ncclSend(array[peer], count, self._types[dtype], peer, self._comm, self.backend.stream),
+                        "ncclSend")
+            self._check(rccl.ncclRecv(out[peer], count, self._types[dtype], peer, self._comm, self.backend.stream),
+                        "ncclRecv")
+        self._check(rccl.ncclGroupEnd(), "ncclGroupEnd")
         return out
 
     def barrier(self) -> None:

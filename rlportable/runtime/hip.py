@@ -300,6 +300,11 @@ class HipBackend(Backend):
         """A synchronous hipMemcpy (HipArray has no pinned staging yet)."""
         self.memory.host_to_device(buffer.ptr, np.ascontiguousarray(host).ctypes.data, int(host.nbytes))
 
+    def copy_into(self, dst, src):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise InputError(f"copy_into: {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
+        dst.memory.device_to_device(dst.ptr, src.ptr, src.nbytes)
+
     def typed_view(self, buffer, offset, shape, dtype):
         return HipArray(shape, dtype, memory=buffer.memory, _allocation=buffer._allocation,
                         _ptr=buffer.ptr + int(offset))

@@ -4,16 +4,22 @@ Layout of ``directory/``::
 
     step-000123/            one complete checkpoint (loads with load_model / --model)
         config.json  model.safetensors (fp32)  tokenizer.json  tokenizer_config.json
-        optimizer.safetensors   name -> array, exact bits (any numeric dtype)
+        optimizer.safetensors   name -> array, exact bits (any numeric dtype); written by R
+                                sharded ranks: optimizer-RRRRR-of-NNNNN.safetensors, rank r's
+                                pieces (train/optimizer.py shard_range)
         trainer_state.json      scheduler, data-order position, RNG states, metrics
-        manifest.json           step + SHA-256 and size of every other file (written last)
+        manifest.json           step, the shard count, SHA-256 and size of every other file (written last)
     latest                  text file naming the current step directory
 
 save_checkpoint writes everything into a hidden sibling ``.tmp-step-...`` directory,
 fsyncs every file and the directory, renames it into place with os.replace, fsyncs the
 parent, then replaces ``latest`` (temp file + os.replace).  A crash at any point leaves
-``latest`` naming either the previous checkpoint or the complete new one.  One writer
-per checkpoint directory is assumed.
+``latest`` naming either the previous checkpoint or the complete new one.  With a group of
+ranks (one filesystem shared by all), rank 0 makes the temporary directory, every rank writes
+its optimiser shard into it, and rank 0 writes the rest and publishes; a failure on any rank
+is raised on every rank.  One run per checkpoint directory is assumed.  load_checkpoint
+reads the optimiser state lazily (OptimizerShards), so a rank of a run at any rank count reads
+only the elements it owns.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +40,7 @@ from rlportable.model.config import ModelConfig
 from rlportable.model.manifest import MANIFEST, files_problem, sha256
 from rlportable.model.tokenizer import Tokenizer
 from rlportable.model.weights import ModelWeights, atomic_write
+from rlportable.runtime.collectives import Group, SingleGroup
 
 LATEST = "latest"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -53,13 +61,76 @@ class Checkpoint:
     config: ModelConfig
     weights: ModelWeights
     tokenizer: Tokenizer
-    optimizer_state: dict[str, np.ndarray]
+    optimizer_state: "OptimizerShards"
     trainer_state: dict[str, Any]
     path: str
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def optimizer_file(rank: int, ranks: int) -> str:
+    return OPTIMIZER_FILE if ranks == 1 else f"optimizer-{rank:05d}-of-{ranks:05d}.safetensors"
+
+
+class OptimizerShards:
+    """The optimiser state of a checkpoint written by `ranks` ranks, read lazily.
+
+    state[key]: the whole array (the one file's array as stored; with several shards, their flat
+    pieces one after another). read(key, size, lo, hi): elements [lo, hi) of the flattened tensor,
+    read from the shards that hold them, so a run resumed at another rank count reads its pieces."""
+
+    def __init__(self, step_dir: str, ranks: int):
+        from safetensors import SafetensorError, safe_open
+
+        self.paths = [os.path.join(step_dir, optimizer_file(r, ranks)) for r in range(ranks)]
+        self._open = safe_open
+        self._lengths: list[dict[str, int]] = []
+        self._flat: list[dict[str, bool]] = []
+        for path in self.paths:
+            try:
+                with safe_open(path, framework="numpy") as handle:
+                    shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
+            except (OSError, ValueError, TypeError, SafetensorError) as error:
+                raise CheckpointError(f"{path}: unreadable: {' '.join(str(error).split())}") from None
+            self._lengths.append({key: int(np.prod(shape, dtype=np.int64)) for key, shape in shapes.items()})
+            self._flat.append({key: len(shape) == 1 for key, shape in shapes.items()})
+        if any(lengths.keys() != self._lengths[0].keys() for lengths in self._lengths):
+            raise CheckpointError(f"{self.paths[0]}: the optimiser shards hold different tensors")
+
+    def keys(self):
+        return self._lengths[0].keys()
+
+    def _tensor(self, index: int, key: str) -> np.ndarray:
+        with self._open(self.paths[index], framework="numpy") as handle:
+            return handle.get_tensor(key)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self.keys():
+            raise KeyError(key)
+        if len(self.paths) == 1:
+            return self._tensor(0, key)
+        return np.concatenate([self._tensor(i, key).reshape(-1) for i in range(len(self.paths))])
+
+    def read(self, key: str, size: int, lo: int, hi: int) -> np.ndarray:
+        if key not in self.keys():
+            raise CheckpointError(f"{self.paths[0]}: optimiser state {key} is missing")
+        lengths = [lengths[key] for lengths in self._lengths]
+        if sum(lengths) != size:
+            raise CheckpointError(f"{self.paths[0]}: optimiser state {key} has {sum(lengths)} elements, the "
+                                  f"model's tensor {size}")
+        pieces, start = [], 0
+        for index, length in enumerate(lengths):
+            a, b = max(lo, start) - start, min(hi, start + length) - start
+            if a < b:
+                if self._flat[index][key]:
+                    with self._open(self.paths[index], framework="numpy") as handle:
+                        pieces.append(handle.get_slice(key)[a:b])
+                else:
+                    pieces.append(self._tensor(index, key).reshape(-1)[a:b])
+            start += length
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -169,13 +240,35 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     return os.path.join(directory, name)
 
 
-def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig, weights: ModelWeights,
+def _together(group: Group, work: Callable[[], Any]) -> list:
+    """work() on every rank, then each rank's result in rank order; an error on any rank is
+    raised on every rank (none is left waiting for the others)."""
+    if group.size == 1:
+        return [work()]
+    try:
+        outcome = (None, work())
+    except CheckpointError as error:
+        outcome = (str(error), None)
+    except OSError as error:
+        outcome = (f"cannot write the checkpoint: {' '.join(str(error).split())}", None)
+    outcomes = group.all_gather_object(outcome)
+    for message, _ in outcomes:
+        if message is not None:
+            raise CheckpointError(message)
+    return [value for _, value in outcomes]
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig, weights: ModelWeights | None,
                     tokenizer: Tokenizer, optimizer_state: dict[str, np.ndarray], trainer_state: dict,
-                    keep_last: int | None = None) -> str:
+                    keep_last: int | None = None, group: Group | None = None) -> str:
     """Write directory/step-NNNNNN atomically, point `latest` at it, optionally prune to the
-    `keep_last` highest steps (never the latest). Returns the step directory's path."""
+    `keep_last` highest steps (never the latest). Returns the step directory's path.
+    group: the ranks of a sharded optimiser, each passing its own optimizer_state; rank 0's
+    weights, tokenizer and trainer state are written (the other ranks may pass weights=None)."""
     from rlportable.model.load import save_model
 
+    group = group or SingleGroup()
+    leader, ranks = group.rank == 0, group.size
     directory = os.fspath(directory)
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be a non-negative integer, got {step!r}")
@@ -187,34 +280,46 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"trainer state is not JSON-serialisable: {error}") from None
     optimizer_bytes = _encode_optimizer(optimizer_state)
-
-    os.makedirs(directory, exist_ok=True)
-    _clean_stale(directory)
     name = step_dir_name(step)
     final = os.path.join(directory, name)
-    current = _read_latest(directory)
-    if current == name and os.path.exists(final):
-        raise CheckpointError(f"{final}: already exists and is the latest checkpoint; not overwriting it")
 
-    tmp = tempfile.mkdtemp(dir=directory, prefix=_TMP_PREFIX + f"{step:06d}-")
-    try:
-        save_model(tmp, config, weights, tokenizer, dtype="fp32")
-        atomic_write(os.path.join(tmp, OPTIMIZER_FILE), [optimizer_bytes])
-        atomic_write(os.path.join(tmp, TRAINER_STATE_FILE), [state_text.encode("utf-8")])
+    def prepare() -> str:
+        os.makedirs(directory, exist_ok=True)
+        _clean_stale(directory)
+        if _read_latest(directory) == name and os.path.exists(final):
+            raise CheckpointError(f"{final}: already exists and is the latest checkpoint; not overwriting it")
+        return tempfile.mkdtemp(dir=directory, prefix=_TMP_PREFIX + f"{step:06d}-")
+
+    tmp = _together(group, prepare if leader else lambda: None)[0]
+
+    def write() -> None:
+        atomic_write(os.path.join(tmp, optimizer_file(group.rank, ranks)), [optimizer_bytes])
+        if leader:
+            save_model(tmp, config, weights, tokenizer, dtype="fp32")
+            atomic_write(os.path.join(tmp, TRAINER_STATE_FILE), [state_text.encode("utf-8")])
+
+    def publish() -> None:
         files = {}
         for rel in _files(tmp):
             path = os.path.join(tmp, rel)
             _fsync_path(path)
             files[rel] = {"sha256": sha256(path), "size": os.path.getsize(path)}
-        manifest = {"format": FORMAT, "step": step, "files": files}
+        manifest = {"format": FORMAT, "step": step, "optimizer_shards": ranks, "files": files}
         atomic_write(os.path.join(tmp, MANIFEST), [(json.dumps(manifest, indent=2) + "\n").encode("utf-8")])
         _fsync_path(tmp)
         if os.path.exists(final):  # a step-* that `latest` does not name (e.g. left by a crash)
             _remove_dir(directory, name)
         os.replace(tmp, final)
+
+    try:
+        _together(group, write)
+        _together(group, publish if leader else lambda: None)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if not leader:
+        return final
     _fsync_path(directory)
     atomic_write(os.path.join(directory, LATEST), [(name + "\n").encode("utf-8")])
     _fsync_path(directory)
@@ -245,7 +350,11 @@ def verify_checkpoint(step_dir: str | os.PathLike) -> dict:
     if (manifest.get("format") != FORMAT if isinstance(manifest, dict) else True) or not isinstance(files, dict) \
             or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"{manifest_path}: not an {FORMAT} manifest")
-    for required in ("config.json", "model.safetensors", OPTIMIZER_FILE, TRAINER_STATE_FILE):
+    shards = manifest.get("optimizer_shards", 1)
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise CheckpointError(f"{manifest_path}: optimizer_shards must be a positive integer, got {shards!r}")
+    optimizer_files = [optimizer_file(r, shards) for r in range(shards)]
+    for required in ("config.json", "model.safetensors", *optimizer_files, TRAINER_STATE_FILE):
         if required not in files:
             raise CheckpointError(f"{manifest_path}: does not list {required}")
     problem = files_problem(step_dir, files)
@@ -257,9 +366,6 @@ def verify_checkpoint(step_dir: str | os.PathLike) -> dict:
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Load a step directory, or the one `latest` names in a checkpoint directory; every file
     is verified against the manifest first, so the result is complete or an error is raised."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
     from rlportable.model.load import load_model
 
     path = os.fspath(path)
@@ -272,14 +378,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if step_dir is None:
             raise CheckpointError(f"{path}: no checkpoint (no {LATEST} file and no step-* directory)")
     manifest = verify_checkpoint(step_dir)
-    optimizer_path = os.path.join(step_dir, OPTIMIZER_FILE)
     state_path = os.path.join(step_dir, TRAINER_STATE_FILE)
-    try:
-        with open(optimizer_path, "rb") as handle:
-            raw = handle.read()
-        optimizer_state = dict(load(raw))
-    except (OSError, ValueError, TypeError, SafetensorError) as error:
-        raise CheckpointError(f"{optimizer_path}: unreadable: {' '.join(str(error).split())}") from None
+    optimizer_state = OptimizerShards(step_dir, manifest.get("optimizer_shards", 1))
     try:
         with open(state_path, encoding="utf-8") as handle:
             trainer_state = json.load(handle)

@@ -5,22 +5,19 @@ Every replica holds the whole model. A step's work is dealt out by position, nev
     global request id (the sampler's key), so every sample is the one a single device would draw;
     the samples are then gathered in request order on every replica;
   * training: a mini-batch's micro-batches (train.trainer.pack, the same on every replica) go
-    round-robin: in round k replica r computes micro-batch kR + r. The round's gradients are
-    all-gathered (a copy) and EVERY replica adds them in micro-batch order, the order one device
-    uses. So the accumulated gradient, the AdamW step and the new weights are bitwise those of
-    one device, for any replica count, and all replicas stay identical without a broadcast.
+    round-robin: in round k replica r computes micro-batch kR + r. The optimiser is sharded over
+    the replicas (train/optimizer.py, ZeRO stages 1 and 2): the round's gradients reach the owner
+    of each piece by an all-to-all (a copy), and the owner adds them in micro-batch order, the
+    order one device uses. So the accumulated gradient, the AdamW step and the new weights are
+    bitwise those of one device, for any replica count.
 Where this stops: the micro-batch split itself (`micro_batch_tokens`) is part of the result, as on
-one device (float32 sums of micro-batch gradients; docs/training.md, "Gradients under the contracts");
-and the gathered round costs R gradients of memory and traffic, against one for an all-reduce: the
-price of adding in a fixed order rather than reducing floats in whatever order the library picks.
+one device (float32 sums of micro-batch gradients; docs/training.md, "Gradients under the contracts").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import numpy as np
 
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -58,27 +55,13 @@ class Replicas:
         rounds = -(-count // self.size)
         return [k * self.size + self.rank if k * self.size + self.rank < count else None for k in range(rounds)]
 
-    def gather_gradients(self, named: dict | None, names: list[str], zeros: Callable[[str], object]) -> list[dict]:
-        """The round's gradients of every replica that had a micro-batch, in replica (= micro-batch)
-        order. A replica without one sends zeros that are never added."""
-        if self.size == 1:
-            return [] if named is None else [named]
-        present = self.group.all_gather_object(named is not None)
-        gathered = {name: self.group.all_gather(named[name] if named is not None else zeros(name)) for name in names}
-        return [{name: gathered[name][r] for name in names} for r in range(self.size) if present[r]]
-
     def train_rounds(self, optimizer, batches: list, compute: Callable) -> list:
         """Every micro-batch of `batches` through compute(batch) -> (host result, gradients by name),
-        dealt out round-robin; the gradients accumulated into `optimizer` in micro-batch order on
-        every replica. Returns the host results of all micro-batches, in order."""
-        model = optimizer.model
-        shapes = {name: tuple(array.shape) for name, array in model.params.named_tensors(model.config).items()}
+        dealt out round-robin; each round's gradients go to the optimiser's shard owners, who add
+        them in micro-batch order. Returns the host results of all micro-batches, in order."""
         results = []
         for mine in self.rounds(len(batches)):
             result, named = (None, None) if mine is None else compute(batches[mine])
-            for grads in self.gather_gradients(named, optimizer.names,
-                                               lambda name: model.backend.zeros(shapes[name], np.float32)):
-                optimizer.accumulate_named(grads)
+            optimizer.accumulate_round(named)
             results.extend(r for r in self.group.all_gather_object(result) if r is not None)
         return results
-

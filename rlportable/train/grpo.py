@@ -108,7 +108,7 @@ class GRPOTrainer:
         self.replicas = Replicas.of(self.group)
         if cfg.beta > 0 and self.reference is None:
             raise InputError("grpo: beta > 0 needs a reference model")
-        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps))
+        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.group)
         longest_prompt = max(prompt_length(self.tokenizer, r["prompt"]) for r in self.dataset)
         samples = cfg.prompts_per_step * cfg.num_generations
         self.engine = LLM(device=self.model.backend, loaded=(self.model, self.tokenizer),

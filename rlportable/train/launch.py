@@ -117,7 +117,7 @@ def task_records(task: str | None, data: str | None, seed: int) -> tuple[list[di
 def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: list[tuple[str, float]],
              on_step: Callable[[dict], None], group=None) -> list[dict]:
     """group: this process's data-parallel replica (train/data_parallel.py); only rank 0 writes
-    checkpoints, metrics and the plot (every replica computes the same)."""
+    metrics and the plot (every replica computes the same), every rank its checkpoint shard."""
     records, task = task_records(options.task, options.data, config.seed)
     items = [(spec, weight) for spec, weight in reward_specs] or ([(task, 1.0)] if task is not None else [])
     if not items:
@@ -132,10 +132,11 @@ def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: lis
 
 
 def _writer_options(options: RunOptions, group) -> RunOptions:
-    """Only rank 0 of data-parallel replicas writes checkpoints, metrics and plots (all compute the same)."""
+    """Only rank 0 of data-parallel replicas writes metrics and plots (all compute the same); every
+    rank writes its optimiser shard into the checkpoints (train/checkpoint.py)."""
     if group is None or group.rank == 0:
         return options
-    return dataclasses.replace(options, out=None, log_jsonl=None, plot=None)
+    return dataclasses.replace(options, log_jsonl=None, plot=None)
 
 
 def _reference(backend, options: RunOptions, config: GRPOConfig):
@@ -161,7 +162,7 @@ def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[
 
 def _run(trainer, kind, settings, tokenizer, start, ckpt, options: RunOptions, steps, on_step, curve, title):
     if ckpt is not None:
-        trainer.optimizer.load_state(ckpt.optimizer_state, ckpt.trainer_state["optimizer_steps"])
+        trainer.optimizer.load_state(ckpt.optimizer_state.read, ckpt.trainer_state["optimizer_steps"])
     log = MetricsLog(options.log_jsonl, resume_from_step=start if ckpt is not None else None)
     run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step)
     if options.plot:

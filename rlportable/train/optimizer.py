@@ -20,6 +20,7 @@ from rlportable.model.forward import Model
 from rlportable.model.weights import ModelWeights
 from rlportable.ops import adamw, residual
 from rlportable.ops.checks import shape_of
+from rlportable.runtime.collectives import Group, SingleGroup
 
 
 @dataclass(frozen=True)
@@ -62,34 +63,86 @@ class OptimiserSettings:
                 raise InputError(f"{kind}: {name} must be a positive integer, got {value!r}")
 
 
-class Optimizer:
-    """AdamW state (m, v per tensor, by Hugging Face name) and the gradient being accumulated."""
+def shard_range(size: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The elements [lo, hi) of a flattened tensor of `size` elements that `rank` of `ranks` owns:
+    consecutive pieces of ceil(size / ranks), the last ones shorter or empty."""
+    piece = -(-size // ranks)
+    return min(rank * piece, size), min((rank + 1) * piece, size)
 
-    def __init__(self, model: Model, hyper: Hyper, schedule: Schedule):
+
+class Optimizer:
+    """AdamW state (m, v per tensor, by Hugging Face name) and the gradient being accumulated,
+    sharded over the data-parallel ranks of `group` (ZeRO stages 1 and 2).
+
+    Each rank owns one consecutive piece of every flattened tensor (shard_range): the moments and
+    the accumulated gradient exist for that piece only, and the model's float32 weights there are
+    the master copy this rank updates. A round's gradients reach their owners by an all-to-all (a
+    copy), and each owner adds them in micro-batch order, the order one device uses; the global
+    norm is exact over the shards; after the update every rank's piece is all-gathered (a copy)
+    into every rank's weights. So weights, moments and metrics are bitwise those of one device for
+    any number of ranks. With one rank the pieces are the whole tensors."""
+
+    def __init__(self, model: Model, hyper: Hyper, schedule: Schedule, group: Group | None = None):
         if not model.trainable:
             raise InputError("the optimiser needs a Model built with trainable=True")
         self.model, self.hyper, self.schedule = model, hyper, schedule
+        self.group = group or SingleGroup()
         self.names = list(model.params.named_tensors(model.config))
         backend = model.backend
-        self.m = {name: backend.zeros(shape_of(p), np.float32) for name, p in self._params().items()}
-        self.v = {name: backend.zeros(shape_of(p), np.float32) for name, p in self._params().items()}
+        self.sizes = {name: int(np.prod(shape_of(p), dtype=np.int64)) for name, p in self._params().items()}
+        self.ranges = {name: shard_range(n, self.group.size, self.group.rank) for name, n in self.sizes.items()}
+        self.m = {name: backend.zeros((hi - lo,), np.float32) for name, (lo, hi) in self.ranges.items()}
+        self.v = {name: backend.zeros((hi - lo,), np.float32) for name, (lo, hi) in self.ranges.items()}
         self.grads: dict | None = None
         self.step_count = 0
 
     def _params(self) -> dict:
         return self.model.params.named_tensors(self.model.config)
 
+    def _piece(self, name: str, array):
+        """This rank's piece of a whole tensor (a view)."""
+        lo, hi = self.ranges[name]
+        return array.reshape(-1)[lo:hi]
+
     def accumulate(self, grads: ModelWeights) -> None:
         """Add one micro-batch's gradients (in call order: the sum is deterministic)."""
         self.accumulate_named(grads.named_tensors(self.model.config))
 
     def accumulate_named(self, named: dict) -> None:
-        """accumulate() of gradients given by tensor name (as `names`)."""
+        """accumulate() of whole gradients given by tensor name (as `names`): this rank's pieces."""
+        self._add({name: self._piece(name, named[name]) for name in self.names})
+
+    def _add(self, pieces: dict) -> None:
         if self.grads is None:
-            self.grads = dict(named)
+            self.grads = dict(pieces)
         else:
             backend = self.model.backend
-            self.grads = {name: residual.add(backend, self.grads[name], named[name]) for name in self.names}
+            self.grads = {name: residual.add(backend, self.grads[name], pieces[name]) for name in self.names}
+
+    def accumulate_round(self, named: dict | None) -> None:
+        """One round of data-parallel micro-batches: this rank's whole gradients (None when it had no
+        micro-batch), exchanged so each owner adds every present rank's piece in rank (= micro-batch)
+        order."""
+        group, backend = self.group, self.model.backend
+        if group.size == 1:
+            if named is not None:
+                self.accumulate_named(named)
+            return
+        present = group.all_gather_object(named is not None)
+        received = {}
+        for name in self.names:
+            n, piece = self.sizes[name], -(-self.sizes[name] // group.size)
+            send = backend.zeros((group.size * piece,), np.float32)
+            if named is not None:
+                backend.copy_into(send[:n], named[name].reshape(-1))
+            received[name] = group.all_to_all(send.reshape(group.size, piece))
+        for rank in range(group.size):
+            if present[rank]:
+                self._add({name: received[name][rank][:self._own(name)] for name in self.names})
+
+    def _own(self, name: str) -> int:
+        lo, hi = self.ranges[name]
+        return hi - lo
 
     def step(self) -> adamw.StepInfo:
         """One AdamW step with the accumulated gradients; refreshes the model's encodings."""
@@ -97,26 +150,56 @@ class Optimizer:
             raise InputError("optimiser step without gradients: call accumulate() first")
         self.step_count += 1
         params = self._params()
-        info = adamw.adamw_step(self.model.backend, [params[n] for n in self.names],
+        info = adamw.adamw_step(self.model.backend, [self._piece(n, params[n]) for n in self.names],
                                 [self.grads[n] for n in self.names], [self.m[n] for n in self.names],
                                 [self.v[n] for n in self.names], self.step_count, self.hyper,
-                                self.schedule.lr(self.step_count))
+                                self.schedule.lr(self.step_count), self.group)
         self.grads = None
+        for name in self.names:
+            self._gather_into(params[name], self._piece(name, params[name]), name)
         self.model.reencode()
         return info
 
+    def _gather_into(self, whole, piece, name: str) -> None:
+        """Every rank's piece of a tensor, all-gathered into `whole` (no-op with one rank)."""
+        group, backend = self.group, self.model.backend
+        if group.size == 1:
+            return
+        n, size = self.sizes[name], -(-self.sizes[name] // group.size)
+        send = backend.zeros((size,), np.float32)
+        if piece.size:
+            backend.copy_into(send[:piece.size], piece)
+        backend.copy_into(whole.reshape(-1), group.all_gather(send).reshape(-1)[:n])
+
     # ---- checkpoints
-    def state(self) -> dict[str, np.ndarray]:
+    def shard_state(self) -> dict[str, np.ndarray]:
+        """This rank's pieces of m and v (flat float32), as a checkpoint shard stores them."""
         backend = self.model.backend
         out = {f"m.{name}": backend.to_numpy(self.m[name]) for name in self.names}
         out.update({f"v.{name}": backend.to_numpy(self.v[name]) for name in self.names})
         return out
 
-    def load_state(self, state: dict[str, np.ndarray], step_count: int) -> None:
+    def state(self) -> dict[str, np.ndarray]:
+        """The whole m and v of every tensor, in its shape, on every rank (gathered when sharded)."""
+        backend, shapes = self.model.backend, {n: shape_of(p) for n, p in self._params().items()}
+        out = {}
+        for kind, store in (("m", self.m), ("v", self.v)):
+            for name in self.names:
+                whole = backend.zeros(shapes[name], np.float32)
+                if self.group.size == 1:
+                    whole = store[name]
+                else:
+                    self._gather_into(whole, store[name], name)
+                out[f"{kind}.{name}"] = backend.to_numpy(whole).reshape(shapes[name])
+        return out
+
+    def load_state(self, read, step_count: int) -> None:
+        """read(key, size, lo, hi) -> float32 elements [lo, hi) of the flattened tensor `key` of
+        `size` elements (checkpoint.OptimizerShards.read): this rank's pieces, at any rank count."""
         backend = self.model.backend
         for name in self.names:
+            lo, hi = self.ranges[name]
             for key, store in ((f"m.{name}", self.m), (f"v.{name}", self.v)):
-                if key not in state or state[key].shape != shape_of(store[name]):
-                    raise InputError(f"optimiser state: {key} is missing or has the wrong shape")
-                store[name] = backend.asarray(np.ascontiguousarray(state[key], dtype=np.float32))
+                store[name] = backend.asarray(np.ascontiguousarray(read(key, self.sizes[name], lo, hi),
+                                                                   dtype=np.float32))
         self.step_count = int(step_count)

@@ -1,7 +1,8 @@
 """The step loop SFT and GRPO share: metrics, atomic checkpoints, and resuming bitwise.
 
 A checkpoint (train/checkpoint.py) holds the float32 master weights (they load
-back with `--model DIR`), AdamW's m and v, and the trainer state: the next step,
+back with `--model DIR`), AdamW's m and v (one shard per data-parallel rank; a
+resume at another rank count reads its own pieces), and the trainer state: the next step,
 the optimiser's step count and the run's settings. The data order and the
 sampling keys are functions of (seed, step), so nothing else is needed to
 continue exactly as if the run had never stopped; a resume with different
@@ -70,5 +71,7 @@ def run_steps(trainer, kind: str, settings: dict, tokenizer, start_step: int, st
         if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
             state = {"kind": kind, "next_step": step + 1, "optimizer_steps": trainer.optimizer.step_count,
                      "settings": settings}
-            checkpoint.save_checkpoint(out_dir, step + 1, model.config, host_weights(model), tokenizer,
-                                       trainer.optimizer.state(), state, keep_last=keep_last)
+            group = trainer.optimizer.group  # every rank writes its optimiser shard; rank 0 the rest
+            checkpoint.save_checkpoint(out_dir, step + 1, model.config,
+                                       host_weights(model) if group.rank == 0 else None, tokenizer,
+                                       trainer.optimizer.shard_state(), state, keep_last=keep_last, group=group)

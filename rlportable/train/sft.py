@@ -97,7 +97,7 @@ class SFTTrainer:
     def __post_init__(self):
         cfg = self.config
         self.replicas = Replicas.of(self.group)
-        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps))
+        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.group)
 
     def step(self, step: int) -> dict:
         cfg = self.config

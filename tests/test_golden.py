@@ -182,3 +182,19 @@ def test_recorded_outputs_are_copies_not_arrays_updated_later():
     case = next(c for c in golden_module.CASES if (c.group, c.name) == ("adamw", "steps"))
     outputs = dict(case.outputs(get_backend("cpu")))
     assert not np.array_equal(outputs["0.uniform.1.p0"], outputs["0.uniform.3.p0"])
+
+
+@pytest.mark.parametrize("check_name", ["golden.training.sft.trajectory", "golden.training.grpo.trajectory"])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_training_trajectories_reproduce_at_any_replica_count(check_name, ranks):
+    """The whole-run digests (weights, AdamW moments, metrics) with the optimiser sharded over 2 and 3
+    data-parallel replicas (threads): the committed single-device digest, to the bit."""
+    from rlportable.runtime.collectives import run_threads
+
+    case = _case(check_name)
+    expected = json.loads((COMMITTED / f"{case.group}.json").read_text())
+    want = next(item["sha256"] for item in expected["digests"] if item["name"] == case.name)
+    outputs = run_threads(CPU, ranks, lambda group: case.compute(
+        CPU, golden_stream.Stream(case.recipe["seed"]), case.recipe, group))
+    for rank_outputs in outputs:
+        assert golden_digest.digest(rank_outputs) == want

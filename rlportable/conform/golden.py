@@ -199,24 +199,26 @@ def _run_setup(backend, r, seed: int):
 
 
 @TRAINING_CASES.case("sft.trajectory", **SFT_RUN)
-def _sft_trajectory(backend, s, r):
+def _sft_trajectory(backend, s, r, group=None):
+    """group: data-parallel ranks with a sharded optimiser, whose run must give the same digest."""
     from rlportable.train.sft import SFTConfig, SFTTrainer, task_sft_records
 
     config = SFTConfig(**r["config"])
     model, tokenizer, records, _ = _run_setup(backend, r, config.seed)
-    trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config)
+    trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config, group)
     steps = [trainer.step(i) for i in range(config.steps)]
     return _trajectory(backend, model, trainer.optimizer, steps, SFT_METRICS)
 
 
 @TRAINING_CASES.case("grpo.trajectory", **GRPO_RUN)
-def _grpo_trajectory(backend, s, r):
+def _grpo_trajectory(backend, s, r, group=None):
+    """group: as _sft_trajectory's."""
     from rlportable.train.grpo import GRPOConfig, GRPOTrainer
     from rlportable.train.rewards import RewardSet
 
     config = GRPOConfig(**r["config"])
     model, tokenizer, records, task = _run_setup(backend, r, config.seed)
-    trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config)
+    trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config, None, group)
     steps = [trainer.step(i) for i in range(config.steps)]
     del trainer.engine  # its KV cache
     return _trajectory(backend, model, trainer.optimizer, steps, GRPO_METRICS)

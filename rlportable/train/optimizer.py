@@ -93,7 +93,7 @@ class Optimizer:
         self.ranges = {name: shard_range(n, self.group.size, self.group.rank) for name, n in self.sizes.items()}
         self.m = {name: backend.zeros((hi - lo,), np.float32) for name, (lo, hi) in self.ranges.items()}
         self.v = {name: backend.zeros((hi - lo,), np.float32) for name, (lo, hi) in self.ranges.items()}
-        self.grads: dict | None = None
+        self.grads: dict = {}  # name -> this rank's piece of the gradient accumulated so far
         self.step_count = 0
 
     def _params(self) -> dict:
@@ -110,43 +110,44 @@ class Optimizer:
 
     def accumulate_named(self, named: dict) -> None:
         """accumulate() of whole gradients given by tensor name (as `names`): this rank's pieces."""
-        self._add({name: self._piece(name, named[name]) for name in self.names})
+        for name in self.names:
+            self._add(name, self._piece(name, named[name]))
 
-    def _add(self, pieces: dict) -> None:
-        if self.grads is None:
-            self.grads = dict(pieces)
-        else:
-            backend = self.model.backend
-            self.grads = {name: residual.add(backend, self.grads[name], pieces[name]) for name in self.names}
+    def _add(self, name: str, piece) -> None:
+        current = self.grads.get(name)
+        self.grads[name] = piece if current is None else residual.add(self.model.backend, current, piece)
 
     def accumulate_round(self, named: dict | None) -> None:
         """One round of data-parallel micro-batches: this rank's whole gradients (None when it had no
-        micro-batch), exchanged so each owner adds every present rank's piece in rank (= micro-batch)
-        order."""
+        micro-batch), exchanged tensor by tensor so each owner adds every present rank's piece in rank
+        (= micro-batch) order. The exchanged tensors are dropped from `named` as they go."""
         group, backend = self.group, self.model.backend
         if group.size == 1:
             if named is not None:
                 self.accumulate_named(named)
             return
         present = group.all_gather_object(named is not None)
-        received = {}
         for name in self.names:
-            n, piece = self.sizes[name], -(-self.sizes[name] // group.size)
-            send = backend.zeros((group.size * piece,), np.float32)
-            if named is not None:
-                backend.copy_into(send[:n], named[name].reshape(-1))
-            received[name] = group.all_to_all(send.reshape(group.size, piece))
-        for rank in range(group.size):
-            if present[rank]:
-                self._add({name: received[name][rank][:self._own(name)] for name in self.names})
-
-    def _own(self, name: str) -> int:
-        lo, hi = self.ranges[name]
-        return hi - lo
+            size, piece = self.sizes[name], -(-self.sizes[name] // group.size)
+            whole = None if named is None else named.pop(name).reshape(-1)
+            if whole is not None and size == group.size * piece:
+                send = whole  # already [ranks, piece]: no padded copy
+            else:
+                send = backend.zeros((group.size * piece,), np.float32)
+                if whole is not None:
+                    backend.copy_into(send[:size], whole)
+            del whole
+            received = group.all_to_all(send.reshape(group.size, piece))
+            del send
+            lo, hi = self.ranges[name]
+            for rank in range(group.size):
+                if present[rank]:  # a first piece is copied: a view would hold all ranks' pieces
+                    piece = received[rank][:hi - lo]
+                    self._add(name, piece if name in self.grads else piece.copy())
 
     def step(self) -> adamw.StepInfo:
         """One AdamW step with the accumulated gradients; refreshes the model's encodings."""
-        if self.grads is None:
+        if not self.grads:
             raise InputError("optimiser step without gradients: call accumulate() first")
         self.step_count += 1
         params = self._params()
@@ -154,7 +155,7 @@ class Optimizer:
                                 [self.grads[n] for n in self.names], [self.m[n] for n in self.names],
                                 [self.v[n] for n in self.names], self.step_count, self.hyper,
                                 self.schedule.lr(self.step_count), self.group)
-        self.grads = None
+        self.grads = {}
         for name in self.names:
             self._gather_into(params[name], self._piece(name, params[name]), name)
         self.model.reencode()

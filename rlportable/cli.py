@@ -642,6 +642,67 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
         sys.exit(1)
 
 
+def _layouts(text: str):
+    from rlportable.train.memory import Layout
+
+    layouts = []
+    for item in text.split(","):
+        try:
+            tp, dp = (int(part) for part in item.lower().split("x"))
+        except ValueError:
+            raise click.BadParameter(f"{item!r} is not TPxDP (for example 8x1,4x2,1x8)", param_hint="--layouts")
+        layouts.append(Layout(tp, dp))
+    return layouts
+
+
+@bench.command("memory")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--model", "shapes", default="qwen3-8b", show_default=True,
+              help="Model shapes, comma-separated: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b.")
+@click.option("--layouts", default="1x1,8x1,4x2,1x8", show_default=True, help="TPxDP layouts, comma-separated.")
+@click.option("--tokens", default=16384, show_default=True, type=click.IntRange(min=2),
+              help="Tokens of one training micro-batch.")
+@click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(min=0),
+              help="Tokens the rollout's KV cache holds.")
+@click.option("--measure", is_flag=True,
+              help="Also train the first shape (--layers layers) at each layout's DP, ranks emulated on this GPU, "
+                   "and compare the measured peak with the model's.")
+@click.option("--layers", default=4, show_default=True, type=click.IntRange(min=1), help="Layers for --measure.")
+def bench_memory(device, json_path, shapes, layouts, tokens, kv_tokens, measure, layers):
+    """Bytes per rank of training (weights, encodings, gradient, optimiser, activations, KV cache)."""
+    _check_json_path(json_path)
+    from rlportable.bench import memory as memory_bench
+    from rlportable.train.memory import Workload
+
+    chosen = _layouts(layouts)
+    try:
+        rows = memory_bench.model_rows([s.strip() for s in shapes.split(",")], chosen, Workload(tokens, kv_tokens))
+    except RlpError as error:
+        _fail(error)
+    keys = [k for k in rows[0] if k not in ("fits_80gb", "fits_141gb")]
+    click.echo(f"GiB per rank; micro-batch {tokens} tokens, KV cache {kv_tokens} tokens")
+    click.echo(tabulate([[row[k] for k in keys] + [("yes" if row["fits_80gb"] else "no"),
+                                                     ("yes" if row["fits_141gb"] else "no")] for row in rows],
+                        headers=keys + ["80 GB", "141 GB"]))
+    result = {"model": rows, "measured": []}
+    if measure:
+        backend = _backend(device)
+        for layout in chosen:
+            if layout.tp != 1:
+                continue  # the trainer runs data-parallel only (tensor-parallel training is not built)
+            try:
+                found = memory_bench.measure(backend, shapes.split(",")[0].strip(), layers, layout.dp, tokens)
+            except RlpError as error:
+                _fail(error)
+            result["measured"].append(found)
+            click.echo(f"measured {found['shape']} ({layers} layers) at DP {layout.dp}: peak "
+                       f"{found['measured_peak_bytes'] / 2**30:.2f} GiB, model {found['model_peak_bytes'] / 2**30:.2f} "
+                       f"GiB ({found['measured_over_model']:.2f}x); weights equal to one rank's: "
+                       f"{found['weights_equal_one_rank']}")
+    _write_json(json_path, result)
+
+
 @bench.command("grpo")
 @DEVICE_OPTION
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))

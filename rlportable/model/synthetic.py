@@ -16,13 +16,31 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
                  rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True)
 
 
-def qwen3_06b_config(layers: int | None = None) -> ModelConfig:
-    """Qwen3-0.6B's shape (all 28 layers, or the first `layers`)."""
-    fields = dict(QWEN3_06B)
+#: the shapes of the Qwen3 family's dense models (their config.json fields that set the memory)
+QWEN3_SHAPES = {
+    "qwen3-0.6b": QWEN3_06B,
+    "qwen3-1.7b": dict(QWEN3_06B, hidden_size=2048, intermediate_size=6144),
+    "qwen3-4b": dict(QWEN3_06B, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32),
+    "qwen3-8b": dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+}
+
+
+def qwen3_config(shape: str, layers: int | None = None) -> ModelConfig:
+    """A Qwen3 shape of QWEN3_SHAPES (all its layers, or the first `layers`)."""
+    if shape not in QWEN3_SHAPES:
+        raise InputError(f"unknown model shape {shape!r}; known: {', '.join(QWEN3_SHAPES)}")
+    fields = dict(QWEN3_SHAPES[shape])
     if layers is not None:
         fields["num_hidden_layers"] = layers
     return ModelConfig(architecture="Qwen3ForCausalLM", rope_scaling=None, qkv_bias=False, qk_norm=True,
                        **fields)
+
+
+def qwen3_06b_config(layers: int | None = None) -> ModelConfig:
+    """Qwen3-0.6B's shape (all 28 layers, or the first `layers`)."""
+    return qwen3_config("qwen3-0.6b", layers)
 
 
 def random_weights(config: ModelConfig, seed: int = 0):

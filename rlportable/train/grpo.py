@@ -111,10 +111,12 @@ class GRPOTrainer:
         self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.group)
         longest_prompt = max(prompt_length(self.tokenizer, r["prompt"]) for r in self.dataset)
         samples = cfg.prompts_per_step * cfg.num_generations
+        # this replica's share of the prompts, each with its group of samples: what its KV cache must hold
+        mine = -(-cfg.prompts_per_step // self.replicas.size) * cfg.num_generations
         self.engine = LLM(device=self.model.backend, loaded=(self.model, self.tokenizer),
-                          block_size=cfg.block_size, max_num_seqs=samples,
+                          block_size=cfg.block_size, max_num_seqs=mine,
                           max_model_len=longest_prompt + cfg.max_completion_length,
-                          max_num_batched_tokens=max(4096, samples), sampler=cfg.sampler)
+                          max_num_batched_tokens=max(4096, mine), sampler=cfg.sampler)
 
     def step(self, step: int) -> dict:
         """One GRPO step (0-based index): rollout, rewards, training; returns the step's metrics,

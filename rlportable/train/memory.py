@@ -1,0 +1,128 @@
+"""Memory per rank of a training run, as a number: what each part of the state costs on one GPU.
+
+The model follows what the code allocates (docs/parallelism.md, "Memory per rank"):
+  * weights: the float32 master weights (the engine's too), whole on every data-parallel rank and
+    cut by the tensor-parallel layout (parallel.py: projections and vocabulary over T ranks);
+  * encodings: each projection and the LM head as 15-bit fixed point, two int8 digits an element
+    (K padded to 64), plus the transposed copies the backward encodes once per update;
+  * gradient: one micro-batch's whole float32 gradient (the backward returns it whole; the sharded
+    optimiser exchanges it tensor by tensor), and the exchange's send and receive buffers of the
+    largest tensor;
+  * optimiser: AdamW's two moments and the accumulated gradient, float32, 1/R of every tensor each
+    (train/optimizer.py, ZeRO stages 1 and 2);
+  * activations of one micro-batch of T tokens with per-layer recompute: every layer's input and
+    attention output, one layer's recomputed forward and backward, the LM head's row chunk;
+  * KV cache: the engine's encoded K and V (two int8 digits and an int32 exponent per head and token),
+    released while training.
+The peak is the larger of the rollout phase (weights, encodings, KV cache) and the training phase
+(everything else). Not modelled: the allocator's fragmentation, the CUDA context (about 0.5 GiB),
+library workspaces. `rlportable bench memory` prints it; the H200 measurement that checks it is in
+bench/results/memory_h200.json.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlportable.errors import InputError
+from rlportable.model.config import ModelConfig
+from rlportable.model.synthetic import QWEN3_SHAPES, qwen3_config  # noqa: F401  (re-exported)
+
+GIB = 1 << 30
+WEIGHT_DIGITS = 2            # 15-bit weights: two int8 digits (contract/fixedpoint.py slice_count)
+K_ALIGN = 64                 # ops/fixedpoint.py: K padded to a multiple of 64
+LM_HEAD_ROW_CHUNK = 1024     # model/backward.py: LM-head rows per backward pass
+#: one layer's recomputed forward and its backward hold about this many float32 [T, width] tensors
+#: for each of the hidden, attention and MLP widths (inputs, outputs, their gradients, encodings)
+LAYER_WORKING_SET = 6
+
+
+def _pad(k: int) -> int:
+    return -(-k // K_ALIGN) * K_ALIGN
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    dp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "dp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"memory: {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    micro_batch_tokens: int = 16384   # tokens of one micro-batch (OptimiserSettings' default)
+    kv_tokens: int = 0                # tokens the engine's KV cache holds (0: no rollout, SFT)
+
+
+def check_layout(config: ModelConfig, layout: Layout) -> None:
+    """The fields the tensor-parallel layout must divide (model/parallel.py's rules)."""
+    t = layout.tp
+    for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
+        if getattr(config, field) % t:
+            raise InputError(f"tensor parallelism {t} must divide {field} = {getattr(config, field)}")
+    kv = config.num_key_value_heads
+    if kv % t and t % kv:
+        raise InputError(f"tensor parallelism {t} must divide num_key_value_heads = {kv}, or be divided by it")
+
+
+def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:
+    """Bytes per rank of each part of the state (see the module docstring)."""
+    check_layout(config, layout)
+    t, r = layout.tp, layout.dp
+    h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
+    hq, hkv = config.num_attention_heads // t, max(config.num_key_value_heads // t, 1)
+    inter, vocab = config.intermediate_size // t, config.vocab_size // t
+    # projections as (rows N, columns K) on this rank: column-parallel q/k/v, gate/up; row-parallel o, down
+    projections = [((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter)]
+    per_layer = sum(n * k for n, k in projections) + 2 * h + (2 * d if config.qk_norm else 0)
+    embed = vocab * h
+    lm_head = 0 if config.tie_word_embeddings else vocab * h
+    params = layers * per_layer + embed + lm_head + h
+    forward = layers * sum(n * _pad(k) for n, k in projections) + vocab * _pad(h)
+    transposed = layers * sum(k * _pad(n) for n, k in projections) + h * _pad(vocab)
+    largest = max(embed, lm_head, max(n * k for n, k in projections))
+    tokens = work.micro_batch_tokens
+    activations = 4 * tokens * (h * (layers + 1) + hq * d * layers)
+    activations += 4 * tokens * LAYER_WORKING_SET * (h + (hq + 2 * hkv) * d + 2 * inter)
+    activations += 4 * min(tokens, LM_HEAD_ROW_CHUNK) * vocab * 2
+    kv = layers * 2 * hkv * (WEIGHT_DIGITS * _pad(d) + 4) * work.kv_tokens
+    return {
+        "weights": 4 * params,
+        "encodings": WEIGHT_DIGITS * forward,
+        "transposed encodings": WEIGHT_DIGITS * transposed,
+        "gradient": 4 * params,
+        "exchange buffers": 0 if r == 1 else 2 * 4 * largest,
+        "optimizer": 3 * 4 * -(-params // r),
+        "activations": activations,
+        "kv cache": kv,
+    }
+
+
+ROLLOUT = ("weights", "encodings", "kv cache")
+
+
+def peak(parts: dict[str, int]) -> int:
+    """The larger of the rollout phase and the training phase (the KV cache is freed for training)."""
+    training = sum(v for k, v in parts.items() if k != "kv cache")
+    return max(sum(parts[k] for k in ROLLOUT), training)
+
+
+def table(shape: str, layouts: list[Layout], work: Workload, layers: int | None = None) -> list[dict]:
+    """One row per layout: the components and the peak in GiB, and whether it fits 80 and 141 GB cards."""
+    config = qwen3_config(shape, layers)
+    rows = []
+    for layout in layouts:
+        parts = components(config, layout, work)
+        top = peak(parts)
+        rows.append({"model": shape, "tp": layout.tp, "dp": layout.dp, "gpus": layout.tp * layout.dp,
+                     **{k: round(v / GIB, 2) for k, v in parts.items()}, "peak_gib": round(top / GIB, 2),
+                     "fits_80gb": top <= 80e9 * 0.95, "fits_141gb": top <= 141e9 * 0.95})
+    return rows
+
+
+SHAPES = tuple(QWEN3_SHAPES)

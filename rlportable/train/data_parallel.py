@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlportable.runtime.collectives import Group, SingleGroup
+from rlportable.runtime.collectives import Group, SingleGroup, ThreadGroup
 
 
 @dataclass
@@ -37,6 +37,11 @@ class Replicas:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    @property
+    def emulated(self) -> bool:
+        """Several replicas as threads of this process, on one device."""
+        return self.size > 1 and isinstance(self.group, ThreadGroup)
 
     def share(self, count: int) -> list[int]:
         """The indices of `count` items this replica handles: rank, rank + R, ..."""

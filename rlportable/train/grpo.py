@@ -116,7 +116,10 @@ class GRPOTrainer:
         self.engine = LLM(device=self.model.backend, loaded=(self.model, self.tokenizer),
                           block_size=cfg.block_size, max_num_seqs=mine,
                           max_model_len=longest_prompt + cfg.max_completion_length,
-                          max_num_batched_tokens=max(4096, mine), sampler=cfg.sampler)
+                          max_num_batched_tokens=max(4096, mine), sampler=cfg.sampler,
+                          # replicas emulated as threads share one GPU: another thread's launches would
+                          # invalidate a graph capture, so their engines run eagerly (the same bits)
+                          cuda_graphs=False if self.replicas.emulated else None)
 
     def step(self, step: int) -> dict:
         """One GRPO step (0-based index): rollout, rewards, training; returns the step's metrics,

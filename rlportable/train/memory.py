@@ -6,10 +6,11 @@ The model follows what the code allocates (docs/parallelism.md, "Memory per rank
   * encodings: each projection and the LM head as 15-bit fixed point, two int8 digits an element
     (K padded to 64), plus the transposed copies the backward encodes once per update;
   * gradient: one micro-batch's whole float32 gradient (the backward returns it whole; the sharded
-    optimiser exchanges it tensor by tensor), and the exchange's send and receive buffers of the
-    largest tensor;
+    optimiser exchanges it tensor by tensor), and the exchange's receive buffer of the largest tensor
+    (the send side is the gradient itself where the ranks divide the tensor's size);
   * optimiser: AdamW's two moments and the accumulated gradient, float32, 1/R of every tensor each
-    (train/optimizer.py, ZeRO stages 1 and 2);
+    (train/optimizer.py, ZeRO stages 1 and 2; at R = 1 with one micro-batch a step the accumulated
+    gradient is that micro-batch's, which the model still counts: it errs high there);
   * activations of one micro-batch of T tokens with per-layer recompute: every layer's input and
     attention output, one layer's recomputed forward and backward, the LM head's row chunk;
   * KV cache: the engine's encoded K and V (two int8 digits and an int32 exponent per head and token),
@@ -96,7 +97,7 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
         "encodings": WEIGHT_DIGITS * forward,
         "transposed encodings": WEIGHT_DIGITS * transposed,
         "gradient": 4 * params,
-        "exchange buffers": 0 if r == 1 else 2 * 4 * largest,
+        "exchange buffers": 0 if r == 1 else 4 * largest,  # the all-to-all's receive side
         "optimizer": 3 * 4 * -(-params // r),
         "activations": activations,
         "kv cache": kv,

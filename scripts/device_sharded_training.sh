@@ -6,8 +6,8 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 status=0
-python3 -m rlportable conform --device cuda --quick --only adamw --json "$OUT/conform_cuda_adamw_h200.json" || status=1
-python3 scripts/check_sharded_trajectories.py --device cuda "$OUT/sharded_trajectories_h200.json" || status=1
+python3 -m rlportable conform --device cuda --quick --only adamw --json "$OUT/conform_cuda_adamw_h100.json" || status=1
+python3 scripts/check_sharded_trajectories.py --device cuda "$OUT/sharded_trajectories_h100.json" || status=1
 python3 -m rlportable bench memory --device cuda --model qwen3-1.7b --layouts 1x1,1x2,1x4 --tokens 4096 \
-    --layers 4 --measure --json "$OUT/memory_h200.json" || status=1
+    --layers 4 --measure --json "$OUT/memory_h100.json" || status=1
 exit $status

@@ -18,7 +18,7 @@ The model follows what the code allocates (docs/parallelism.md, "Memory per rank
 The peak is the larger of the rollout phase (weights, encodings, KV cache) and the training phase
 (everything else). Not modelled: the allocator's fragmentation, the CUDA context (about 0.5 GiB),
 library workspaces. `rlportable bench memory` prints it; the H200 measurement that checks it is in
-bench/results/memory_h200.json.
+bench/results/memory_h100.json.
 """
 
 from __future__ import annotations

@@ -179,10 +179,52 @@ def test_qwen2_biases_and_shared_kv_heads_at_tp4(cpu):
     assert same_bits(_logprobs_at(cpu, (config, weights), 4, tokens, cu), single)
 
 
-def test_training_and_entropy_under_tp_are_clear_errors(cpu, tiny):
-    group = ThreadGroup.create(cpu, 2)[0]
-    with pytest.raises(InputError, match="training under tensor parallelism"):
+def test_training_with_shared_kv_heads_is_a_clear_error(cpu, tiny):
+    group = ThreadGroup.create(cpu, 4)[0]  # 2 KV heads over 4 ranks: shared
+    with pytest.raises(InputError, match="num_key_value_heads \\(2\\) divisible by the TP size \\(4\\)"):
         Model(cpu, tiny[0], tiny[1], trainable=True, group=group)
+
+
+def _gradients_at(cpu, loaded, size, tokens, cu, rows, grad, temperature):
+    from rlportable.model import backward
+
+    config, weights = loaded
+
+    def work(group):
+        model = Model(cpu, config, weights, trainable=True, group=group)
+        fwd = backward.forward(model, tokens, cu, temperature, rows=rows)
+        grads = backward.backward(model, fwd, grad)
+        return cpu.to_numpy(fwd.logp), grads  # cpu: NumPy arrays
+
+    return run_threads(cpu, size, work) if size > 1 else [work(SingleGroup())]
+
+
+@pytest.mark.parametrize("loaded,size", [("tiny", 2), ("qwen3", 2), ("qwen3", 8), ("qwen2", 2)])
+def test_gradients_at_tp_are_the_single_device_shards(cpu, tiny, loaded, size):
+    """The trainer's forward and backward under tensor parallelism: the log-probs are the single-device
+    ones and each rank's gradients are exactly its shard of the single-device gradients (QK-norm and
+    norm weights whole on every rank), bitwise."""
+    import copy
+
+    from rlportable.model.parallel import TensorParallel, shard_weights
+
+    loaded = {"tiny": tiny, "qwen3": _small_qwen3(),
+              "qwen2": _small_qwen3("Qwen2ForCausalLM", qk_norm=False, qkv_bias=True, num_key_value_heads=2,
+                                    tie_word_embeddings=False)}[loaded]
+    config = loaded[0]
+    rng = np.random.default_rng(size)
+    tokens, cu = _sequences(rng, config.vocab_size, [9, 30, 2, 14])
+    rows = np.array([3, 4, 5, 10, 20, 37, 41, 45, 52], np.int64)
+    grad = rng.standard_normal(rows.size).astype(np.float32)
+    (logp, single), = _gradients_at(cpu, (config, copy.deepcopy(loaded[1])), 1, tokens, cu, rows, grad, 0.8)
+    for rank, (rank_logp, grads) in enumerate(_gradients_at(cpu, (config, copy.deepcopy(loaded[1])), size, tokens,
+                                                            cu, rows, grad, 0.8)):
+        assert same_bits([rank_logp], [logp])
+        expected = shard_weights(single, config, TensorParallel(rank, size)).named_tensors(config)
+        got = grads.named_tensors(config)
+        assert expected.keys() == got.keys()
+        for name in got:
+            assert same_bits([got[name]], [expected[name]]), (rank, name)
 
 
 # ---- the engine

@@ -31,6 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from rlportable.errors import InputError
+from rlportable.model import parallel
 from rlportable.model.forward import Model, check_packing, next_token_rows, packed_positions
 from rlportable.model.weights import LayerWeights, ModelWeights
 from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope, rowsum
@@ -79,7 +80,11 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
     rows, targets = next_token_rows(tokens, cu_seqlens) if rows is None else _check_rows(rows, cu_seqlens, tokens)
     rows = rows.astype(np.int32)
     picked = embedding.gather(backend, hidden, backend.asarray(rows), host_ids=rows)
-    logp = logprob.lm_head_logprobs(backend, picked, model.lm_head, backend.asarray(targets), temperature)
+    if model.tp.size > 1:
+        logp = parallel.vocab_parallel_logprobs(backend, model.group, picked, model.lm_head, model.vocab_start,
+                                                backend.asarray(targets), temperature)
+    else:
+        logp = logprob.lm_head_logprobs(backend, picked, model.lm_head, backend.asarray(targets), temperature)
     return TrainingForward(tokens, cu_seqlens, positions, rows, targets, checkpoints, kept, picked, logp,
                            temperature)
 
@@ -110,11 +115,24 @@ def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray) -> Model
     layer_grads: list[LayerWeights] = [None] * len(model.layers)  # type: ignore[list-item]
     for index in reversed(range(len(model.layers))):
         dx, layer_grads[index] = _layer_backward(model, index, fwd, dx)
-    d_embed = embedding.gather_backward(backend, backend.asarray(fwd.tokens), fwd.tokens, dx, cfg.vocab_size)
+    d_embed = _embedding_backward(model, fwd.tokens, dx)
     if params.tied:
         d_embed = residual.add(backend, d_embed, d_lm_head)
         d_lm_head = d_embed
     return ModelWeights(embed=d_embed, layers=layer_grads, final_norm=d_final_norm, lm_head=d_lm_head)
+
+
+def _embedding_backward(model: Model, tokens: np.ndarray, dx):
+    """d embedding [V, H], or this rank's vocabulary rows of it: the rows of the tokens it owns, each a
+    sum over its tokens in increasing token index (the single-device sums)."""
+    backend = model.backend
+    if model.tp.size == 1:
+        return embedding.gather_backward(backend, backend.asarray(tokens), tokens, dx, model.config.vocab_size)
+    rows = model.tp.columns(model.config.vocab_size)
+    mine = np.flatnonzero((tokens >= rows.start) & (tokens < rows.stop)).astype(np.int32)
+    ids = (tokens[mine] - rows.start).astype(np.int32)
+    dy = embedding.gather(backend, dx, backend.asarray(mine), host_ids=mine)
+    return embedding.gather_backward(backend, backend.asarray(ids), ids, dy, rows.stop - rows.start)
 
 
 # ----------------------------------------------------------------------------- LM head and log-prob
@@ -122,19 +140,26 @@ def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray) -> Model
 
 def _lm_head_backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray):
     """(d final hidden [T, H], d lm_head [V, H]) from the log-prob gradients, LM_HEAD_ROW_CHUNK rows at a time."""
-    backend = model.backend
+    backend, sharded = model.backend, model.tp.size > 1
     tokens, hidden_size = shape_of(fwd.checkpoints[-1])
+    vocab = model.tp.columns(model.config.vocab_size)
+    # under tensor parallelism: whole logit rows for the softmax's backward, the whole LM head for dX
+    lm_head = model.whole_lm_head() if sharded else model.params.lm_head
     d_hidden = d_weight = None
     for start in range(0, fwd.rows.size, LM_HEAD_ROW_CHUNK):
         stop = min(start + LM_HEAD_ROW_CHUNK, fwd.rows.size)
         picked = fwd.picked[start:stop]
         logits = gemm.gemm(backend, picked, model.lm_head)
+        if sharded:
+            logits = parallel.whole_columns(backend, model.group, logits)
         d_logits = logprob.logprobs_backward(backend, logits, backend.asarray(fwd.targets[start:stop]),
                                              fwd.temperature, backend.asarray(grad_logp[start:stop]))
-        d_picked = input_grad(model, d_logits, model.params.lm_head)
+        d_picked = input_grad(model, d_logits, lm_head)
         rows = fwd.rows[start:stop]
         d_rows = embedding.gather_backward(backend, backend.asarray(rows), rows, d_picked, tokens)  # scatter
         d_hidden = _accumulate(backend, d_hidden, d_rows)
+        if sharded:
+            d_logits = parallel.take_columns(backend, d_logits, vocab.start, vocab.stop)
         d_weight = _accumulate(backend, d_weight, weight_grad(backend, d_logits, picked))
     if d_hidden is None:  # no predicted token at all: zero gradients
         d_hidden = backend.zeros((tokens, hidden_size), np.float32)
@@ -163,6 +188,18 @@ def input_grad(model: Model, dy, w):
                          model.transposed_weight(w, start, stop))
         total = _accumulate(backend, total, part)
     return total
+
+
+def column_input_grad(model: Model, dy, w):
+    """input_grad of a column-parallel weight: under tensor parallelism dY and W are shards of the
+    summed axis, so the product is the row-parallel gemm (exact partial sums, one all-reduce)."""
+    if model.tp.size == 1:
+        return input_grad(model, dy, w)
+    n = shape_of(dy)[1] * model.tp.size
+    if n > GEMM_K_CHUNK:
+        raise InputError(f"tensor-parallel backward: a column-parallel weight of {n} outputs exceeds "
+                         f"{GEMM_K_CHUNK}, the single-device backward's K chunk")
+    return parallel.row_parallel_gemm(model.backend, model.group, dy, model.transposed_column_shard(w))
 
 
 def weight_grad_operand(backend, x) -> list:
@@ -214,7 +251,7 @@ def _recompute(model: Model, index: int, fwd: TrainingForward, x) -> dict:
 
 def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     """(d layer input, the layer's weight gradients) from d layer output."""
-    cfg, backend = model.config, model.backend
+    cfg, backend = model.shape, model.backend  # this rank's heads and columns under tensor parallelism
     w = model.params.layers[index]
     x = fwd.checkpoints[index]
     t = shape_of(x)[0]
@@ -226,7 +263,7 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     h2_operand = weight_grad_operand(backend, f.h2)
     grads["gate"] = weight_grad(backend, d_gate, f.h2, h2_operand)
     grads["up"] = weight_grad(backend, d_up, f.h2, h2_operand)
-    d_h2 = residual.add(backend, input_grad(model, d_gate, w.gate), input_grad(model, d_up, w.up))
+    d_h2 = residual.add(backend, column_input_grad(model, d_gate, w.gate), column_input_grad(model, d_up, w.up))
     d_x2, grads["mlp_norm"] = norm.rmsnorm_backward(backend, f.x2, w.mlp_norm, cfg.rms_norm_eps, d_h2)
     d_x2 = residual.add(backend, d_out, d_x2)
     # attention: x2 = x + attn(rope(norm(h1 Wq^T)), rope(norm(h1 Wk^T)), h1 Wv^T) Wo^T
@@ -242,19 +279,28 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
         grads[name] = weight_grad(backend, d_lin, f.h1, h1_operand)
         if getattr(w, f"{name}_bias") is not None:
             grads[f"{name}_bias"] = bias_grad(backend, d_lin)
-        d_h1 = _accumulate(backend, d_h1, input_grad(model, d_lin, getattr(w, name)))
+        d_h1 = _accumulate(backend, d_h1, column_input_grad(model, d_lin, getattr(w, name)))
     d_x, grads["attn_norm"] = norm.rmsnorm_backward(backend, x, w.attn_norm, cfg.rms_norm_eps, d_h1)
     return residual.add(backend, d_x2, d_x), LayerWeights(**grads)
 
 
 def _head_backward(model: Model, lin, head_norm, d_rotated, fwd: TrainingForward, grads: dict, norm_name: str):
-    """Through RoPE and (Qwen3) the per-head QK-norm back to the projection's output [T, heads * D]."""
+    """Through RoPE and (Qwen3) the per-head QK-norm back to the projection's output [T, heads * D].
+    Under tensor parallelism the norm's weight gradient sums over every rank's heads: it is taken from
+    the whole heads (gathered copies), the same on every rank, and each rank keeps its heads' d_lin."""
     cfg, backend = model.config, model.backend
     t, heads, dim = shape_of(d_rotated)
     cos, sin = model.rope_tables(int(fwd.positions.max()) + 1 if fwd.positions.size else 1)
     d_normed = rope.apply_backward(backend, d_rotated, backend.asarray(fwd.positions), cos, sin, fwd.positions)
     if head_norm is None:
         return d_normed.reshape(t, heads * dim)
-    d_lin, grads[norm_name] = norm.rmsnorm_heads_backward(backend, lin.reshape(t, heads, dim), head_norm,
-                                                          cfg.rms_norm_eps, d_normed)
-    return d_lin.reshape(t, heads * dim)
+    size = model.tp.size
+    if size > 1:
+        lin = parallel.whole_columns(backend, model.group, lin.reshape(t, heads * dim))
+        d_normed = parallel.whole_columns(backend, model.group, d_normed.reshape(t, heads * dim))
+    d_lin, grads[norm_name] = norm.rmsnorm_heads_backward(backend, lin.reshape(t, heads * size, dim), head_norm,
+                                                          cfg.rms_norm_eps, d_normed.reshape(t, heads * size, dim))
+    d_lin = d_lin.reshape(t, heads * size * dim)
+    if size > 1:
+        d_lin = parallel.take_columns(backend, d_lin, model.tp.rank * heads * dim, (model.tp.rank + 1) * heads * dim)
+    return d_lin

@@ -93,9 +93,10 @@ class Model:
         #: the shapes this rank computes with (config itself without tensor parallelism)
         self.shape = config
         if self.tp.size > 1:
-            if trainable:
-                raise InputError("training under tensor parallelism is not implemented: the trainer runs on one "
-                                 "device (docs/parallelism.md, 'Training stays on one device')")
+            if trainable and config.num_key_value_heads % self.tp.size:
+                raise InputError(f"training under tensor parallelism needs num_key_value_heads "
+                                 f"({config.num_key_value_heads}) divisible by the TP size ({self.tp.size}): ranks "
+                                 "sharing a KV head would each hold a part of its gradient")
             weights = parallel.shard_weights(weights, config, self.tp)
             self.shape = self.tp.local_config(config)
         self.vocab_start = self.tp.vocab_start(config)
@@ -258,7 +259,7 @@ class Model:
     def logits(self, hidden_rows):
         """float32 logits [rows, V] of final-norm hidden rows (the exact gemm with the LM head)."""
         logits = gemm.gemm(self.backend, hidden_rows, self.lm_head)
-        return logits if self.tp.size == 1 else parallel.whole_logits(self.backend, self.group, logits)
+        return logits if self.tp.size == 1 else parallel.whole_columns(self.backend, self.group, logits)
 
     def _projections(self, h, stacked: gemm.StackedWeight, biases, encoded=None) -> list:
         """h @ W_i.T (+ bias_i) for the parts of a stacked weight; gemm_columns encodes h once for all of
@@ -326,6 +327,23 @@ class Model:
         key = (id(w), start, stop)
         if key not in self._transposed:
             self._transposed[key] = gemm.encode_weight(self.backend, residual.transpose(self.backend, w[start:stop]))
+        return self._transposed[key]
+
+    def transposed_column_shard(self, w) -> gemm.GemmWeight:
+        """A column-parallel weight's shard transposed [K, N / size], encoded with the whole rows'
+        exponents (the row-parallel gemm's weight, for dX = dY W under tensor parallelism); cached."""
+        key = ("column shard", id(w))
+        if key not in self._transposed:
+            self._transposed[key] = parallel.encode_row_parallel_weight(
+                self.backend, self.group, residual.transpose(self.backend, w))
+        return self._transposed[key]
+
+    def whole_lm_head(self):
+        """The whole float32 LM head [V, H], all-gathered from the vocabulary shards; cached."""
+        key = ("whole lm_head",)
+        if key not in self._transposed:
+            shard = self.params.lm_head
+            self._transposed[key] = self.group.all_gather(shard).reshape(self.config.vocab_size, shard.shape[1])
         return self._transposed[key]
 
     def logprobs(self, tokens: np.ndarray, cu_seqlens: np.ndarray, temperature: float = 1.0,

@@ -17,6 +17,19 @@ Megatron's layout, one rank per GPU (docs/parallelism.md, "Megatron's layout"):
 Norms, RoPE, residual adds and attention are per row or per head: every rank runs them on the
 rows and heads it has, identically.
 
+The trainer's backward under the same layout (model/backward.py, docs/parallelism.md):
+  * a column-parallel weight's input gradient dX = dY W sums over the rank's output columns: it is
+    a row-parallel gemm of dY's column shard with W's transposed shard, encoded with the whole
+    rows' exponents (row_parallel_gemm): bitwise the single-device product;
+  * a row-parallel weight's input gradient and every weight gradient are the rank's own rows or
+    columns of the single-device result: no communication;
+  * the LM head: the log-prob's backward reads whole logit rows (whole_columns), the input gradient
+    uses the whole LM head (all-gathered once per update), each rank keeps its vocabulary rows of
+    the weight gradient;
+  * the QK-norm weights are shared by all heads: their gradient is computed from the whole heads
+    (whole_columns), identically on every rank; the embedding's from the tokens each rank owns.
+Training needs the KV heads divisible by the TP size (a shared KV head's gradient would be split).
+
 What must divide: the query heads, the intermediate size and the vocabulary by the TP size; the
 key/value heads either by the TP size or the TP size by them (then ranks share a KV head, each
 keeping a copy, as vLLM does).
@@ -148,14 +161,22 @@ def embed_tokens(backend, group: Group, table_shard, vocab_start: int, device_id
     return group.all_reduce(part.view(np.uint32), "sum").view(np.float32)
 
 
-def whole_logits(backend, group: Group, logits_shard):
-    """[rows, V] from every rank's [rows, V / size] (an all-gather and a row gather: bit copies)."""
+def whole_columns(backend, group: Group, logits_shard):
+    """[rows, C] from every rank's [rows, C / size] in rank order (an all-gather and a row gather: bit
+    copies): the whole logits from their vocabulary shards, the whole heads from each rank's heads."""
     rows, per = logits_shard.shape
     size = group.size
     parts = group.all_gather(logits_shard).reshape(size * rows, per)  # part p's row r at p * rows + r
     order = (np.arange(rows * size) % size) * rows + np.arange(rows * size) // size  # row r, part p at r*size+p
     order = order.astype(np.int32)
     return embedding.gather(backend, parts, backend.asarray(order), host_ids=order).reshape(rows, size * per)
+
+
+def take_columns(backend, x, start: int, stop: int):
+    """x[:, start:stop] of a [rows, C] array, contiguous (two transposes: bit copies)."""
+    from rlportable.ops import residual
+
+    return residual.transpose(backend, residual.transpose(backend, x)[start:stop])
 
 
 def vocab_parallel_logprobs(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, vocab_start: int,

@@ -373,23 +373,33 @@ def _run_options(f):
                      help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as "
                           "--dp 1."),
         click.option("--dp-emulate", is_flag=True,
-                     help="Run the --dp replicas as threads of this process on one device (always so on cpu)."),
+                     help="Run the --tp x --dp ranks as threads of this process on one device (always so on cpu)."),
+        click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
+                     help="Tensor-parallel ranks per replica (one process per GPU, --tp x --dp in all); bitwise the "
+                          "same run as --tp 1."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
-def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str, dp: int, dp_emulate: bool,
+def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str, tp: int, dp: int, emulate: bool,
                        out: str | None = None):
-    """run(backend, on_step, group) on every data-parallel replica (one without --dp); rank 0 prints."""
-    def work(backend, group):
-        if group.rank == 0:
-            _train(kind, lambda on_step: run(backend, on_step, group), keys, steps, out)
-        else:
-            run(backend, lambda record: None, group)
+    """run(backend, on_step, dp_group, tp_group) on every rank of tp x dp (one without --tp and --dp);
+    rank 0 prints."""
+    from rlportable.runtime.world import layout_groups
 
-    _run_ranks(device, dp, dp_emulate, work)
+    def work(backend, world):
+        try:
+            tensor, data = layout_groups(world, tp)
+        except RlpError as error:
+            _fail(error)
+        if world.rank == 0:
+            _train(kind, lambda on_step: run(backend, on_step, data, tensor), keys, steps, out)
+        else:
+            run(backend, lambda record: None, data, tensor)
+
+    _run_ranks(device, tp * dp, emulate, work)
 
 
 def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None):
@@ -419,7 +429,7 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None):
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="Examples per optimiser step.")
 @click.option("--max-length", default=1024, show_default=True, type=click.IntRange(min=1), help="Longest prompt + completion.")
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-        weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, batch_size, max_length):
+        weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, batch_size, max_length):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
     from rlportable.train import launch
     from rlportable.train.sft import SFTConfig
@@ -435,8 +445,9 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
         launch.check_paths(options)
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("sft", lambda backend, on_step, group: launch.run_sft(backend, options, config, on_step, group),
-                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, dp, dp_emulate, out)
+    _train_on_replicas("sft", lambda backend, on_step, group, tensor: launch.run_sft(backend, options, config, on_step,
+                                                                                    group, tensor),
+                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, dp_emulate, out)
 
 
 @main.command()
@@ -461,7 +472,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--num-iterations", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over each rollout.")
 @click.option("--mini-batches", default=1, show_default=True, type=click.IntRange(min=1), help="Optimiser steps per pass.")
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-         weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, rewards, reward_weights,
+         weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, temperature, top_p, top_k, min_p, epsilon,
          epsilon_high, beta, loss_type, scale_rewards, num_iterations, mini_batches):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
@@ -485,11 +496,11 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("grpo", lambda backend, on_step, group: launch.run_grpo(backend, options, config, specs,
-                                                                               on_step, group),
+    _train_on_replicas("grpo", lambda backend, on_step, group, tensor: launch.run_grpo(backend, options, config, specs,
+                                                                                       on_step, group, tensor),
                        ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches",
                         "max_abs_dlogp", "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"],
-                       config.steps, device, dp, dp_emulate, out)
+                       config.steps, device, tp, dp, dp_emulate, out)
 
 
 @main.group()

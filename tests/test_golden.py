@@ -185,16 +185,21 @@ def test_recorded_outputs_are_copies_not_arrays_updated_later():
 
 
 @pytest.mark.parametrize("check_name", ["golden.training.sft.trajectory", "golden.training.grpo.trajectory"])
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_training_trajectories_reproduce_at_any_replica_count(check_name, ranks):
-    """The whole-run digests (weights, AdamW moments, metrics) with the optimiser sharded over 2 and 3
-    data-parallel replicas (threads): the committed single-device digest, to the bit."""
+@pytest.mark.parametrize("tp,dp", [(1, 2), (1, 3), (2, 1), (2, 2)])
+def test_training_trajectories_reproduce_at_any_layout(check_name, tp, dp):
+    """The whole-run digests (weights, AdamW moments, metrics) with the model cut over tp tensor-parallel
+    ranks and the optimiser sharded over dp replicas (threads): the committed single-device digest,
+    to the bit, on every rank."""
     from rlportable.runtime.collectives import run_threads
+    from rlportable.runtime.world import layout_groups
 
     case = _case(check_name)
     expected = json.loads((COMMITTED / f"{case.group}.json").read_text())
     want = next(item["sha256"] for item in expected["digests"] if item["name"] == case.name)
-    outputs = run_threads(CPU, ranks, lambda group: case.compute(
-        CPU, golden_stream.Stream(case.recipe["seed"]), case.recipe, group))
-    for rank_outputs in outputs:
+
+    def rank(world):
+        tensor, data = layout_groups(world, tp)
+        return case.compute(CPU, golden_stream.Stream(case.recipe["seed"]), case.recipe, data, tensor)
+
+    for rank_outputs in run_threads(CPU, tp * dp, rank):
         assert golden_digest.digest(rank_outputs) == want

@@ -191,6 +191,62 @@ def test_sharded_checkpoint_resumes_bitwise_at_another_replica_count(tmp_path):
             assert np.array_equal(a[key].reshape(-1).view(np.uint32), b[key].reshape(-1).view(np.uint32)), key
 
 
+def _layout_run(kind, tmp_path, name, config, tp, dp, resume=False, on_step=None, **options):
+    from rlportable.runtime.collectives import run_threads
+    from rlportable.runtime.world import layout_groups
+
+    run = launch.run_sft if kind == "sft" else launch.run_grpo
+
+    def rank(world):
+        tensor, data = layout_groups(world, tp)
+        hook = on_step if (on_step and world.rank == 0) else (lambda r: None)
+        args = (CPU, _options(tmp_path, name, resume=resume, **options), config)
+        return run(*args, hook, data, tensor) if kind == "sft" else run(*args, [], hook, data, tensor)
+
+    return run_threads(CPU, tp * dp, rank)[0]
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_tensor_and_data_parallel_runs_resume_across_layouts_bitwise(tmp_path, kind):
+    """A run at TP 2 x DP 2 (threads) has the single-device metrics; interrupted after step 1 at one
+    layout, it resumes at another (TP 2 -> TP 1 x DP 2, and TP 1 x DP 2 -> TP 2) and ends with the
+    single-device weights and moments, bitwise."""
+    if kind == "sft":
+        config = SFTConfig(steps=3, batch_size=8, learning_rate=3e-3, micro_batch_tokens=20, seed=2)
+        single = launch.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
+        extra = {}
+    else:
+        config = _grpo_config(steps=3, micro_batch_tokens=12, mini_batches=2, beta=0.04)
+        single = launch.run_grpo(CPU, _options(tmp_path, "single", model="tiny-sft"), config, [], lambda r: None)
+        extra = {"model": "tiny-sft"}
+    timing = ("rollout_s", "train_s", "step_s", "rollout_tokens_per_s", "tokens_per_s")
+
+    def same_metrics(records):
+        clean = [{k: v for k, v in r.items() if k not in timing and not k.startswith("time/")} for r in records]
+        want = [{k: v for k, v in r.items() if k not in timing and not k.startswith("time/")} for r in single]
+        assert clean == want
+
+    same_metrics(_layout_run(kind, tmp_path, "tp2dp2", config, 2, 2, **extra))
+
+    def stop_after_one(record):
+        if record["step"] == 2:
+            raise KeyboardInterrupt  # before step 2's checkpoint: the latest is step 1's
+
+    for name, first, then in (("tp2_to_dp2", (2, 1), (1, 2)), ("dp2_to_tp2", (1, 2), (2, 1))):
+        with pytest.raises(KeyboardInterrupt):
+            _layout_run(kind, tmp_path, name, config, *first, on_step=stop_after_one, **extra)
+        assert checkpoint.latest_checkpoint(tmp_path / name).endswith("step-000001")
+        same_metrics(_layout_run(kind, tmp_path, name, config, *then, resume=True, **extra))
+    for name in ("tp2dp2", "tp2_to_dp2", "dp2_to_tp2"):
+        straight, parted = _final_weights(tmp_path / "single"), _final_weights(tmp_path / name)
+        for key in straight:
+            assert np.array_equal(straight[key], parted[key]), (name, key)
+        a = checkpoint.load_checkpoint(tmp_path / "single").optimizer_state
+        b = checkpoint.load_checkpoint(tmp_path / name).optimizer_state
+        for key in a.keys():
+            assert np.array_equal(a[key].reshape(-1).view(np.uint32), b[key].reshape(-1).view(np.uint32)), key
+
+
 def test_cli_grpo_with_dp_on_cpu_prints_the_same_last_step(tmp_path):
     from click.testing import CliRunner
 
@@ -199,9 +255,13 @@ def test_cli_grpo_with_dp_on_cpu_prints_the_same_last_step(tmp_path):
     args = ["grpo", "--device", "cpu", "--steps", "1", "--prompts-per-step", "2", "-G", "2",
             "--max-completion-length", "3"]
     one = CliRunner().invoke(main, args)
-    two = CliRunner().invoke(main, args + ["--dp", "2"])
-    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    assert one.exit_code == 0, one.output
     last = [line for line in one.output.splitlines() if line.startswith("step 1")][-1]
     assert "logp_mismatches 0" in last
-    assert last.split("| rollout")[0] == [line for line in two.output.splitlines()
-                                          if line.startswith("step 1")][-1].split("| rollout")[0]
+    for layout in (["--dp", "2"], ["--tp", "2", "--dp", "2"]):
+        other = CliRunner().invoke(main, args + layout)
+        assert other.exit_code == 0, other.output
+        assert last.split("| rollout")[0] == [line for line in other.output.splitlines()
+                                              if line.startswith("step 1")][-1].split("| rollout")[0]
+    bad = CliRunner().invoke(main, args + ["--tp", "4"])  # the tiny model's 2 KV heads
+    assert bad.exit_code != 0 and "num_key_value_heads (2) divisible by the TP size (4)" in bad.output

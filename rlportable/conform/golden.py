@@ -183,11 +183,12 @@ GRPO_METRICS = ("reward_mean", "reward_std", "loss", "kl", "clip_fraction", "log
 def _trajectory(backend, model, optimizer, records: list[dict], keys) -> list[tuple[str, np.ndarray]]:
     out = [(f"step{i + 1}.{key}", np.array([float(record[key])], np.float64))
            for i, record in enumerate(records) for key in keys if key in record]
-    out += [(f"weights.{name}", host(backend, p)) for name, p in model.params.named_tensors(model.config).items()]
+    # the whole tensors, gathered from the shards when the run is sharded (copies: AdamW updates in place)
+    out += [(f"weights.{name}", canonical(np.array(a, copy=True))) for name, a in optimizer.whole_weights().items()]
     return out + [(f"optimizer.{name}", canonical(np.array(a, copy=True))) for name, a in optimizer.state().items()]
 
 
-def _run_setup(backend, r, seed: int):
+def _run_setup(backend, r, seed: int, tp_group=None):
     """(model, tokenizer, task records, task) of a trajectory recipe: the embedded model, trainable."""
     from rlportable.model.forward import Model
     from rlportable.model.load import load_model
@@ -195,29 +196,30 @@ def _run_setup(backend, r, seed: int):
 
     model_config, weights, tokenizer = load_model(r["model"])
     records, task = task_records(r["task"], None, seed)
-    return Model(backend, model_config, weights, trainable=True), tokenizer, records, task
+    return Model(backend, model_config, weights, trainable=True, group=tp_group), tokenizer, records, task
 
 
 @TRAINING_CASES.case("sft.trajectory", **SFT_RUN)
-def _sft_trajectory(backend, s, r, group=None):
-    """group: data-parallel ranks with a sharded optimiser, whose run must give the same digest."""
+def _sft_trajectory(backend, s, r, group=None, tp_group=None):
+    """group: data-parallel ranks with a sharded optimiser; tp_group: tensor-parallel ranks sharing the
+    model: any layout's run must give the same digest."""
     from rlportable.train.sft import SFTConfig, SFTTrainer, task_sft_records
 
     config = SFTConfig(**r["config"])
-    model, tokenizer, records, _ = _run_setup(backend, r, config.seed)
+    model, tokenizer, records, _ = _run_setup(backend, r, config.seed, tp_group)
     trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config, group)
     steps = [trainer.step(i) for i in range(config.steps)]
     return _trajectory(backend, model, trainer.optimizer, steps, SFT_METRICS)
 
 
 @TRAINING_CASES.case("grpo.trajectory", **GRPO_RUN)
-def _grpo_trajectory(backend, s, r, group=None):
-    """group: as _sft_trajectory's."""
+def _grpo_trajectory(backend, s, r, group=None, tp_group=None):
+    """group, tp_group: as _sft_trajectory's."""
     from rlportable.train.grpo import GRPOConfig, GRPOTrainer
     from rlportable.train.rewards import RewardSet
 
     config = GRPOConfig(**r["config"])
-    model, tokenizer, records, task = _run_setup(backend, r, config.seed)
+    model, tokenizer, records, task = _run_setup(backend, r, config.seed, tp_group)
     trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config, None, group)
     steps = [trainer.step(i) for i in range(config.steps)]
     del trainer.engine  # its KV cache

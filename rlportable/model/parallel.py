@@ -44,7 +44,7 @@ import numpy as np
 
 from rlportable.errors import InputError
 from rlportable.model.config import ModelConfig
-from rlportable.model.weights import LayerWeights, ModelWeights
+from rlportable.model.weights import ModelWeights
 from rlportable.ops import embedding, fixedpoint, gemm, logprob
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -108,32 +108,53 @@ def _head_rows(heads: range, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
+def shard_tensor(config: ModelConfig, plan: TensorParallel, name: str, array: np.ndarray) -> np.ndarray:
+    """This rank's shard of one whole host tensor, by its Hugging Face name (a view for the norms)."""
+    axis = tensor_axis(name)
+    if plan.size == 1 or axis is None:
+        return array
+    d = config.head_dim
+    if "q_proj" in name or "o_proj" in name:
+        cut = _head_rows(plan.q_heads(config), d)
+    elif "k_proj" in name or "v_proj" in name:
+        cut = _head_rows(plan.kv_heads(config), d)
+    elif "mlp." in name:
+        cut = plan.columns(config.intermediate_size)
+    else:  # the embedding and the LM head
+        cut = plan.columns(config.vocab_size)
+    return np.ascontiguousarray(array[cut] if axis == 0 else array[:, cut])
+
+
 def shard_weights(weights: ModelWeights, config: ModelConfig, plan: TensorParallel) -> ModelWeights:
-    """This rank's host weights (views of the full arrays where possible)."""
+    """This rank's host weights."""
+    from rlportable.model.weights import from_named
+
     if plan.size == 1:
         return weights
     plan.check(config)
-    d = config.head_dim
-    q_rows, kv_rows = _head_rows(plan.q_heads(config), d), _head_rows(plan.kv_heads(config), d)
-    mlp = plan.columns(config.intermediate_size)
-    vocab = plan.columns(config.vocab_size)
+    return from_named(config, {name: shard_tensor(config, plan, name, array)
+                               for name, array in weights.named_tensors(config).items()})
 
-    def optional(array, rows):
-        return None if array is None else np.ascontiguousarray(array[rows])
 
-    def layer(w: LayerWeights) -> LayerWeights:
-        return LayerWeights(
-            attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, q_norm=w.q_norm, k_norm=w.k_norm,
-            q=np.ascontiguousarray(w.q[q_rows]), k=np.ascontiguousarray(w.k[kv_rows]),
-            v=np.ascontiguousarray(w.v[kv_rows]), o=np.ascontiguousarray(w.o[:, q_rows]),
-            gate=np.ascontiguousarray(w.gate[mlp]), up=np.ascontiguousarray(w.up[mlp]),
-            down=np.ascontiguousarray(w.down[:, mlp]),
-            q_bias=optional(w.q_bias, q_rows), k_bias=optional(w.k_bias, kv_rows), v_bias=optional(w.v_bias, kv_rows))
+def tensor_axis(name: str) -> int | None:
+    """The axis along which a tensor (by Hugging Face name) is cut over the ranks: 0 for the
+    column-parallel projections, their biases and the vocabulary; 1 for the row-parallel o and down;
+    None for the norm weights every rank holds whole."""
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 1
+    return None if "norm" in name else 0
 
-    embed = np.ascontiguousarray(weights.embed[vocab])
-    lm_head = embed if weights.tied else np.ascontiguousarray(weights.lm_head[vocab])
-    return ModelWeights(embed=embed, layers=[layer(w) for w in weights.layers], final_norm=weights.final_norm,
-                        lm_head=lm_head)
+
+def unshard(backend, group: Group, name: str, local, keep: bool = True):
+    """The whole tensor `name` from every rank's shard (all-gathered, a copy), as a host array, or None
+    where keep is False (every rank must call: the gather is collective)."""
+    axis = tensor_axis(name)
+    if group.size == 1 or axis is None:
+        return backend.to_numpy(local) if keep else None
+    parts = group.all_gather(local)
+    if not keep:
+        return None
+    return np.concatenate(list(backend.to_numpy(parts)), axis=axis)
 
 
 # ---- the exact collectives of the forward

@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from rlportable.model.config import ModelConfig
 from rlportable.model.tokenizer import Tokenizer
-from rlportable.model.weights import ModelWeights, _assemble, expected_tensors
+from rlportable.model.weights import ModelWeights, from_named, expected_tensors
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -197,7 +197,7 @@ def tiny_weights(config: ModelConfig, seed: int = 0) -> ModelWeights:
         else:
             values = rng.normal(0.0, 0.02, size=shape).astype(np.float32)
             arrays[name] = np.ascontiguousarray(values.astype(ml_dtypes.bfloat16).astype(np.float32))
-    return _assemble(config, arrays)
+    return from_named(config, arrays)
 
 
 def tiny_model(seed: int = 0) -> tuple[ModelConfig, ModelWeights, Tokenizer]:

@@ -327,10 +327,11 @@ def load_weights(directory: str | os.PathLike, config: ModelConfig) -> ModelWeig
         if not np.array_equal(head.view(np.uint32), arrays["model.embed_tokens.weight"].view(np.uint32)):
             raise ModelError(f"{tied_head.path}: tensor lm_head.weight differs from model.embed_tokens.weight "
                              "but tie_word_embeddings is true")
-    return _assemble(config, arrays)
+    return from_named(config, arrays)
 
 
-def _assemble(config: ModelConfig, arrays: dict[str, np.ndarray]) -> ModelWeights:
+def from_named(config: ModelConfig, arrays: dict[str, np.ndarray]) -> ModelWeights:
+    """ModelWeights from Hugging Face tensor names (named_tensors' inverse)."""
     layers = []
     for index in range(config.num_hidden_layers):
         fields = {attr: arrays[name] for name, attr in _layer_names(config, index)}

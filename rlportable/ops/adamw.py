@@ -4,13 +4,14 @@ Contract: contracts/adamw.toml; reference: rlportable/contract/adamw.py;
 kernels: backends/portable/adamw.hip.
 
 API
-  clip_factor(backend, grads, max_norm, group=None) -> (c, norm)     host float64 scalars
-  adamw_step(backend, params, grads, m, v, step, hyper, lr=None, group=None) -> StepInfo(lr, norm, clip)
+  clip_factor(backend, grads, max_norm, groups=(), counted=None) -> (c, norm)     host float64 scalars
+  adamw_step(backend, params, grads, m, v, step, hyper, lr=None, groups=(), counted=None)
+      -> StepInfo(lr, norm, clip)
       updates params, m and v IN PLACE (float32 backend arrays, C-contiguous, any shapes;
       m and v start as zeros); `hyper` is contract.adamw.Hyper; lr defaults to hyper.lr
       (pass contract.adamw.lr_at(step, ...) for the warmup + cosine schedule); step >= 1.
 The gradients are the caller's accumulated gradients (their sum over micro-batches must be exact).
-With a group, each rank passes its shard of every tensor (the update is element-wise; only the
+With groups, each rank passes its shard of every tensor (the update is element-wise; only the
 global norm spans the ranks, and it is exact: integer MAX and SUM), so every shard gets the bits
 one device computes.
 """
@@ -81,17 +82,23 @@ def sum_of_squares(backend, grads, e: int) -> int:
     return exact_sum(backend.to_numpy(out))
 
 
-def global_norm(backend, grads, group=None) -> float:
-    """The contract's global norm over every tensor; with a group, over the union of every rank's
-    tensors (each rank holding a shard): MAX of the largest bits, exact SUM of the integer parts."""
+def global_norm(backend, grads, groups=(), counted=None) -> float:
+    """The contract's global norm over every tensor. groups: the groups over which the tensors are cut
+    (each rank passing its shards): MAX of the largest bits and exact SUM of the integer parts over
+    each. counted: per tensor, whether this rank adds its squares (a tensor that every rank of a group
+    holds whole is counted on one of them); default every tensor."""
     largest = largest_bits(backend, grads)
-    if group is not None and group.size > 1:
-        largest = int(backend.to_numpy(group.all_reduce(backend.asarray(np.array([largest], np.uint32)), "max"))[0])
+    for group in groups:
+        if group.size > 1:
+            largest = int(backend.to_numpy(group.all_reduce(backend.asarray(np.array([largest], np.uint32)),
+                                                            "max"))[0])
     if largest >= 0x7F800000:
         return ref.norm_from_parts(largest, 0)
-    total = sum_of_squares(backend, grads, ref.exponent_of(largest))
-    if group is not None and group.size > 1:
-        total = sum(group.all_gather_object(total))  # Python ints: exact at any size
+    chosen = grads if counted is None else [g for g, keep in zip(grads, counted) if keep]
+    total = sum_of_squares(backend, chosen, ref.exponent_of(largest))
+    for group in groups:
+        if group.size > 1:
+            total = sum(group.all_gather_object(total))  # Python ints: exact at any size
     return ref.norm_from_parts(largest, total)
 
 
@@ -102,16 +109,16 @@ def exact_sum(values: np.ndarray) -> int:
     return (int(np.sum(values >> 31)) << 31) + int(np.sum(values & ((1 << 31) - 1)))
 
 
-def clip_factor(backend, grads, max_norm, group=None) -> tuple[float, float]:
+def clip_factor(backend, grads, max_norm, groups=(), counted=None) -> tuple[float, float]:
     """(c, norm): the contract's clip factor over every gradient tensor, and the global norm."""
-    norm = global_norm(backend, grads, group)
+    norm = global_norm(backend, grads, groups, counted)
     return ref.clip_from_norm(norm, max_norm), norm
 
 
 def adamw_step(backend, params, grads, m, v, step: int, hyper: Hyper, lr: float | None = None,
-               group=None) -> StepInfo:
-    """One AdamW step over every tensor, in place (see the module docstring). group: the tensors
-    are this rank's shards of the whole set, whose global norm clips every shard."""
+               groups=(), counted=None) -> StepInfo:
+    """One AdamW step over every tensor, in place (see the module docstring). groups, counted: the
+    tensors are this rank's shards of the whole set, whose global norm clips every shard (global_norm)."""
     if not (len(params) == len(grads) == len(m) == len(v)):
         raise InputError("adamw_step: params, grads, m and v must be lists of the same length")
     for i, tensors in enumerate(zip(params, grads, m, v)):
@@ -121,7 +128,7 @@ def adamw_step(backend, params, grads, m, v, step: int, hyper: Hyper, lr: float 
     if int(step) < 1:
         raise InputError(f"adamw_step: steps count from 1, got {step}")
     lr = float(hyper.lr if lr is None else lr)
-    c, norm = clip_factor(backend, grads, hyper.max_norm, group)
+    c, norm = clip_factor(backend, grads, hyper.max_norm, groups, counted)
     s = ref.hyper_scalars(hyper, step, lr)
     for i, (p, g, mi, vi) in enumerate(zip(params, grads, m, v)):
         n = _size(f"params[{i}]", p)

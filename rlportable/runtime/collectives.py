@@ -71,6 +71,19 @@ class Group(ABC):
     def all_to_all(self, array):
         """A new array [size, *rest] from `array` [size, *rest]: out[j] is rank j's array[rank]."""
 
+    def split(self, color: int, key: int) -> "Group":
+        """The ranks that pass the same color, as a group of their own ordered by key (every rank calls)."""
+        if self.size == 1:
+            return self
+        wanted = self.all_gather_object((color, key))
+        members = sorted((r for r in range(self.size) if wanted[r][0] == color), key=lambda r: (wanted[r][1], r))
+        subgroup = self._subgroup(members, wanted)  # every rank takes part, whatever its own group's size
+        return SingleGroup() if len(members) == 1 else subgroup
+
+    def _subgroup(self, members: list[int], wanted: list) -> "Group":
+        """This rank's group of `members` (parent ranks, in the new order); wanted: every rank's (color, key)."""
+        raise InputError(f"the {self.label} group cannot be split")
+
     def barrier(self) -> None:
         """Every rank reaches this point before any leaves it."""
 
@@ -120,8 +133,9 @@ class _Meeting:
     """Where the threads of a ThreadGroup leave their arrays and wait for each other."""
 
     def __init__(self, size: int, timeout: float):
-        self.size = size
+        self.size, self.timeout = size, timeout
         self.barrier = threading.Barrier(size, timeout=timeout)
+        self.children: list["_Meeting"] = []  # the meetings of groups split from this one
         self.slots: list[Any] = [None] * size
 
     def exchange(self, rank: int, host: np.ndarray) -> list[np.ndarray]:
@@ -132,7 +146,10 @@ class _Meeting:
         return everything
 
     def abort(self) -> None:
+        """Break every wait here and in the split groups' meetings (a rank failed)."""
         self.barrier.abort()
+        for child in self.children:
+            child.abort()
 
 
 class ThreadGroup(Group):
@@ -165,6 +182,17 @@ class ThreadGroup(Group):
     def all_gather(self, array):
         _check("all_gather", array.dtype, GATHER_DTYPES)
         return self.backend.asarray(np.stack(self._exchange(array)))
+
+    def _subgroup(self, members, wanted):
+        meetings = None
+        if self.rank == 0:  # one meeting per color, made once and handed to every thread
+            counts: dict = {}
+            for color, _ in wanted:
+                counts[color] = counts.get(color, 0) + 1
+            meetings = {color: _Meeting(count, self._meeting.timeout) for color, count in counts.items()}
+            self._meeting.children.extend(meetings.values())
+        meetings = self.all_gather_object(meetings)[0]
+        return ThreadGroup(self.backend, members.index(self.rank), meetings[wanted[self.rank][0]])
 
     def all_to_all(self, array):
         _check_all_to_all(array, self.size)
@@ -254,6 +282,11 @@ class NcclGroup(Group):
         self._comm.allGather(source.data.ptr, out.data.ptr, int(source.size), self._types[dtype], self._stream())
         return out
 
+    def _subgroup(self, members, wanted):
+        uid = self.new_unique_id() if self.rank == members[0] else None
+        ids = self.all_gather_object(uid)
+        return NcclGroup(self.backend, members.index(self.rank), len(members), ids[members[0]])
+
     def all_to_all(self, array):
         dtype = _check_all_to_all(array, self.size)
         source = self._contiguous(array)
@@ -317,6 +350,11 @@ class RcclGroup(Group):
         self._check(self._rccl.ncclAllGather(source, out, int(source.size), self._types[dtype], self._comm,
                                              self.backend.stream), "ncclAllGather")
         return out
+
+    def _subgroup(self, members, wanted):
+        uid = self.new_unique_id() if self.rank == members[0] else None
+        ids = self.all_gather_object(uid)
+        return RcclGroup(self.backend, members.index(self.rank), len(members), ids[members[0]])
 
     def all_to_all(self, array):
         dtype = _check_all_to_all(array, self.size)

@@ -120,6 +120,17 @@ def spawn_ranks(size: int, argv: list[str]) -> int:
     return max(codes, key=abs)
 
 
+def layout_groups(world: Group, tp: int) -> tuple[Group, Group]:
+    """(tensor-parallel group, data-parallel group) of this rank in a world of tp x dp ranks:
+    consecutive ranks share a model (tensor parallelism, the fast links within a node); ranks with
+    the same place in their model are the data-parallel replicas of that shard."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world.size % tp:
+        raise InputError(f"--tp {tp} must divide the {world.size} ranks")
+    tensor = world.split(world.rank // tp, world.rank)
+    data = world.split(world.rank % tp, world.rank)
+    return tensor, data
+
+
 def run_ranks(device: str, tp: int, emulate: bool, work: Callable, kernel_source: str = "native") -> tuple[bool, Any]:
     """(reports, work(backend, group)) for this process's rank of a `tp`-way tensor-parallel run.
 

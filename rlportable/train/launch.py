@@ -82,8 +82,9 @@ def _check_writable(flag: str, path: str, folder: bool) -> None:
         raise InputError(f"{flag} {path}: cannot be created ({parent} is not a writable folder)")
 
 
-def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict) -> tuple:
-    """(model, tokenizer, first step, checkpoint or None): from --resume's checkpoint or --model."""
+def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict, tp_group=None) -> tuple:
+    """(model, tokenizer, first step, checkpoint or None): from --resume's checkpoint or --model; under
+    tensor parallelism the model is this rank's shard."""
     ckpt = None
     if options.resume:
         if options.out is None:
@@ -93,7 +94,7 @@ def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict) ->
         config, weights, tokenizer = ckpt.config, ckpt.weights, ckpt.tokenizer
     else:
         config, weights, tokenizer = load_model(spec)
-    model = Model(backend, config, weights, trainable=True)
+    model = Model(backend, config, weights, trainable=True, group=tp_group)
     return model, tokenizer, (ckpt.trainer_state["next_step"] if ckpt else 0), ckpt
 
 
@@ -115,54 +116,57 @@ def task_records(task: str | None, data: str | None, seed: int) -> tuple[list[di
 
 
 def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: list[tuple[str, float]],
-             on_step: Callable[[dict], None], group=None) -> list[dict]:
-    """group: this process's data-parallel replica (train/data_parallel.py); only rank 0 writes
-    metrics and the plot (every replica computes the same), every rank its checkpoint shard."""
+             on_step: Callable[[dict], None], group=None, tp_group=None) -> list[dict]:
+    """group: this process's data-parallel replica (train/data_parallel.py); tp_group: its tensor-parallel
+    group (model/parallel.py). Only rank 0 of both writes metrics and the plot (every rank computes the
+    same); the checkpoints are written as train/run.py says."""
     records, task = task_records(options.task, options.data, config.seed)
     items = [(spec, weight) for spec, weight in reward_specs] or ([(task, 1.0)] if task is not None else [])
     if not items:
         raise InputError("--data needs at least one --reward module:function")
     rewards = RewardSet(items)
     settings = settings_dict(config, options, items)
-    model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings)
-    trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config), group)
-    options = _writer_options(options, group)
+    model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings, tp_group)
+    trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config, tp_group),
+                          group)
+    options = _writer_options(options, group, tp_group)
     return _run(trainer, "grpo", settings, tokenizer, start, ckpt, options, config.steps, on_step,
                 "reward_mean", "GRPO reward")
 
 
-def _writer_options(options: RunOptions, group) -> RunOptions:
-    """Only rank 0 of data-parallel replicas writes metrics and plots (all compute the same); every
-    rank writes its optimiser shard into the checkpoints (train/checkpoint.py)."""
-    if group is None or group.rank == 0:
+def _writer_options(options: RunOptions, group, tp_group=None) -> RunOptions:
+    """Only rank 0 writes metrics and plots (all compute the same); the checkpoints are written as
+    train/run.py says."""
+    if (group is None or group.rank == 0) and (tp_group is None or tp_group.rank == 0):
         return options
     return dataclasses.replace(options, log_jsonl=None, plot=None)
 
 
-def _reference(backend, options: RunOptions, config: GRPOConfig):
+def _reference(backend, options: RunOptions, config: GRPOConfig, tp_group=None):
     """The frozen reference for the KL term: the starting model's weights (beta > 0 only)."""
     if config.beta <= 0:
         return None
     model_config, weights, _ = load_model(options.model)
-    return Model(backend, model_config, weights)
+    return Model(backend, model_config, weights, group=tp_group)
 
 
-def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None], group=None) -> list[dict]:
-    """group: as run_grpo's."""
+def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None], group=None,
+            tp_group=None) -> list[dict]:
+    """group, tp_group: as run_grpo's."""
     if options.data is not None and options.task is None:
         records = load_sft_jsonl(options.data)
     else:
         records = task_sft_records(task_records(options.task, options.data, config.seed)[0])
     settings = settings_dict(config, options)
-    model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings)
+    model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings, tp_group)
     trainer = SFTTrainer(model, tokenizer, records, config, group)
-    options = _writer_options(options, group)
+    options = _writer_options(options, group, tp_group)
     return _run(trainer, "sft", settings, tokenizer, start, ckpt, options, config.steps, on_step, "loss", "SFT loss")
 
 
 def _run(trainer, kind, settings, tokenizer, start, ckpt, options: RunOptions, steps, on_step, curve, title):
     if ckpt is not None:
-        trainer.optimizer.load_state(ckpt.optimizer_state.read, ckpt.trainer_state["optimizer_steps"])
+        trainer.optimizer.load_state(ckpt.optimizer_state, ckpt.trainer_state["optimizer_steps"])
     log = MetricsLog(options.log_jsonl, resume_from_step=start if ckpt is not None else None)
     run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step)
     if options.plot:

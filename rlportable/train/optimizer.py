@@ -17,7 +17,8 @@ import numpy as np
 from rlportable.contract.adamw import Hyper, lr_at
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
-from rlportable.model.weights import ModelWeights
+from rlportable.model import parallel
+from rlportable.model.weights import ModelWeights, expected_tensors
 from rlportable.ops import adamw, residual
 from rlportable.ops.checks import shape_of
 from rlportable.runtime.collectives import Group, SingleGroup
@@ -80,14 +81,21 @@ class Optimizer:
     copy), and each owner adds them in micro-batch order, the order one device uses; the global
     norm is exact over the shards; after the update every rank's piece is all-gathered (a copy)
     into every rank's weights. So weights, moments and metrics are bitwise those of one device for
-    any number of ranks. With one rank the pieces are the whole tensors."""
+    any number of ranks. With one rank the pieces are the whole tensors.
+
+    Under tensor parallelism (the model's group) the tensors are the rank's shards, and the pieces
+    are cut from them; the global norm then also spans the tensor-parallel ranks, each norm weight
+    (held whole by every rank) counted once."""
 
     def __init__(self, model: Model, hyper: Hyper, schedule: Schedule, group: Group | None = None):
         if not model.trainable:
             raise InputError("the optimiser needs a Model built with trainable=True")
         self.model, self.hyper, self.schedule = model, hyper, schedule
         self.group = group or SingleGroup()
+        self.tp = model.group
         self.names = list(model.params.named_tensors(model.config))
+        # a tensor every tensor-parallel rank holds whole adds its squares to the norm on rank 0 only
+        self.counted = [self.tp.rank == 0 or parallel.tensor_axis(name) is not None for name in self.names]
         backend = model.backend
         self.sizes = {name: int(np.prod(shape_of(p), dtype=np.int64)) for name, p in self._params().items()}
         self.ranges = {name: shard_range(n, self.group.size, self.group.rank) for name, n in self.sizes.items()}
@@ -154,7 +162,7 @@ class Optimizer:
         info = adamw.adamw_step(self.model.backend, [self._piece(n, params[n]) for n in self.names],
                                 [self.grads[n] for n in self.names], [self.m[n] for n in self.names],
                                 [self.v[n] for n in self.names], self.step_count, self.hyper,
-                                self.schedule.lr(self.step_count), self.group)
+                                self.schedule.lr(self.step_count), (self.group, self.tp), self.counted)
         self.grads = {}
         for name in self.names:
             self._gather_into(params[name], self._piece(name, params[name]), name)
@@ -180,24 +188,47 @@ class Optimizer:
         out.update({f"v.{name}": backend.to_numpy(self.v[name]) for name in self.names})
         return out
 
-    def state(self) -> dict[str, np.ndarray]:
-        """The whole m and v of every tensor, in its shape, on every rank (gathered when sharded)."""
-        backend, shapes = self.model.backend, {n: shape_of(p) for n, p in self._params().items()}
+    def _local(self, name: str, store) -> object:
+        """A moment of one tensor in the tensor's (this rank's) shape, gathered from the pieces."""
+        shape = shape_of(self._params()[name])
+        if self.group.size == 1:
+            return store[name].reshape(shape)
+        whole = self.model.backend.zeros(shape, np.float32)
+        self._gather_into(whole, store[name], name)
+        return whole
+
+    def state(self, keep: bool = True) -> dict[str, np.ndarray] | None:
+        """The whole m and v of every tensor, in its whole shape, as host arrays: gathered over the
+        data-parallel pieces and the tensor-parallel shards (every rank must call; keep=False: this
+        rank only takes part and gets None)."""
         out = {}
         for kind, store in (("m", self.m), ("v", self.v)):
             for name in self.names:
-                whole = backend.zeros(shapes[name], np.float32)
-                if self.group.size == 1:
-                    whole = store[name]
-                else:
-                    self._gather_into(whole, store[name], name)
-                out[f"{kind}.{name}"] = backend.to_numpy(whole).reshape(shapes[name])
-        return out
+                out[f"{kind}.{name}"] = parallel.unshard(self.model.backend, self.tp, name, self._local(name, store),
+                                                         keep)
+        return out if keep else None
 
-    def load_state(self, read, step_count: int) -> None:
-        """read(key, size, lo, hi) -> float32 elements [lo, hi) of the flattened tensor `key` of
-        `size` elements (checkpoint.OptimizerShards.read): this rank's pieces, at any rank count."""
-        backend = self.model.backend
+    def whole_weights(self, keep: bool = True) -> dict[str, np.ndarray] | None:
+        """The model's whole float32 weights by name, as host arrays (gathered over tensor-parallel
+        shards; every rank must call, keep=False: this rank only takes part)."""
+        params = self._params()
+        out = {name: parallel.unshard(self.model.backend, self.tp, name, params[name], keep) for name in self.names}
+        return out if keep else None
+
+    def load_state(self, state, step_count: int) -> None:
+        """This rank's pieces from a checkpoint's optimiser state (checkpoint.OptimizerShards), written
+        at any data-parallel and tensor-parallel layout."""
+        backend, config = self.model.backend, self.model.config
+        if self.tp.size > 1:  # each whole tensor read, then this rank's shard, then its piece of that
+            shapes = expected_tensors(config)
+
+            def read(key, size, lo, hi):
+                name = key[2:]
+                whole = int(np.prod(shapes[name]))
+                array = state.read(key, whole, 0, whole).reshape(shapes[name])
+                return parallel.shard_tensor(config, self.model.tp, name, array).reshape(-1)[lo:hi]
+        else:
+            read = state.read
         for name in self.names:
             lo, hi = self.ranges[name]
             for key, store in ((f"m.{name}", self.m), (f"v.{name}", self.v)):

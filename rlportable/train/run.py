@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
-from rlportable.model.weights import LayerWeights, ModelWeights
+from rlportable.model.weights import LayerWeights, ModelWeights, from_named
 from rlportable.train import checkpoint
 from rlportable.train.metrics import MetricsLog
 
@@ -71,7 +71,28 @@ def run_steps(trainer, kind: str, settings: dict, tokenizer, start_step: int, st
         if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
             state = {"kind": kind, "next_step": step + 1, "optimizer_steps": trainer.optimizer.step_count,
                      "settings": settings}
-            group = trainer.optimizer.group  # every rank writes its optimiser shard; rank 0 the rest
-            checkpoint.save_checkpoint(out_dir, step + 1, model.config,
-                                       host_weights(model) if group.rank == 0 else None, tokenizer,
-                                       trainer.optimizer.shard_state(), state, keep_last=keep_last, group=group)
+            save(trainer.optimizer, out_dir, step + 1, tokenizer, state, keep_last)
+
+
+def save(optimizer, out_dir: str, step: int, tokenizer, state: dict, keep_last: int | None) -> None:
+    """One checkpoint. Data-parallel ranks each write their optimiser shard, rank 0 the rest. Under
+    tensor parallelism the whole weights and moments are gathered to rank 0, which writes a one-shard
+    checkpoint (any layout resumes from it); the others wait for it and raise its error."""
+    model, group, tp = optimizer.model, optimizer.group, optimizer.tp
+    if tp.size == 1:
+        checkpoint.save_checkpoint(out_dir, step, model.config, host_weights(model) if group.rank == 0 else None,
+                                   tokenizer, optimizer.shard_state(), state, keep_last=keep_last, group=group)
+        return
+    writer = group.rank == 0 and tp.rank == 0
+    weights, moments = optimizer.whole_weights(writer), optimizer.state(writer)
+    problem = None
+    if writer:
+        try:
+            checkpoint.save_checkpoint(out_dir, step, model.config, from_named(model.config, weights), tokenizer,
+                                       moments, state, keep_last=keep_last)
+        except (checkpoint.CheckpointError, OSError) as error:
+            problem = str(error)
+    problems = [p for p in group.all_gather_object(problem) if p]  # first the writer's replicas ...
+    problems = [p for found in tp.all_gather_object(problems) for p in found]  # ... then every shard's
+    if problems:
+        raise checkpoint.CheckpointError(problems[0])

@@ -677,8 +677,8 @@ def _layouts(text: str):
 @click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(min=0),
               help="Tokens the rollout's KV cache holds.")
 @click.option("--measure", is_flag=True,
-              help="Also train the first shape (--layers layers) at each layout's DP, ranks emulated on this GPU, "
-                   "and compare the measured peak with the model's.")
+              help="Also train the first shape (--layers layers) at each layout, ranks emulated on this GPU, and "
+                   "compare the measured peak with the model's.")
 @click.option("--layers", default=4, show_default=True, type=click.IntRange(min=1), help="Layers for --measure.")
 def bench_memory(device, json_path, shapes, layouts, tokens, kv_tokens, measure, layers):
     """Bytes per rank of training (weights, encodings, gradient, optimiser, activations, KV cache)."""
@@ -700,14 +700,13 @@ def bench_memory(device, json_path, shapes, layouts, tokens, kv_tokens, measure,
     if measure:
         backend = _backend(device)
         for layout in chosen:
-            if layout.tp != 1:
-                continue  # the trainer runs data-parallel only (tensor-parallel training is not built)
             try:
-                found = memory_bench.measure(backend, shapes.split(",")[0].strip(), layers, layout.dp, tokens)
+                found = memory_bench.measure(backend, shapes.split(",")[0].strip(), layers, layout.tp, layout.dp,
+                                             tokens)
             except RlpError as error:
                 _fail(error)
             result["measured"].append(found)
-            click.echo(f"measured {found['shape']} ({layers} layers) at DP {layout.dp}: peak "
+            click.echo(f"measured {found['shape']} ({layers} layers) at TP {layout.tp} x DP {layout.dp}: peak "
                        f"{found['measured_peak_bytes'] / 2**30:.2f} GiB, model {found['model_peak_bytes'] / 2**30:.2f} "
                        f"GiB ({found['measured_over_model']:.2f}x); weights equal to one rank's: "
                        f"{found['weights_equal_one_rank']}")

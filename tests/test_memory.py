@@ -38,6 +38,7 @@ def test_sharding_divides_the_optimiser_and_tensor_parallelism_the_weights():
     assert dp8["optimizer"] * 8 == pytest.approx(one["optimizer"], rel=1e-6)
     assert dp8["weights"] == one["weights"]
     assert tp8["weights"] < one["weights"] / 7  # the norms stay whole on every rank
+    assert tp8["whole lm head"] == 4 * config.vocab_size * config.hidden_size and one["whole lm head"] == 0
     assert memory.peak(one) > 141e9  # an 8B model does not train on one GPU
 
 

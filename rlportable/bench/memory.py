@@ -2,11 +2,11 @@
 and, with --measure on a GPU, the peak a training step really takes against the model's number.
 
 The measurement trains a Qwen3 shape (random weights, few layers) on random tokens: micro-batches of
---tokens tokens through the SFT loss, the sharded optimiser over --dp data-parallel ranks emulated as
-threads on the one GPU, three optimiser steps (the backward's transposed encodings exist from the
-first). Emulated ranks share the GPU, so the measured peak covers all of them: it is compared with
-dp times the model's per-rank peak. The weights after the steps are compared bitwise with a
-one-rank run of the same steps.
+--tokens tokens through the SFT loss, at each TPxDP layout with the ranks emulated as threads on the
+one GPU, three optimiser steps (the backward's transposed encodings exist from the first). Emulated
+ranks share the GPU, so the measured peak covers all of them: it is compared with tp x dp times the
+model's per-rank peak. The weights after the steps are compared bitwise with a one-rank run of the
+same steps.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def model_rows(shapes: list[str], layouts: list[memory.Layout], work: memory.Wor
     return rows
 
 
-def _train(backend, config, weights, tokens: int, micro_batches: int, group) -> str:
+def _train(backend, config, weights, tokens: int, micro_batches: int, group, tp_group=None) -> str:
     """MEASURE_STEPS optimiser steps of `micro_batches` micro-batches of random tokens each (the same
     at any rank count); the digest of the final weights."""
     from rlportable.model.forward import Model
@@ -40,7 +40,8 @@ def _train(backend, config, weights, tokens: int, micro_batches: int, group) -> 
     from rlportable.train.sft import SFTConfig
     from rlportable.train.trainer import Sample, micro_batch_gradients, pack
 
-    model = Model(backend, config, copy.deepcopy(weights), trainable=True)  # cpu arrays would be shared
+    # a copy: cpu arrays would be shared with the caller's, and updated in place
+    model = Model(backend, config, copy.deepcopy(weights), trainable=True, group=tp_group)
     replicas = Replicas.of(group)
     optimizer = Optimizer(model, SFTConfig().hyper(), Schedule(1e-5, 0, MEASURE_STEPS), replicas.group)
     rng = np.random.default_rng(0)
@@ -60,17 +61,19 @@ def _train(backend, config, weights, tokens: int, micro_batches: int, group) -> 
         replicas.train_rounds(optimizer, batches, compute)
         optimizer.step()
     digest = hashlib.sha256()
-    for name, array in model.params.named_tensors(config).items():
+    for name, array in optimizer.whole_weights().items():
         digest.update(name.encode())
-        digest.update(backend.to_numpy(array).tobytes())
+        digest.update(array.tobytes())
     return digest.hexdigest()
 
 
-def measure(backend, shape: str, layers: int, dp: int, tokens: int) -> dict:
-    """Peak bytes of the training steps at dp emulated ranks, against dp x the model's per-rank peak."""
+def measure(backend, shape: str, layers: int, tp: int, dp: int, tokens: int) -> dict:
+    """Peak bytes of the training steps at tp x dp emulated ranks, against tp x dp times the model's
+    per-rank peak; and whether the weights equal a one-rank run's."""
     from rlportable.bench.forward import PeakTracker
     from rlportable.model.synthetic import qwen3_config, random_weights
     from rlportable.runtime.collectives import run_threads
+    from rlportable.runtime.world import layout_groups
 
     if backend.name != "cuda":
         raise RlpError("bench memory --measure reads CuPy's memory pool: use --device cuda")
@@ -79,12 +82,13 @@ def measure(backend, shape: str, layers: int, dp: int, tokens: int) -> dict:
     config = qwen3_config(shape, layers)
     weights = random_weights(config, seed=1)
     with PeakTracker(cupy) as tracker:
-        digests = run_threads(backend, dp, lambda group: _train(backend, config, weights, tokens, dp, group))
+        digests = run_threads(backend, tp * dp, lambda world: _train(backend, config, weights, tokens, dp,
+                                                                     *reversed(layout_groups(world, tp))))
         backend.synchronize()
     measured = tracker.peak
-    single = _train(backend, config, weights, tokens, dp, None) if dp > 1 else digests[0]
-    parts = memory.components(config, memory.Layout(1, dp), memory.Workload(tokens, 0))
-    predicted = dp * memory.peak(parts)
-    return {"shape": shape, "layers": layers, "dp": dp, "tokens": tokens, "measured_peak_bytes": measured,
+    single = _train(backend, config, weights, tokens, dp, None) if tp * dp > 1 else digests[0]
+    parts = memory.components(config, memory.Layout(tp, dp), memory.Workload(tokens, 0))
+    predicted = tp * dp * memory.peak(parts)
+    return {"shape": shape, "layers": layers, "tp": tp, "dp": dp, "tokens": tokens, "measured_peak_bytes": measured,
             "model_peak_bytes": predicted, "measured_over_model": measured / predicted,
             "components_per_rank_bytes": parts, "weights_equal_one_rank": all(d == single for d in digests)}

@@ -2,7 +2,8 @@
 
 The model follows what the code allocates (docs/parallelism.md, "Memory per rank"):
   * weights: the float32 master weights (the engine's too), whole on every data-parallel rank and
-    cut by the tensor-parallel layout (parallel.py: projections and vocabulary over T ranks);
+    cut by the tensor-parallel layout (parallel.py: projections and vocabulary over T ranks), plus,
+    under tensor parallelism, the whole LM head the backward gathers;
   * encodings: each projection and the LM head as 15-bit fixed point, two int8 digits an element
     (K padded to 64), plus the transposed copies the backward encodes once per update;
   * gradient: one micro-batch's whole float32 gradient (the backward returns it whole; the sharded
@@ -85,15 +86,19 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
     lm_head = 0 if config.tie_word_embeddings else vocab * h
     params = layers * per_layer + embed + lm_head + h
     forward = layers * sum(n * _pad(k) for n, k in projections) + vocab * _pad(h)
-    transposed = layers * sum(k * _pad(n) for n, k in projections) + h * _pad(vocab)
+    # the LM head's input gradient uses the whole head under tensor parallelism (all-gathered, float32 too)
+    whole_vocab = config.vocab_size if t > 1 else vocab
+    transposed = layers * sum(k * _pad(n) for n, k in projections) + h * _pad(whole_vocab)
+    whole_lm_head = 4 * config.vocab_size * h if t > 1 else 0
     largest = max(embed, lm_head, max(n * k for n, k in projections))
     tokens = work.micro_batch_tokens
     activations = 4 * tokens * (h * (layers + 1) + hq * d * layers)
     activations += 4 * tokens * LAYER_WORKING_SET * (h + (hq + 2 * hkv) * d + 2 * inter)
-    activations += 4 * min(tokens, LM_HEAD_ROW_CHUNK) * vocab * 2
+    activations += 4 * min(tokens, LM_HEAD_ROW_CHUNK) * whole_vocab * 2  # logits and their gradient, whole rows
     kv = layers * 2 * hkv * (WEIGHT_DIGITS * _pad(d) + 4) * work.kv_tokens
     return {
         "weights": 4 * params,
+        "whole lm head": whole_lm_head,
         "encodings": WEIGHT_DIGITS * forward,
         "transposed encodings": WEIGHT_DIGITS * transposed,
         "gradient": 4 * params,
@@ -104,7 +109,7 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
     }
 
 
-ROLLOUT = ("weights", "encodings", "kv cache")
+ROLLOUT = ("weights", "encodings", "kv cache")  # the whole LM head is gathered for the backward only
 
 
 def peak(parts: dict[str, int]) -> int:

@@ -1,7 +1,8 @@
-"""The golden training trajectories (whole SFT and GRPO runs) on a device with the optimiser sharded over
-1, 2 and 3 data-parallel ranks emulated as threads: each must give the committed digest.
+"""The golden training trajectories (whole SFT and GRPO runs) on a device at several layouts, TP x DP
+ranks emulated as threads (the model cut over TP ranks, the optimiser sharded over DP replicas): each
+rank must give the committed single-device digest.
 
-    PYTHONPATH=$PWD python3 scripts/check_sharded_trajectories.py --device cuda OUT.json
+    PYTHONPATH=$PWD python3 scripts/check_layout_trajectories.py --device cuda OUT.json
 """
 
 import argparse
@@ -13,11 +14,12 @@ from rlportable.provenance import provenance
 from rlportable.resources import resource_dir
 from rlportable.runtime import get_backend
 from rlportable.runtime.collectives import run_threads
+from rlportable.runtime.world import layout_groups
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--device", default="cuda")
-parser.add_argument("--ranks", default="1,2,3")
+parser.add_argument("--layouts", default="1x1,1x2,1x3,2x1,2x2", help="TPxDP, comma-separated")
 args = parser.parse_args()
 
 backend = get_backend(args.device)
@@ -26,12 +28,16 @@ for check in ("golden.training.sft.trajectory", "golden.training.grpo.trajectory
     case = next(c for c in golden.CASES if c.check_name == check)
     committed = json.loads((resource_dir("conformance") / "golden" / f"{case.group}.json").read_text())
     want = next(item["sha256"] for item in committed["digests"] if item["name"] == case.name)
-    for ranks in (int(r) for r in args.ranks.split(",")):
+    for tp, dp in (tuple(int(x) for x in layout.split("x")) for layout in args.layouts.split(",")):
         started = time.perf_counter()
-        outputs = run_threads(backend, ranks, lambda group: case.compute(
-            backend, golden_stream.Stream(case.recipe["seed"]), case.recipe, group))
+
+        def rank(world, tp=tp):
+            tensor, data = layout_groups(world, tp)
+            return case.compute(backend, golden_stream.Stream(case.recipe["seed"]), case.recipe, data, tensor)
+
+        outputs = run_threads(backend, tp * dp, rank)
         digests = [golden_digest.digest(o) for o in outputs]
-        row = {"check": check, "ranks": ranks, "elements": int(sum(a.size for _, a in outputs[0])),
+        row = {"check": check, "tp": tp, "dp": dp, "elements": int(sum(a.size for _, a in outputs[0])),
                "equal_committed": all(d == want for d in digests), "seconds": time.perf_counter() - started}
         print(row, flush=True)
         results.append(row)

@@ -81,8 +81,12 @@ class Group(ABC):
         return SingleGroup() if len(members) == 1 else subgroup
 
     def _subgroup(self, members: list[int], wanted: list) -> "Group":
-        """This rank's group of `members` (parent ranks, in the new order); wanted: every rank's (color, key)."""
-        raise InputError(f"the {self.label} group cannot be split")
+        """This rank's group of `members` (parent ranks, in the new order); wanted: every rank's (color, key).
+        One process a rank (NCCL, RCCL): the first member makes the communicator's id, the parent group
+        carries it to the others."""
+        uid = self.new_unique_id() if self.rank == members[0] else None
+        ids = self.all_gather_object(uid)
+        return type(self)(self.backend, members.index(self.rank), len(members), ids[members[0]])
 
     def barrier(self) -> None:
         """Every rank reaches this point before any leaves it."""
@@ -282,11 +286,6 @@ class NcclGroup(Group):
         self._comm.allGather(source.data.ptr, out.data.ptr, int(source.size), self._types[dtype], self._stream())
         return out
 
-    def _subgroup(self, members, wanted):
-        uid = self.new_unique_id() if self.rank == members[0] else None
-        ids = self.all_gather_object(uid)
-        return NcclGroup(self.backend, members.index(self.rank), len(members), ids[members[0]])
-
     def all_to_all(self, array):
         dtype = _check_all_to_all(array, self.size)
         source = self._contiguous(array)
@@ -350,11 +349,6 @@ class RcclGroup(Group):
         self._check(self._rccl.ncclAllGather(source, out, int(source.size), self._types[dtype], self._comm,
                                              self.backend.stream), "ncclAllGather")
         return out
-
-    def _subgroup(self, members, wanted):
-        uid = self.new_unique_id() if self.rank == members[0] else None
-        ids = self.all_gather_object(uid)
-        return RcclGroup(self.backend, members.index(self.rank), len(members), ids[members[0]])
 
     def all_to_all(self, array):
         dtype = _check_all_to_all(array, self.size)

@@ -179,6 +179,16 @@ def test_qwen2_biases_and_shared_kv_heads_at_tp4(cpu):
     assert same_bits(_logprobs_at(cpu, (config, weights), 4, tokens, cu), single)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_entropy_at_tp_equals_tp1(cpu, tiny, size):
+    rng = np.random.default_rng(5)
+    tokens, cu = _sequences(rng, tiny[0].vocab_size, [6, 21, 2])
+    single_lp, single_ent = Model(cpu, tiny[0], tiny[1]).logprobs(tokens, cu, 0.9, with_entropy=True)
+    for lp, ent in run_threads(cpu, size, lambda group: Model(cpu, tiny[0], tiny[1], group=group).logprobs(
+            tokens, cu, 0.9, with_entropy=True)):
+        assert same_bits(lp, single_lp) and same_bits(ent, single_ent)
+
+
 def test_training_with_shared_kv_heads_is_a_clear_error(cpu, tiny):
     group = ThreadGroup.create(cpu, 4)[0]  # 2 KV heads over 4 ranks: shared
     with pytest.raises(InputError, match="num_key_value_heads \\(2\\) divisible by the TP size \\(4\\)"):

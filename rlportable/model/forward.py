@@ -357,10 +357,10 @@ class Model:
         rows = rows.astype(np.int32)
         picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows), host_ids=rows)  # a row gather
         if self.tp.size > 1:
-            if with_entropy:
-                raise InputError("logprobs: the entropy under tensor parallelism is not implemented")
-            lp, ent = parallel.vocab_parallel_logprobs(self.backend, self.group, picked, self.lm_head, self.vocab_start,
-                                                       self.backend.asarray(targets), temperature), None
+            lp = parallel.vocab_parallel_logprobs(self.backend, self.group, picked, self.lm_head, self.vocab_start,
+                                                  self.backend.asarray(targets), temperature)
+            ent = parallel.vocab_parallel_entropy(self.backend, self.group, picked, self.lm_head,
+                                                  temperature) if with_entropy else None
         else:
             result = logprob.lm_head_logprobs(self.backend, picked, self.lm_head, self.backend.asarray(targets),
                                               temperature, want_entropy=with_entropy)

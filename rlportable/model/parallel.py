@@ -215,3 +215,16 @@ def vocab_parallel_logprobs(backend, group: Group, hidden, lm_head_shard: gemm.G
         return out[0]
     return backend.asarray(np.concatenate([backend.to_numpy(part) for part in out])) if out else \
         backend.empty((0,), np.float32)
+
+
+def vocab_parallel_entropy(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, temperature: float):
+    """float32 [rows]: the entropy of logits / T over the whole vocabulary, bitwise logprob.entropy, from
+    whole logit rows gathered block by block (copies; the entropy's sums run over the whole row)."""
+    rows = hidden.shape[0]
+    out = [logprob.entropy(backend, whole_columns(backend, group, gemm.gemm(backend, hidden[start:stop],
+                                                                           lm_head_shard)), temperature)
+           for start, stop in ((s, min(rows, s + LOGPROB_BLOCK_ROWS)) for s in range(0, rows, LOGPROB_BLOCK_ROWS))]
+    if len(out) == 1:
+        return out[0]
+    return backend.asarray(np.concatenate([backend.to_numpy(part) for part in out])) if out else \
+        backend.empty((0,), np.float32)

@@ -247,6 +247,26 @@ def test_tensor_and_data_parallel_runs_resume_across_layouts_bitwise(tmp_path, k
             assert np.array_equal(a[key].reshape(-1).view(np.uint32), b[key].reshape(-1).view(np.uint32)), key
 
 
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2), (2, 2), (4, 2), (8, 1)])
+def test_training_steps_are_bitwise_alike_at_every_layout(tp, dp):
+    """Three AdamW steps of a Qwen3-shaped model (16 query heads, 8 KV heads) on the same micro-batches
+    at TP x DP ranks (threads): the whole weights equal one device's on every rank."""
+    import dataclasses
+
+    from rlportable.bench.memory import train_random_tokens
+    from rlportable.model.synthetic import qwen3_06b_config, random_weights
+    from rlportable.runtime.collectives import run_threads
+    from rlportable.runtime.world import layout_groups
+
+    config = dataclasses.replace(qwen3_06b_config(2), vocab_size=1024, hidden_size=128, intermediate_size=256,
+                                 head_dim=16, tie_word_embeddings=False)
+    weights = random_weights(config, seed=4)
+    single = train_random_tokens(CPU, config, weights, 24, 4, None)
+    digests = run_threads(CPU, tp * dp, lambda world: train_random_tokens(CPU, config, weights, 24, 4,
+                                                                          *reversed(layout_groups(world, tp))))
+    assert digests == [single] * (tp * dp)
+
+
 def test_cli_grpo_with_dp_on_cpu_prints_the_same_last_step(tmp_path):
     from click.testing import CliRunner
 

@@ -30,7 +30,7 @@ def model_rows(shapes: list[str], layouts: list[memory.Layout], work: memory.Wor
     return rows
 
 
-def _train(backend, config, weights, tokens: int, micro_batches: int, group, tp_group=None) -> str:
+def train_random_tokens(backend, config, weights, tokens: int, micro_batches: int, group, tp_group=None) -> str:
     """MEASURE_STEPS optimiser steps of `micro_batches` micro-batches of random tokens each (the same
     at any rank count); the digest of the final weights."""
     from rlportable.model.forward import Model
@@ -82,11 +82,14 @@ def measure(backend, shape: str, layers: int, tp: int, dp: int, tokens: int) -> 
     config = qwen3_config(shape, layers)
     weights = random_weights(config, seed=1)
     with PeakTracker(cupy) as tracker:
-        digests = run_threads(backend, tp * dp, lambda world: _train(backend, config, weights, tokens, dp,
-                                                                     *reversed(layout_groups(world, tp))))
+        def rank(world):
+            tensor, data = layout_groups(world, tp)
+            return train_random_tokens(backend, config, weights, tokens, dp, data, tensor)
+
+        digests = run_threads(backend, tp * dp, rank)
         backend.synchronize()
     measured = tracker.peak
-    single = _train(backend, config, weights, tokens, dp, None) if tp * dp > 1 else digests[0]
+    single = train_random_tokens(backend, config, weights, tokens, dp, None) if tp * dp > 1 else digests[0]
     parts = memory.components(config, memory.Layout(tp, dp), memory.Workload(tokens, 0))
     predicted = tp * dp * memory.peak(parts)
     return {"shape": shape, "layers": layers, "tp": tp, "dp": dp, "tokens": tokens, "measured_peak_bytes": measured,

@@ -235,7 +235,11 @@ def test_tensor_and_data_parallel_runs_resume_across_layouts_bitwise(tmp_path, k
     for name, first, then in (("tp2_to_dp2", (2, 1), (1, 2)), ("dp2_to_tp2", (1, 2), (2, 1))):
         with pytest.raises(KeyboardInterrupt):
             _layout_run(kind, tmp_path, name, config, *first, on_step=stop_after_one, **extra)
-        assert checkpoint.latest_checkpoint(tmp_path / name).endswith("step-000001")
+        step1 = checkpoint.latest_checkpoint(tmp_path / name)
+        assert step1.endswith("step-000001")
+        tp, dp = first  # every rank wrote its optimiser shard
+        assert sorted(f for f in os.listdir(step1) if f.startswith("optimizer")) == sorted(
+            checkpoint.optimizer_files(dp, tp))
         same_metrics(_layout_run(kind, tmp_path, name, config, *then, resume=True, **extra))
     for name in ("tp2dp2", "tp2_to_dp2", "dp2_to_tp2"):
         straight, parted = _final_weights(tmp_path / "single"), _final_weights(tmp_path / name)

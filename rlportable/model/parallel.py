@@ -108,11 +108,9 @@ def _head_rows(heads: range, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
-def shard_tensor(config: ModelConfig, plan: TensorParallel, name: str, array: np.ndarray) -> np.ndarray:
-    """This rank's shard of one whole host tensor, by its Hugging Face name (a view for the norms)."""
+def _cut(config: ModelConfig, plan: TensorParallel, name: str) -> tuple[int | None, slice]:
+    """(axis, the rank's slice of it) of a tensor by its Hugging Face name; axis None: held whole."""
     axis = tensor_axis(name)
-    if plan.size == 1 or axis is None:
-        return array
     d = config.head_dim
     if "q_proj" in name or "o_proj" in name:
         cut = _head_rows(plan.q_heads(config), d)
@@ -120,8 +118,24 @@ def shard_tensor(config: ModelConfig, plan: TensorParallel, name: str, array: np
         cut = _head_rows(plan.kv_heads(config), d)
     elif "mlp." in name:
         cut = plan.columns(config.intermediate_size)
-    else:  # the embedding and the LM head
+    else:  # the embedding and the LM head (the norms: not cut)
         cut = plan.columns(config.vocab_size)
+    return (None if plan.size == 1 else axis), cut
+
+
+def shard_shape(config: ModelConfig, plan: TensorParallel, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of this rank's shard of a tensor of the whole `shape`."""
+    axis, cut = _cut(config, plan, name)
+    if axis is None:
+        return tuple(shape)
+    return tuple(cut.stop - cut.start if i == axis else n for i, n in enumerate(shape))
+
+
+def shard_tensor(config: ModelConfig, plan: TensorParallel, name: str, array: np.ndarray) -> np.ndarray:
+    """This rank's shard of one whole host tensor, by its Hugging Face name (the array itself for the norms)."""
+    axis, cut = _cut(config, plan, name)
+    if axis is None:
+        return array
     return np.ascontiguousarray(array[cut] if axis == 0 else array[:, cut])
 
 

@@ -39,7 +39,8 @@ from rlportable.errors import RlpError
 from rlportable.model.config import ModelConfig
 from rlportable.model.manifest import MANIFEST, files_problem, sha256
 from rlportable.model.tokenizer import Tokenizer
-from rlportable.model.weights import ModelWeights, atomic_write
+from rlportable.model import parallel
+from rlportable.model.weights import ModelWeights, atomic_write, expected_tensors
 from rlportable.runtime.collectives import Group, SingleGroup
 
 LATEST = "latest"
@@ -70,21 +71,31 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def optimizer_file(rank: int, ranks: int) -> str:
+def optimizer_file(rank: int, ranks: int, tp_rank: int = 0, tp: int = 1) -> str:
+    """The optimiser shard of data-parallel rank `rank` of `ranks` (and tensor-parallel rank tp_rank of tp)."""
+    if tp > 1:
+        return f"optimizer-tp{tp_rank:03d}-of-{tp:03d}-{rank:05d}-of-{ranks:05d}.safetensors"
     return OPTIMIZER_FILE if ranks == 1 else f"optimizer-{rank:05d}-of-{ranks:05d}.safetensors"
 
 
+def optimizer_files(ranks: int, tp: int = 1) -> list[str]:
+    return [optimizer_file(r, ranks, t, tp) for t in range(tp) for r in range(ranks)]
+
+
 class OptimizerShards:
-    """The optimiser state of a checkpoint written by `ranks` ranks, read lazily.
+    """The optimiser state of a checkpoint written at `ranks` data-parallel x `tp` tensor-parallel
+    ranks, read lazily.
 
-    state[key]: the whole array (the one file's array as stored; with several shards, their flat
-    pieces one after another). read(key, size, lo, hi): elements [lo, hi) of the flattened tensor,
-    read from the shards that hold them, so a run resumed at another rank count reads its pieces."""
+    state[key]: the whole array (one file's array as stored; else assembled from the shards: each
+    tensor-parallel rank's flat pieces make its shard, the shards make the tensor). read(key, size,
+    lo, hi): elements [lo, hi) of the flattened whole tensor; without tensor parallelism read from the
+    shards that hold them only, so a run resumed at another replica count reads its own pieces."""
 
-    def __init__(self, step_dir: str, ranks: int):
+    def __init__(self, step_dir: str, ranks: int, tp: int = 1, config: ModelConfig | None = None):
         from safetensors import SafetensorError, safe_open
 
-        self.paths = [os.path.join(step_dir, optimizer_file(r, ranks)) for r in range(ranks)]
+        self.ranks, self.tp, self.config = ranks, tp, config
+        self.paths = [os.path.join(step_dir, name) for name in optimizer_files(ranks, tp)]
         self._open = safe_open
         self._lengths: list[dict[str, int]] = []
         self._flat: list[dict[str, bool]] = []
@@ -106,20 +117,40 @@ class OptimizerShards:
         with self._open(self.paths[index], framework="numpy") as handle:
             return handle.get_tensor(key)
 
+    def _pieces(self, files: range, key: str) -> np.ndarray:
+        return np.concatenate([self._tensor(i, key).reshape(-1) for i in files])
+
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self.keys():
             raise KeyError(key)
         if len(self.paths) == 1:
             return self._tensor(0, key)
-        return np.concatenate([self._tensor(i, key).reshape(-1) for i in range(len(self.paths))])
+        if self.tp == 1:
+            return self._pieces(range(self.ranks), key)
+        return self._whole(key).reshape(-1)
+
+    def _whole(self, key: str) -> np.ndarray:
+        """A tensor-parallel checkpoint's tensor, from every rank's shard (each from its pieces)."""
+        name = key[2:]
+        shape = expected_tensors(self.config)[name]
+        shards = []
+        for t in range(self.tp):
+            plan = parallel.TensorParallel(t, self.tp)
+            shards.append(self._pieces(range(t * self.ranks, (t + 1) * self.ranks), key).reshape(
+                parallel.shard_shape(self.config, plan, name, shape)))
+        axis = parallel.tensor_axis(name)
+        return shards[0] if axis is None else np.concatenate(shards, axis=axis)
 
     def read(self, key: str, size: int, lo: int, hi: int) -> np.ndarray:
         if key not in self.keys():
             raise CheckpointError(f"{self.paths[0]}: optimiser state {key} is missing")
         lengths = [lengths[key] for lengths in self._lengths]
-        if sum(lengths) != size:
-            raise CheckpointError(f"{self.paths[0]}: optimiser state {key} has {sum(lengths)} elements, the "
+        total = sum(lengths) if self.tp == 1 else int(np.prod(expected_tensors(self.config)[key[2:]]))
+        if total != size:
+            raise CheckpointError(f"{self.paths[0]}: optimiser state {key} has {total} elements, the "
                                   f"model's tensor {size}")
+        if self.tp > 1:
+            return self._whole(key).reshape(-1)[lo:hi]
         pieces, start = [], 0
         for index, length in enumerate(lengths):
             a, b = max(lo, start) - start, min(hi, start + length) - start
@@ -240,10 +271,11 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     return os.path.join(directory, name)
 
 
-def _together(group: Group, work: Callable[[], Any]) -> list:
-    """work() on every rank, then each rank's result in rank order; an error on any rank is
-    raised on every rank (none is left waiting for the others)."""
-    if group.size == 1:
+def _together(groups: tuple, work: Callable[[], Any]) -> list:
+    """work() on every rank of the groups (data-parallel, then tensor-parallel), then every rank's
+    result, world rank 0's first; an error on any rank is raised on every rank (none is left waiting)."""
+    groups = [group for group in groups if group.size > 1]
+    if not groups:
         return [work()]
     try:
         outcome = (None, work())
@@ -251,7 +283,9 @@ def _together(group: Group, work: Callable[[], Any]) -> list:
         outcome = (str(error), None)
     except OSError as error:
         outcome = (f"cannot write the checkpoint: {' '.join(str(error).split())}", None)
-    outcomes = group.all_gather_object(outcome)
+    outcomes = [outcome]
+    for group in groups:
+        outcomes = [item for part in group.all_gather_object(outcomes) for item in part]
     for message, _ in outcomes:
         if message is not None:
             raise CheckpointError(message)
@@ -260,15 +294,17 @@ def _together(group: Group, work: Callable[[], Any]) -> list:
 
 def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig, weights: ModelWeights | None,
                     tokenizer: Tokenizer, optimizer_state: dict[str, np.ndarray], trainer_state: dict,
-                    keep_last: int | None = None, group: Group | None = None) -> str:
+                    keep_last: int | None = None, group: Group | None = None, tp_group: Group | None = None) -> str:
     """Write directory/step-NNNNNN atomically, point `latest` at it, optionally prune to the
     `keep_last` highest steps (never the latest). Returns the step directory's path.
-    group: the ranks of a sharded optimiser, each passing its own optimizer_state; rank 0's
-    weights, tokenizer and trainer state are written (the other ranks may pass weights=None)."""
+    group, tp_group: the data-parallel and tensor-parallel ranks of a sharded run, each passing its
+    own optimizer_state (its pieces of its shards); rank 0's weights (whole), tokenizer and trainer
+    state are written (the other ranks may pass weights=None)."""
     from rlportable.model.load import save_model
 
-    group = group or SingleGroup()
-    leader, ranks = group.rank == 0, group.size
+    group, tp_group = group or SingleGroup(), tp_group or SingleGroup()
+    groups = (group, tp_group)
+    leader, ranks = group.rank == 0 and tp_group.rank == 0, group.size
     directory = os.fspath(directory)
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be a non-negative integer, got {step!r}")
@@ -290,10 +326,11 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
             raise CheckpointError(f"{final}: already exists and is the latest checkpoint; not overwriting it")
         return tempfile.mkdtemp(dir=directory, prefix=_TMP_PREFIX + f"{step:06d}-")
 
-    tmp = _together(group, prepare if leader else lambda: None)[0]
+    tmp = _together(groups, prepare if leader else lambda: None)[0]
 
     def write() -> None:
-        atomic_write(os.path.join(tmp, optimizer_file(group.rank, ranks)), [optimizer_bytes])
+        atomic_write(os.path.join(tmp, optimizer_file(group.rank, ranks, tp_group.rank, tp_group.size)),
+                     [optimizer_bytes])
         if leader:
             save_model(tmp, config, weights, tokenizer, dtype="fp32")
             atomic_write(os.path.join(tmp, TRAINER_STATE_FILE), [state_text.encode("utf-8")])
@@ -304,7 +341,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
             path = os.path.join(tmp, rel)
             _fsync_path(path)
             files[rel] = {"sha256": sha256(path), "size": os.path.getsize(path)}
-        manifest = {"format": FORMAT, "step": step, "optimizer_shards": ranks, "files": files}
+        manifest = {"format": FORMAT, "step": step, "optimizer_shards": ranks, "optimizer_tp": tp_group.size,
+                    "files": files}
         atomic_write(os.path.join(tmp, MANIFEST), [(json.dumps(manifest, indent=2) + "\n").encode("utf-8")])
         _fsync_path(tmp)
         if os.path.exists(final):  # a step-* that `latest` does not name (e.g. left by a crash)
@@ -312,8 +350,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
         os.replace(tmp, final)
 
     try:
-        _together(group, write)
-        _together(group, publish if leader else lambda: None)
+        _together(groups, write)
+        _together(groups, publish if leader else lambda: None)
     except BaseException:
         if leader:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -350,11 +388,12 @@ def verify_checkpoint(step_dir: str | os.PathLike) -> dict:
     if (manifest.get("format") != FORMAT if isinstance(manifest, dict) else True) or not isinstance(files, dict) \
             or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"{manifest_path}: not an {FORMAT} manifest")
-    shards = manifest.get("optimizer_shards", 1)
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-        raise CheckpointError(f"{manifest_path}: optimizer_shards must be a positive integer, got {shards!r}")
-    optimizer_files = [optimizer_file(r, shards) for r in range(shards)]
-    for required in ("config.json", "model.safetensors", *optimizer_files, TRAINER_STATE_FILE):
+    for field in ("optimizer_shards", "optimizer_tp"):
+        count = manifest.get(field, 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise CheckpointError(f"{manifest_path}: {field} must be a positive integer, got {count!r}")
+    shards = optimizer_files(manifest.get("optimizer_shards", 1), manifest.get("optimizer_tp", 1))
+    for required in ("config.json", "model.safetensors", *shards, TRAINER_STATE_FILE):
         if required not in files:
             raise CheckpointError(f"{manifest_path}: does not list {required}")
     problem = files_problem(step_dir, files)
@@ -379,7 +418,6 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raise CheckpointError(f"{path}: no checkpoint (no {LATEST} file and no step-* directory)")
     manifest = verify_checkpoint(step_dir)
     state_path = os.path.join(step_dir, TRAINER_STATE_FILE)
-    optimizer_state = OptimizerShards(step_dir, manifest.get("optimizer_shards", 1))
     try:
         with open(state_path, encoding="utf-8") as handle:
             trainer_state = json.load(handle)
@@ -389,5 +427,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         config, weights, tokenizer = load_model(step_dir)
     except RlpError as error:
         raise CheckpointError(f"{step_dir}: model does not load: {error}") from None
+    optimizer_state = OptimizerShards(step_dir, manifest.get("optimizer_shards", 1), manifest.get("optimizer_tp", 1),
+                                      config)
     return Checkpoint(step=manifest["step"], config=config, weights=weights, tokenizer=tokenizer,
                       optimizer_state=optimizer_state, trainer_state=trainer_state, path=step_dir)

@@ -75,24 +75,14 @@ def run_steps(trainer, kind: str, settings: dict, tokenizer, start_step: int, st
 
 
 def save(optimizer, out_dir: str, step: int, tokenizer, state: dict, keep_last: int | None) -> None:
-    """One checkpoint. Data-parallel ranks each write their optimiser shard, rank 0 the rest. Under
-    tensor parallelism the whole weights and moments are gathered to rank 0, which writes a one-shard
-    checkpoint (any layout resumes from it); the others wait for it and raise its error."""
+    """One checkpoint: every rank writes its optimiser shard (its pieces of its tensor-parallel
+    shards), rank 0 the weights, whole (gathered from the tensor-parallel shards), and the rest."""
     model, group, tp = optimizer.model, optimizer.group, optimizer.tp
-    if tp.size == 1:
-        checkpoint.save_checkpoint(out_dir, step, model.config, host_weights(model) if group.rank == 0 else None,
-                                   tokenizer, optimizer.shard_state(), state, keep_last=keep_last, group=group)
-        return
     writer = group.rank == 0 and tp.rank == 0
-    weights, moments = optimizer.whole_weights(writer), optimizer.state(writer)
-    problem = None
-    if writer:
-        try:
-            checkpoint.save_checkpoint(out_dir, step, model.config, from_named(model.config, weights), tokenizer,
-                                       moments, state, keep_last=keep_last)
-        except (checkpoint.CheckpointError, OSError) as error:
-            problem = str(error)
-    problems = [p for p in group.all_gather_object(problem) if p]  # first the writer's replicas ...
-    problems = [p for found in tp.all_gather_object(problems) for p in found]  # ... then every shard's
-    if problems:
-        raise checkpoint.CheckpointError(problems[0])
+    if tp.size == 1:
+        weights = host_weights(model) if writer else None
+    else:
+        named = optimizer.whole_weights(writer)
+        weights = from_named(model.config, named) if writer else None
+    checkpoint.save_checkpoint(out_dir, step, model.config, weights, tokenizer, optimizer.shard_state(), state,
+                               keep_last=keep_last, group=group, tp_group=tp)

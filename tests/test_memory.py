@@ -21,7 +21,9 @@ def test_weights_and_optimiser_match_the_tensors_the_trainer_allocates():
     config, weights, _ = load_model("tiny")
     params = sum(int(np.asarray(a).size) for a in weights.named_tensors(config).values())
     parts = memory.components(config, memory.Layout(1, 3), memory.Workload(64, 0))
-    assert parts["weights"] == parts["gradient"] == 4 * params
+    assert parts["weights"] == 4 * params
+    layer = sum(int(np.asarray(a).size) for n, a in weights.named_tensors(config).items() if ".layers.0." in n)
+    assert parts["gradient"] == 4 * (params - (config.num_hidden_layers - 1) * layer)  # one layer at a time
     optimisers = run_threads(cpu, 3, lambda group: Optimizer(Model(cpu, config, weights, trainable=True),
                                                              SFTConfig().hyper(), Schedule(), group))
     largest_rank = max(sum(opt.m[name].size for name in opt.names) for opt in optimisers)

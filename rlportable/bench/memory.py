@@ -53,9 +53,10 @@ def train_random_tokens(backend, config, weights, tokens: int, micro_batches: in
         batches = pack(samples, tokens)
         count = sum(len(s.completion_ids) for s in samples)
 
-        def compute(batch):
+        def compute(batch, on_layer):
             loss, _, grads = micro_batch_gradients(model, batch, 1.0,
-                                                   lambda logp: objectives.sft_token_loss(logp, count))
+                                                   lambda logp: objectives.sft_token_loss(logp, count),
+                                                   on_layer=on_layer)
             return loss.loss, grads.named_tensors(config)
 
         replicas.train_rounds(optimizer, batches, compute)

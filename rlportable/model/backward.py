@@ -99,9 +99,11 @@ def _check_rows(rows, cu_seqlens: np.ndarray, tokens: np.ndarray) -> tuple[np.nd
     return rows, tokens[rows + 1].astype(np.int32)
 
 
-def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray) -> ModelWeights:
+def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray, on_layer=None) -> ModelWeights:
     """Gradients of sum_r grad_logp[r] * logp[r] with respect to every weight (device float32,
-    shaped like model.params; a tied lm_head's gradient is the embedding's, summed)."""
+    shaped like model.params; a tied lm_head's gradient is the embedding's, summed). on_layer(index,
+    LayerWeights): takes each layer's gradients as soon as they exist (last layer first), which the
+    result then leaves out (its layers list is empty)."""
     if not model.trainable:
         raise InputError("backward: build the Model with trainable=True (the trainer needs its float32 weights)")
     grad_logp = np.asarray(grad_logp, dtype=np.float32)
@@ -114,7 +116,13 @@ def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray) -> Model
     dx, d_final_norm = norm.rmsnorm_backward(backend, x_final, params.final_norm, cfg.rms_norm_eps, d_picked_full)
     layer_grads: list[LayerWeights] = [None] * len(model.layers)  # type: ignore[list-item]
     for index in reversed(range(len(model.layers))):
-        dx, layer_grads[index] = _layer_backward(model, index, fwd, dx)
+        dx, grads = _layer_backward(model, index, fwd, dx)
+        if on_layer is None:
+            layer_grads[index] = grads
+        else:
+            on_layer(index, grads)
+    if on_layer is not None:
+        layer_grads = []
     d_embed = _embedding_backward(model, fwd.tokens, dx)
     if params.tied:
         d_embed = residual.add(backend, d_embed, d_lm_head)

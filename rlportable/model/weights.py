@@ -87,6 +87,11 @@ class ModelWeights:
         return out
 
 
+def layer_named(config: ModelConfig, index: int, layer: LayerWeights) -> dict:
+    """Layer `index`'s tensors by Hugging Face name."""
+    return {name: getattr(layer, attr) for name, attr in _layer_names(config, index)}
+
+
 def _layer_names(config: ModelConfig, index: int) -> list[tuple[str, str]]:
     prefix = f"model.layers.{index}."
     names = [("input_layernorm.weight", "attn_norm"),

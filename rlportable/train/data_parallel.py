@@ -61,12 +61,19 @@ class Replicas:
         return [k * self.size + self.rank if k * self.size + self.rank < count else None for k in range(rounds)]
 
     def train_rounds(self, optimizer, batches: list, compute: Callable) -> list:
-        """Every micro-batch of `batches` through compute(batch) -> (host result, gradients by name),
-        dealt out round-robin; each round's gradients go to the optimiser's shard owners, who add
-        them in micro-batch order. Returns the host results of all micro-batches, in order."""
+        """Every micro-batch of `batches` through compute(batch, on_layer) -> (host result, the gradients
+        by name that on_layer did not take), dealt out round-robin; each round's gradients go to the
+        optimiser's shard owners layer by layer as the backward makes them (on_layer), the rest after
+        it, and the owners add them in micro-batch order. Returns the host results of all
+        micro-batches, in order."""
         results = []
         for mine in self.rounds(len(batches)):
-            result, named = (None, None) if mine is None else compute(batches[mine])
-            optimizer.accumulate_round(named)
+            present = optimizer.round_members(mine is not None)
+            if mine is None:
+                optimizer.absent_round(present)
+                result = None
+            else:
+                result, named = compute(batches[mine], optimizer.layer_stream(present))
+                optimizer.exchange([name for name in optimizer.names if name in named], named, present)
             results.extend(r for r in self.group.all_gather_object(result) if r is not None)
         return results

@@ -188,8 +188,8 @@ class GRPOTrainer:
                 counts = (len(mini), sum(len(s.completion_ids) for s in mini))
                 results = self.replicas.train_rounds(
                     self.optimizer, pack(mini, cfg.micro_batch_tokens),
-                    lambda batch, first=iteration == 0 and index == 0: self._micro_batch(batch, settings, counts,
-                                                                                           first, clock))
+                    lambda batch, on_layer, first=iteration == 0 and index == 0: self._micro_batch(
+                        batch, settings, counts, first, clock, on_layer))
                 for loss in results:
                     if loss["check"] is not None:
                         check.append(loss["check"])
@@ -212,8 +212,8 @@ class GRPOTrainer:
         }
 
     def _micro_batch(self, batch, settings, counts: tuple[int, int], check_logp: bool,
-                     clock: PhaseClock) -> tuple[dict, dict]:
-        """(host metrics, gradients by name) of one micro-batch on this replica."""
+                     clock: PhaseClock, on_layer=None) -> tuple[dict, dict]:
+        """(host metrics, gradients by name) of one micro-batch on this replica (on_layer: the backward's)."""
         cfg = self.config
         reference = None
         if cfg.beta > 0:
@@ -225,7 +225,7 @@ class GRPOTrainer:
                                               np.array([s.advantage for s in batch.samples]), settings, reference,
                                               counts)
 
-        loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective, clock)
+        loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective, clock, on_layer)
         check = objectives.logp_mismatch(logp, [s.logp for s in batch.samples]) if check_logp else None
         metrics = {"loss": loss.loss, "check": check, **{key: loss.metrics[key] for key in (
             "kl", "clip_fraction", "ratio_min", "ratio_max")}}

@@ -6,9 +6,10 @@ The model follows what the code allocates (docs/parallelism.md, "Memory per rank
     under tensor parallelism, the whole LM head the backward gathers;
   * encodings: each projection and the LM head as 15-bit fixed point, two int8 digits an element
     (K padded to 64), plus the transposed copies the backward encodes once per update;
-  * gradient: one micro-batch's whole float32 gradient (the backward returns it whole; the sharded
-    optimiser exchanges it tensor by tensor), and the exchange's receive buffer of the largest tensor
-    (the send side is the gradient itself where the ranks divide the tensor's size);
+  * gradient: of one micro-batch, one layer's float32 gradient at a time (the backward hands each
+    layer's to the optimiser as soon as it is made) plus the embedding's and the LM head's; and the
+    exchange's receive buffer of the largest tensor (the send side is the gradient itself where the
+    ranks divide the tensor's size);
   * optimiser: AdamW's two moments and the accumulated gradient, float32, 1/R of every tensor each
     (train/optimizer.py, ZeRO stages 1 and 2; at R = 1 with one micro-batch a step the accumulated
     gradient is that micro-batch's, which the model still counts: it errs high there);
@@ -101,7 +102,9 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
         "whole lm head": whole_lm_head,
         "encodings": WEIGHT_DIGITS * forward,
         "transposed encodings": WEIGHT_DIGITS * transposed,
-        "gradient": 4 * params,
+        # the backward hands each layer's gradient to the optimiser as it is made (train/data_parallel.py):
+        # one layer's, and the embedding's and LM head's, exist at once
+        "gradient": 4 * (per_layer + embed + lm_head + h),
         "exchange buffers": 0 if r == 1 else 4 * largest,  # the all-to-all's receive side
         "optimizer": 3 * 4 * -(-params // r),
         "activations": activations,

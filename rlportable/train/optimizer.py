@@ -18,7 +18,7 @@ from rlportable.contract.adamw import Hyper, lr_at
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.model import parallel
-from rlportable.model.weights import ModelWeights, expected_tensors
+from rlportable.model.weights import ModelWeights, expected_tensors, layer_named
 from rlportable.ops import adamw, residual
 from rlportable.ops.checks import shape_of
 from rlportable.runtime.collectives import Group, SingleGroup
@@ -125,17 +125,53 @@ class Optimizer:
         current = self.grads.get(name)
         self.grads[name] = piece if current is None else residual.add(self.model.backend, current, piece)
 
+    # ---- data-parallel rounds: accumulate_round, or its three parts when the backward streams layers
+    def round_members(self, mine: bool) -> list[bool]:
+        """Which data-parallel ranks have a micro-batch in this round (every rank calls)."""
+        return self.group.all_gather_object(mine) if self.group.size > 1 else [mine]
+
+    def layer_names(self, index: int) -> list[str]:
+        prefix = f"model.layers.{index}."
+        return [name for name in self.names if name.startswith(prefix)]
+
+    def layer_stream(self, present: list[bool]):
+        """on_layer(index, that layer's gradients) for model.backward: each layer's gradients are
+        exchanged and added as soon as the backward made them, so no whole gradient exists at once."""
+        config = self.model.config
+
+        def on_layer(index: int, grads) -> None:
+            self.exchange(self.layer_names(index), layer_named(config, index, grads), present)
+
+        return on_layer
+
+    def absent_round(self, present: list[bool]) -> None:
+        """This rank's part of a round in which it has no micro-batch: the exchanges of the ranks that
+        have one (layers last to first, then the rest, as the backward streams them), with zeros."""
+        layers = self.model.config.num_hidden_layers
+        for index in reversed(range(layers)):
+            self.exchange(self.layer_names(index), None, present)
+        streamed = {name for index in range(layers) for name in self.layer_names(index)}
+        self.exchange([name for name in self.names if name not in streamed], None, present)
+
     def accumulate_round(self, named: dict | None) -> None:
         """One round of data-parallel micro-batches: this rank's whole gradients (None when it had no
         micro-batch), exchanged tensor by tensor so each owner adds every present rank's piece in rank
         (= micro-batch) order. The exchanged tensors are dropped from `named` as they go."""
+        present = self.round_members(named is not None)
+        if named is None:
+            self.absent_round(present)
+        else:
+            self.exchange([name for name in self.names if name in named], named, present)
+
+    def exchange(self, names: list[str], named: dict | None, present: list[bool]) -> None:
+        """The gradients `names` of this round: each owner adds the present ranks' pieces in rank order.
+        named: this rank's whole tensors (popped as they go), or None where it has no micro-batch."""
         group, backend = self.group, self.model.backend
         if group.size == 1:
-            if named is not None:
-                self.accumulate_named(named)
+            for name in names:
+                self._add(name, self._piece(name, named.pop(name)))
             return
-        present = group.all_gather_object(named is not None)
-        for name in self.names:
+        for name in names:
             size, piece = self.sizes[name], -(-self.sizes[name] // group.size)
             whole = None if named is None else named.pop(name).reshape(-1)
             if whole is not None and size == group.size * piece:

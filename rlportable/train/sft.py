@@ -107,9 +107,10 @@ class SFTTrainer:
         samples = [to_sample(r, self.tokenizer, cfg.max_length) for r in records]
         tokens = sum(len(s.completion_ids) for s in samples)
 
-        def compute(batch):
+        def compute(batch, on_layer):
             loss, _, grads = micro_batch_gradients(self.model, batch, 1.0,
-                                                   lambda logp: objectives.sft_token_loss(logp, tokens), clock)
+                                                   lambda logp: objectives.sft_token_loss(logp, tokens), clock,
+                                                   on_layer)
             return loss.loss, grads.named_tensors(self.model.config)
 
         losses = self.replicas.train_rounds(self.optimizer, pack(samples, cfg.micro_batch_tokens), compute)

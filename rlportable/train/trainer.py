@@ -79,14 +79,15 @@ def completion_logprobs(model: Model, batch: MicroBatch, temperature: float, for
 
 
 def micro_batch_gradients(model: Model, batch: MicroBatch, temperature: float,
-                          objective: Callable[[list[np.ndarray]], TokenLoss], clock: PhaseClock | None = None):
+                          objective: Callable[[list[np.ndarray]], TokenLoss], clock: PhaseClock | None = None,
+                          on_layer=None):
     """Forward, the objective on the host, backward: (loss, per-sample log-probs, gradients).
-    clock: times the phases "forward", "loss" and "backward"."""
+    clock: times the phases "forward", "loss" and "backward"; on_layer: model.backward's."""
     clock = clock or PhaseClock()
     with clock.phase("forward"):
         fwd, logp = completion_logprobs(model, batch, temperature, for_backward=True)
     with clock.phase("loss"):
         loss = objective(logp)
     with clock.phase("backward"):
-        grads = backward.backward(model, fwd, loss.grad)
+        grads = backward.backward(model, fwd, loss.grad, on_layer)
     return loss, logp, grads

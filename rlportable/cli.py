@@ -654,16 +654,12 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
 
 
 def _layouts(text: str):
-    from rlportable.train.memory import Layout
+    from rlportable.train.memory import parse_layouts
 
-    layouts = []
-    for item in text.split(","):
-        try:
-            tp, dp = (int(part) for part in item.lower().split("x"))
-        except ValueError:
-            raise click.BadParameter(f"{item!r} is not TPxDP (for example 8x1,4x2,1x8)", param_hint="--layouts")
-        layouts.append(Layout(tp, dp))
-    return layouts
+    try:
+        return parse_layouts(text)
+    except RlpError as error:
+        raise click.BadParameter(str(error), param_hint="--layouts")
 
 
 @bench.command("memory")

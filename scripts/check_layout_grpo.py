@@ -18,6 +18,7 @@ from rlportable.provenance import provenance
 from rlportable.runtime import get_backend
 from rlportable.runtime.collectives import run_threads
 from rlportable.runtime.world import layout_groups
+from rlportable.train.memory import parse_layouts
 from rlportable.train.grpo import GRPOConfig, GRPOTrainer
 from rlportable.train.rewards import RewardSet
 
@@ -52,7 +53,7 @@ def run(world, tp):
 
 
 results, first = [], None
-for tp, dp in (tuple(int(x) for x in layout.split("x")) for layout in args.layouts.split(",")):
+for tp, dp in ((layout.tp, layout.dp) for layout in parse_layouts(args.layouts)):
     started = time.perf_counter()
     ranks = run_threads(backend, tp * dp, lambda world, tp=tp: run(world, tp))
     metrics, digest = ranks[0]

@@ -15,6 +15,7 @@ from rlportable.resources import resource_dir
 from rlportable.runtime import get_backend
 from rlportable.runtime.collectives import run_threads
 from rlportable.runtime.world import layout_groups
+from rlportable.train.memory import parse_layouts
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -28,7 +29,7 @@ for check in ("golden.training.sft.trajectory", "golden.training.grpo.trajectory
     case = next(c for c in golden.CASES if c.check_name == check)
     committed = json.loads((resource_dir("conformance") / "golden" / f"{case.group}.json").read_text())
     want = next(item["sha256"] for item in committed["digests"] if item["name"] == case.name)
-    for tp, dp in (tuple(int(x) for x in layout.split("x")) for layout in args.layouts.split(",")):
+    for tp, dp in ((layout.tp, layout.dp) for layout in parse_layouts(args.layouts)):
         started = time.perf_counter()
 
         def rank(world, tp=tp):

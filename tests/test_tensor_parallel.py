@@ -191,7 +191,7 @@ def test_entropy_at_tp_equals_tp1(cpu, tiny, size):
 
 def test_training_with_shared_kv_heads_is_a_clear_error(cpu, tiny):
     group = ThreadGroup.create(cpu, 4)[0]  # 2 KV heads over 4 ranks: shared
-    with pytest.raises(InputError, match="num_key_value_heads \\(2\\) divisible by the TP size \\(4\\)"):
+    with pytest.raises(InputError, match="training needs num_key_value_heads \\(2\\) divisible by the TP size \\(4\\)"):
         Model(cpu, tiny[0], tiny[1], trainable=True, group=group)
 
 

@@ -154,6 +154,8 @@ def test_sharded_optimiser_holds_one_piece_per_rank():
         assert sum(opt.m[name].size for opt in pieces) == size
         assert max(opt.m[name].size for opt in pieces) == -(-size // 3)
     assert shard_range(2, 3, 2) == (2, 2)  # more ranks than elements: an empty piece
+    with pytest.raises(InputError, match="Replicas.train_rounds"):  # adding only its own pieces would be wrong
+        pieces[0].accumulate_named({})
 
 
 def test_sharded_checkpoint_resumes_bitwise_at_another_replica_count(tmp_path):
@@ -288,4 +290,4 @@ def test_cli_grpo_with_dp_on_cpu_prints_the_same_last_step(tmp_path):
         assert last.split("| rollout")[0] == [line for line in other.output.splitlines()
                                               if line.startswith("step 1")][-1].split("| rollout")[0]
     bad = CliRunner().invoke(main, args + ["--tp", "4"])  # the tiny model's 2 KV heads
-    assert bad.exit_code != 0 and "num_key_value_heads (2) divisible by the TP size (4)" in bad.output
+    assert bad.exit_code != 0 and "training needs num_key_value_heads (2) divisible by the TP size (4)" in bad.output

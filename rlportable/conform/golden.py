@@ -180,7 +180,7 @@ SFT_METRICS = ("loss", "grad_norm", "lr", "completion_tokens")
 GRPO_METRICS = ("reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches", "grad_norm", "lr")
 
 
-def _trajectory(backend, model, optimizer, records: list[dict], keys) -> list[tuple[str, np.ndarray]]:
+def _trajectory(optimizer, records: list[dict], keys) -> list[tuple[str, np.ndarray]]:
     out = [(f"step{i + 1}.{key}", np.array([float(record[key])], np.float64))
            for i, record in enumerate(records) for key in keys if key in record]
     # the whole tensors, gathered from the shards when the run is sharded (copies: AdamW updates in place)
@@ -209,7 +209,7 @@ def _sft_trajectory(backend, s, r, group=None, tp_group=None):
     model, tokenizer, records, _ = _run_setup(backend, r, config.seed, tp_group)
     trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config, group)
     steps = [trainer.step(i) for i in range(config.steps)]
-    return _trajectory(backend, model, trainer.optimizer, steps, SFT_METRICS)
+    return _trajectory(trainer.optimizer, steps, SFT_METRICS)
 
 
 @TRAINING_CASES.case("grpo.trajectory", **GRPO_RUN)
@@ -223,7 +223,7 @@ def _grpo_trajectory(backend, s, r, group=None, tp_group=None):
     trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config, None, group)
     steps = [trainer.step(i) for i in range(config.steps)]
     del trainer.engine  # its KV cache
-    return _trajectory(backend, model, trainer.optimizer, steps, GRPO_METRICS)
+    return _trajectory(trainer.optimizer, steps, GRPO_METRICS)
 
 
 # Layers of the Qwen3-0.6B-shaped model: each has the full shape (hidden 1024, 16 / 8 heads of 128, MLP 3072,

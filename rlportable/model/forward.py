@@ -93,10 +93,7 @@ class Model:
         #: the shapes this rank computes with (config itself without tensor parallelism)
         self.shape = config
         if self.tp.size > 1:
-            if trainable and config.num_key_value_heads % self.tp.size:
-                raise InputError(f"training under tensor parallelism needs num_key_value_heads "
-                                 f"({config.num_key_value_heads}) divisible by the TP size ({self.tp.size}): ranks "
-                                 "sharing a KV head would each hold a part of its gradient")
+            self.tp.check(config, trainable)
             weights = parallel.shard_weights(weights, config, self.tp)
             self.shape = self.tp.local_config(config)
         self.vocab_start = self.tp.vocab_start(config)

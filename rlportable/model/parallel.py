@@ -65,7 +65,8 @@ class TensorParallel:
         group = group or SingleGroup()
         return cls(group.rank, group.size)
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, config: ModelConfig, trainable: bool = False) -> None:
+        """An InputError naming every field the layout cannot cut (training has two more rules)."""
         size = self.size
         problems = []
         for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
@@ -74,6 +75,16 @@ class TensorParallel:
         kv = config.num_key_value_heads
         if kv % size and size % kv:
             problems.append(f"num_key_value_heads={kv} and the TP size {size}: neither divides the other")
+        elif trainable and size > 1 and kv % size:
+            # ranks sharing a KV head would each hold a part of its gradient
+            problems.append(f"training needs num_key_value_heads ({kv}) divisible by the TP size ({size})")
+        if trainable and size > 1:
+            from rlportable.model.backward import GEMM_K_CHUNK
+
+            widest = max(config.intermediate_size, config.num_attention_heads * config.head_dim)
+            if widest > GEMM_K_CHUNK:  # the column-parallel input gradient is one exact product
+                problems.append(f"training needs the column-parallel outputs (intermediate_size, heads x head_dim "
+                                f"= {widest}) at most {GEMM_K_CHUNK}")
         if problems:
             raise InputError(f"tensor parallelism: {'; '.join(problems)}")
 
@@ -214,31 +225,32 @@ def take_columns(backend, x, start: int, stop: int):
     return residual.transpose(backend, residual.transpose(backend, x)[start:stop])
 
 
-def vocab_parallel_logprobs(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, vocab_start: int,
-                            targets, temperature: float):
-    """float32 [rows]: logprob.lm_head_logprobs of the whole vocabulary, bitwise, from the shards."""
-    rows = hidden.shape[0]
-    out = []
-    for start in range(0, rows, LOGPROB_BLOCK_ROWS):
-        stop = min(rows, start + LOGPROB_BLOCK_ROWS)
-        logits = gemm.gemm(backend, hidden[start:stop], lm_head_shard)
-        keys = group.all_reduce(logprob.shard_max_keys(backend, logits, temperature), "max")
-        sums = logprob.shard_sums(backend, logits, keys, targets[start:stop], vocab_start, temperature)
-        out.append(logprob.shard_finish(backend, group.all_reduce(sums, "sum"), keys))
+def _by_blocks(backend, rows: int, compute):
+    """compute(start, stop) -> float32 [stop - start] over blocks of LOGPROB_BLOCK_ROWS rows, joined."""
+    out = [compute(start, min(rows, start + LOGPROB_BLOCK_ROWS)) for start in range(0, rows, LOGPROB_BLOCK_ROWS)]
     if len(out) == 1:
         return out[0]
     return backend.asarray(np.concatenate([backend.to_numpy(part) for part in out])) if out else \
         backend.empty((0,), np.float32)
+
+
+def vocab_parallel_logprobs(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, vocab_start: int,
+                            targets, temperature: float):
+    """float32 [rows]: logprob.lm_head_logprobs of the whole vocabulary, bitwise, from the shards."""
+    def block(start, stop):
+        logits = gemm.gemm(backend, hidden[start:stop], lm_head_shard)
+        keys = group.all_reduce(logprob.shard_max_keys(backend, logits, temperature), "max")
+        sums = logprob.shard_sums(backend, logits, keys, targets[start:stop], vocab_start, temperature)
+        return logprob.shard_finish(backend, group.all_reduce(sums, "sum"), keys)
+
+    return _by_blocks(backend, hidden.shape[0], block)
 
 
 def vocab_parallel_entropy(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, temperature: float):
     """float32 [rows]: the entropy of logits / T over the whole vocabulary, bitwise logprob.entropy, from
     whole logit rows gathered block by block (copies; the entropy's sums run over the whole row)."""
-    rows = hidden.shape[0]
-    out = [logprob.entropy(backend, whole_columns(backend, group, gemm.gemm(backend, hidden[start:stop],
-                                                                           lm_head_shard)), temperature)
-           for start, stop in ((s, min(rows, s + LOGPROB_BLOCK_ROWS)) for s in range(0, rows, LOGPROB_BLOCK_ROWS))]
-    if len(out) == 1:
-        return out[0]
-    return backend.asarray(np.concatenate([backend.to_numpy(part) for part in out])) if out else \
-        backend.empty((0,), np.float32)
+    def block(start, stop):
+        logits = gemm.gemm(backend, hidden[start:stop], lm_head_shard)
+        return logprob.entropy(backend, whole_columns(backend, group, logits), temperature)
+
+    return _by_blocks(backend, hidden.shape[0], block)

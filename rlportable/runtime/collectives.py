@@ -77,16 +77,17 @@ class Group(ABC):
             return self
         wanted = self.all_gather_object((color, key))
         members = sorted((r for r in range(self.size) if wanted[r][0] == color), key=lambda r: (wanted[r][1], r))
-        subgroup = self._subgroup(members, wanted)  # every rank takes part, whatever its own group's size
-        return SingleGroup() if len(members) == 1 else subgroup
+        return self._subgroup(members, wanted)  # every rank takes part, whatever its own group's size
 
     def _subgroup(self, members: list[int], wanted: list) -> "Group":
         """This rank's group of `members` (parent ranks, in the new order); wanted: every rank's (color, key).
         One process a rank (NCCL, RCCL): the first member makes the communicator's id, the parent group
-        carries it to the others."""
-        uid = self.new_unique_id() if self.rank == members[0] else None
+        carries it to the others; a group of one needs no communicator."""
+        alone = len(members) == 1
+        uid = self.new_unique_id() if self.rank == members[0] and not alone else None
         ids = self.all_gather_object(uid)
-        return type(self)(self.backend, members.index(self.rank), len(members), ids[members[0]])
+        return SingleGroup() if alone else type(self)(self.backend, members.index(self.rank), len(members),
+                                                      ids[members[0]])
 
     def barrier(self) -> None:
         """Every rank reaches this point before any leaves it."""
@@ -196,6 +197,8 @@ class ThreadGroup(Group):
             meetings = {color: _Meeting(count, self._meeting.timeout) for color, count in counts.items()}
             self._meeting.children.extend(meetings.values())
         meetings = self.all_gather_object(meetings)[0]
+        if len(members) == 1:
+            return SingleGroup()
         return ThreadGroup(self.backend, members.index(self.rank), meetings[wanted[self.rank][0]])
 
     def all_to_all(self, array):

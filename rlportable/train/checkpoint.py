@@ -5,8 +5,10 @@ Layout of ``directory/``::
     step-000123/            one complete checkpoint (loads with load_model / --model)
         config.json  model.safetensors (fp32)  tokenizer.json  tokenizer_config.json
         optimizer.safetensors   name -> array, exact bits (any numeric dtype); written by R
-                                sharded ranks: optimizer-RRRRR-of-NNNNN.safetensors, rank r's
-                                pieces (train/optimizer.py shard_range)
+                                data-parallel ranks: optimizer-RRRRR-of-NNNNN.safetensors, rank r's
+                                pieces (train/optimizer.py shard_range); by T x R ranks of a
+                                tensor-parallel run: optimizer-tpTTT-of-TTT-RRRRR-of-RRRRR.safetensors,
+                                the pieces of the rank's tensor-parallel shards
         trainer_state.json      scheduler, data-order position, RNG states, metrics
         manifest.json           step, the shard count, SHA-256 and size of every other file (written last)
     latest                  text file naming the current step directory
@@ -18,8 +20,8 @@ parent, then replaces ``latest`` (temp file + os.replace).  A crash at any point
 ranks (one filesystem shared by all), rank 0 makes the temporary directory, every rank writes
 its optimiser shard into it, and rank 0 writes the rest and publishes; a failure on any rank
 is raised on every rank.  One run per checkpoint directory is assumed.  load_checkpoint
-reads the optimiser state lazily (OptimizerShards), so a rank of a run at any rank count reads
-only the elements it owns.
+reads the optimiser state lazily (OptimizerShards): without tensor parallelism on either side a
+rank reads only the elements it owns; otherwise each whole tensor, one at a time.
 """
 
 from __future__ import annotations
@@ -135,9 +137,12 @@ class OptimizerShards:
         shape = expected_tensors(self.config)[name]
         shards = []
         for t in range(self.tp):
-            plan = parallel.TensorParallel(t, self.tp)
-            shards.append(self._pieces(range(t * self.ranks, (t + 1) * self.ranks), key).reshape(
-                parallel.shard_shape(self.config, plan, name, shape)))
+            local = parallel.shard_shape(self.config, parallel.TensorParallel(t, self.tp), name, shape)
+            pieces = self._pieces(range(t * self.ranks, (t + 1) * self.ranks), key)
+            if pieces.size != int(np.prod(local)):
+                raise CheckpointError(f"{self.paths[t * self.ranks]}: optimiser state {key} holds {pieces.size} "
+                                      f"elements of tensor-parallel rank {t}'s shard, which has {int(np.prod(local))}")
+            shards.append(pieces.reshape(local))
         axis = parallel.tensor_axis(name)
         return shards[0] if axis is None else np.concatenate(shards, axis=axis)
 
@@ -281,7 +286,7 @@ def _together(groups: tuple, work: Callable[[], Any]) -> list:
         outcome = (None, work())
     except CheckpointError as error:
         outcome = (str(error), None)
-    except OSError as error:
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, or they wait forever
         outcome = (f"cannot write the checkpoint: {' '.join(str(error).split())}", None)
     outcomes = [outcome]
     for group in groups:
@@ -348,26 +353,23 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
         if os.path.exists(final):  # a step-* that `latest` does not name (e.g. left by a crash)
             _remove_dir(directory, name)
         os.replace(tmp, final)
+        _fsync_path(directory)
+        atomic_write(os.path.join(directory, LATEST), [(name + "\n").encode("utf-8")])
+        _fsync_path(directory)
+        if keep_last is not None:
+            dirs = _step_dirs(directory)
+            keep = {n for _, n in dirs[-keep_last:]} | {name}
+            for _, other in dirs:
+                if other not in keep:
+                    _remove_dir(directory, other)
 
     try:
         _together(groups, write)
-        _together(groups, publish if leader else lambda: None)
+        _together(groups, publish if leader else lambda: None)  # the others wait for `latest`
     except BaseException:
         if leader:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not leader:
-        return final
-    _fsync_path(directory)
-    atomic_write(os.path.join(directory, LATEST), [(name + "\n").encode("utf-8")])
-    _fsync_path(directory)
-
-    if keep_last is not None:
-        dirs = _step_dirs(directory)
-        keep = {n for _, n in dirs[-keep_last:]} | {name}
-        for _, other in dirs:
-            if other not in keep:
-                _remove_dir(directory, other)
     return final
 
 

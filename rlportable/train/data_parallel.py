@@ -1,6 +1,7 @@
 """Data-parallel replicas: training bitwise independent of the replica count.
 
-Every replica holds the whole model. A step's work is dealt out by position, never by timing:
+Every replica holds the whole model (under tensor parallelism, its T ranks together hold it). A
+step's work is dealt out by position, never by timing:
   * rollout: replica r generates requests r, r + R, r + 2R, ... of the step, each under its
     global request id (the sampler's key), so every sample is the one a single device would draw;
     the samples are then gathered in request order on every replica;

@@ -10,16 +10,16 @@ The model follows what the code allocates (docs/parallelism.md, "Memory per rank
     layer's to the optimiser as soon as it is made) plus the embedding's and the LM head's; and the
     exchange's receive buffer of the largest tensor (the send side is the gradient itself where the
     ranks divide the tensor's size);
-  * optimiser: AdamW's two moments and the accumulated gradient, float32, 1/R of every tensor each
-    (train/optimizer.py, ZeRO stages 1 and 2; at R = 1 with one micro-batch a step the accumulated
-    gradient is that micro-batch's, which the model still counts: it errs high there);
+  * optimiser: AdamW's two moments (kept through the rollout) and the accumulated gradient, float32,
+    1/R of every tensor each (train/optimizer.py, ZeRO stages 1 and 2; at R = 1 with one micro-batch
+    a step the accumulated gradient is that micro-batch's, which the model still counts: it errs high);
   * activations of one micro-batch of T tokens with per-layer recompute: every layer's input and
     attention output, one layer's recomputed forward and backward, the LM head's row chunk;
   * KV cache: the engine's encoded K and V (two int8 digits and an int32 exponent per head and token),
     released while training.
-The peak is the larger of the rollout phase (weights, encodings, KV cache) and the training phase
-(everything else). Not modelled: the allocator's fragmentation, the CUDA context (about 0.5 GiB),
-library workspaces. `rlportable bench memory` prints it; the H200 measurement that checks it is in
+The peak is the larger of the rollout phase (weights, encodings, moments, KV cache) and the training
+phase (everything but the KV cache). Not modelled: the allocator's fragmentation, the CUDA context (about 0.5 GiB),
+library workspaces. `rlportable bench memory` prints it; the H100 measurement that checks it is in
 bench/results/memory_h100.json.
 """
 
@@ -56,6 +56,17 @@ class Layout:
                 raise InputError(f"memory: {name} must be a positive integer, got {value!r}")
 
 
+def parse_layouts(text: str) -> list[Layout]:
+    """"8x1,4x2" -> [Layout(8, 1), Layout(4, 2)]; a bad item is an InputError naming it."""
+    layouts = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(part.isdigit() for part in parts):
+            raise InputError(f"{item!r} is not TPxDP (for example 8x1,4x2,1x8)")
+        layouts.append(Layout(int(parts[0]), int(parts[1])))
+    return layouts
+
+
 @dataclass(frozen=True)
 class Workload:
     micro_batch_tokens: int = 16384   # tokens of one micro-batch (OptimiserSettings' default)
@@ -63,14 +74,10 @@ class Workload:
 
 
 def check_layout(config: ModelConfig, layout: Layout) -> None:
-    """The fields the tensor-parallel layout must divide (model/parallel.py's rules)."""
-    t = layout.tp
-    for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
-        if getattr(config, field) % t:
-            raise InputError(f"tensor parallelism {t} must divide {field} = {getattr(config, field)}")
-    kv = config.num_key_value_heads
-    if kv % t and t % kv:
-        raise InputError(f"tensor parallelism {t} must divide num_key_value_heads = {kv}, or be divided by it")
+    """The fields a training layout must divide (model/parallel.py's rules)."""
+    from rlportable.model.parallel import TensorParallel
+
+    TensorParallel(0, layout.tp).check(config, trainable=True)
 
 
 def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:
@@ -106,13 +113,15 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
         # one layer's, and the embedding's and LM head's, exist at once
         "gradient": 4 * (per_layer + embed + lm_head + h),
         "exchange buffers": 0 if r == 1 else 4 * largest,  # the all-to-all's receive side
-        "optimizer": 3 * 4 * -(-params // r),
+        "moments": 2 * 4 * -(-params // r),
+        "accumulated gradient": 4 * -(-params // r),
         "activations": activations,
         "kv cache": kv,
     }
 
 
-ROLLOUT = ("weights", "encodings", "kv cache")  # the whole LM head is gathered for the backward only
+#: what the device holds while the engine generates (the whole LM head is gathered for the backward only)
+ROLLOUT = ("weights", "encodings", "moments", "kv cache")
 
 
 def peak(parts: dict[str, int]) -> int:

@@ -64,10 +64,15 @@ class OptimiserSettings:
                 raise InputError(f"{kind}: {name} must be a positive integer, got {value!r}")
 
 
+def piece_size(size: int, ranks: int) -> int:
+    """ceil(size / ranks): the length of every rank's piece of a tensor, the last ones padded."""
+    return -(-size // ranks)
+
+
 def shard_range(size: int, ranks: int, rank: int) -> tuple[int, int]:
     """The elements [lo, hi) of a flattened tensor of `size` elements that `rank` of `ranks` owns:
-    consecutive pieces of ceil(size / ranks), the last ones shorter or empty."""
-    piece = -(-size // ranks)
+    consecutive pieces of piece_size, the last ones shorter or empty."""
+    piece = piece_size(size, ranks)
     return min(rank * piece, size), min((rank + 1) * piece, size)
 
 
@@ -117,7 +122,11 @@ class Optimizer:
         self.accumulate_named(grads.named_tensors(self.model.config))
 
     def accumulate_named(self, named: dict) -> None:
-        """accumulate() of whole gradients given by tensor name (as `names`): this rank's pieces."""
+        """accumulate() of whole gradients given by tensor name (as `names`): one rank only (replicas
+        exchange their gradients through Replicas.train_rounds)."""
+        if self.group.size > 1:
+            raise InputError("accumulate: with several data-parallel ranks the gradients go through "
+                             "Replicas.train_rounds, which exchanges them")
         for name in self.names:
             self._add(name, self._piece(name, named[name]))
 
@@ -125,7 +134,9 @@ class Optimizer:
         current = self.grads.get(name)
         self.grads[name] = piece if current is None else residual.add(self.model.backend, current, piece)
 
-    # ---- data-parallel rounds: accumulate_round, or its three parts when the backward streams layers
+    # ---- data-parallel rounds (train/data_parallel.py Replicas.train_rounds): who has a micro-batch,
+    # then each layer's gradients as the backward streams them, then the rest; or, without a
+    # micro-batch, the same exchanges with zeros
     def round_members(self, mine: bool) -> list[bool]:
         """Which data-parallel ranks have a micro-batch in this round (every rank calls)."""
         return self.group.all_gather_object(mine) if self.group.size > 1 else [mine]
@@ -153,16 +164,6 @@ class Optimizer:
         streamed = {name for index in range(layers) for name in self.layer_names(index)}
         self.exchange([name for name in self.names if name not in streamed], None, present)
 
-    def accumulate_round(self, named: dict | None) -> None:
-        """One round of data-parallel micro-batches: this rank's whole gradients (None when it had no
-        micro-batch), exchanged tensor by tensor so each owner adds every present rank's piece in rank
-        (= micro-batch) order. The exchanged tensors are dropped from `named` as they go."""
-        present = self.round_members(named is not None)
-        if named is None:
-            self.absent_round(present)
-        else:
-            self.exchange([name for name in self.names if name in named], named, present)
-
     def exchange(self, names: list[str], named: dict | None, present: list[bool]) -> None:
         """The gradients `names` of this round: each owner adds the present ranks' pieces in rank order.
         named: this rank's whole tensors (popped as they go), or None where it has no micro-batch."""
@@ -172,7 +173,7 @@ class Optimizer:
                 self._add(name, self._piece(name, named.pop(name)))
             return
         for name in names:
-            size, piece = self.sizes[name], -(-self.sizes[name] // group.size)
+            size, piece = self.sizes[name], piece_size(self.sizes[name], group.size)
             whole = None if named is None else named.pop(name).reshape(-1)
             if whole is not None and size == group.size * piece:
                 send = whole  # already [ranks, piece]: no padded copy
@@ -210,7 +211,7 @@ class Optimizer:
         group, backend = self.group, self.model.backend
         if group.size == 1:
             return
-        n, size = self.sizes[name], -(-self.sizes[name] // group.size)
+        n, size = self.sizes[name], piece_size(self.sizes[name], group.size)
         send = backend.zeros((size,), np.float32)
         if piece.size:
             backend.copy_into(send[:piece.size], piece)

@@ -1,8 +1,8 @@
 """The step loop SFT and GRPO share: metrics, atomic checkpoints, and resuming bitwise.
 
 A checkpoint (train/checkpoint.py) holds the float32 master weights (they load
-back with `--model DIR`), AdamW's m and v (one shard per data-parallel rank; a
-resume at another rank count reads its own pieces), and the trainer state: the next step,
+back with `--model DIR`), AdamW's m and v (one shard per rank; a resume at
+another layout reads what it needs of them), and the trainer state: the next step,
 the optimiser's step count and the run's settings. The data order and the
 sampling keys are functions of (seed, step), so nothing else is needed to
 continue exactly as if the run had never stopped; a resume with different
@@ -14,25 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlportable.errors import InputError
-from rlportable.model.forward import Model
-from rlportable.model.weights import LayerWeights, ModelWeights, from_named
+from rlportable.model.weights import from_named
 from rlportable.train import checkpoint
 from rlportable.train.metrics import MetricsLog
-
-
-def host_weights(model: Model) -> ModelWeights:
-    """The model's float32 master weights copied to the host (tied lm_head stays the embedding)."""
-    get = model.backend.to_numpy
-    params = model.params
-
-    def optional(array):
-        return None if array is None else get(array)
-
-    layers = [LayerWeights(**{name: optional(getattr(layer, name)) for name in LayerWeights.__dataclass_fields__})
-              for layer in params.layers]
-    embed = get(params.embed)
-    return ModelWeights(embed=embed, layers=layers, final_norm=get(params.final_norm),
-                        lm_head=embed if params.tied else get(params.lm_head))
 
 
 def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoint | None:
@@ -79,10 +63,7 @@ def save(optimizer, out_dir: str, step: int, tokenizer, state: dict, keep_last: 
     shards), rank 0 the weights, whole (gathered from the tensor-parallel shards), and the rest."""
     model, group, tp = optimizer.model, optimizer.group, optimizer.tp
     writer = group.rank == 0 and tp.rank == 0
-    if tp.size == 1:
-        weights = host_weights(model) if writer else None
-    else:
-        named = optimizer.whole_weights(writer)
-        weights = from_named(model.config, named) if writer else None
-    checkpoint.save_checkpoint(out_dir, step, model.config, weights, tokenizer, optimizer.shard_state(), state,
-                               keep_last=keep_last, group=group, tp_group=tp)
+    named = optimizer.whole_weights(writer)  # a gather under tensor parallelism: every rank takes part
+    checkpoint.save_checkpoint(out_dir, step, model.config, from_named(model.config, named) if writer else None,
+                               tokenizer, optimizer.shard_state(), state, keep_last=keep_last, group=group,
+                               tp_group=tp)

@@ -211,8 +211,8 @@ def _layout_run(kind, tmp_path, name, config, tp, dp, resume=False, on_step=None
 @pytest.mark.parametrize("kind", ["sft", "grpo"])
 def test_tensor_and_data_parallel_runs_resume_across_layouts_bitwise(tmp_path, kind):
     """A run at TP 2 x DP 2 (threads) has the single-device metrics; interrupted after step 1 at one
-    layout, it resumes at another (TP 2 -> TP 1 x DP 2, and TP 1 x DP 2 -> TP 2) and ends with the
-    single-device weights and moments, bitwise."""
+    layout, it resumes at another (TP 2 -> TP 1 x DP 2, TP 1 x DP 2 -> TP 2, TP 2 -> TP 2 x DP 2) and
+    ends with the single-device weights and moments, bitwise."""
     if kind == "sft":
         config = SFTConfig(steps=3, batch_size=8, learning_rate=3e-3, micro_batch_tokens=20, seed=2)
         single = launch.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
@@ -234,7 +234,8 @@ def test_tensor_and_data_parallel_runs_resume_across_layouts_bitwise(tmp_path, k
         if record["step"] == 2:
             raise KeyboardInterrupt  # before step 2's checkpoint: the latest is step 1's
 
-    for name, first, then in (("tp2_to_dp2", (2, 1), (1, 2)), ("dp2_to_tp2", (1, 2), (2, 1))):
+    for name, first, then in (("tp2_to_dp2", (2, 1), (1, 2)), ("dp2_to_tp2", (1, 2), (2, 1)),
+                              ("tp2_to_tp2dp2", (2, 1), (2, 2))):  # the last reads only its own shard's files
         with pytest.raises(KeyboardInterrupt):
             _layout_run(kind, tmp_path, name, config, *first, on_step=stop_after_one, **extra)
         step1 = checkpoint.latest_checkpoint(tmp_path / name)
@@ -243,7 +244,7 @@ def test_tensor_and_data_parallel_runs_resume_across_layouts_bitwise(tmp_path, k
         assert sorted(f for f in os.listdir(step1) if f.startswith("optimizer")) == sorted(
             checkpoint.optimizer_files(dp, tp))
         same_metrics(_layout_run(kind, tmp_path, name, config, *then, resume=True, **extra))
-    for name in ("tp2dp2", "tp2_to_dp2", "dp2_to_tp2"):
+    for name in ("tp2dp2", "tp2_to_dp2", "dp2_to_tp2", "tp2_to_tp2dp2"):
         straight, parted = _final_weights(tmp_path / "single"), _final_weights(tmp_path / name)
         for key in straight:
             assert np.array_equal(straight[key], parted[key]), (name, key)

@@ -20,8 +20,8 @@ parent, then replaces ``latest`` (temp file + os.replace).  A crash at any point
 ranks (one filesystem shared by all), rank 0 makes the temporary directory, every rank writes
 its optimiser shard into it, and rank 0 writes the rest and publishes; a failure on any rank
 is raised on every rank.  One run per checkpoint directory is assumed.  load_checkpoint
-reads the optimiser state lazily (OptimizerShards): without tensor parallelism on either side a
-rank reads only the elements it owns; otherwise each whole tensor, one at a time.
+reads the optimiser state lazily (OptimizerShards): a rank reads only the elements it owns when
+the checkpoint's tensor-parallel size is the run's; otherwise each whole tensor, one at a time.
 """
 
 from __future__ import annotations
@@ -149,15 +149,29 @@ class OptimizerShards:
     def read(self, key: str, size: int, lo: int, hi: int) -> np.ndarray:
         if key not in self.keys():
             raise CheckpointError(f"{self.paths[0]}: optimiser state {key} is missing")
-        lengths = [lengths[key] for lengths in self._lengths]
-        total = sum(lengths) if self.tp == 1 else int(np.prod(expected_tensors(self.config)[key[2:]]))
-        if total != size:
-            raise CheckpointError(f"{self.paths[0]}: optimiser state {key} has {total} elements, the "
-                                  f"model's tensor {size}")
         if self.tp > 1:
+            whole = int(np.prod(expected_tensors(self.config)[key[2:]]))
+            if whole != size:
+                raise CheckpointError(f"{self.paths[0]}: optimiser state {key} has {whole} elements, the "
+                                      f"model's tensor {size}")
             return self._whole(key).reshape(-1)[lo:hi]
+        return self._range(range(len(self.paths)), key, size, lo, hi)
+
+    def read_shard(self, key: str, tp_rank: int, size: int, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of tensor-parallel rank tp_rank's flattened shard of `key` (a checkpoint
+        written at the same tensor-parallel size as the run reading it): from that rank's files only."""
+        if key not in self.keys():
+            raise CheckpointError(f"{self.paths[0]}: optimiser state {key} is missing")
+        return self._range(range(tp_rank * self.ranks, (tp_rank + 1) * self.ranks), key, size, lo, hi)
+
+    def _range(self, files: range, key: str, size: int, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of the flat pieces `files` hold of `key`, one after another, read lazily."""
+        lengths = [self._lengths[i][key] for i in files]
+        if sum(lengths) != size:
+            raise CheckpointError(f"{self.paths[files[0]]}: optimiser state {key} has {sum(lengths)} elements, the "
+                                  f"model's tensor {size}")
         pieces, start = [], 0
-        for index, length in enumerate(lengths):
+        for index, length in zip(files, lengths):
             a, b = max(lo, start) - start, min(hi, start + length) - start
             if a < b:
                 if self._flat[index][key]:

@@ -256,7 +256,10 @@ class Optimizer:
         """This rank's pieces from a checkpoint's optimiser state (checkpoint.OptimizerShards), written
         at any data-parallel and tensor-parallel layout."""
         backend, config = self.model.backend, self.model.config
-        if self.tp.size > 1:  # each whole tensor read, then this rank's shard, then its piece of that
+        if self.tp.size > 1 and state.tp == self.tp.size:  # this rank's shard's files only
+            def read(key, size, lo, hi):
+                return state.read_shard(key, self.tp.rank, size, lo, hi)
+        elif self.tp.size > 1:  # each whole tensor read, then this rank's shard, then its piece of that
             shapes = expected_tensors(config)
 
             def read(key, size, lo, hi):

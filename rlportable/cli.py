@@ -682,9 +682,9 @@ def bench_memory(device, json_path, shapes, layouts, tokens, kv_tokens, measure,
     from rlportable.bench import memory as memory_bench
     from rlportable.train.memory import Workload
 
-    chosen = _layouts(layouts)
+    chosen, names = _layouts(layouts), [s.strip() for s in shapes.split(",")]
     try:
-        rows = memory_bench.model_rows([s.strip() for s in shapes.split(",")], chosen, Workload(tokens, kv_tokens))
+        rows = memory_bench.model_rows(names, chosen, Workload(tokens, kv_tokens))
     except RlpError as error:
         _fail(error)
     keys = [k for k in rows[0] if k not in ("fits_80gb", "fits_141gb")]
@@ -697,8 +697,7 @@ def bench_memory(device, json_path, shapes, layouts, tokens, kv_tokens, measure,
         backend = _backend(device)
         for layout in chosen:
             try:
-                found = memory_bench.measure(backend, shapes.split(",")[0].strip(), layers, layout.tp, layout.dp,
-                                             tokens)
+                found = memory_bench.measure(backend, names[0], layers, layout.tp, layout.dp, tokens)
             except RlpError as error:
                 _fail(error)
             result["measured"].append(found)

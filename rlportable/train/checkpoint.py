@@ -119,16 +119,14 @@ class OptimizerShards:
         with self._open(self.paths[index], framework="numpy") as handle:
             return handle.get_tensor(key)
 
-    def _pieces(self, files: range, key: str) -> np.ndarray:
-        return np.concatenate([self._tensor(i, key).reshape(-1) for i in files])
-
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self.keys():
             raise KeyError(key)
         if len(self.paths) == 1:
             return self._tensor(0, key)
         if self.tp == 1:
-            return self._pieces(range(self.ranks), key)
+            total = sum(lengths[key] for lengths in self._lengths)
+            return self._range(range(self.ranks), key, total, 0, total)
         return self._whole(key).reshape(-1)
 
     def _whole(self, key: str) -> np.ndarray:
@@ -138,11 +136,8 @@ class OptimizerShards:
         shards = []
         for t in range(self.tp):
             local = parallel.shard_shape(self.config, parallel.TensorParallel(t, self.tp), name, shape)
-            pieces = self._pieces(range(t * self.ranks, (t + 1) * self.ranks), key)
-            if pieces.size != int(np.prod(local)):
-                raise CheckpointError(f"{self.paths[t * self.ranks]}: optimiser state {key} holds {pieces.size} "
-                                      f"elements of tensor-parallel rank {t}'s shard, which has {int(np.prod(local))}")
-            shards.append(pieces.reshape(local))
+            size = int(np.prod(local))
+            shards.append(self.read_shard(key, t, size, 0, size).reshape(local))
         axis = parallel.tensor_axis(name)
         return shards[0] if axis is None else np.concatenate(shards, axis=axis)
 

@@ -225,9 +225,8 @@ class Optimizer:
         out.update({f"v.{name}": backend.to_numpy(self.v[name]) for name in self.names})
         return out
 
-    def _local(self, name: str, store) -> object:
+    def _local(self, name: str, store, shape: tuple) -> object:
         """A moment of one tensor in the tensor's (this rank's) shape, gathered from the pieces."""
-        shape = shape_of(self._params()[name])
         if self.group.size == 1:
             return store[name].reshape(shape)
         whole = self.model.backend.zeros(shape, np.float32)
@@ -238,11 +237,11 @@ class Optimizer:
         """The whole m and v of every tensor, in its whole shape, as host arrays: gathered over the
         data-parallel pieces and the tensor-parallel shards (every rank must call; keep=False: this
         rank only takes part and gets None)."""
-        out = {}
+        out, shapes = {}, {name: shape_of(p) for name, p in self._params().items()}
         for kind, store in (("m", self.m), ("v", self.v)):
             for name in self.names:
-                out[f"{kind}.{name}"] = parallel.unshard(self.model.backend, self.tp, name, self._local(name, store),
-                                                         keep)
+                out[f"{kind}.{name}"] = parallel.unshard(self.model.backend, self.tp, name,
+                                                         self._local(name, store, shapes[name]), keep)
         return out if keep else None
 
     def whole_weights(self, keep: bool = True) -> dict[str, np.ndarray] | None:

@@ -535,6 +535,35 @@ def bench_gemm(device, json_path, m_values, sweep_tiles):
     _write_json(json_path, result)
 
 
+@bench.command("attention")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--length", "lengths", multiple=True, type=click.IntRange(1, 1 << 17),
+              help="Sequence lengths (default: 1024 4096 16384).")
+@click.option("--tokens", default=16384, show_default=True, type=click.IntRange(1),
+              help="Tokens per call (sequences = tokens // length, at least one).")
+def bench_attention(device, json_path, lengths, tokens):
+    """Exact attention forward, backward and decode against torch sdpa bf16 (causal, GQA)."""
+    _check_json_path(json_path)
+    from rlportable.bench import attention as attention_bench
+
+    backend = _backend(device)
+    try:
+        result = attention_bench.run(backend, lengths=tuple(lengths) or attention_bench.LENGTHS, tokens=tokens,
+                                     progress=lambda text: click.echo(f"  {text}", err=True))
+    except RlpError as error:
+        _fail(error)
+    table = [[r["length"], r["sequences"], f"{r['hq']}/{r['hkv']}",
+              f"{r['ours_forward_s'] * 1e3:.2f}", f"{r['sdpa_forward_s'] * 1e3:.2f}", f"{r['forward_ratio']:.1f}",
+              f"{r['ours_backward_s'] * 1e3:.2f}", f"{r['sdpa_backward_s'] * 1e3:.2f}", f"{r['backward_ratio']:.1f}",
+              f"{r['train_ratio']:.1f}", f"{r['decode_s'] * 1e6:.0f}", f"{r['decode_bound_fraction']:.2f}"]
+             for r in result["rows"]]
+    click.echo(tabulate(table, headers=["T", "seqs", "heads", "fwd ms", "sdpa fwd ms", "ratio", "bwd ms",
+                                        "sdpa bwd ms", "ratio", "fwd+bwd ratio", "decode us", "decode bound"]))
+    click.echo(json.dumps(result["targets"]))
+    _write_json(json_path, result)
+
+
 @bench.command("forward")
 @DEVICE_OPTION
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))

@@ -72,7 +72,7 @@ __device__ __forceinline__ void rlp_attention_mma(
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
-    const int* __restrict__ v_exponents, float* __restrict__ out, signed char* smem) {
+    const int* __restrict__ v_exponents, float* __restrict__ out, double* __restrict__ row_stats, signed char* smem) {
     constexpr int NTMAX = DPMAX / 16;  // 8-column tiles of one warp's half of dp
     __shared__ int row_seq[RLP_ATTM_BQ], row_pos[RLP_ATTM_BQ], row_eq[RLP_ATTM_BQ], row_done[RLP_ATTM_BQ];
     __shared__ unsigned int row_mkey[RLP_ATTM_BQ], row_ev[RLP_ATTM_BQ], row_flags[RLP_ATTM_BQ];
@@ -116,6 +116,7 @@ __device__ __forceinline__ void rlp_attention_mma(
         }
         if (bad)
             for (int i = lane; i < d; i += 32) out[(row * hq + h) * (long long)d + i] = rlp_canonical_nan();
+        if (bad && row_stats != nullptr && lane < 2) row_stats[3 * (row * hq + h) + lane] = 0.0;
         if (lane == 0) {
             row_seq[rr] = seq;
             row_pos[rr] = t;
@@ -373,6 +374,11 @@ __device__ __forceinline__ void rlp_attention_mma(
             float* orow = out + ((r0 + r) * hq + h) * (long long)d;
             const double denominator = __ll2double_rn((long long)row_total[r]);  // exact: L < 2^53
             const double unit = rlp_pow2_f64(e_max[k] - RLP_ATT_V_SHIFT);
+            if (row_stats != nullptr && half == 0 && tq4 == 0) {  // m and L for the backward (0 when poisoned)
+                double* stats = row_stats + 3 * ((r0 + r) * hq + h);
+                stats[0] = ok[k] ? (double)m[k] : 0.0;
+                stats[1] = ok[k] ? denominator : 0.0;
+            }
 #pragma unroll
             for (int n = 0; n < NTMAX; ++n)
 #pragma unroll
@@ -396,11 +402,11 @@ __device__ __forceinline__ void rlp_attention_mma(
         int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,        \
         int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,          \
         const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,                          \
-        const int* __restrict__ v_exponents, float* __restrict__ out) {                                         \
+        const int* __restrict__ v_exponents, float* __restrict__ out, double* __restrict__ row_stats) {          \
         extern __shared__ int4 rlp_attm_smem[];                                                                  \
         rlp_attention_mma<DPMAX>(q, q_seq, q_pos, tq, hq, hkv, d, dp, scale, block_tables, num_seqs, max_blocks, \
                                  block_size, num_slots, k_digits, k_exponents, v_digits, v_exponents, out,       \
-                                 reinterpret_cast<signed char*>(rlp_attm_smem));                                \
+                                 row_stats, reinterpret_cast<signed char*>(rlp_attm_smem));                     \
     }
 
 // head_dim padded to 64 or 128, and to 192 or 256

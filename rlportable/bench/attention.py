@@ -1,7 +1,7 @@
 """`rlportable bench attention`: the exact attention family against torch's bf16 attention.
 
 Ours: attention_packed (the training forward and packed prefill: K/V encoding included),
-attention_packed_backward (given the forward's o, as the trainer calls it) and the decode path
+attention_packed_backward (given the forward's o and row statistics, as the trainer calls it) and the decode path
 (attention_paged, one query per sequence over a paged cache of `length` keys). Peer: torch
 scaled_dot_product_attention in bf16 (causal, GQA; FlashAttention-2 kernels on Hopper), forward and
 backward, in the same process on the same GPU, over the same shapes. Causal FLOPs count the two
@@ -89,13 +89,15 @@ def run(backend, lengths=LENGTHS, layouts=LAYOUTS, tokens: int = TOKENS, repeats
                     for name, heads in (("q", hq), ("k", hkv), ("v", hkv), ("do", hq))}
             q, k, v, do = (backend.asarray(host[name]) for name in ("q", "k", "v", "do"))
             cu = np.arange(0, total + 1, length, dtype=np.int64)
-            o = attention.attention_packed(backend, q, k, v, cu)
-            ours_fwd = _median_seconds(cupy_events, lambda: attention.attention_packed(backend, q, k, v, cu),
-                                       backend.synchronize, repeats)
-            ours_bwd = _median_seconds(
-                cupy_events, lambda: attention.attention_packed_backward(backend, q, k, v, do, cu, o=o),
+            # as the trainer calls them: the forward keeps o and its row statistics for the backward
+            o, stats = attention.attention_packed(backend, q, k, v, cu, keep_stats=True)
+            ours_fwd = _median_seconds(
+                cupy_events, lambda: attention.attention_packed(backend, q, k, v, cu, keep_stats=True),
                 backend.synchronize, repeats)
-            del q, k, v, do, o
+            ours_bwd = _median_seconds(
+                cupy_events, lambda: attention.attention_packed_backward(backend, q, k, v, do, cu, o=o, row_stats=stats),
+                backend.synchronize, repeats)
+            del q, k, v, do, o, stats
             cupy.get_default_memory_pool().free_all_blocks()
 
             def peer_tensor(name, heads):

@@ -52,7 +52,7 @@ class TrainingForward:
     rows: np.ndarray           # int32 [R]: token rows whose next token is predicted
     targets: np.ndarray        # int32 [R]: that next token
     checkpoints: list          # device [T, H]: each layer's input, then the final norm's input
-    attention_outputs: list | None  # device [T, Hq, D]: each layer's attention output (keep_attention)
+    attention_outputs: list | None  # each layer's (attention output [T, Hq, D], its row_stats or None) (keep_attention)
     picked: object             # device [R, H]: final-norm hidden states of `rows`
     logp: object               # device float32 [R]
     temperature: float
@@ -63,7 +63,8 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
     """Packed forward keeping activation checkpoints; logp[r] = log P(tokens[rows[r] + 1] | tokens up to
     rows[r]). rows (token indices, each followed by a token of its own sequence) defaults to every
     next-token row; a trainer passes only the completion tokens' rows. keep_attention: keep each
-    layer's attention output too, so that the backward does not run the attention forward again."""
+    layer's attention output (and its m and L, where the kernel gives them) too, so that the backward runs
+    neither the attention forward nor its statistics pass again."""
     backend = model.backend
     tokens = np.asarray(tokens, dtype=np.int32)
     cu_seqlens = check_packing(tokens, cu_seqlens, model.config.vocab_size)
@@ -73,9 +74,9 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
     attend = model.packed_attention(cu_seqlens)
     kept: list | None = [] if keep_attention else None
     if kept is not None:
-        def attend(q, k, v, index, packed=attend):
-            kept.append(packed(q, k, v, index))
-            return kept[-1]
+        def attend(q, k, v, index, packed=model.packed_attention(cu_seqlens, keep_stats=True)):
+            kept.append(packed(q, k, v, index))  # (o, row_stats): the backward skips its statistics pass
+            return kept[-1][0]
     hidden = model._forward(tokens, positions, attend, saved=checkpoints)
     rows, targets = next_token_rows(tokens, cu_seqlens) if rows is None else _check_rows(rows, cu_seqlens, tokens)
     rows = rows.astype(np.int32)
@@ -246,7 +247,7 @@ def _recompute(model: Model, index: int, fwd: TrainingForward, x) -> dict:
     record: dict = {}
     if fwd.attention_outputs is not None:
         def attend(q, k, v):
-            return fwd.attention_outputs[index]
+            return fwd.attention_outputs[index][0]
     else:
         def attend(q, k, v, packed=model.packed_attention(fwd.cu_seqlens)):
             return packed(q, k, v, index)
@@ -275,7 +276,9 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     a_flat = f.a.reshape(t, cfg.num_attention_heads * cfg.head_dim)
     grads["o"] = weight_grad(backend, d_x2, a_flat)
     d_a = input_grad(model, d_x2, w.o).reshape(t, cfg.num_attention_heads, cfg.head_dim)
-    d_q, d_k, d_v = attention.attention_packed_backward(backend, f.q, f.k, f.v, d_a, fwd.cu_seqlens, o=f.a)
+    row_stats = fwd.attention_outputs[index][1] if fwd.attention_outputs is not None else None
+    d_q, d_k, d_v = attention.attention_packed_backward(backend, f.q, f.k, f.v, d_a, fwd.cu_seqlens, o=f.a,
+                                                        row_stats=row_stats)
     d_q_lin = _head_backward(model, f.q_lin, w.q_norm, d_q, fwd, grads, "q_norm")
     d_k_lin = _head_backward(model, f.k_lin, w.k_norm, d_k, fwd, grads, "k_norm")
     d_v_lin = d_v.reshape(t, cfg.num_key_value_heads * cfg.head_dim)

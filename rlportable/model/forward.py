@@ -161,9 +161,11 @@ class Model:
         cu_seqlens = check_packing(tokens, cu_seqlens, self.config.vocab_size)
         return self._forward(tokens, packed_positions(cu_seqlens), self.packed_attention(cu_seqlens))
 
-    def packed_attention(self, cu_seqlens: np.ndarray):
-        """attend(q, k, v, layer_index) over packed sequences (the forward's and the trainer's)."""
-        return lambda q, k, v, _index: attention.attention_packed(self.backend, q, k, v, cu_seqlens)
+    def packed_attention(self, cu_seqlens: np.ndarray, keep_stats: bool = False):
+        """attend(q, k, v, layer_index) over packed sequences (the forward's and the trainer's); keep_stats:
+        it returns (o, row_stats) as attention_packed does (the trainer keeps both for the backward)."""
+        return lambda q, k, v, _index: attention.attention_packed(self.backend, q, k, v, cu_seqlens,
+                                                                  keep_stats=keep_stats)
 
     def step(self, tokens, positions, q_seq, block_tables, slots, caches: list, device: StepInputs | None = None):
         """One engine step over a paged KV cache: final-norm hidden states [T, H].

@@ -36,7 +36,7 @@ import numpy as np
 from rlportable.contract import attention as reference, fixedpoint as fp
 from rlportable.errors import InputError
 from rlportable.ops import segments
-from rlportable.ops.checks import round_up, shape_of
+from rlportable.ops.checks import NULL_POINTER, round_up, shape_of
 from rlportable.ops.fixedpoint import K_ALIGN, encode_rows_reference
 from rlportable.runtime.base import Backend
 
@@ -301,20 +301,26 @@ def split_values_shared_bytes(group: int, head_dim_padded: int) -> int:
 
 def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tables, threads: int = THREADS,
                     method: str = "auto", keys_per_split: int | None = None, num_seqs: int | None = None,
-                    out=None):
+                    out=None, row_stats=None):
     """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
     0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32).
     method: "auto", "portable", "mma" or "split" (METHODS; all give the same bits). threads: the
     portable kernel's block size. keys_per_split: the split kernels' key range per block (None:
     split_plan's choice; any value gives the same bits). num_seqs: how many sequences the rows
     belong to, for "auto" (None: every row of block_tables). out: a C-contiguous float32 [Tq, Hq, D]
-    device array to write o into (a slice of a larger output; devices only), else a new one."""
+    device array to write o into (a slice of a larger output; devices only), else a new one.
+    row_stats: a float64 [Tq * Hq, 3] device array (row t * Hq + h) into whose first two columns the
+    "mma" kernel writes each row's m and L (0 and 0 for a NaN row): the backward's statistics."""
     tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
     seqs = shape_of(block_tables)[0] if num_seqs is None else num_seqs
     method = resolve_method(backend, tq, seqs, cache.head_dim, method)
     _check_keys_per_split(keys_per_split)
+    if row_stats is not None:
+        if method != "mma":
+            raise InputError(f"attention: row_stats are written by the \"mma\" kernel only, not by {method!r}")
+        _check_row_stats("attention", row_stats, tq * hq)
     dim = cache.head_dim
     if backend.kernel_vendor is None:
         if out is not None:
@@ -341,7 +347,9 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                    (q, q_seq, q_pos, np.int64(tq), np.int32(hq), np.int32(cache.num_kv_heads), np.int32(dim),
                     np.int32(cache.head_dim_padded), scale, block_tables, np.int32(num_seqs), np.int32(max_blocks),
                     np.int32(cache.block_size), np.int64(cache.num_slots), cache.k_digits, cache.k_exponents,
-                    cache.v_digits, cache.v_exponents, out), shared_mem=shared)
+                    cache.v_digits, cache.v_exponents, out)
+                   + ((NULL_POINTER if row_stats is None else row_stats,) if method == "mma" else ()),
+                   shared_mem=shared)
     return out
 
 
@@ -541,20 +549,31 @@ def packed_layout(cu_seqlens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return q_seq, q_pos, tables
 
 
-def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREADS, method: str = "auto"):
+def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREADS, method: str = "auto",
+                     keep_stats: bool = False):
     """Packed variable-length causal prefill: q [T, Hq, D], k, v [T, Hkv, D] float32; sequence i
-    holds tokens cu_seqlens[i]..cu_seqlens[i+1]-1 at positions 0, 1, ... Returns o [T, Hq, D]."""
+    holds tokens cu_seqlens[i]..cu_seqlens[i+1]-1 at positions 0, 1, ... Returns o [T, Hq, D].
+
+    keep_stats: return (o, row_stats) instead, row_stats the rows' m and L as attention_paged writes
+    them (for attention_packed_backward, which then skips its own statistics pass), or None where the
+    kernel taken does not write them (every kernel but "mma"; the backward computes them)."""
     tokens, hq, hkv, dim = _check_packed("attention_packed", q, k, v)
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens)
     if backend.kernel_vendor is None:
-        return reference.attention_packed_batched(backend.to_numpy(q), backend.to_numpy(k), backend.to_numpy(v), cu)
+        o = reference.attention_packed_batched(backend.to_numpy(q), backend.to_numpy(k), backend.to_numpy(v), cu)
+        return (o, None) if keep_stats else o
     if tokens == 0:
-        return backend.empty((0, hq, dim), np.float32)
+        o = backend.empty((0, hq, dim), np.float32)
+        return (o, None) if keep_stats else o
     cache = KVCache.allocate(backend, tokens, hkv, dim, block_size=1, zero=False)
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     q_seq, q_pos, tables = packed_layout(cu)
-    return attention_paged(backend, q, q_seq, q_pos, cache, tables, threads=threads, method=method)
+    row_stats = None
+    if keep_stats and resolve_method(backend, tokens, cu.size - 1, dim, method) == "mma":
+        row_stats = backend.empty((tokens * hq, 3), np.float64)
+    o = attention_paged(backend, q, q_seq, q_pos, cache, tables, threads=threads, method=method, row_stats=row_stats)
+    return (o, row_stats) if keep_stats else o
 
 
 # ---- backward (contracts/attention.toml, op "attention_backward")
@@ -721,8 +740,14 @@ def _check_backward_extra(name: str, array, shape: tuple[int, ...]) -> None:
         raise InputError(f"attention_packed_backward: {name} must have the shape of q {shape}, got {shape_of(array)}")
 
 
+def _check_row_stats(name: str, array, rows: int) -> None:
+    if _require("row_stats", array, 2, np.float64) != (rows, 3):
+        raise InputError(f"{name}: row_stats must have the shape ({rows}, 3) (query rows x heads, m L delta), "
+                         f"got {shape_of(array)}")
+
+
 def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None, threads: int = BACKWARD_THREADS,
-                              method: str = "auto", tiled_terms: int = TILED_MAX_TERMS):
+                              method: str = "auto", tiled_terms: int = TILED_MAX_TERMS, row_stats=None):
     """Gradients of attention_packed(q, k, v, cu_seqlens) for the incoming gradient do [T, Hq, D]:
     (dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, D]) float32, under the contract's "attention_backward".
 
@@ -731,12 +756,18 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     threads: the rows kernels' block size (any value in [1, MAX_THREADS] gives the same bits).
     method: "auto", "rows" or "tiled" (BACKWARD_METHODS; the same bits). tiled_terms: the most pairs
     one dkv item of the tiled kernels sums (any value gives the same bits; small ones exercise the
-    cut key tiles)."""
+    cut key tiles). row_stats: the statistics attention_packed(q, k, v, cu_seqlens, keep_stats=True)
+    returned beside o (with o, or None): the tiled kernels then skip their statistics pass (the same
+    bits) and write delta into its third column; the other methods compute their own."""
     name = "attention_packed_backward"
     tokens, hq, hkv, dim = _check_packed(name, q, k, v)
     _check_backward_extra("do", do, (tokens, hq, dim))
     if o is not None:
         _check_backward_extra("o", o, (tokens, hq, dim))
+    if row_stats is not None:
+        if o is None:
+            raise InputError(f"{name}: row_stats come from the forward that gave o; pass o with them")
+        _check_row_stats(name, row_stats, tokens * hq)
     if hq // hkv > reference.MAX_GROUP:
         raise InputError(f"{name}: {hq} q heads over {hkv} kv heads exceed the contract's group limit "
                          f"{reference.MAX_GROUP}")
@@ -769,7 +800,7 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the forward's float64 1/sqrt(D)
     if method == "tiled":
-        _backward_tiled(backend, q, do, o, cu, cache, scale, int(tiled_terms), dq, dk, dv)
+        _backward_tiled(backend, q, do, o, cu, cache, scale, int(tiled_terms), dq, dk, dv, row_stats)
         return dq, dk, dv
     rows = tokens * hq
     q_int, do_int = backend.empty((rows, dim), np.int32), backend.empty((rows, dim), np.int32)
@@ -790,8 +821,10 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     return dq, dk, dv
 
 
-def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, max_terms: int, dq, dk, dv) -> None:
-    """The tiled kernels' launches (method "tiled"), writing dq, dk, dv."""
+def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, max_terms: int, dq, dk, dv,
+                    row_stats=None) -> None:
+    """The tiled kernels' launches (method "tiled"), writing dq, dk, dv; row_stats: the forward's m and L
+    (the statistics step is then left out), else None."""
     tokens, hq, dim = q.shape
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     dpt = tiled_head_dim(dp)
@@ -799,7 +832,9 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
     plan = _device_plan(backend, cu, dpt, hq // hkv, max_terms)
     q_int, do_int = backend.empty((rows, dpt), np.int32), backend.empty((rows, dpt), np.int32)
     k_int, v_int = backend.empty((key_rows, dpt), np.int32), backend.empty((key_rows, dpt), np.int32)
-    row_info, row_stats = backend.empty((rows, 3), np.int32), backend.empty((rows, 3), np.float64)
+    row_info = backend.empty((rows, 3), np.int32)
+    steps_run = ("fields", "dq") if row_stats is not None else ("stats", "fields", "dq")
+    row_stats = backend.empty((rows, 3), np.float64) if row_stats is None else row_stats
     e_fields = backend.empty((rows,), np.int32)
     key_fields = backend.zeros((key_rows, 2), np.uint32)
     wide_shape = (key_rows, dim, 2) if plan.cut else (1, 2)
@@ -817,8 +852,9 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
     grid = (plan.n_tiles, hq)
     block = (TILED_THREADS,)
     steps = "attention_backward_mma" if backend.kernel_vendor == "cuda" else "attention_backward_tiled"
-    for step, size in (("stats", "stats"), ("fields", "query"), ("dq", "query")):
-        backend.launch("attention", f"{steps}_{step}_d{dpt}", grid, block, query_args, shared_mem=shared[size])
+    for step in steps_run:
+        backend.launch("attention", f"{steps}_{step}_d{dpt}", grid, block, query_args,
+                       shared_mem=shared["stats" if step == "stats" else "query"])
     backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_items, hkv), block,
                    (plan.items, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
                     do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,

@@ -6,6 +6,9 @@ import numpy as np
 
 from rlportable.errors import InputError
 
+#: a kernel's null pointer argument (an optional output left out): 8 bytes of zero, as a device address
+NULL_POINTER = np.uint64(0)
+
 
 def shape_of(array) -> tuple[int, ...]:
     return tuple(int(d) for d in array.shape)

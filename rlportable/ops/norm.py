@@ -13,7 +13,7 @@ import numpy as np
 from rlportable.contract import norm as reference
 from rlportable.errors import InputError
 from rlportable.ops import fixedpoint, segments
-from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
+from rlportable.ops.checks import NULL_POINTER, require_bits, require_contiguous, require_matrix, shape_of
 
 NORM_THREADS = 256
 #: the forward row kernels' blocks: the fastest of 256, 512 and 1024 threads a row at decode's rows on
@@ -29,8 +29,6 @@ MAX_FUSED_ENCODED_ROW = 4096
 #: the one encoding norm_add_rmsnorm computes (RLP_NORM_ENCODE_BITS/_SLICES in backends/portable/norm.hip):
 #: gemm.DEFAULT_BITS_A, the activations' bits; other bits are encoded by a separate launch
 FUSED_ENCODE_BITS = reference.ENCODE_BITS
-#: a kernel's null pointer argument (an optional output left out): 8 bytes of zero, as a device address
-NULL_POINTER = np.uint64(0)
 THREAD_SEGMENT = segments.SEGMENT  # the kernels' block reductions work on segments of 32 lanes (backends/portable/common.hip)
 
 

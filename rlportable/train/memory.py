@@ -14,7 +14,7 @@ The model follows what the code allocates (docs/parallelism.md, "Memory per rank
     1/R of every tensor each (train/optimizer.py, ZeRO stages 1 and 2; at R = 1 with one micro-batch
     a step the accumulated gradient is that micro-batch's, which the model still counts: it errs high);
   * activations of one micro-batch of T tokens with per-layer recompute: every layer's input and
-    attention output, one layer's recomputed forward and backward, the LM head's row chunk;
+    attention output (with its row statistics), one layer's recomputed forward and backward, the LM head's row chunk;
   * KV cache: the engine's encoded K and V (two int8 digits and an int32 exponent per head and token),
     released while training.
 The peak is the larger of the rollout phase (weights, encodings, moments, KV cache) and the training
@@ -101,6 +101,7 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
     largest = max(embed, lm_head, max(n * k for n, k in projections))
     tokens = work.micro_batch_tokens
     activations = 4 * tokens * (h * (layers + 1) + hq * d * layers)
+    activations += 24 * tokens * hq * layers  # the attention forward's row statistics (m, L, delta: float64)
     activations += 4 * tokens * LAYER_WORKING_SET * (h + (hq + 2 * hkv) * d + 2 * inter)
     activations += 4 * min(tokens, LM_HEAD_ROW_CHUNK) * whole_vocab * 2  # logits and their gradient, whole rows
     kv = layers * 2 * hkv * (WEIGHT_DIGITS * _pad(d) + 4) * work.kv_tokens

@@ -415,15 +415,16 @@ RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 
 // ---------------------------------------------------------------------------
 // Tiled backward: the CUDA fast path of op "attention_backward", the bits of the rows kernels above
-// (ops/attention.py method "tiled"). Tiles of query rows x key columns in shared memory, every
-// product on the FP64 tensor cores (mma.sync m16n8k4 f64, sm_80+) over integer operands held exactly
-// in float64. Each partial sum of a product stays below 2^53, so each mma result is the exact integer
-// sum in any order, and the tiling changes nothing:
+// (ops/attention.py method "tiled"). Tiles of query rows x key columns in shared memory, the products
+// on the FP64 tensor cores (mma.sync m16n8k4 f64, sm_80+) over integer operands held exactly in float64,
+// but _fields' scores, which are the forward's int8 digit products (mma.sync m16n8k32 s8). Each partial
+// sum of a product stays below 2^53, so each mma result is the exact integer sum in any order, and the
+// tiling changes nothing:
 //   S = qq . qk, dP = qdo . qv                |terms| < 2^36, D <= 256 terms
 //   dq += U_hi . qk, U_lo . qk               U = U_hi 2^16 + U_lo, |U_hi|, |U_lo| <= 2^15 + 1; <= 2^17 keys
 //   dk += U_hi . qq, dv += U_hi . qdo (U_lo)  at most RLP_ATTT_MAX_TERMS (q row, head) pairs per launch item
 // The steps: _rows (encoded rows, delta), _keys (k, v rows from the cache), _stats (m, L, the poisoned
-// flag: two passes over the keys), _fields (the coefficients' largest exponent fields E: per query row
+// flag: two passes over the keys; left out when the forward gave m and L), _fields (the coefficients' largest exponent fields E: per query row
 // for dq, per key row for dk and dv, with a poison mark), _dq, _dkv (launch items cut where a key tile
 // has more pairs than one item may sum; such tiles add their exact two-word sums with integer atomics
 // and _finish rounds them). Shared-memory rows are DP + 4 doubles apart: a half-warp's fragment loads
@@ -549,6 +550,77 @@ __device__ __forceinline__ void rlp_attd_load(double* dst, const int* __restrict
 
 
 
+
+// Rows [count] of DP integers (|v| < 2^23) from global (as rlp_attd_load) into shared memory as NDIG
+// balanced int8 digit planes, laid out [digit][DP / 64][ROWS][64] like the forward's tiles (a fragment's
+// 16 bytes are one load); rows at or beyond `count` are zero.
+template <int DP, int ROWS, int NDIG>
+__device__ __forceinline__ void rlp_attd_load_digits(signed char* dst, const int* __restrict__ src, long long first,
+                                                     long long step, int count) {
+    for (int i = threadIdx.x; i < ROWS * (DP / 4); i += RLP_ATTD_THREADS) {
+        const int r = i / (DP / 4);
+        const int c = 4 * (i - r * (DP / 4));
+        int4 v = make_int4(0, 0, 0, 0);
+        if (r < count) v = *reinterpret_cast<const int4*>(src + (first + r * step) * DP + c);
+        int w[4] = {v.x, v.y, v.z, v.w};
+        unsigned int packed[NDIG];
+#pragma unroll
+        for (int k = 0; k < NDIG; ++k) packed[k] = 0u;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int k = 0; k < NDIG; ++k) {
+                const int low = ((w[e] + 128) & 255) - 128;
+                w[e] = (w[e] - low) >> 8;
+                packed[k] |= (unsigned int)(low & 255) << (8 * e);
+            }
+#pragma unroll
+        for (int k = 0; k < NDIG; ++k)
+            *reinterpret_cast<unsigned int*>(dst + ((k * (DP / 64) + c / 64) * ROWS + r) * 64 + c % 64) = packed[k];
+    }
+}
+
+// The 16x8 block of a . b^T over DP from digit tiles (rows a0.. of a: RA rows, 3 digits; rows b0.. of b:
+// RB rows, 2 digits): the forward's int8 tensor-core digit products (rlp_attm_chunk), combined exactly in
+// int64 and held exactly in float64 (|S| < 2^44): the values rlp_attd_dots gives.
+template <int DP, int RA, int RB>
+__device__ __forceinline__ void rlp_attd_block8(double (&x)[4], const signed char* a, int a0, const signed char* b,
+                                                int b0) {
+    constexpr int CH = DP / 64;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int acc[4][4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[k][i] = 0;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+        int4 fa[3][2], fb[2];
+#pragma unroll
+        for (int i = 0; i < 3; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                fa[i][r] = *reinterpret_cast<const int4*>(a + ((i * CH + ch) * RA + a0 + g + 8 * r) * 64 + 16 * t);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            fb[j] = *reinterpret_cast<const int4*>(b + ((j * CH + ch) * RB + b0 + g) * 64 + 16 * t);
+        rlp_attm_chunk(acc, fa, fb);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = (double)rlp_attm_combine(acc, i);
+}
+
+// x[n] = a . b_n^T and y[n] = c . e_n^T (b_n: rows b0 + 8 n) from digit tiles: rlp_attd_dots on int8.
+template <int DP, int NB, int RA, int RB>
+__device__ __forceinline__ void rlp_attd_dots8(double (&x)[NB][4], double (&y)[NB][4], const signed char* a,
+                                               const signed char* c, int a0, const signed char* b,
+                                               const signed char* e, int b0) {
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+        rlp_attd_block8<DP, RA, RB>(x[n], a, a0, b, b0 + 8 * n);
+        rlp_attd_block8<DP, RA, RB>(y[n], c, a0, e, b0 + 8 * n);
+    }
+}
 
 // The per-query-tile kernels' shared state: the tile's q and do rows, a step's k and v rows, the
 // rows' and keys' scalars.
@@ -712,19 +784,33 @@ __device__ __forceinline__ void rlp_attd_query_tile(
     constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSB = (BQ / 16) * (BK / 8);
     constexpr int NB = NSB >= 2 * RLP_ATTD_WARPS ? NSB / RLP_ATTD_WARPS : 1;  // S blocks per warp, sharing a
     constexpr int NPW = 4;  // 16x8 accumulator blocks per warp: BQ DP / 128 blocks over 8 warps
+    // dq: float64 tiles of q, do, k, v and the coefficients, every product on the FP64 tensor cores;
+    // fields: int8 digit tiles of q, do (3 digits) and k, v (2), the scores on the int8 tensor cores
+    // (a quarter of the shared memory: more blocks per multiprocessor). In dq, whose time goes to the
+    // coefficients' products and the tile loads, int8 scores measured slower (digit tiles beside the
+    // float64 keys the coefficients' products need).
     double* qs = smem;
-    double* ds_rows = qs + BQ * LD;
-    double* ks = ds_rows + BQ * LD;
-    double* vs = ks + BK * LD;
-    double* u_hi = vs + BK * LD;
-    double* u_lo = u_hi + BQ * ULD;
-    RlpAttdRows<DP>& s = *reinterpret_cast<RlpAttdRows<DP>*>(u_lo + BQ * ULD);
+    double* ds_rows = qs + (DQ ? BQ * LD : 0);
+    double* ks = ds_rows + (DQ ? BQ * LD : 0);
+    double* vs = ks + (DQ ? BK * LD : 0);
+    double* u_hi = vs + (DQ ? BK * LD : 0);
+    double* u_lo = u_hi + (DQ ? BQ * ULD : 0);
+    signed char* q8 = reinterpret_cast<signed char*>(u_lo + (DQ ? BQ * ULD : 0));
+    signed char* do8 = q8 + (DQ ? 0 : 3 * BQ * DP);
+    signed char* k8 = do8 + (DQ ? 0 : 3 * BQ * DP);
+    signed char* v8 = k8 + (DQ ? 0 : 2 * BK * DP);
+    RlpAttdRows<DP>& s = *reinterpret_cast<RlpAttdRows<DP>*>(v8 + (DQ ? 0 : 2 * BK * DP));
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const RlpAtttTile tile = rlp_attd_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
     const long long t0 = tile.t0, start = tile.start;
     const int rows = tile.rows, h = tile.h, g = tile.g;
-    rlp_attd_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
-    rlp_attd_load<DP, BQ>(ds_rows, do_int, t0 * hq + h, hq, rows);
+    if constexpr (DQ) {
+        rlp_attd_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
+        rlp_attd_load<DP, BQ>(ds_rows, do_int, t0 * hq + h, hq, rows);
+    } else {
+        rlp_attd_load_digits<DP, BQ, 3>(q8, q_int, t0 * hq + h, hq, rows);
+        rlp_attd_load_digits<DP, BQ, 3>(do8, do_int, t0 * hq + h, hq, rows);
+    }
     rlp_attd_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
     for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) {
         s.field_q[r] = 0u;
@@ -739,16 +825,24 @@ __device__ __forceinline__ void rlp_attd_query_tile(
     for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
         const int keys = (int)min((long long)BK, t0 + rows - j0);
         __syncthreads();
-        rlp_attd_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
-        rlp_attd_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
+        if constexpr (DQ) {
+            rlp_attd_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
+            rlp_attd_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
+        } else {
+            rlp_attd_load_digits<DP, BK, 2>(k8, k_int, j0 * hkv + g, hkv, keys);
+            rlp_attd_load_digits<DP, BK, 2>(v8, v_int, j0 * hkv + g, hkv, keys);
+        }
         rlp_attd_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
         for (int c = threadIdx.x; c < BK; c += RLP_ATTD_THREADS) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
         __syncthreads();
         for (int sg = warp; sg < NSB / NB; sg += RLP_ATTD_WARPS) {
             const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
             double x[NB][4], y[NB][4];
-            rlp_attd_dots<NB, true>(x, y, qs + mb * 16 * LD, ks + nb0 * 8 * LD, ds_rows + mb * 16 * LD,
-                                    vs + nb0 * 8 * LD, LD, DP);
+            if constexpr (DQ)
+                rlp_attd_dots<NB, true>(x, y, qs + mb * 16 * LD, ks + nb0 * 8 * LD, ds_rows + mb * 16 * LD,
+                                        vs + nb0 * 8 * LD, LD, DP);
+            else
+                rlp_attd_dots8<DP, NB, BQ, BK>(x, y, q8, do8, mb * 16, k8, v8, nb0 * 8);
             unsigned int fq[2] = {0u, 0u};
 #pragma unroll
             for (int n = 0; n < NB; ++n) {

@@ -654,7 +654,8 @@ def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
         ld, uld = dpt + 4, 32 + 4
         scalars = 56 * t["bq"] + 16 * t["bk"] + 256
         return {"stats": 8 * (t["bq"] + t["bk"]) * ld + scalars,
-                "query": 8 * (2 * t["bq"] * ld + 2 * t["bk"] * ld + 2 * t["bq"] * uld) + scalars,
+                "fields": (6 * t["bq"] + 4 * t["bk"]) * dpt + scalars,  # int8 digit tiles: q, do 3, k, v 2
+                "dq": 8 * (2 * t["bq"] * ld + 2 * t["bk"] * ld + 2 * t["bq"] * uld) + scalars,
                 "dkv": 8 * (2 * t["bkv"] * ld + 2 * t["bq2"] * ld + 4 * t["bkv"] * uld) + 32 * t["bq2"] + 16 * t["bkv"]}
     i32, u32, f32, f64, u64 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_double, ctypes.c_uint64
     bq, bk, bkv, bq2, ld = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 1
@@ -667,8 +668,8 @@ def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
                           ("c_fk", i32, bkv), ("c_fv", i32, bkv)])
     words = lambda ints: 8 * (-(-ints // 2))  # int32 arrays rounded up to whole 8-byte words
     query_parts, key_parts = _portable_parts(bq, bk), _portable_parts(bkv, bq2)
-    return {"stats": 8 * query_parts + words((bq + bk) * ld) + rows,
-            "query": 8 * (2 * query_parts + 2 * bq * bk) + words(2 * (bq + bk) * ld) + rows,
+    query = 8 * (2 * query_parts + 2 * bq * bk) + words(2 * (bq + bk) * ld) + rows
+    return {"stats": 8 * query_parts + words((bq + bk) * ld) + rows, "fields": query, "dq": query,
             "dkv": 8 * (2 * key_parts + 4 * bkv * bq2) + words(2 * (bkv + bq2) * ld) + keys}
 
 
@@ -854,7 +855,7 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
     steps = "attention_backward_mma" if backend.kernel_vendor == "cuda" else "attention_backward_tiled"
     for step in steps_run:
         backend.launch("attention", f"{steps}_{step}_d{dpt}", grid, block, query_args,
-                       shared_mem=shared["stats" if step == "stats" else "query"])
+                       shared_mem=shared[step])
     backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_items, hkv), block,
                    (plan.items, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
                     do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,

@@ -100,8 +100,8 @@ def dynamic_lds() -> dict[str, int]:
     }
     for dpt in attention.TILED_HEAD_DIMS:
         shared = attention.tiled_shared_bytes(dpt, "hip")
-        for step, size in (("stats", "stats"), ("fields", "query"), ("dq", "query"), ("dkv", "dkv")):
-            sizes[f"attention_backward_tiled_{step}_d{dpt}"] = shared[size]
+        for step in ("stats", "fields", "dq", "dkv"):
+            sizes[f"attention_backward_tiled_{step}_d{dpt}"] = shared[step]
     return sizes
 
 

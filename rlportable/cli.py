@@ -564,6 +564,45 @@ def bench_attention(device, json_path, lengths, tokens):
     _write_json(json_path, result)
 
 
+def _shapes(text: str):
+    """"64x320,8x16448" -> ((64, 320), (8, 16448))."""
+    try:
+        shapes = tuple(tuple(int(n) for n in part.lower().split("x")) for part in text.split(",") if part.strip())
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 2 or min(s) < 2 for s in shapes):
+        raise click.BadParameter(f"expected sequences x length pairs such as 64x320,8x16448 (each at least 2), got {text!r}",
+                                 param_hint="--shapes")
+    return shapes
+
+
+@bench.command("train")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--shapes", default="64x320,64x1088,64x4160,8x16448", show_default=True,
+              help="Packed batches as sequences x tokens, comma-separated.")
+@click.option("--layers", default=None, type=click.IntRange(1), help="Fewer layers than Qwen3-0.6B's 28 (quick runs).")
+def bench_train(device, json_path, shapes, layers):
+    """The training phase (forward, backward, AdamW) against HF transformers bf16 + torch AdamW."""
+    _check_json_path(json_path)
+    shapes = _shapes(shapes)
+    from rlportable.bench import train as train_bench
+
+    backend = _backend(device)
+    try:
+        result = train_bench.run(backend, shapes=shapes, layers=layers,
+                                 progress=lambda text: click.echo(f"  {text}", err=True))
+    except RlpError as error:
+        _fail(error)
+    table = [[f"{r['sequences']} x {r['length']}", f"{r['ours_s']:.2f}", f"{r['hf_s']:.2f}", f"{r['ratio']:.2f}",
+              f"{r['ours_peak_bytes'] / 2**30:.1f}", f"{r['hf_peak_bytes'] / 2**30:.1f}",
+              "on" if r["hf_gradient_checkpointing"] else "off"] for r in result["rows"]]
+    click.echo(tabulate(table, headers=["batch", "ours s", "HF bf16 s", "ratio", "ours GiB", "HF GiB",
+                                        "HF checkpointing"]))
+    click.echo(json.dumps(result["targets"]))
+    _write_json(json_path, result)
+
+
 @bench.command("forward")
 @DEVICE_OPTION
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))

@@ -615,3 +615,52 @@ def test_backward_method_errors():
     assert op.backward_methods(_RecordingDevice(), 128, 2) == ("rows", "tiled")
     assert op.backward_methods(_RecordingDevice(), 320, 2) == ("rows",)  # padded head_dim beyond 256
     assert op.backward_methods(_RecordingDevice("hip"), 128, 2) == ("rows", "tiled")
+
+
+# ---- the forward's statistics (m, L) handed to the backward
+
+
+def test_tiled_backward_from_the_forwards_statistics_leaves_out_the_stats_step():
+    device = _RecordingDevice("cuda")
+    rng = np.random.default_rng(12)
+    q, k, v, do = inputs(rng, 75, 6, 2, 128)
+    o = ref.attention(q, k, v, np.arange(75))
+    stats = np.zeros((75 * 6, 3), np.float64)
+    op.attention_packed_backward(device, q, k, v, do, np.array([0, 4, 75]), o=o, row_stats=stats)
+    launched = [launch[1] for launch in device.launches]
+    assert "attention_backward_mma_stats_d128" not in launched
+    assert launched[-3:] == [f"attention_backward_mma_{step}_d128" for step in ("fields", "dq", "dkv")]
+    assert all(launch[4][13] is stats for launch in device.launches if "_fields_" in launch[1] or "_dq_" in launch[1])
+    _check_arguments(device.launches, _kernel_parameters("cuda"))
+
+
+def test_packed_forward_keeps_statistics_only_from_the_mma_kernel():
+    rng = np.random.default_rng(13)
+    q, k, v, _ = inputs(rng, 40, 4, 2, 64)
+    cu = np.array([0, 16, 40])
+    device = _RecordingDevice("cuda")
+    o, stats = op.attention_packed(device, q, k, v, cu, keep_stats=True)
+    mma = [launch for launch in device.launches if launch[1] == "attention_paged_mma_d128"]
+    assert len(mma) == 1 and mma[0][4][-1] is stats and stats.shape == (40 * 4, 3) and stats.dtype == np.float64
+    assert mma[0][4][-2] is o
+    device = _RecordingDevice("cuda")
+    assert op.attention_packed(device, q, k, v, cu, method="portable", keep_stats=True)[1] is None
+    assert op.attention_packed(device, q, k, v, cu).shape == (40, 4, 64)  # a plain array without keep_stats
+    o_cpu, none = op.attention_packed(CPU, q, k, v, cu, keep_stats=True)
+    assert none is None and np.array_equal(o_cpu.view(np.uint32), op.attention_packed(CPU, q, k, v, cu).view(np.uint32))
+
+
+def test_statistics_errors_name_the_problem():
+    rng = np.random.default_rng(14)
+    q, k, v, do = inputs(rng, 20, 4, 2, 64)
+    cu = np.array([0, 20])
+    with pytest.raises(InputError, match="pass o with them"):
+        op.attention_packed_backward(CPU, q, k, v, do, cu, row_stats=np.zeros((80, 3)))
+    o = ref.attention(q, k, v, np.arange(20))
+    with pytest.raises(InputError, match=r"row_stats must have the shape \(80, 3\)"):
+        op.attention_packed_backward(CPU, q, k, v, do, cu, o=o, row_stats=np.zeros((20, 3)))
+    device = _RecordingDevice("cuda")
+    cache = op.KVCache.allocate(device, 32, 2, 64, block_size=16)
+    with pytest.raises(InputError, match="mma"):
+        op.attention_paged(device, q[:2], np.zeros(2, np.int32), np.array([0, 1], np.int32), cache,
+                           np.array([[0, 1]], np.int32), method="split", row_stats=np.zeros((8, 3)))

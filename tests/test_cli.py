@@ -215,3 +215,20 @@ def test_logp_table_keeps_a_pieces_leading_space_visible():
     result = CliRunner().invoke(main, ["logp", "--device", "cpu", "--text", "12 + 34"])
     assert result.exit_code == 0, result.output
     assert '" ' in result.output  # a piece starting with a space, quoted as in --json
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["bench", "train", "--shapes", "64x"], "--shapes"),
+    (["bench", "train", "--shapes", "1x320"], "--shapes"),
+    (["bench", "train", "--shapes", "axb"], "--shapes"),
+    (["bench", "attention", "--length", "0"], "--length"),
+])
+def test_bench_options_are_one_line_naming_the_flag(args, flag):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and flag in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["attention", "train"])
+def test_gpu_benchmarks_name_the_backend_they_need(command):
+    result = CliRunner().invoke(main, ["bench", command, "--device", "cpu"])
+    assert result.exit_code != 0 and "cuda backend" in result.output and "Traceback" not in result.output

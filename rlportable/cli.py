@@ -305,14 +305,17 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
              max_batch, block_size, prefix_caching, cuda_graphs, device, tp, tp_emulate, as_json):
     """Sample completions with the rollout engine (paged KV cache, continuous batching)."""
     from rlportable.engine.llm import LLM
-    from rlportable.engine.sequence import SamplingParams
+    from rlportable.engine.sequence import SamplingParams, SamplingParamsError
     from rlportable.model.logp import read_prompts
 
     try:
         records = read_prompts(list(prompts), jsonl)
         texts = [text for text, _ in records]
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                 max_tokens=max_tokens, ignore_eos=ignore_eos, seed=own) for _, own in records]
+        try:
+            params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                     max_tokens=max_tokens, ignore_eos=ignore_eos, seed=own) for _, own in records]
+        except SamplingParamsError as error:
+            raise error.in_terms_of({"n": "-n", "seed": "a JSONL record's \"seed\""}) from None
     except RlpError as error:
         _fail(error)
 
@@ -460,6 +463,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--prompts-per-step", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--num-generations", "-G", default=8, show_default=True, type=click.IntRange(min=1), help="Samples per prompt.")
 @click.option("--max-completion-length", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-prompt-length", default=None, type=click.IntRange(min=1),
+              help="Longer prompts keep their last tokens (default: none cut; every prompt must then fit the model).")
 @click.option("--temperature", default=1.0, show_default=True, type=float)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int)
@@ -473,8 +478,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--mini-batches", default=1, show_default=True, type=click.IntRange(min=1), help="Optimiser steps per pass.")
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, rewards, reward_weights,
-         prompts_per_step, num_generations, max_completion_length, temperature, top_p, top_k, min_p, epsilon,
-         epsilon_high, beta, loss_type, scale_rewards, num_iterations, mini_batches):
+         prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
+         epsilon, epsilon_high, beta, loss_type, scale_rewards, num_iterations, mini_batches):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
     from rlportable.train.grpo import GRPOConfig
@@ -484,7 +489,8 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             raise RlpError(f"{len(reward_weights)} --reward-weight values for {len(rewards)} --reward functions")
         config = GRPOConfig(
             steps=launch.DEFAULT_GRPO_STEPS if steps is None else steps, prompts_per_step=prompts_per_step,
-            num_generations=num_generations, max_completion_length=max_completion_length, temperature=temperature,
+            num_generations=num_generations, max_completion_length=max_completion_length,
+            max_prompt_length=max_prompt_length, temperature=temperature,
             top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=launch.DEFAULT_GRPO_LR if lr is None else lr,
             warmup_steps=launch.DEFAULT_GRPO_WARMUP if warmup_steps is None else warmup_steps,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,

@@ -45,6 +45,19 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+class SamplingParamsError(InputError):
+    """A bad SamplingParams field; `field` lets a command name its own flag for it (in_terms_of)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def in_terms_of(self, flags: dict[str, str]) -> InputError:
+        """The same error naming flags[field] (else --field-with-dashes) instead of the field."""
+        flag = flags.get(self.field, "--" + self.field.replace("_", "-"))
+        return InputError(str(self).replace(f"SamplingParams: {self.field}", flag, 1))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request (shared by its n samples; immutable).
@@ -78,7 +91,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field: str, value, what: str):
-            raise InputError(f"SamplingParams: {field} must be {what}, got {value!r}")
+            raise SamplingParamsError(field, f"SamplingParams: {field} must be {what}, got {value!r}")
 
         def integer(field: str, low: int, high: int | None = None) -> int:
             value = getattr(self, field)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlportable.engine.llm import LLM
-from rlportable.engine.sequence import SamplingParams
+from rlportable.engine.sequence import SamplingParams, SamplingParamsError
 from rlportable.errors import InputError, RlpError
 from rlportable.model.forward import Model
 from rlportable.runtime.collectives import Group
@@ -63,13 +63,28 @@ class GRPOConfig(OptimiserSettings):
     num_iterations: int = 1
     mini_batches: int = 1
     block_size: int = 16
+    max_prompt_length: int | None = None  # longer prompts keep their last tokens (TRL's left truncation)
 
     def __post_init__(self):
         self.check_positive("grpo", ("steps", "prompts_per_step", "num_generations", "max_completion_length",
                                      "num_iterations", "mini_batches", "block_size"))
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise InputError(f"grpo: --max-prompt-length must be at least 1, got {self.max_prompt_length}")
+        if self.num_generations < 2:
+            raise InputError(f"grpo: --num-generations {self.num_generations}: a group's advantages are its rewards "
+                             "less the group's mean, so one sample per prompt has advantage 0 and nothing trains; "
+                             "use at least 2")
+        try:  # the engine's sampling settings, checked before any work, in the command's flags
+            self.sampling_params()
+        except SamplingParamsError as error:
+            raise error.in_terms_of({"n": "--num-generations", "max_tokens": "--max-completion-length"}) from None
         if (self.prompts_per_step * self.num_generations) % self.mini_batches:
             raise InputError(f"grpo: {self.prompts_per_step} x {self.num_generations} samples do not split into "
                              f"{self.mini_batches} mini-batches")
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(n=self.num_generations, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              min_p=self.min_p, max_tokens=self.max_completion_length, ignore_eos=self.ignore_eos)
 
     def settings(self) -> objectives.GRPOSettings:
         return objectives.GRPOSettings(self.epsilon, self.epsilon_high, self.beta, self.loss_type,
@@ -109,8 +124,7 @@ class GRPOTrainer:
         if cfg.beta > 0 and self.reference is None:
             raise InputError("grpo: beta > 0 needs a reference model")
         self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.group)
-        longest_prompt = max(prompt_length(self.tokenizer, r["prompt"]) for r in self.dataset)
-        samples = cfg.prompts_per_step * cfg.num_generations
+        longest_prompt = check_prompt_lengths(self.tokenizer, self.dataset, cfg, self.model.config.max_position_embeddings)
         # this replica's share of the prompts, each with its group of samples: what its KV cache must hold
         mine = -(-cfg.prompts_per_step // self.replicas.size) * cfg.num_generations
         self.engine = LLM(device=self.model.backend, loaded=(self.model, self.tokenizer),
@@ -162,11 +176,10 @@ class GRPOTrainer:
 
     def _rollout(self, records: list[dict], step: int) -> tuple[list[Sample], list[str]]:
         cfg = self.config
-        params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_k=cfg.top_k,
-                                top_p=cfg.top_p, min_p=cfg.min_p, max_tokens=cfg.max_completion_length,
-                                ignore_eos=cfg.ignore_eos)
+        params = cfg.sampling_params()
         mine = self.replicas.share(len(records))  # this replica's requests, keyed by their global index
-        outputs = self.engine.generate([records[i]["prompt"] for i in mine], params, request_ids=mine,
+        prompts = [truncated_prompt(self.tokenizer, records[i]["prompt"], cfg.max_prompt_length) for i in mine]
+        outputs = self.engine.generate(prompts, params, request_ids=mine,
                                        seed=sampling_seed(cfg.seed, step)) if mine else []
         requests = self.replicas.gather_in_order([
             [(Sample(list(request.prompt_token_ids), list(completion.token_ids),
@@ -269,6 +282,32 @@ def _raise_on_mismatch(check: dict) -> None:
 def prompt_length(tokenizer, prompt) -> int:
     """Tokens of a record's prompt: a text (encoded) or a list of token ids (as the engine takes them)."""
     return len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+
+
+def truncated_prompt(tokenizer, prompt, max_prompt_length: int | None):
+    """The prompt as the engine gets it: unchanged, or its last max_prompt_length token ids when longer."""
+    if max_prompt_length is None:
+        return prompt
+    ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    return ids[-max_prompt_length:] if len(ids) > max_prompt_length else prompt
+
+
+def check_prompt_lengths(tokenizer, dataset: list[dict], cfg: GRPOConfig, max_positions: int) -> int:
+    """The longest prompt (after --max-prompt-length), checked before any work: each prompt with its
+    completion must fit the model's positions, or the engine would be sized past them."""
+    longest, index = 0, 0
+    for i, record in enumerate(dataset):
+        length = prompt_length(tokenizer, record["prompt"])
+        if cfg.max_prompt_length is not None:
+            length = min(length, cfg.max_prompt_length)
+        if length > longest:
+            longest, index = length, i
+    if longest + cfg.max_completion_length > max_positions:
+        raise InputError(f"dataset record {index}: its prompt has {longest} tokens, and with --max-completion-length "
+                         f"{cfg.max_completion_length} that is {longest + cfg.max_completion_length} positions, more "
+                         f"than the model's {max_positions} (max_position_embeddings); shorten the prompts, lower "
+                         "--max-completion-length, or set --max-prompt-length (prompts keep their last tokens)")
+    return longest
 
 
 def sampling_seed(seed: int, step: int) -> int:

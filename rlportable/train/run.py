@@ -30,8 +30,9 @@ def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoi
         raise InputError(f"{path}: a {state.get('kind')} checkpoint cannot resume a {kind} run")
     saved = {k: v for k, v in state.get("settings", {}).items() if k != "steps"}
     wanted = {k: v for k, v in settings.items() if k != "steps"}
-    if saved != wanted:
-        changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    # a setting added since the checkpoint was written reads as absent there: equal when it is at its None default
+    changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    if changed:
         raise InputError(f"{path}: --resume with different settings ({', '.join(changed)}); "
                          "use the run's own settings or a new --out")
     saved_steps, steps = state.get("settings", {}).get("steps"), settings.get("steps")
@@ -55,7 +56,24 @@ def run_steps(trainer, kind: str, settings: dict, tokenizer, start_step: int, st
         if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
             state = {"kind": kind, "next_step": step + 1, "optimizer_steps": trainer.optimizer.step_count,
                      "settings": settings}
-            save(trainer.optimizer, out_dir, step + 1, tokenizer, state, keep_last)
+            try:
+                save(trainer.optimizer, out_dir, step + 1, tokenizer, state, keep_last)
+            except OSError as error:  # no space left, a folder that refuses writes: one line, what is intact
+                raise checkpoint.CheckpointError(save_failure(out_dir, step + 1, error, log.path)) from None
+
+
+def save_failure(out_dir: str, step: int, error: OSError, log_path: str | None) -> str:
+    """The one line a failed save ends the run with: what failed, what survives, how to go on."""
+    what = error.strerror or type(error).__name__
+    where = f" ({error.filename})" if error.filename else ""
+    try:
+        previous = checkpoint.latest_checkpoint(out_dir)
+    except checkpoint.CheckpointError:
+        previous = None
+    kept = (f"the previous checkpoint {previous} is intact; make room and continue it with --resume"
+            if previous else "no earlier checkpoint exists; make room and start again")
+    log = f"; the steps so far are logged in {log_path}" if log_path else ""
+    return f"saving step {step} to {out_dir} failed: {what}{where}; {kept}{log}"
 
 
 def save(optimizer, out_dir: str, step: int, tokenizer, state: dict, keep_last: int | None) -> None:

@@ -23,6 +23,7 @@ column other than "prompt" arrives as a list, one value per completion.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import os
 import re
@@ -232,6 +233,11 @@ def get_task(name: str, **options: Any) -> Task:
     cls = TASKS.get(name)
     if cls is None:
         raise InputError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    valid = [p for p in inspect.signature(cls).parameters if p != "self"]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise InputError(f"task {name!r}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                         f"its options: {', '.join(valid) or 'none'}")
     try:
         return cls(**options)
     except TypeError as exc:

@@ -1,0 +1,98 @@
+"""Bad runs refused before any work, with one line naming the problem; interrupted runs leave nothing stale."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from rlportable.cli import main
+from rlportable.errors import InputError
+from rlportable.model.load import load_model
+from rlportable.train.grpo import GRPOConfig, check_prompt_lengths, truncated_prompt
+
+
+def _tokenizer():
+    return load_model("tiny")[2]
+
+
+def test_one_generation_per_prompt_is_refused_with_the_reason():
+    with pytest.raises(InputError, match="--num-generations 1.*advantage 0"):
+        GRPOConfig(num_generations=1)
+    result = CliRunner().invoke(main, ["grpo", "-G", "1", "--steps", "1", "--device", "cpu"])
+    assert result.exit_code != 0 and "--num-generations 1" in result.output and "Traceback" not in result.output
+
+
+def test_a_prompt_past_the_models_positions_is_refused_naming_the_record():
+    tokenizer = _tokenizer()
+    dataset = [{"prompt": "1+1="}, {"prompt": "x" * 3000}, {"prompt": "2+2="}]
+    config = GRPOConfig(max_completion_length=64)
+    with pytest.raises(InputError, match=r"dataset record 1: its prompt has \d+ tokens.*more than the model's 1000"):
+        check_prompt_lengths(tokenizer, dataset, config, 1000)
+    # cut to their last tokens, the same prompts fit
+    cut = GRPOConfig(max_completion_length=64, max_prompt_length=100)
+    assert check_prompt_lengths(tokenizer, dataset, cut, 1000) == 100
+
+
+def test_max_prompt_length_keeps_the_last_tokens():
+    tokenizer = _tokenizer()
+    ids = list(tokenizer.encode("12+34=46 and more text here"))
+    assert truncated_prompt(tokenizer, "12+34=", None) == "12+34="
+    assert truncated_prompt(tokenizer, "12+34=46 and more text here", 5) == ids[-5:]
+    assert truncated_prompt(tokenizer, [1, 2, 3], 5) == [1, 2, 3]
+    assert truncated_prompt(tokenizer, [1, 2, 3, 4, 5, 6], 2) == [5, 6]
+
+
+def test_cli_grpo_refuses_a_long_prompt_before_any_step(tmp_path):
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "1" * 5000, "answer": "1"}) + "\n")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def zero(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    result = CliRunner().invoke(main, ["grpo", "--model", "tiny", "--data", str(data), "--reward",
+                                       f"{reward}:zero", "--steps", "1", "--device", "cpu"])
+    assert result.exit_code != 0 and "dataset record 0" in result.output and "max_position_embeddings" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_failed_save_is_one_line_saying_what_survives(tmp_path, monkeypatch):
+    import errno
+
+    from rlportable.runtime import get_backend
+    from rlportable.train import checkpoint, launch, run
+    from rlportable.train.sft import SFTConfig
+
+    real = checkpoint.save_checkpoint
+    calls = []
+
+    def full_disk(directory, step, *args, **kwargs):
+        calls.append(step)
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return real(directory, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", full_disk)
+    options = launch.RunOptions(model="tiny", out=str(tmp_path / "run"), resume=False, save_every=1,
+                                log_jsonl=str(tmp_path / "run.jsonl"), plot=None, task="arithmetic:digits=1,ops=+",
+                                data=None)
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        launch.run_sft(get_backend("cpu"), options, SFTConfig(steps=3, batch_size=4), lambda r: None)
+    message = str(caught.value)
+    assert "\n" not in message and "saving step 2" in message and "No space left on device" in message
+    assert "step-000001 is intact" in message and "--resume" in message and "run.jsonl" in message
+    assert calls == [1, 2] and len((tmp_path / "run.jsonl").read_text().splitlines()) == 2
+    assert run.save_failure(str(tmp_path / "none"), 1, OSError(errno.EACCES, "Permission denied"), None) == (
+        f"saving step 1 to {tmp_path / 'none'} failed: Permission denied; no earlier checkpoint exists; make room "
+        "and start again")
+
+
+def test_task_options_and_sampling_flags_are_named():
+    from rlportable.train.tasks import parse_task_spec
+
+    with pytest.raises(InputError, match="unknown option digts; its options: digits, ops"):
+        parse_task_spec("arithmetic:digts=2")
+    with pytest.raises(InputError, match=r"^--top-p must be"):
+        GRPOConfig(top_p=2.0)
+    with pytest.raises(InputError, match=r"^--max-completion-length must be|^grpo: max_completion_length"):
+        GRPOConfig(max_completion_length=0)
+    result = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--top-p", "3", "--device", "cpu"])
+    assert result.exit_code != 0 and "--top-p must be" in result.output and "SamplingParams" not in result.output

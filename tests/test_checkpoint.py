@@ -209,3 +209,23 @@ def test_bad_inputs(tmp_path, model):
     with pytest.raises(CheckpointError, match="step"):
         save_checkpoint(tmp_path, -1, config, weights, tokenizer, {}, {})
     assert list_checkpoints(tmp_path) == []
+
+
+def test_a_killed_latest_write_leaves_nothing_behind(tmp_path, model):
+    _save(tmp_path, 1, model)
+    stale = tmp_path / ".tmp-latest-abc123"  # what a kill between atomic_write's create and rename leaves
+    stale.write_text("step-000001\n")
+    (tmp_path / ".tmp-step-000002-xyz").mkdir()
+    _save(tmp_path, 2, model)
+    assert not stale.exists() and not (tmp_path / ".tmp-step-000002-xyz").exists()
+    assert list_checkpoints(tmp_path) == [1, 2]
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path, model):
+    from rlportable.model.weights import UMASK
+
+    path = _save(tmp_path, 1, model)
+    assert os.stat(path).st_mode & 0o777 == 0o777 & ~UMASK
+    for name in os.listdir(path):
+        assert os.stat(os.path.join(path, name)).st_mode & 0o777 == 0o666 & ~UMASK, name
+    assert os.stat(tmp_path / "latest").st_mode & 0o777 == 0o666 & ~UMASK

@@ -379,14 +379,27 @@ def atomic_write(path: str, chunks) -> None:
     _atomic(path, write)
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: the process's umask, read once at import (reading it means setting it, which threads must not race)
+UMASK = _current_umask()
+
+
 def _atomic(path: str, write) -> None:
-    """write(temporary name) beside `path`, sync it, rename it to `path`; no trace left on failure."""
+    """write(temporary name) beside `path`, sync it, rename it to `path`; no trace left on failure. The
+    file gets the permissions an ordinary open would give it (0666 less the umask), not the temporary
+    file's 0600, so that another user's job on a shared filesystem can read what is saved."""
     directory = os.path.dirname(path) or "."
     handle = tempfile.NamedTemporaryFile("wb", dir=directory, prefix=".tmp-" + os.path.basename(path) + "-",
                                          delete=False)
     handle.close()
     try:
         write(handle.name)
+        os.chmod(handle.name, 0o666 & ~UMASK)  # after the write: a writer may replace the file it was given
         with open(handle.name, "rb+") as written:
             os.fsync(written.fileno())
         os.replace(handle.name, path)

@@ -42,7 +42,7 @@ from rlportable.model.config import ModelConfig
 from rlportable.model.manifest import MANIFEST, files_problem, sha256
 from rlportable.model.tokenizer import Tokenizer
 from rlportable.model import parallel
-from rlportable.model.weights import ModelWeights, atomic_write, expected_tensors
+from rlportable.model.weights import UMASK, ModelWeights, atomic_write, expected_tensors
 from rlportable.runtime.collectives import Group, SingleGroup
 
 LATEST = "latest"
@@ -52,6 +52,7 @@ FORMAT = "rlportable-checkpoint-1"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-step-"
 _TRASH_PREFIX = ".trash-step-"
+_TMP_LATEST_PREFIX = ".tmp-" + LATEST + "-"  # atomic_write's temporary file beside `latest`
 
 
 class CheckpointError(RlpError):
@@ -259,9 +260,17 @@ def _remove_dir(directory: str, name: str) -> None:
 
 
 def _clean_stale(directory: str) -> None:
+    """What a killed save leaves: its half-written step folder, a folder on its way out, and the
+    temporary file of a `latest` being replaced (atomic_write's `.tmp-latest-*`)."""
     for name in os.listdir(directory):
-        if name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and os.path.isdir(os.path.join(directory, name)):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        path = os.path.join(directory, name)
+        if name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(_TMP_LATEST_PREFIX) and os.path.isfile(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 # ----------------------------------------------------------------------------- public API
@@ -338,7 +347,9 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
         _clean_stale(directory)
         if _read_latest(directory) == name and os.path.exists(final):
             raise CheckpointError(f"{final}: already exists and is the latest checkpoint; not overwriting it")
-        return tempfile.mkdtemp(dir=directory, prefix=_TMP_PREFIX + f"{step:06d}-")
+        tmp = tempfile.mkdtemp(dir=directory, prefix=_TMP_PREFIX + f"{step:06d}-")
+        os.chmod(tmp, 0o777 & ~UMASK)  # a folder's ordinary permissions, not mkdtemp's 0700 (see atomic_write)
+        return tmp
 
     tmp = _together(groups, prepare if leader else lambda: None)[0]
 

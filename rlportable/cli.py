@@ -386,8 +386,23 @@ def _run_options(f):
     return f
 
 
+def _finished_or_resuming(kind: str, options, steps: int) -> bool:
+    """Before any work: say where a --resume starts; True (and say so) when the run is already complete."""
+    from rlportable.train import launch
+
+    point = launch.resume_point(options)
+    if point is None:
+        return False
+    if point.next_step >= steps:
+        click.echo(f"{kind}: the run in {options.out} is complete at step {point.next_step} (--steps {steps}); to "
+                   f"train further, start a new run from its weights: --model {point.path} --out NEW_DIR", err=True)
+        return True
+    click.echo(f"{kind}: resuming {point.path} at step {point.next_step} of {steps}", err=True)
+    return False
+
+
 def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str, tp: int, dp: int, emulate: bool,
-                       out: str | None = None):
+                       out: str | None = None, plot: str | None = None):
     """run(backend, on_step, dp_group, tp_group) on every rank of tp x dp (one without --tp and --dp);
     rank 0 prints."""
     from rlportable.runtime.world import layout_groups
@@ -398,21 +413,26 @@ def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str,
         except RlpError as error:
             _fail(error)
         if world.rank == 0:
-            _train(kind, lambda on_step: run(backend, on_step, data, tensor), keys, steps, out)
+            _train(kind, lambda on_step: run(backend, on_step, data, tensor), keys, steps, out, plot)
         else:
             run(backend, lambda record: None, data, tensor)
 
     _run_ranks(device, tp * dp, emulate, work)
 
 
-def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None):
-    """Run with a progress bar and one printed line per step, then a summary; errors are one line."""
+def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, plot: str | None = None):
+    """Run with a progress bar and one printed line per step, then a summary; errors are one line, and
+    an interrupt says which checkpoint survived. The last step's line goes to stdout too (for scripts)
+    unless both streams are the same terminal, which has it already."""
+    from rlportable.train import checkpoint
     from rlportable.train.metrics import format_line, summary_lines
 
+    done = []
     try:
         with click.progressbar(length=steps, label=kind, file=sys.stderr) as bar:
             def on_step(record):
                 bar.update(1)
+                done.append(record["step"])
                 click.echo("\n" + format_line(record, keys), err=True)
                 for note in record.get("notes", []):
                     click.echo(f"note: {note}", err=True)
@@ -420,9 +440,19 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None):
             records = run(on_step)
     except RlpError as error:
         _fail(error)
-    for line in summary_lines(kind, records, out):
+    except KeyboardInterrupt:
+        where = f"after step {done[-1]}" if done else "before its first step ended"
+        try:
+            latest = checkpoint.latest_checkpoint(out) if out is not None else None
+        except RlpError:
+            latest = None
+        kept = (f"the latest checkpoint is {latest}; continue with --out {out} --resume" if latest
+                else "no checkpoint was saved" + ("" if out is not None else " (no --out)"))
+        click.echo(f"\n{kind}: interrupted {where}; {kept}", err=True)
+        sys.exit(130)
+    for line in summary_lines(kind, records, out, plot):
         click.echo(line, err=True)
-    if records:
+    if records and not (sys.stdout.isatty() and sys.stderr.isatty()):
         click.echo(format_line(records[-1], keys))
 
 
@@ -446,11 +476,13 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
         launch.check_paths(options)
+        if _finished_or_resuming("sft", options, config.steps):
+            return
     except RlpError as error:
         _fail(error)
     _train_on_replicas("sft", lambda backend, on_step, group, tensor: launch.run_sft(backend, options, config, on_step,
                                                                                     group, tensor),
-                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, dp_emulate, out)
+                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, dp_emulate, out, plot)
 
 
 @main.command()
@@ -500,13 +532,15 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
                                     task if task or data else launch.DEFAULT_TASK, data)
         launch.check_paths(options)
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
+        if _finished_or_resuming("grpo", options, config.steps):
+            return
     except RlpError as error:
         _fail(error)
     _train_on_replicas("grpo", lambda backend, on_step, group, tensor: launch.run_grpo(backend, options, config, specs,
                                                                                        on_step, group, tensor),
                        ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches",
                         "max_abs_dlogp", "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"],
-                       config.steps, device, tp, dp, dp_emulate, out)
+                       config.steps, device, tp, dp, dp_emulate, out, plot)
 
 
 @main.group()

@@ -96,3 +96,57 @@ def test_task_options_and_sampling_flags_are_named():
         GRPOConfig(max_completion_length=0)
     result = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--top-p", "3", "--device", "cpu"])
     assert result.exit_code != 0 and "--top-p must be" in result.output and "SamplingParams" not in result.output
+
+
+def _sft(tmp_path, *extra):
+    return CliRunner().invoke(main, ["sft", "--steps", "3", "--batch-size", "4", "--save-every", "1", "--out",
+                                     str(tmp_path / "run"), "--device", "cpu", *extra])
+
+
+def test_resume_says_where_it_starts_and_a_finished_run_says_so(tmp_path):
+    first = _sft(tmp_path)
+    assert first.exit_code == 0, first.output
+    assert "sft: 3 steps; loss" in first.output and "(mean of the first 1)" in first.output  # halves, not 10 and 10
+    again = _sft(tmp_path, "--resume")
+    assert again.exit_code == 0 and "complete at step 3 (--steps 3)" in again.output and "--model" in again.output
+    assert "sft: 0 steps" not in again.output
+    # a run stopped after step 2: `latest` back to step 2, step 3 gone
+    run = tmp_path / "run"
+    import shutil
+
+    shutil.rmtree(run / "step-000003")
+    (run / "latest").write_text("step-000002\n")
+    resumed = _sft(tmp_path, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming {run / 'step-000002'} at step 2 of 3" in resumed.output
+    assert "sft: 3 steps (1 in this process, resumed after step 2)" in resumed.output
+
+
+def test_an_interrupt_says_which_checkpoint_survived(tmp_path, monkeypatch):
+    from rlportable.train import launch
+
+    real = launch.run_steps
+
+    def interrupted(trainer, kind, settings, tokenizer, start, steps, out_dir, save_every, log, on_step, **kw):
+        def stop_after_two(record):
+            on_step(record)
+            if record["step"] == 2:
+                raise KeyboardInterrupt
+
+        return real(trainer, kind, settings, tokenizer, start, steps, out_dir, save_every, log, stop_after_two, **kw)
+
+    monkeypatch.setattr(launch, "run_steps", interrupted)
+    result = _sft(tmp_path)
+    assert result.exit_code == 130
+    assert f"interrupted after step 2; the latest checkpoint is {tmp_path / 'run' / 'step-000001'}" in result.output
+    assert "--resume" in result.output and "Aborted" not in result.output
+
+
+def test_summary_halves_short_runs_and_names_the_plot():
+    from rlportable.train.metrics import summary_lines
+
+    records = [{"step": i + 1, "loss": float(10 - i)} for i in range(6)]
+    line = summary_lines("sft", records, None, "curve.png")
+    assert line[0] == "sft: 6 steps; loss 9 (mean of the first 3) -> 6 (mean of the last 3)"
+    assert line[-1] == "curve: curve.png"
+    assert summary_lines("sft", records[:1], None)[0] == "sft: 1 steps; loss 10"

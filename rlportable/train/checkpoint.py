@@ -424,6 +424,16 @@ def verify_checkpoint(step_dir: str | os.PathLike) -> dict:
     return manifest
 
 
+def read_trainer_state(step_dir: str | os.PathLike) -> dict:
+    """A step directory's trainer state alone (the next step, the settings), without the weights."""
+    state_path = os.path.join(os.fspath(step_dir), TRAINER_STATE_FILE)
+    try:
+        with open(state_path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{state_path}: unreadable: {' '.join(str(error).split())}") from None
+
+
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Load a step directory, or the one `latest` names in a checkpoint directory; every file
     is verified against the manifest first, so the result is complete or an error is raised."""
@@ -439,12 +449,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if step_dir is None:
             raise CheckpointError(f"{path}: no checkpoint (no {LATEST} file and no step-* directory)")
     manifest = verify_checkpoint(step_dir)
-    state_path = os.path.join(step_dir, TRAINER_STATE_FILE)
-    try:
-        with open(state_path, encoding="utf-8") as handle:
-            trainer_state = json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{state_path}: unreadable: {' '.join(str(error).split())}") from None
+    trainer_state = read_trainer_state(step_dir)
     try:
         config, weights, tokenizer = load_model(step_dir)
     except RlpError as error:

@@ -68,6 +68,23 @@ def check_paths(options: RunOptions) -> None:
             raise InputError("--plot needs matplotlib: pip install 'rlportable[plot]'")
 
 
+@dataclass
+class ResumePoint:
+    path: str        # the checkpoint a --resume continues
+    next_step: int   # steps done (the first step it runs, 0-based)
+
+
+def resume_point(options: RunOptions) -> ResumePoint | None:
+    """Where a --resume starts (after check_paths), None without --resume: for the command to say it
+    before any work, and to tell a finished run from one to continue."""
+    if not options.resume or options.out is None:
+        return None
+    path = checkpoint.latest_checkpoint(options.out)
+    if path is None:
+        return None
+    return ResumePoint(path, int(checkpoint.read_trainer_state(path).get("next_step", 0)))
+
+
 def _check_writable(flag: str, path: str, folder: bool) -> None:
     if os.path.exists(path):
         if folder != os.path.isdir(path):
@@ -168,7 +185,21 @@ def _run(trainer, kind, settings, tokenizer, start, ckpt, options: RunOptions, s
     if ckpt is not None:
         trainer.optimizer.load_state(ckpt.optimizer_state, ckpt.trainer_state["optimizer_steps"])
     log = MetricsLog(options.log_jsonl, resume_from_step=start if ckpt is not None else None)
-    run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step)
+    history = list(ckpt.trainer_state.get("history", [])) if ckpt is not None else []
+    run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step,
+              history=history, curve=curve)
     if options.plot:
-        plot_curve(log.records, curve, os.fspath(options.plot), title)
-    return log.records
+        # the whole run's curve: the log's records, or the checkpoint's history where the log lacks them
+        logged = {r["step"] for r in log.records}
+        plot_curve([h for h in history if h["step"] not in logged] + log.records, curve, os.fspath(options.plot), title)
+    return RunRecords(log.records, history)
+
+
+class RunRecords(list):
+    """The steps this process ran (the list), and the whole run's curve (`history`: {"step", curve key}
+    of every step since the run began, kept in the checkpoints, so that a resumed run's summary covers
+    all of it)."""
+
+    def __init__(self, records: list[dict], history: list[dict]):
+        super().__init__(records)
+        self.history = history

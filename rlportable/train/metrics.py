@@ -86,23 +86,31 @@ def _rewrite(path: str, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def summary_lines(kind: str, records: list[dict], out_dir: str | None) -> list[str]:
-    """The end of a run: its steps, the first and last ten-step means of its curve (GRPO: the mean
-    reward; SFT: the loss), and where the trained weights went."""
+def summary_lines(kind: str, records: list[dict], out_dir: str | None, plot: str | None = None) -> list[str]:
+    """The end of a run: its steps, the means of its curve (GRPO: the mean reward; SFT: the loss) over
+    its first and last ten steps (halves, when it has fewer than 20), where the trained weights went
+    and the plot. A resumed run's records carry the whole run's curve (launch.RunRecords.history)."""
     from rlportable.train.checkpoint import step_dir_name
 
     key = "reward_mean" if kind == "grpo" else "loss"
-    values = [r[key] for r in records if isinstance(r.get(key), float) and math.isfinite(r[key])]
-    window = min(10, len(values))
-    lines = [f"{kind}: {len(records)} steps"]
+    history = getattr(records, "history", None) or records
+    values = [r[key] for r in history if isinstance(r.get(key), float) and math.isfinite(r[key])]
+    lines = [f"{kind}: {len(history)} steps"]
+    if len(history) > len(records):
+        lines[0] += f" ({len(records)} in this process, resumed after step {len(history) - len(records)})"
+    window = min(10, len(values) // 2)
     if window:
         first, last = sum(values[:window]) / window, sum(values[-window:]) / window
         lines[0] += f"; {key} {first:.4g} (mean of the first {window}) -> {last:.4g} (mean of the last {window})"
+    elif values:
+        lines[0] += f"; {key} {values[-1]:.4g}"
     if out_dir is None:
         lines.append("the trained weights are not kept (no --out); pass --out DIR to keep them")
     elif records:
         path = os.path.join(out_dir, step_dir_name(records[-1]["step"]))
         lines.append(f"weights: {path} (load with --model {path}; continue with --out {out_dir} --resume)")
+    if plot is not None and records:
+        lines.append(f"curve: {plot}")
     return lines
 
 

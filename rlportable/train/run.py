@@ -46,16 +46,22 @@ def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoi
 
 
 def run_steps(trainer, kind: str, settings: dict, tokenizer, start_step: int, steps: int, out_dir: str | None,
-              save_every: int, log: MetricsLog, on_step: Callable[[dict], None], keep_last: int | None = 3) -> None:
-    """Steps start_step..steps-1; a checkpoint every save_every steps and after the last."""
-    model = trainer.model
+              save_every: int, log: MetricsLog, on_step: Callable[[dict], None], keep_last: int | None = 3,
+              history: list[dict] | None = None, curve: str | None = None) -> None:
+    """Steps start_step..steps-1; a checkpoint every save_every steps and after the last. history: the
+    run's curve so far ({"step", curve: value} a step, from the checkpoint resumed), extended in place
+    with each step's and saved in the checkpoints (deterministic values only: the bytes of a checkpoint
+    stay those of an unbroken run)."""
+    history = [] if history is None else history
     for step in range(start_step, steps):
         record = trainer.step(step)
         log.write(record)
+        if curve is not None and curve in record:
+            history.append({"step": record["step"], curve: record[curve]})
         on_step(record)
         if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
             state = {"kind": kind, "next_step": step + 1, "optimizer_steps": trainer.optimizer.step_count,
-                     "settings": settings}
+                     "settings": settings, "history": history}
             try:
                 save(trainer.optimizer, out_dir, step + 1, tokenizer, state, keep_last)
             except OSError as error:  # no space left, a folder that refuses writes: one line, what is intact

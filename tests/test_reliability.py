@@ -150,3 +150,49 @@ def test_summary_halves_short_runs_and_names_the_plot():
     assert line[0] == "sft: 6 steps; loss 9 (mean of the first 3) -> 6 (mean of the last 3)"
     assert line[-1] == "curve: curve.png"
     assert summary_lines("sft", records[:1], None)[0] == "sft: 1 steps; loss 10"
+
+
+def test_models_engines_and_trainers_are_freed_when_dropped():
+    """No module-level cache or reference cycle keeps a model alive: dropping the last reference frees
+    it at once (reference counting, the collector off), so its device memory goes with it."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from rlportable.engine.llm import LLM
+    from rlportable.engine.sequence import SamplingParams
+    from rlportable.model import backward
+    from rlportable.model.forward import Model
+    from rlportable.runtime import get_backend
+    from rlportable.train import tasks
+    from rlportable.train.grpo import GRPOTrainer
+    from rlportable.train.rewards import RewardSet
+
+    cpu = get_backend("cpu")
+    config, weights, tokenizer = load_model("tiny")
+    task = tasks.parse_task_spec("arithmetic:digits=1,ops=+")
+    gc.collect()
+    gc.disable()
+    try:
+        model = Model(cpu, config, weights, trainable=True)
+        fwd = backward.forward(model, np.arange(12, dtype=np.int32) % config.vocab_size, np.array([0, 12]))
+        backward.backward(model, fwd, np.ones(fwd.rows.size, np.float32))
+        del fwd
+        gone = weakref.ref(model)
+        del model
+        assert gone() is None, "a trained model outlived its last reference"
+        llm = LLM("tiny", device=cpu)
+        llm.generate(["1+1="], SamplingParams(max_tokens=3))
+        gone = weakref.ref(llm)
+        del llm
+        assert gone() is None, "an engine outlived its last reference"
+        trainer = GRPOTrainer(Model(cpu, config, weights, trainable=True), tokenizer, task.dataset(0, 16),
+                              RewardSet([(task, 1.0)]), GRPOConfig(steps=1, prompts_per_step=2, num_generations=2,
+                                                                   max_completion_length=3))
+        trainer.step(0)
+        gone_model, gone_trainer = weakref.ref(trainer.model), weakref.ref(trainer)
+        del trainer
+        assert gone_trainer() is None and gone_model() is None, "a trainer or its model outlived the trainer"
+    finally:
+        gc.enable()

@@ -43,16 +43,17 @@ def swiglu_backward(gate: np.ndarray, up: np.ndarray, dy: np.ndarray) -> tuple[n
     A NaN result (NaN input, g = +-inf: inf * 0 in dgate, -inf / inf in dup) is the canonical NaN.
     """
     gate = np.asarray(gate, dtype=np.float32)
-    e = exp_f32(-gate).astype(np.float64)
-    g = gate.astype(np.float64)
-    u = np.asarray(up, dtype=np.float32).astype(np.float64)
-    d_out = np.asarray(dy, dtype=np.float32).astype(np.float64)
-    denominator = 1.0 + e
-    silu = g / denominator
-    sig = 1.0 / denominator
-    dsilu = sig * (1.0 + g * (1.0 - sig))
-    dup = (d_out * silu).astype(np.float32)
-    dgate = ((d_out * u) * dsilu).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # non-finite inputs are defined above
+        e = exp_f32(-gate).astype(np.float64)
+        g = gate.astype(np.float64)
+        u = np.asarray(up, dtype=np.float32).astype(np.float64)
+        d_out = np.asarray(dy, dtype=np.float32).astype(np.float64)
+        denominator = 1.0 + e
+        silu = g / denominator
+        sig = 1.0 / denominator
+        dsilu = sig * (1.0 + g * (1.0 - sig))
+        dup = (d_out * silu).astype(np.float32)
+        dgate = ((d_out * u) * dsilu).astype(np.float32)
     dup[np.isnan(dup)] = CANONICAL_NAN
     dgate[np.isnan(dgate)] = CANONICAL_NAN
     return dgate, dup

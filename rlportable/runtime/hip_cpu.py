@@ -98,8 +98,9 @@ def probe() -> tuple[bool, str]:
     """(available, reason) without raising: HIP-CPU found, a C++ compiler, TBB."""
     root = hip_cpu_root()
     if root is None:
-        return False, (f"HIP-CPU is not configured: set {ENVIRONMENT} to a checkout of "
-                       "https://github.com/ROCm/HIP-CPU (the folder holding include/hip/hip_runtime.h)")
+        return False, (f"HIP-CPU is not configured: git clone https://github.com/ROCm/HIP-CPU (CI uses commit "
+                       f"e112c935), then export {ENVIRONMENT}=/path/to/HIP-CPU (the folder holding "
+                       "include/hip/hip_runtime.h); it also needs g++ and TBB (apt-get install libtbb-dev)")
     if not (root / "include" / "hip" / "hip_runtime.h").is_file():
         return False, f"{ENVIRONMENT}={root}: no include/hip/hip_runtime.h there (not a HIP-CPU checkout)"
     if compiler() is None:

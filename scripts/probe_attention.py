@@ -22,7 +22,7 @@ import numpy as np
 
 from rlportable.ops import attention
 from rlportable.runtime import get_backend
-from rlportable.runtime.base import _inline_includes, kernel_source_path
+from rlportable.resources import _inline_includes, kernel_source_path
 
 from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_variants.py
 

@@ -4,7 +4,7 @@
 
 Variants are textual edits of backends/cuda/gemm.cu compiled with the runtime's options; each is
 timed by CUDA events over repeated launches on random digits (the bits are not checked: conform does).
-bench/results/wgmma_probe_h200.json is a run of an earlier version of this script (its edits named the
+A run of an earlier version of this script (wgmma_probe_h200.json, no longer kept; its edits named the
 kernel text of b34fffd, before the epilogue moved to all three warpgroups; the 64 x 64 and 64 x 128
 tiles only): the rounding epilogue and a block's fixed cost, not the MMAs, dominated.
 Prints one JSON line per measurement; with a path argument, also writes them all there as a list.

@@ -46,8 +46,6 @@ def encode_heads(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(rows, heads, dim).astype(np.float64), e.reshape(rows, heads).astype(np.int64)
 
 
-_encode_heads = encode_heads
-
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
     """One sequence: q float32 [Tq, Hq, D] at q_positions [Tq]; k, v float32 [L, Hkv, D] for

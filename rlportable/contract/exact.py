@@ -15,9 +15,6 @@ import numpy as np
 
 from rlportable.contract import fixedpoint as fp
 
-FLOAT64_EXACT_LIMIT = 2**53
-
-
 def gemm_max_k(bits_a: int, bits_w: int) -> int:
     """Largest K the contract accepts.
 

@@ -127,7 +127,7 @@ def validate(contract: Contract) -> None:
 
 
 def _resolve_source(root: Path, relative: str) -> Path:
-    # "backends/cuda/x.cu" -> the backends folder the package found (checkout or wheel)
+    # "backends/cuda/<family>.cu" -> the backends folder the package found (checkout or wheel)
     parts = Path(relative).parts
     return resource_dir(parts[0]).joinpath(*parts[1:])
 

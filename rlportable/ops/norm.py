@@ -29,7 +29,7 @@ MAX_FUSED_ENCODED_ROW = 4096
 #: the one encoding norm_add_rmsnorm computes (RLP_NORM_ENCODE_BITS/_SLICES in backends/portable/norm.hip):
 #: gemm.DEFAULT_BITS_A, the activations' bits; other bits are encoded by a separate launch
 FUSED_ENCODE_BITS = reference.ENCODE_BITS
-THREAD_SEGMENT = segments.SEGMENT  # the kernels' block reductions work on segments of 32 lanes (backends/portable/common.hip)
+THREAD_SEGMENT = segments.SEGMENT  # the kernels' block reductions work on segments of 32 lanes (backends/portable/common.h)
 
 
 def row_threads(h: int) -> int:

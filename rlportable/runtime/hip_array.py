@@ -6,7 +6,7 @@ need kernels of its own. Memory comes from hipMalloc and goes back through
 hipFree when the last array viewing it is gone.
 
 The memory calls sit behind `HipMemory` so the array logic can be tested on a
-machine with no GPU by handing an array a stand-in memory (tests/test_hip_backend.py).
+machine with no GPU by handing an array a stand-in memory (tests/test_runtime_hip.py).
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Training: built-in tasks and datasets, reward functions, atomic checkpoints (and, later, optimiser, SFT, GRPO)."""
+"""Training: the optimiser, SFT and GRPO trainers, built-in tasks and datasets, reward functions, atomic checkpoints."""

@@ -352,25 +352,39 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
     click.echo(summary, err=True)
 
 
+#: the option defaults of sft and grpo have one home, the config dataclass (train/sft.py, train/grpo.py),
+#: with the embedded default run's few changes for the built-in models (train/launch.py EMBEDDED_*)
+CONFIG_DEFAULT = " (default: the run config's; `--model tiny`/`tiny-sft`: the embedded run's; docs/training.md)"
+
+
+def _given(**options) -> dict:
+    """The options given on the command line (click's None: not given); --max-grad-norm 0 means no clipping."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if given.get("max_grad_norm") == 0:
+        given["max_grad_norm"] = None
+    return given
+
+
 def _run_options(f):
     """Options SFT and GRPO share."""
     options = [
         click.option("--task", default=None, help="A built-in task, e.g. 'arithmetic:digits=1,ops=+' or 'countdown' "
                                                   "(default: the embedded default task, unless --data is given)."),
         click.option("--data", type=click.Path(dir_okay=False), default=None, help="A JSONL dataset."),
-        click.option("--steps", default=None, type=click.IntRange(min=1), help="Optimiser steps (default: the embedded default's)."),
+        click.option("--steps", default=None, type=click.IntRange(min=1), help="Optimiser steps." + CONFIG_DEFAULT),
         click.option("--out", default=None, type=click.Path(file_okay=False), help="Checkpoint folder."),
         click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint."),
         click.option("--save-every", default=10, show_default=True, type=click.IntRange(min=1), help="Checkpoint every N steps."),
         click.option("--log-jsonl", default=None, type=click.Path(dir_okay=False), help="Per-step metrics as JSONL."),
         click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Draw the curve to this PNG."),
-        click.option("--seed", default=0, show_default=True, type=int),
-        click.option("--lr", default=None, type=NON_NEGATIVE, help="Peak learning rate (0: the weights stay as they are)."),
-        click.option("--warmup-steps", default=None, type=click.IntRange(min=0), help="Linear warmup (default: the embedded default's)."),
-        click.option("--weight-decay", default=0.0, show_default=True, type=NON_NEGATIVE),
-        click.option("--max-grad-norm", default=1.0, show_default=True, type=NON_NEGATIVE, help="0 = no clipping."),
-        click.option("--micro-batch-tokens", default=16384, show_default=True, type=click.IntRange(min=1),
-                     help="Tokens per forward/backward pass (memory, not the result's definition)."),
+        click.option("--seed", default=None, type=int, help="The run's seed (data order, sampling)." + CONFIG_DEFAULT),
+        click.option("--lr", default=None, type=NON_NEGATIVE,
+                     help="Peak learning rate (0: the weights stay as they are)." + CONFIG_DEFAULT),
+        click.option("--warmup-steps", default=None, type=click.IntRange(min=0), help="Linear warmup." + CONFIG_DEFAULT),
+        click.option("--weight-decay", default=None, type=NON_NEGATIVE, help="AdamW's decoupled decay." + CONFIG_DEFAULT),
+        click.option("--max-grad-norm", default=None, type=NON_NEGATIVE, help="0 = no clipping." + CONFIG_DEFAULT),
+        click.option("--micro-batch-tokens", default=None, type=click.IntRange(min=1),
+                     help="Tokens per forward/backward pass (memory, not the result's definition)." + CONFIG_DEFAULT),
         DEVICE_OPTION,
         click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
                      help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as "
@@ -457,27 +471,29 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
 
 
 @main.command()
-@click.option("--model", "model_spec", default="tiny", show_default=True, help="'tiny', 'tiny-sft' or a directory.")
+@click.option("--model", "model_spec", default=None,
+              help="'tiny', 'tiny-sft' or a directory (default: tiny; the built-in models run the embedded default run).")
 @_run_options
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="Examples per optimiser step.")
-@click.option("--max-length", default=1024, show_default=True, type=click.IntRange(min=1), help="Longest prompt + completion.")
+@click.option("--batch-size", default=None, type=click.IntRange(min=1), help="Examples per optimiser step." + CONFIG_DEFAULT)
+@click.option("--max-length", default=None, type=click.IntRange(min=1), help="Longest prompt + completion." + CONFIG_DEFAULT)
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
         weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, batch_size, max_length):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
     from rlportable.train import launch
-    from rlportable.train.sft import SFTConfig
 
     try:
-        config = SFTConfig(steps=launch.DEFAULT_SFT_STEPS if steps is None else steps, batch_size=batch_size,
-                           learning_rate=launch.DEFAULT_SFT_LR if lr is None else lr,
-                           warmup_steps=launch.DEFAULT_SFT_WARMUP if warmup_steps is None else warmup_steps,
-                           weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
-                           micro_batch_tokens=micro_batch_tokens, max_length=max_length, seed=seed)
+        model_spec = model_spec or launch.DEFAULT_SFT_MODEL
+        config = launch.sft_config(model_spec, **_given(
+            steps=steps, batch_size=batch_size, learning_rate=lr, warmup_steps=warmup_steps,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm, micro_batch_tokens=micro_batch_tokens,
+            max_length=max_length, seed=seed))
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
         launch.check_paths(options)
         if _finished_or_resuming("sft", options, config.steps):
             return
+        click.echo(f"sft: {config.steps} steps of {config.batch_size} examples, lr {config.learning_rate:g}, "
+                   f"warmup {config.warmup_steps}, max length {config.max_length}", err=True)
     except RlpError as error:
         _fail(error)
     _train_on_replicas("sft", lambda backend, on_step, group, tensor: launch.run_sft(backend, options, config, on_step,
@@ -486,54 +502,58 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 
 
 @main.command()
-@click.option("--model", "model_spec", default="tiny-sft", show_default=True,
-              help="'tiny', 'tiny-sft' (the embedded SFT result) or a directory.")
+@click.option("--model", "model_spec", default=None,
+              help="'tiny', 'tiny-sft' (the embedded SFT result) or a directory (default: tiny-sft).")
 @_run_options
 @click.option("--reward", "rewards", multiple=True, help="A reward function 'module:function' or 'file.py:function' "
                                                         "(repeatable; default: the task's exact-answer reward).")
 @click.option("--reward-weight", "reward_weights", multiple=True, type=float, help="One weight per --reward.")
-@click.option("--prompts-per-step", default=32, show_default=True, type=click.IntRange(min=1))
-@click.option("--num-generations", "-G", default=8, show_default=True, type=click.IntRange(min=1), help="Samples per prompt.")
-@click.option("--max-completion-length", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompts-per-step", default=None, type=click.IntRange(min=1), help="Prompts a step." + CONFIG_DEFAULT)
+@click.option("--num-generations", "-G", default=None, type=click.IntRange(min=1), help="Samples per prompt." + CONFIG_DEFAULT)
+@click.option("--max-completion-length", default=None, type=click.IntRange(min=1), help="Tokens a completion." + CONFIG_DEFAULT)
 @click.option("--max-prompt-length", default=None, type=click.IntRange(min=1),
               help="Longer prompts keep their last tokens (default: none cut; every prompt must then fit the model).")
-@click.option("--temperature", default=1.0, show_default=True, type=float)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int)
-@click.option("--min-p", default=0.0, show_default=True, type=float)
-@click.option("--epsilon", default=0.2, show_default=True, type=float)
+@click.option("--temperature", default=None, type=float, help="Sampling temperature." + CONFIG_DEFAULT)
+@click.option("--top-p", default=None, type=float, help="Nucleus sampling." + CONFIG_DEFAULT)
+@click.option("--top-k", default=None, type=int, help="0: off." + CONFIG_DEFAULT)
+@click.option("--min-p", default=None, type=float, help="0: off." + CONFIG_DEFAULT)
+@click.option("--epsilon", default=None, type=float, help="Lower clip of the ratio." + CONFIG_DEFAULT)
 @click.option("--epsilon-high", default=None, type=float, help="Upper clip (default: --epsilon).")
-@click.option("--beta", default=0.0, show_default=True, type=NON_NEGATIVE, help="k3 KL to the starting model.")
-@click.option("--loss-type", default="dapo", show_default=True, type=click.Choice(["grpo", "bnpo", "dr_grpo", "dapo"]))
-@click.option("--scale-rewards", default="group", show_default=True, type=click.Choice(["group", "batch", "none"]))
-@click.option("--num-iterations", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over each rollout.")
-@click.option("--mini-batches", default=1, show_default=True, type=click.IntRange(min=1), help="Optimiser steps per pass.")
+@click.option("--beta", default=None, type=NON_NEGATIVE, help="k3 KL to the starting model." + CONFIG_DEFAULT)
+@click.option("--loss-type", default=None, type=click.Choice(["grpo", "bnpo", "dr_grpo", "dapo"]),
+              help="Loss aggregation, TRL's names." + CONFIG_DEFAULT)
+@click.option("--scale-rewards", default=None, type=click.Choice(["group", "batch", "none"]),
+              help="Advantage scaling." + CONFIG_DEFAULT)
+@click.option("--num-iterations", default=None, type=click.IntRange(min=1), help="Passes over each rollout." + CONFIG_DEFAULT)
+@click.option("--mini-batches", default=None, type=click.IntRange(min=1), help="Optimiser steps per pass." + CONFIG_DEFAULT)
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
          epsilon, epsilon_high, beta, loss_type, scale_rewards, num_iterations, mini_batches):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
-    from rlportable.train.grpo import GRPOConfig
 
     try:
         if reward_weights and len(reward_weights) != len(rewards):
             raise RlpError(f"{len(reward_weights)} --reward-weight values for {len(rewards)} --reward functions")
-        config = GRPOConfig(
-            steps=launch.DEFAULT_GRPO_STEPS if steps is None else steps, prompts_per_step=prompts_per_step,
-            num_generations=num_generations, max_completion_length=max_completion_length,
-            max_prompt_length=max_prompt_length, temperature=temperature,
-            top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=launch.DEFAULT_GRPO_LR if lr is None else lr,
-            warmup_steps=launch.DEFAULT_GRPO_WARMUP if warmup_steps is None else warmup_steps,
-            weight_decay=weight_decay, max_grad_norm=max_grad_norm or None,
-            epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
-            num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, seed=seed)
+        model_spec = model_spec or launch.DEFAULT_GRPO_MODEL
+        config = launch.grpo_config(model_spec, **_given(
+            steps=steps, prompts_per_step=prompts_per_step, num_generations=num_generations,
+            max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=lr,
+            warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm, epsilon=epsilon,
+            epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
+            num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
+            seed=seed))
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
         launch.check_paths(options)
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
         if _finished_or_resuming("grpo", options, config.steps):
             return
+        click.echo(f"grpo: {config.steps} steps of {config.prompts_per_step} prompts x {config.num_generations} "
+                   f"samples, completions up to {config.max_completion_length} tokens, lr {config.learning_rate:g}, "
+                   f"warmup {config.warmup_steps}, loss {config.loss_type}", err=True)
     except RlpError as error:
         _fail(error)
     _train_on_replicas("grpo", lambda backend, on_step, group, tensor: launch.run_grpo(backend, options, config, specs,

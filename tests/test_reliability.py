@@ -196,3 +196,36 @@ def test_models_engines_and_trainers_are_freed_when_dropped():
         assert gone_trainer() is None and gone_model() is None, "a trainer or its model outlived the trainer"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_each_default_has_one_home(kind, tmp_path, monkeypatch):
+    """With no options the command runs the config dataclass's defaults, changed only by the embedded
+    run's few values for the built-in models; docs/training.md states the same numbers."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import rlportable.cli as cli
+    from rlportable.train import launch
+    from rlportable.train.sft import SFTConfig
+
+    made = []
+    build = getattr(launch, f"{kind}_config")
+    monkeypatch.setattr(launch, f"{kind}_config", lambda *a, **k: made.append(build(*a, **k)) or made[-1])
+    monkeypatch.setattr(cli, "_train_on_replicas", lambda *a, **k: None)
+    cls, embedded = (SFTConfig, launch.EMBEDDED_SFT) if kind == "sft" else (GRPOConfig, launch.EMBEDDED_GRPO)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for model, want in ((None, cls(**embedded)), ("tiny", cls(**embedded)), (str(model_dir), cls())):
+        args = [kind, "--device", "cpu"] + ([] if model is None else ["--model", model])
+        assert CliRunner().invoke(main, args).exit_code == 0
+        assert made[-1] == want, (model, dataclasses.asdict(made[-1]), dataclasses.asdict(want))
+    text = (Path(__file__).resolve().parent.parent / "docs" / "training.md").read_text()
+    rows = dict(re.findall(rf"^\| {kind} \| `(\w+)` \| ([^|]+?) \|", text, re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    assert rows, "docs/training.md has no defaults table for " + kind
+    for name, stated in rows.items():
+        default, run = (part.strip() for part in stated.split("/")) if "/" in stated else (stated.strip(), None)
+        assert default == repr(fields[name]).strip("'"), (kind, name, stated)
+        assert (run is None and name not in embedded) or run == repr(embedded.get(name)), (kind, name, stated)

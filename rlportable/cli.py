@@ -384,7 +384,8 @@ def _run_options(f):
         click.option("--weight-decay", default=None, type=NON_NEGATIVE, help="AdamW's decoupled decay." + CONFIG_DEFAULT),
         click.option("--max-grad-norm", default=None, type=NON_NEGATIVE, help="0 = no clipping." + CONFIG_DEFAULT),
         click.option("--micro-batch-tokens", default=None, type=click.IntRange(min=1),
-                     help="Tokens per forward/backward pass (memory, not the result's definition)." + CONFIG_DEFAULT),
+                     help="Tokens per forward/backward pass at most (memory; part of the run: gradients add in "
+                          "float32 micro-batch by micro-batch)." + CONFIG_DEFAULT),
         DEVICE_OPTION,
         click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
                      help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as "

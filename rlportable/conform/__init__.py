@@ -10,20 +10,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rlportable.conform import (
-    activation, adamw, attention, elementwise, embedding, fixedpoint, gemm, logprob, norm, residual, rope, rowsum,
-    sampling,
-)
 from rlportable.conform.elementwise import EXHAUSTIVE_CHECKS
 from rlportable.conform.end_to_end import E2E_CHECKS
+from rlportable.conform.families import FAMILIES
 from rlportable.conform.golden import GOLDEN_CHECKS, QUICK_SKIPPED as GOLDEN_QUICK_SKIPPED
 from rlportable.conform.model import DEVICE_ONLY, MODEL_CHECKS
 from rlportable.conform.tally import CheckResult, Settings, SettingsCheck, Tally, bit_mismatches, check_rng
 from rlportable.runtime.base import Backend
-
-#: the contract families, in the order their checks run
-FAMILIES = (fixedpoint, gemm, rowsum, residual, elementwise, norm, rope, activation, embedding, logprob, attention,
-            sampling, adamw)
 
 CHECKS: list[tuple[str, Callable]] = [check for family in FAMILIES for check in family.CHECKS]
 CHECKS += MODEL_CHECKS  # whole models and the engine on the backend against the cpu reference

@@ -13,10 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from rlportable.conform import (
-    activation, adamw, attention, elementwise, embedding, fixedpoint, gemm, logprob, norm, residual, rope, rowsum,
-    sampling,
-)
+from rlportable.conform.families import FAMILIES
 from rlportable.conform.golden_case import Case, Cases
 from rlportable.conform.golden_digest import DIGEST_RULE, canonical, digest, host, output_entries
 from rlportable.conform.golden_stream import INPUT_RULE, Stream
@@ -283,12 +280,8 @@ def _qwen3_generate(backend, s, r):
 
 #: every family's cases, then the end-to-end ones: the order of the golden checks and, within a group,
 #: of its file's digests
-CASES: list[Case] = [
-    *fixedpoint.GOLDEN_CASES, *gemm.GOLDEN_CASES, *rowsum.GOLDEN_CASES, *elementwise.GOLDEN_CASES,
-    *norm.GOLDEN_CASES, *rope.GOLDEN_CASES, *activation.GOLDEN_CASES, *residual.GOLDEN_CASES,
-    *embedding.GOLDEN_CASES, *logprob.GOLDEN_CASES, *attention.GOLDEN_CASES, *sampling.GOLDEN_CASES,
-    *adamw.GOLDEN_CASES, *TINY_CASES, *TRAINING_CASES, *QWEN3_CASES,
-]
+CASES: list[Case] = [*(case for family in FAMILIES for case in family.GOLDEN_CASES), *TINY_CASES, *TRAINING_CASES,
+                     *QWEN3_CASES]
 
 
 # ----------------------------------------------------------------------------- files

@@ -11,6 +11,7 @@ from rlportable.conform.golden_digest import host
 from rlportable.conform.golden_stream import STREAM_ROW_KINDS
 from rlportable.conform.inputs import ROW_KINDS, gemm_shapes, random_bits, random_rows, sizes
 from rlportable.conform.tally import Tally
+from rlportable.contract import residual as residual_ref
 from rlportable.ops import residual as residual_op
 from rlportable.runtime.base import Backend
 
@@ -21,10 +22,10 @@ def check_residual(backend: Backend, rng, quick: bool) -> Tally:
         for kind in ROW_KINDS:
             a, b = random_rows(rng, m, k, kind), random_rows(rng, m, k, kind)
             tally.add(backend.to_numpy(residual_op.add(backend, backend.asarray(a), backend.asarray(b))),
-                      residual_op.add_reference(a, b))
+                      residual_ref.add(a, b))
             bias = random_rows(rng, 1, k, kind)[0]
             tally.add(backend.to_numpy(residual_op.add_bias(backend, backend.asarray(a), backend.asarray(bias))),
-                      residual_op.add_bias_reference(a, bias))
+                      residual_ref.add_bias(a, bias))
     return tally
 
 
@@ -39,7 +40,7 @@ def check_residual_transpose(backend: Backend, rng, quick: bool) -> Tally:
     for rows, cols in sizes(backend, quick, TRANSPOSE_SHAPES_QUICK, TRANSPOSE_SHAPES_FULL):
         x = random_bits(rng, (rows, cols))
         got = residual_op.transpose(backend, backend.asarray(x))
-        tally.add(backend.to_numpy(got), residual_op.transpose_reference(x))
+        tally.add(backend.to_numpy(got), residual_ref.transpose(x))
     return tally
 
 

@@ -1,4 +1,4 @@
-"""The HIP kernels on AMD targets (rlportable.runtime.amd_resources): compiled for gfx942 and gfx90a
+"""The HIP kernels on AMD targets (rlportable.build.amd_resources): compiled for gfx942 and gfx90a
 with the runtime's options, none spills to scratch, each fits 64 KiB of LDS with the largest dynamic
 shared memory the ops ask for on hip, and the committed gfx942 table is the compiler's.
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlportable.runtime import amd_resources
+from rlportable.build import amd_resources
 from test_kernel_sources import in_ci
 
 TABLE = Path(__file__).resolve().parent.parent / "conformance" / "results" / "hip_resources_gfx942.md"
@@ -42,7 +42,7 @@ def test_committed_gfx942_table_is_current(kernels):
     text = TABLE.read_text()
     assert TABLE_MARK in text, f"{TABLE} lost its table marker"
     assert text.split(TABLE_MARK, 1)[1] == amd_resources.table(kernels), (
-        f"{TABLE} is stale: python -m rlportable.runtime.amd_resources --table FILE rewrites it")
+        f"{TABLE} is stale: python -m rlportable.build.amd_resources --table FILE rewrites it")
 
 
 REMARKS = """\

@@ -12,7 +12,7 @@ def test_every_contract_loads_and_names_pieces_that_exist():
 
 
 def test_every_kernel_source_belongs_to_a_contract():
-    from rlportable.runtime.offline_compile import families as vendor_families
+    from rlportable.build.offline_compile import families as vendor_families
 
     families = {c.name for c in spec.load_all()}
 

@@ -4,7 +4,7 @@ Each family's CUDA source (backends/cuda/<family>.cu where NVIDIA has fast paths
 backends/portable/<family>.hip, else the portable source; behind cuda/prelude.h) with nvcc for sm_80
 and sm_90; the portable sources with hipcc and with hiprtc for gfx90a, and behind cuda/prelude.h with
 nvcc for sm_90. Sources and options come from the runtime
-(rlportable.runtime.offline_compile).
+(rlportable.build.offline_compile).
 
 A missing compiler fails the test when the CI environment variable is set (.ci/run
 installs hipcc; nvcc is on the machine) and skips it otherwise.
@@ -21,7 +21,7 @@ from recording_device import KERNEL_ENTRY
 
 from rlportable import resources
 from rlportable.resources import kernel_source_path, portable_source_path, resource_dir
-from rlportable.runtime import offline_compile
+from rlportable.build import offline_compile
 
 # hip_runtime.h for hipcc and hiprtc, never under the HIP-on-CUDA prelude (NVRTC has no such header)
 HIP_HEADER = "#ifndef RLP_HIP_ON_CUDA\n#include <hip/hip_runtime.h>\n#endif\n"

@@ -27,6 +27,11 @@ FUSED_ENCODE_BITS = fixedpoint_ref.ACTIVATION_BITS
 ENCODE_THREADS = 512
 
 
+def hip_dynamic_lds() -> dict[str, int]:
+    """The dynamic shared memory this family's kernels take at most on hip (build/amd_resources.py)."""
+    return {"activation_swiglu_encode": 4 * MAX_FUSED_ENCODED_ROW}
+
+
 def _check(gate, up) -> tuple[int, ...]:
     shape = shape_of(gate)
     for name, array in (("gate", gate), ("up", up)):

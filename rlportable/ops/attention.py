@@ -673,6 +673,19 @@ def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
             "dkv": 8 * (2 * key_parts + 4 * bkv * bq2) + words(2 * (bkv + bq2) * ld) + keys}
 
 
+def hip_dynamic_lds() -> dict[str, int]:
+    """The dynamic shared memory this family's kernels take at most on hip, over every head_dim and group
+    the op allows (build/amd_resources.py)."""
+    dims = range(K_ALIGN, MAX_HEAD_DIM + 1, K_ALIGN)  # padded head_dim
+    sizes = {"attention_split_values": max(split_values_shared_bytes(reference.MAX_GROUP, dp) for dp in dims),
+             "attention_split_values_h2": max(split_values_shared_bytes(2, dp) for dp in dims)}
+    for dpt in TILED_HEAD_DIMS:
+        shared = tiled_shared_bytes(dpt, "hip")
+        for step in ("stats", "fields", "dq", "dkv"):
+            sizes[f"attention_backward_tiled_{step}_d{dpt}"] = shared[step]
+    return sizes
+
+
 def _tiles(cu: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """(sequence, first token) of every tile of `size` rows, each sequence tiled from its start."""
     lengths = np.diff(cu)

@@ -29,6 +29,11 @@ MAX_FUSED_ENCODED_ROW = 4096
 #: the one encoding norm_add_rmsnorm computes (RLP_NORM_ENCODE_BITS/_SLICES in backends/portable/norm.hip):
 #: gemm.DEFAULT_BITS_A, the activations' bits; other bits are encoded by a separate launch
 FUSED_ENCODE_BITS = reference.ENCODE_BITS
+def hip_dynamic_lds() -> dict[str, int]:
+    """The dynamic shared memory this family's kernels take at most on hip (build/amd_resources.py)."""
+    return {"norm_add_rmsnorm": max(2 * 4 * MAX_FUSED_ENCODED_ROW, 4 * MAX_FUSED_ROW)}
+
+
 THREAD_SEGMENT = segments.SEGMENT  # the kernels' block reductions work on segments of 32 lanes (backends/portable/common.h)
 
 

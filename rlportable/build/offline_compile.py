@@ -14,7 +14,7 @@ and runtime/flags.py), only the compiler differs:
                            ROCm runtime library, no GPU needed
   hip-on-cuda sm_90        the HIP source behind cuda/prelude.h, nvcc -cubin
 
-    python -m rlportable.runtime.offline_compile     # table family x target, exit 1 on any failure
+    python -m rlportable.build.offline_compile     # table family x target, exit 1 on any failure
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlportable.runtime.offline_compile",
+        prog="python -m rlportable.build.offline_compile",
         description="Compile every kernel source with nvcc, hipcc and hiprtc as the runtime would.",
     )
     parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")

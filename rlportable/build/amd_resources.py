@@ -14,8 +14,8 @@ Debian's device libraries (ROCm 5.2) predate gfx942 and lack oclc_isa_version_94
 directory given to clang links it to the gfx940 file. That constant selects a few ISA-dependent
 paths in the device library (none of the functions these kernels call differ between 940 and 942).
 
-    python -m rlportable.runtime.amd_resources            # check, exit 1 on a problem
-    python -m rlportable.runtime.amd_resources --table F  # also write the gfx942 table (markdown) to F,
+    python -m rlportable.build.amd_resources            # check, exit 1 on a problem
+    python -m rlportable.build.amd_resources --table F  # also write the gfx942 table (markdown) to F,
                                                           # after TABLE_MARK where F has it
 """
 
@@ -37,7 +37,7 @@ LDS_LIMIT = 64 * 1024  # bytes of LDS per workgroup on gfx90a and gfx942
 CLANG = "clang++-19"
 DEVICE_LIBS = Path("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")  # Debian's rocm-device-libs
 _ALIAS = ("oclc_isa_version_942.bc", "oclc_isa_version_940.bc")  # (missing file, what it links to)
-TABLE_MARK = "<!-- table: python -m rlportable.runtime.amd_resources --table -->\n"
+TABLE_MARK = "<!-- table: python -m rlportable.build.amd_resources --table -->\n"
 CLANG_DEVICE_ONLY = ("-x", "hip", "-O3", "--offload-device-only", "--no-gpu-bundle-output",
                      "-Rpass-analysis=kernel-resource-usage")
 
@@ -86,22 +86,12 @@ def device_lib_dir(root: Path) -> Path:
 
 def dynamic_lds() -> dict[str, int]:
     """kernel -> the largest dynamic shared memory (bytes) the ops launch it with on hip, over every
-    shape they allow (kernels not listed take none)."""
-    from rlportable.contract import attention as attention_ref
+    shape they allow, as each op module declares it (HIP_DYNAMIC_LDS; kernels not listed take none)."""
     from rlportable.ops import activation, attention, norm
 
-    dims = range(64, attention.MAX_HEAD_DIM + 1, 64)  # padded head_dim
-    sizes = {
-        "norm_add_rmsnorm": max(2 * 4 * norm.MAX_FUSED_ENCODED_ROW, 4 * norm.MAX_FUSED_ROW),
-        "activation_swiglu_encode": 4 * activation.MAX_FUSED_ENCODED_ROW,
-        "attention_split_values": max(attention.split_values_shared_bytes(attention_ref.MAX_GROUP, dp)
-                                      for dp in dims),
-        "attention_split_values_h2": max(attention.split_values_shared_bytes(2, dp) for dp in dims),
-    }
-    for dpt in attention.TILED_HEAD_DIMS:
-        shared = attention.tiled_shared_bytes(dpt, "hip")
-        for step in ("stats", "fields", "dq", "dkv"):
-            sizes[f"attention_backward_tiled_{step}_d{dpt}"] = shared[step]
+    sizes: dict[str, int] = {}
+    for module in (norm, activation, attention):
+        sizes.update(module.hip_dynamic_lds())
     return sizes
 
 
@@ -147,7 +137,7 @@ def compile_family(family: str, arch: str, workdir: Path, libs: Path, dynamic: d
 
 
 def collect(arches: tuple[str, ...] = ARCHES, workers: int | None = None) -> list[KernelResources]:
-    from rlportable.runtime.offline_compile import families
+    from rlportable.build.offline_compile import families
 
     dynamic = dynamic_lds()
     with tempfile.TemporaryDirectory() as tmp:

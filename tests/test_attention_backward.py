@@ -634,7 +634,7 @@ def test_tiled_backward_from_the_forwards_statistics_leaves_out_the_stats_step()
     _check_arguments(device.launches, _kernel_parameters("cuda"))
 
 
-def test_packed_forward_keeps_statistics_only_from_the_mma_kernel():
+def test_packed_forward_keeps_statistics_from_the_mma_and_portable_kernels():
     rng = np.random.default_rng(13)
     q, k, v, _ = inputs(rng, 40, 4, 2, 64)
     cu = np.array([0, 16, 40])
@@ -643,8 +643,13 @@ def test_packed_forward_keeps_statistics_only_from_the_mma_kernel():
     mma = [launch for launch in device.launches if launch[1] == "attention_paged_mma_d128"]
     assert len(mma) == 1 and mma[0][4][-1] is stats and stats.shape == (40 * 4, 3) and stats.dtype == np.float64
     assert mma[0][4][-2] is o
+    for vendor in ("cuda", "hip"):  # the portable kernel: HIP's prefill, and CUDA's "portable" method
+        device = _RecordingDevice(vendor)
+        o, stats = op.attention_packed(device, q, k, v, cu, method="portable", keep_stats=True)
+        paged = [launch for launch in device.launches if launch[1] == "attention_paged"]
+        assert len(paged) == 1 and paged[0][4][-1] is stats and paged[0][4][-2] is o and stats.shape == (160, 3)
     device = _RecordingDevice("cuda")
-    assert op.attention_packed(device, q, k, v, cu, method="portable", keep_stats=True)[1] is None
+    assert op.attention_packed(device, q, k, v, cu, method="split", keep_stats=True)[1] is None
     assert op.attention_packed(device, q, k, v, cu).shape == (40, 4, 64)  # a plain array without keep_stats
     o_cpu, none = op.attention_packed(CPU, q, k, v, cu, keep_stats=True)
     assert none is None and np.array_equal(o_cpu.view(np.uint32), op.attention_packed(CPU, q, k, v, cu).view(np.uint32))
@@ -661,6 +666,6 @@ def test_statistics_errors_name_the_problem():
         op.attention_packed_backward(CPU, q, k, v, do, cu, o=o, row_stats=np.zeros((20, 3)))
     device = _RecordingDevice("cuda")
     cache = op.KVCache.allocate(device, 32, 2, 64, block_size=16)
-    with pytest.raises(InputError, match="mma"):
+    with pytest.raises(InputError, match="not by the split kernels"):
         op.attention_paged(device, q[:2], np.zeros(2, np.int32), np.array([0, 1], np.int32), cache,
                            np.array([[0, 1]], np.int32), method="split", row_stats=np.zeros((8, 3)))

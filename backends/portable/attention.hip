@@ -91,6 +91,14 @@ __device__ __forceinline__ float rlp_att_from_order_key(unsigned int key) {
     return __int_as_float((int)((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key));
 }
 
+// A poisoned row's statistics: 0 and 0 (the backward marks the row from its NaN o, as the mma forward).
+__device__ __forceinline__ void rlp_att_zero_stats(double* row_stats, long long item) {
+    if (row_stats != nullptr && threadIdx.x == 0) {
+        row_stats[3 * item] = 0.0;
+        row_stats[3 * item + 1] = 0.0;
+    }
+}
+
 // One block per (query token, head), grid-stride. Pass 1 (threads over keys j = 0..t):
 // the exact integer dot product S_j, the score s_j, the maxima m (of s_j) and E (of ev_j),
 // and flags for non-finite key/value rows and indices outside the tables. Pass 2 (keys in
@@ -98,12 +106,13 @@ __device__ __forceinline__ float rlp_att_from_order_key(unsigned int key) {
 // w_j = RNE(p_j 2^(ev_j - E + 21)) in shared memory; then threads over (key part, d) add
 // w_j * qv_jd into N_d with int64 atomics. Finally o_d = RNE_f32((N_d 2^(E-13)) / L).
 // q, out: [tq, hq, d] float32; digits: [num_slots, hkv, 2, dp] int8; exponents: [num_slots, hkv].
+// row_stats: null, or float64 [tq * hq, 3] whose first two columns receive m and L (the backward's).
 extern "C" __global__ void attention_paged(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
-    const int* __restrict__ v_exponents, float* __restrict__ out) {
+    const int* __restrict__ v_exponents, float* __restrict__ out, double* __restrict__ row_stats) {
     __shared__ int qq[RLP_ATT_MAX_HEAD_DIM];
     __shared__ unsigned long long numerator[RLP_ATT_MAX_HEAD_DIM];
     __shared__ float scores[RLP_ATT_SCORE_CACHE];
@@ -199,11 +208,17 @@ extern "C" __global__ void attention_paged(
                 __syncthreads();
                 for (int i = threadIdx.x; i < d; i += blockDim.x)
                     orow[i] = rlp_att_output((long long)numerator[i], e_max, (long long)total);
+                if (row_stats != nullptr && threadIdx.x == 0) {  // m and L for the backward
+                    row_stats[3 * item] = (double)m;
+                    row_stats[3 * item + 1] = rlp_ll2double_rn((long long)total);  // exact: L < 2^53
+                }
             } else {
                 for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = rlp_canonical_nan();
+                rlp_att_zero_stats(row_stats, item);
             }
         } else {
             for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = rlp_canonical_nan();
+            rlp_att_zero_stats(row_stats, item);
         }
         __syncthreads();
     }

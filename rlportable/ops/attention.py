@@ -310,7 +310,8 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
     belong to, for "auto" (None: every row of block_tables). out: a C-contiguous float32 [Tq, Hq, D]
     device array to write o into (a slice of a larger output; devices only), else a new one.
     row_stats: a float64 [Tq * Hq, 3] device array (row t * Hq + h) into whose first two columns the
-    "mma" kernel writes each row's m and L (0 and 0 for a NaN row): the backward's statistics."""
+    "mma" and "portable" kernels write each row's m and L (0 and 0 for a NaN row): the backward's
+    statistics."""
     tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
@@ -318,8 +319,9 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
     method = resolve_method(backend, tq, seqs, cache.head_dim, method)
     _check_keys_per_split(keys_per_split)
     if row_stats is not None:
-        if method != "mma":
-            raise InputError(f"attention: row_stats are written by the \"mma\" kernel only, not by {method!r}")
+        if method == "split":
+            raise InputError("attention: row_stats are written by the \"mma\" and \"portable\" kernels, not by "
+                             "the split kernels")
         _check_row_stats("attention", row_stats, tq * hq)
     dim = cache.head_dim
     if backend.kernel_vendor is None:
@@ -347,8 +349,7 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                    (q, q_seq, q_pos, np.int64(tq), np.int32(hq), np.int32(cache.num_kv_heads), np.int32(dim),
                     np.int32(cache.head_dim_padded), scale, block_tables, np.int32(num_seqs), np.int32(max_blocks),
                     np.int32(cache.block_size), np.int64(cache.num_slots), cache.k_digits, cache.k_exponents,
-                    cache.v_digits, cache.v_exponents, out)
-                   + ((NULL_POINTER if row_stats is None else row_stats,) if method == "mma" else ()),
+                    cache.v_digits, cache.v_exponents, out, NULL_POINTER if row_stats is None else row_stats),
                    shared_mem=shared)
     return out
 
@@ -556,7 +557,8 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 
     keep_stats: return (o, row_stats) instead, row_stats the rows' m and L as attention_paged writes
     them (for attention_packed_backward, which then skips its own statistics pass), or None where the
-    kernel taken does not write them (every kernel but "mma"; the backward computes them)."""
+    kernel taken does not write them (the split kernels, and the NumPy reference on cpu: the backward
+    computes them)."""
     tokens, hq, hkv, dim = _check_packed("attention_packed", q, k, v)
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens)
@@ -570,7 +572,7 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     q_seq, q_pos, tables = packed_layout(cu)
     row_stats = None
-    if keep_stats and resolve_method(backend, tokens, cu.size - 1, dim, method) == "mma":
+    if keep_stats and resolve_method(backend, tokens, cu.size - 1, dim, method) != "split":
         row_stats = backend.empty((tokens * hq, 3), np.float64)
     o = attention_paged(backend, q, q_seq, q_pos, cache, tables, threads=threads, method=method, row_stats=row_stats)
     return (o, row_stats) if keep_stats else o

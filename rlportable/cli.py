@@ -525,12 +525,15 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
               help="Loss aggregation, TRL's names." + CONFIG_DEFAULT)
 @click.option("--scale-rewards", default=None, type=click.Choice(["group", "batch", "none"]),
               help="Advantage scaling." + CONFIG_DEFAULT)
+@click.option("--mask-truncated-completions", is_flag=True, default=None,
+              help="DAPO: completions cut at --max-completion-length leave the loss (TRL's option).")
 @click.option("--num-iterations", default=None, type=click.IntRange(min=1), help="Passes over each rollout." + CONFIG_DEFAULT)
 @click.option("--mini-batches", default=None, type=click.IntRange(min=1), help="Optimiser steps per pass." + CONFIG_DEFAULT)
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
-         epsilon, epsilon_high, beta, loss_type, scale_rewards, num_iterations, mini_batches):
+         epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, num_iterations,
+         mini_batches):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
 
@@ -544,7 +547,7 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=lr,
             warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm, epsilon=epsilon,
             epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
-            num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
+            mask_truncated_completions=mask_truncated_completions or None, num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
             seed=seed))
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)

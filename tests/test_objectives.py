@@ -84,3 +84,26 @@ def test_sft_loss_and_mismatch_check():
     assert check["mismatches"] == 1 and 0 < check["max_abs_dlogp"] < 1e-6
     zero = [np.array([0.0], np.float32)]
     assert objectives.logp_mismatch(zero, [np.array([-0.0], np.float32)])["mismatches"] == 1  # bits, not values
+
+
+@pytest.mark.parametrize("loss_type", objectives.LOSS_TYPES)
+def test_masked_samples_leave_the_loss_as_trl_masks_them(loss_type):
+    """mask_truncated_completions: an inactive sample's tokens get no loss and no gradient and are not
+    counted (bnpo: this micro-batch's active tokens; dapo: the mini-batch's, which the caller counts);
+    grpo still averages over every sample, dr_grpo over samples x max length, as TRL's completion mask."""
+    rng = np.random.default_rng(3)
+    lengths = [3, 5, 2]
+    logp, old, _ = _samples(rng, lengths)
+    adv = rng.normal(size=3)
+    settings = objectives.GRPOSettings(loss_type=loss_type, max_completion_length=6)
+    active = np.array([True, False, True])
+    masked = objectives.grpo_token_loss(logp, old, adv, settings, mini_batch=(3, 5), active=active)
+    assert not masked.grad[3:8].any()  # the inactive sample's tokens
+    kept = [0, 2]
+    alone = objectives.grpo_token_loss([logp[i] for i in kept], [old[i] for i in kept], adv[kept], settings,
+                                       mini_batch=(3, 5))
+    assert np.array_equal(masked.grad[np.r_[0:3, 8:10]], alone.grad)
+    assert masked.loss == pytest.approx(alone.loss, rel=1e-15, abs=1e-15)
+    every = objectives.grpo_token_loss(logp, old, adv, settings, mini_batch=(3, 10))
+    assert np.array_equal(every.grad, objectives.grpo_token_loss(logp, old, adv, settings, mini_batch=(3, 10),
+                                                                 active=np.ones(3, bool)).grad)

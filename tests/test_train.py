@@ -292,3 +292,15 @@ def test_cli_grpo_with_dp_on_cpu_prints_the_same_last_step(tmp_path):
                                               if line.startswith("step 1")][-1].split("| rollout")[0]
     bad = CliRunner().invoke(main, args + ["--tp", "4"])  # the tiny model's 2 KV heads
     assert bad.exit_code != 0 and "training needs num_key_value_heads (2) divisible by the TP size (4)" in bad.output
+
+
+def test_mask_truncated_completions_takes_cut_completions_out_of_the_loss(tmp_path):
+    """With one token allowed every completion of tiny-sft is cut (its answers need a digit and the
+    end-of-sequence token), so under mask_truncated_completions nothing trains: loss 0, weights unchanged."""
+    config = _grpo_config(steps=1, max_completion_length=1, mask_truncated_completions=True)
+    options = _options(tmp_path, model="tiny-sft")
+    records = launch.run_grpo(CPU, options, config, [], lambda r: None)
+    assert records[0]["loss"] == 0.0 and records[0]["grad_norm"] == 0.0
+    unmasked = launch.run_grpo(CPU, _options(tmp_path, "plain", model="tiny-sft"),
+                               _grpo_config(steps=1, max_completion_length=1), [], lambda r: None)
+    assert unmasked[0]["grad_norm"] > 0.0

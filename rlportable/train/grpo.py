@@ -64,6 +64,7 @@ class GRPOConfig(OptimiserSettings):
     mini_batches: int = 1
     block_size: int = 16
     max_prompt_length: int | None = None  # longer prompts keep their last tokens (TRL's left truncation)
+    mask_truncated_completions: bool = False  # DAPO: completions cut at max_completion_length leave the loss
 
     def __post_init__(self):
         self.check_positive("grpo", ("steps", "prompts_per_step", "num_generations", "max_completion_length",
@@ -183,7 +184,8 @@ class GRPOTrainer:
                                        seed=sampling_seed(cfg.seed, step)) if mine else []
         requests = self.replicas.gather_in_order([
             [(Sample(list(request.prompt_token_ids), list(completion.token_ids),
-                     np.asarray(completion.logprobs, dtype=np.float32)), completion.text)
+                     np.asarray(completion.logprobs, dtype=np.float32),
+                     extra={"truncated": completion.finish_reason == "length"}), completion.text)
              for completion in request.outputs] for request in outputs])
         samples = [sample for request in requests for sample, _ in request]
         texts = [text for request in requests for _, text in request]
@@ -198,7 +200,7 @@ class GRPOTrainer:
         losses, kls, clips, ratio_min, ratio_max, infos = [], [], [], [], [], []
         for iteration in range(cfg.num_iterations):
             for index, mini in enumerate(minis):
-                counts = (len(mini), sum(len(s.completion_ids) for s in mini))
+                counts = (len(mini), sum(len(s.completion_ids) for s in mini if self._active(s)))
                 results = self.replicas.train_rounds(
                     self.optimizer, pack(mini, cfg.micro_batch_tokens),
                     lambda batch, on_layer, first=iteration == 0 and index == 0: self._micro_batch(
@@ -236,13 +238,18 @@ class GRPOTrainer:
         def objective(logp):
             return objectives.grpo_token_loss(logp, [s.logp for s in batch.samples],
                                               np.array([s.advantage for s in batch.samples]), settings, reference,
-                                              counts)
+                                              counts, np.array([self._active(s) for s in batch.samples]))
 
         loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective, clock, on_layer)
         check = objectives.logp_mismatch(logp, [s.logp for s in batch.samples]) if check_logp else None
         metrics = {"loss": loss.loss, "check": check, **{key: loss.metrics[key] for key in (
             "kl", "clip_fraction", "ratio_min", "ratio_max")}}
         return metrics, grads.named_tensors(self.model.config)
+
+    def _active(self, sample: Sample) -> bool:
+        """Whether the sample's tokens enter the loss (not so for a truncated one under
+        mask_truncated_completions)."""
+        return not (self.config.mask_truncated_completions and sample.extra.get("truncated", False))
 
     def _check_before_update(self, later_minis: list[list[Sample]]) -> list[dict]:
         """The log-probs of mini-batches trained after the first update, recomputed before it (the

@@ -93,12 +93,15 @@ class TokenLoss:
 
 def grpo_token_loss(logp: list[np.ndarray], old_logp: list[np.ndarray], advantages: np.ndarray,
                     settings: GRPOSettings, ref_logp: list[np.ndarray] | None = None,
-                    mini_batch: tuple[int, int] | None = None) -> TokenLoss:
+                    mini_batch: tuple[int, int] | None = None, active: np.ndarray | None = None) -> TokenLoss:
     """GRPO over the samples of one micro-batch (one array of completion-token log-probs each);
-    mini_batch = (samples, completion tokens) of the optimiser step's mini-batch (default: this one)."""
+    mini_batch = (samples, completion tokens) of the optimiser step's mini-batch (default: this one;
+    tokens of active samples only). active: per sample, False where its tokens leave the loss (DAPO's
+    mask_truncated_completions, as TRL's completion mask: no loss, not counted among the tokens)."""
     if len(logp) != len(old_logp) or len(logp) != len(advantages):
         raise InputError("grpo loss: logp, old_logp and advantages must have one entry per sample")
     lengths = np.array([x.size for x in logp])
+    active = np.ones(lengths.size, dtype=bool) if active is None else np.asarray(active, dtype=bool)
     new, old = _flat(logp), _flat(old_logp)
     adv = np.repeat(np.asarray(advantages, dtype=np.float64), lengths)
     log_ratio = new - old
@@ -117,26 +120,29 @@ def grpo_token_loss(logp: list[np.ndarray], old_logp: list[np.ndarray], advantag
         kl = np.exp(delta) - delta - 1.0
         token_loss = token_loss + settings.beta * kl
         d_token = d_token + settings.beta * (1.0 - np.exp(delta))
-    weights = _token_weights(lengths, settings, mini_batch or (lengths.size, int(lengths.sum())))
+    weights = _token_weights(lengths, active, settings, mini_batch or (lengths.size, int(lengths[active].sum())))
     region = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+    kept = np.repeat(active, lengths)
     metrics = {
-        "kl": float(kl.mean()) if kl.size else 0.0,
-        "clip_fraction": float(region.mean()) if region.size else 0.0,
+        "kl": float(kl[kept].mean()) if kept.any() else 0.0,
+        "clip_fraction": float(region[kept].mean()) if kept.any() else 0.0,
         "ratio_min": float(ratio.min()) if ratio.size else 1.0,
         "ratio_max": float(ratio.max()) if ratio.size else 1.0,
     }
     return TokenLoss(float((weights * token_loss).sum()), (weights * d_token).astype(np.float32), metrics)
 
 
-def _token_weights(lengths: np.ndarray, settings: GRPOSettings, mini_batch: tuple[int, int]) -> np.ndarray:
-    """Each token's weight in the aggregated loss (loss = sum_t weight_t * token_loss_t)."""
+def _token_weights(lengths: np.ndarray, active: np.ndarray, settings: GRPOSettings,
+                   mini_batch: tuple[int, int]) -> np.ndarray:
+    """Each token's weight in the aggregated loss (loss = sum_t weight_t * token_loss_t); an inactive
+    sample's tokens weigh 0 and are not counted (TRL's completion mask)."""
     samples, tokens = mini_batch
     if settings.loss_type == "grpo":
         per_sample = np.divide(1.0, lengths, out=np.zeros(lengths.size), where=lengths > 0) / max(samples, 1)
-        return np.repeat(per_sample, lengths)
-    denominator = {"bnpo": int(lengths.sum()), "dr_grpo": samples * settings.max_completion_length,
+        return np.repeat(per_sample * active, lengths)
+    denominator = {"bnpo": int(lengths[active].sum()), "dr_grpo": samples * settings.max_completion_length,
                    "dapo": tokens}[settings.loss_type]
-    return np.full(int(lengths.sum()), 1.0 / max(denominator, 1))
+    return np.repeat(active / max(denominator, 1), lengths).astype(np.float64)
 
 
 def sft_token_loss(logp: list[np.ndarray], batch_tokens: int | None = None) -> TokenLoss:

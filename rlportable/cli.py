@@ -357,6 +357,89 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
 CONFIG_DEFAULT = " (default: the run config's; `--model tiny`/`tiny-sft`: the embedded run's; docs/training.md)"
 
 
+#: options that say where and how a run executes, not what it computes: not part of a run's config file
+RUN_PLACE = ("out", "resume", "config_file", "print_config", "device", "dp", "dp_emulate", "tp", "log_jsonl", "plot")
+
+
+def _option_names(command: click.Command) -> dict[str, str]:
+    """Every spelling of the command's options (model, lr, num-generations, G, ...) -> its parameter."""
+    names = {}
+    for param in command.params:
+        names[param.name] = param.name
+        for opt in getattr(param, "opts", []):
+            names[opt.lstrip("-").replace("-", "_")] = param.name
+    return names
+
+
+def _read_config(path: str, command: click.Command) -> dict:
+    """A run config file (TOML; keys are the command's option names) as {parameter: value}."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as error:
+        raise click.BadParameter(f"{path}: {error.strerror or error}", param_hint="--config") from None
+    except tomllib.TOMLDecodeError as error:
+        raise click.BadParameter(f"{path}: not TOML ({error})", param_hint="--config") from None
+    names, out = _option_names(command), {}
+    for key, value in data.items():
+        name = names.get(key.replace("-", "_"))
+        if name is None or name in RUN_PLACE:
+            raise click.BadParameter(f"{path}: {key!r} is not an option of `rlportable {command.name}` that a "
+                                     "config sets", param_hint="--config")
+        out[name] = value
+    return out
+
+
+def _load_config(ctx: click.Context, param, value):
+    """--config FILE (eager): the file's options become the defaults; flags on the command line win."""
+    if value is not None:
+        ctx.default_map = {**(ctx.default_map or {}), **_read_config(value, ctx.command)}
+    return value
+
+
+def _config_text(options: dict) -> str:
+    """Run options as TOML (strings, numbers, booleans, lists of them; None is left out)."""
+    import json
+
+    lines = []
+    for key, value in options.items():
+        if value is None or value == ():
+            continue
+        lines.append(f"{key.replace('_', '-')} = {json.dumps(list(value) if isinstance(value, tuple) else value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _resolved_options(command: click.Command, params: dict, config, resolved: dict) -> dict:
+    """The run's options as a config file holds them, by their flags' names: every option's value (the
+    config dataclass's as it resolved them; `resolved` for the others the command resolved itself),
+    without the options that say where the run executes."""
+    import dataclasses
+
+    fields = dataclasses.asdict(config)
+    out = {}
+    for param in command.params:
+        name, value = param.name, resolved.get(param.name, params.get(param.name))
+        if name in RUN_PLACE:
+            continue
+        field = "learning_rate" if name == "lr" else name
+        if field in fields:
+            value = fields[field]
+            if field == "max_grad_norm" and value is None:
+                value = 0.0  # the flag's "no clipping"
+        flag = max((opt for opt in param.opts if opt.startswith("--")), key=len, default=param.name)
+        out[flag.lstrip("-")] = value
+    return out
+
+
+def _run_config_text(config, **resolved) -> str:
+    """This command's options as the run resolves them, as TOML: --print-config prints it, and a run with
+    --out writes it to OUT/run_config.toml (`--config` that file reruns the run, or resumes it)."""
+    ctx = click.get_current_context()
+    return _config_text(_resolved_options(ctx.command, ctx.params, config, resolved))
+
+
 def _given(**options) -> dict:
     """The options given on the command line (click's None: not given); --max-grad-norm 0 means no clipping."""
     given = {name: value for name, value in options.items() if value is not None}
@@ -386,6 +469,10 @@ def _run_options(f):
         click.option("--micro-batch-tokens", default=None, type=click.IntRange(min=1),
                      help="Tokens per forward/backward pass at most (memory; part of the run: gradients add in "
                           "float32 micro-batch by micro-batch)." + CONFIG_DEFAULT),
+        click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, is_eager=True,
+                     callback=_load_config,
+                     help="A TOML file of this command's options (a run's own run_config.toml, say); flags win."),
+        click.option("--print-config", is_flag=True, help="Print the options the run would use, as TOML, and stop."),
         DEVICE_OPTION,
         click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
                      help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as "
@@ -478,7 +565,8 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
 @click.option("--batch-size", default=None, type=click.IntRange(min=1), help="Examples per optimiser step." + CONFIG_DEFAULT)
 @click.option("--max-length", default=None, type=click.IntRange(min=1), help="Longest prompt + completion." + CONFIG_DEFAULT)
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-        weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, batch_size, max_length):
+        weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, dp_emulate, tp,
+        batch_size, max_length):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
     from rlportable.train import launch
 
@@ -488,11 +576,16 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
             steps=steps, batch_size=batch_size, learning_rate=lr, warmup_steps=warmup_steps,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm, micro_batch_tokens=micro_batch_tokens,
             max_length=max_length, seed=seed))
+        resolved = {"model_spec": model_spec, "task": task if task or data else launch.DEFAULT_TASK}
+        if print_config:
+            click.echo(_run_config_text(config, **resolved), nl=False)
+            return
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
         launch.check_paths(options)
         if _finished_or_resuming("sft", options, config.steps):
             return
+        launch.write_run_config(options, _run_config_text(config, **resolved))
         click.echo(f"sft: {config.steps} steps of {config.batch_size} examples, lr {config.learning_rate:g}, "
                    f"warmup {config.warmup_steps}, max length {config.max_length}", err=True)
     except RlpError as error:
@@ -530,7 +623,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--num-iterations", default=None, type=click.IntRange(min=1), help="Passes over each rollout." + CONFIG_DEFAULT)
 @click.option("--mini-batches", default=None, type=click.IntRange(min=1), help="Optimiser steps per pass." + CONFIG_DEFAULT)
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-         weight_decay, max_grad_norm, micro_batch_tokens, device, dp, dp_emulate, tp, rewards, reward_weights,
+         weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, dp_emulate, tp,
+         rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
          epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, num_iterations,
          mini_batches):
@@ -549,12 +643,17 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
             mask_truncated_completions=mask_truncated_completions or None, num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
             seed=seed))
+        resolved = {"model_spec": model_spec, "task": task if task or data else launch.DEFAULT_TASK}
+        if print_config:
+            click.echo(_run_config_text(config, **resolved), nl=False)
+            return
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
         launch.check_paths(options)
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
         if _finished_or_resuming("grpo", options, config.steps):
             return
+        launch.write_run_config(options, _run_config_text(config, **resolved))
         click.echo(f"grpo: {config.steps} steps of {config.prompts_per_step} prompts x {config.num_generations} "
                    f"samples, completions up to {config.max_completion_length} tokens, lr {config.learning_rate:g}, "
                    f"warmup {config.warmup_steps}, loss {config.loss_type}", err=True)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
+from rlportable.model.weights import atomic_write
 from rlportable.train import checkpoint, tasks
 from rlportable.train.grpo import GRPOConfig, GRPOTrainer
 from rlportable.train.metrics import MetricsLog, plot_curve
@@ -103,6 +104,17 @@ def resume_point(options: RunOptions) -> ResumePoint | None:
     if path is None:
         return None
     return ResumePoint(path, int(checkpoint.read_trainer_state(path).get("next_step", 0)))
+
+
+RUN_CONFIG_FILE = "run_config.toml"
+
+
+def write_run_config(options: RunOptions, text: str) -> None:
+    """A new run's resolved options into --out (before its first step), as `--config` reads them."""
+    if options.out is None or options.resume:
+        return
+    os.makedirs(options.out, exist_ok=True)
+    atomic_write(os.path.join(options.out, RUN_CONFIG_FILE), [text.encode("utf-8")])
 
 
 def _check_writable(flag: str, path: str, folder: bool) -> None:

@@ -44,15 +44,6 @@ def _median_seconds(events, step, sync, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _copy_bandwidth(cupy, nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = cupy.ones(nbytes // 4, dtype=cupy.float32)
-    dst = cupy.empty_like(src)
-    seconds = _median_seconds(lambda: (cupy.cuda.Event(), cupy.cuda.Event(), cupy.cuda.get_elapsed_time), lambda: dst.__setitem__(..., src),
-                              cupy.cuda.runtime.deviceSynchronize, 5)
-    return 2 * nbytes / seconds
-
-
 def _flops(sequences: int, length: int, hq: int, dim: int) -> float:
     """Causal forward FLOPs: two products of length^2 / 2 pairs per head."""
     return 4.0 * sequences * hq * dim * length * length / 2
@@ -67,6 +58,7 @@ def run(backend, lengths=LENGTHS, layouts=LAYOUTS, tokens: int = TOKENS, repeats
         import torch.nn.functional as functional
     except ImportError as error:
         raise RlpError(f"bench attention needs torch for the peer: {error}") from None
+    from rlportable.bench.decode import copy_bandwidth
     from rlportable.ops import attention
 
     cupy = backend.cupy
@@ -76,7 +68,7 @@ def run(backend, lengths=LENGTHS, layouts=LAYOUTS, tokens: int = TOKENS, repeats
     def torch_events():
         return (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                 lambda start, stop: start.elapsed_time(stop))
-    bandwidth = _copy_bandwidth(cupy)
+    bandwidth = copy_bandwidth(backend)["bytes_per_s"]  # bench decode's bound: the best of ten copies
     rows = []
     for length in lengths:
         for hq, hkv in layouts:

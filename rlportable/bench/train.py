@@ -26,6 +26,7 @@ TARGETS = {"64x4160": 2.0, "8x16448": 2.5}  # ratio to the peer at most
 
 
 def _ours(backend, config, weights, sequences: int, length: int, progress) -> dict:
+    from rlportable.bench.forward import PeakTracker
     from rlportable.model import backward
     from rlportable.model.forward import Model
     from rlportable.train.optimizer import Hyper, Optimizer, Schedule
@@ -39,45 +40,27 @@ def _ours(backend, config, weights, sequences: int, length: int, progress) -> di
     model = Model(backend, config, weights, trainable=True)
     optimizer = Optimizer(model, Hyper(lr=1e-6), Schedule(total_steps=10))
 
-    def step():
-        for batch in batches:
+    def step(micro_batches):
+        for batch in micro_batches:
             fwd = backward.forward(model, batch.tokens, batch.cu_seqlens, rows=batch.rows)
             grads = backward.backward(model, fwd, np.full(batch.rows.size, -1.0 / batch.rows.size, np.float32))
             optimizer.accumulate(grads)
             del fwd
         optimizer.step()
 
-    # warm-up on the first micro-batch's first sequence: compiles the kernels
-    first = pack(samples[:1], MICRO_BATCH_TOKENS)[0]
-    fwd = backward.forward(model, first.tokens, first.cu_seqlens, rows=first.rows)
-    optimizer.accumulate(backward.backward(model, fwd, np.full(first.rows.size, -1.0, np.float32)))
-    optimizer.step()
-    del fwd
+    step(pack(samples[:1], MICRO_BATCH_TOKENS))  # warm-up on one sequence: compiles the kernels
     backend.synchronize()
-    cupy.get_default_memory_pool().free_all_blocks()
-    base = cupy.get_default_memory_pool().used_bytes()
-    peak = [base]
-    pool = cupy.get_default_memory_pool()
-
-    def allocate(size):
-        memory = pool.malloc(size)
-        peak[0] = max(peak[0], pool.used_bytes())
-        return memory
-
     if progress:
         progress(f"ours: {sequences} x {length} in {len(batches)} micro-batches")
-    cupy.cuda.set_allocator(allocate)
-    try:
+    with PeakTracker(cupy) as tracker:
         start = time.perf_counter()
-        step()
+        step(batches)
         backend.synchronize()
         seconds = time.perf_counter() - start
-    finally:
-        cupy.cuda.set_allocator(pool.malloc)
     del model, optimizer
     gc.collect()  # anything of ours in a reference cycle goes now, not while the peer runs
-    pool.free_all_blocks()
-    return {"ours_s": seconds, "ours_micro_batches": len(batches), "ours_peak_bytes": peak[0]}
+    cupy.get_default_memory_pool().free_all_blocks()
+    return {"ours_s": seconds, "ours_micro_batches": len(batches), "ours_peak_bytes": tracker.peak}
 
 
 def _peer(torch, transformers, hf_config, sequences: int, length: int, progress) -> dict:

@@ -71,9 +71,10 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
     temperature = logprob.check_temperature(temperature)
     positions = packed_positions(cu_seqlens).astype(np.int32)
     checkpoints: list = []
-    attend = model.packed_attention(cu_seqlens)
     kept: list | None = [] if keep_attention else None
-    if kept is not None:
+    if kept is None:
+        attend = model.packed_attention(cu_seqlens)
+    else:
         def attend(q, k, v, index, packed=model.packed_attention(cu_seqlens, keep_stats=True)):
             kept.append(packed(q, k, v, index))  # (o, row_stats): the backward skips its statistics pass
             return kept[-1][0]

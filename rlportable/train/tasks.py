@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import json
 import os
 import re
 from collections import Counter

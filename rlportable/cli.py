@@ -528,6 +528,7 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
     unless both streams are the same terminal, which has it already."""
     from rlportable.train import checkpoint
     from rlportable.train.metrics import format_line, summary_lines
+    from rlportable.train.run import resume_flags
 
     done = []
     try:
@@ -548,7 +549,7 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
             latest = checkpoint.latest_checkpoint(out) if out is not None else None
         except RlpError:
             latest = None
-        kept = (f"the latest checkpoint is {latest}; continue with --out {out} --resume" if latest
+        kept = (f"the latest checkpoint is {latest}; continue with {resume_flags(out)}" if latest
                 else "no checkpoint was saved" + ("" if out is not None else " (no --out)"))
         click.echo(f"\n{kind}: interrupted {where}; {kept}", err=True)
         sys.exit(130)

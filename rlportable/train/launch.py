@@ -21,7 +21,7 @@ from rlportable.train import checkpoint, tasks
 from rlportable.train.grpo import GRPOConfig, GRPOTrainer
 from rlportable.train.metrics import MetricsLog, plot_curve
 from rlportable.train.rewards import RewardSet
-from rlportable.train.run import resume_state, run_steps
+from rlportable.train.run import RUN_CONFIG_FILE, resume_state, run_steps
 from rlportable.train.sft import SFTConfig, SFTTrainer, load_sft_jsonl, task_sft_records
 
 DATASET_SIZE = 10000  # records generated for a built-in task (the epoch length)
@@ -104,9 +104,6 @@ def resume_point(options: RunOptions) -> ResumePoint | None:
     if path is None:
         return None
     return ResumePoint(path, int(checkpoint.read_trainer_state(path).get("next_step", 0)))
-
-
-RUN_CONFIG_FILE = "run_config.toml"
 
 
 def write_run_config(options: RunOptions, text: str) -> None:

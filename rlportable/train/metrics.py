@@ -108,7 +108,9 @@ def summary_lines(kind: str, records: list[dict], out_dir: str | None, plot: str
         lines.append("the trained weights are not kept (no --out); pass --out DIR to keep them")
     elif records:
         path = os.path.join(out_dir, step_dir_name(records[-1]["step"]))
-        lines.append(f"weights: {path} (load with --model {path}; continue with --out {out_dir} --resume)")
+        from rlportable.train.run import resume_flags
+
+        lines.append(f"weights: {path} (load with --model {path}; continue with {resume_flags(out_dir)})")
     if plot is not None and records:
         lines.append(f"curve: {plot}")
     return lines

@@ -11,12 +11,22 @@ settings is refused.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from rlportable.errors import InputError
 from rlportable.model.weights import from_named
 from rlportable.train import checkpoint
 from rlportable.train.metrics import MetricsLog
+
+
+RUN_CONFIG_FILE = "run_config.toml"  # a run's resolved options, written into --out before its first step
+
+
+def resume_flags(out_dir: str) -> str:
+    """The flags that continue the run in out_dir: its own options file (where it has one) and --resume."""
+    config = os.path.join(out_dir, RUN_CONFIG_FILE)
+    return (f"--config {config} " if os.path.isfile(config) else "") + f"--out {out_dir} --resume"
 
 
 def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoint | None:
@@ -34,7 +44,7 @@ def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoi
     changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if changed:
         raise InputError(f"{path}: --resume with different settings ({', '.join(changed)}); "
-                         "use the run's own settings or a new --out")
+                         f"use the run's own settings ({resume_flags(out_dir)}) or a new --out")
     saved_steps, steps = state.get("settings", {}).get("steps"), settings.get("steps")
     if saved_steps != steps:
         # the warmup + cosine schedule runs to --steps: another total changes every step's learning rate
@@ -76,7 +86,7 @@ def save_failure(out_dir: str, step: int, error: OSError, log_path: str | None) 
         previous = checkpoint.latest_checkpoint(out_dir)
     except checkpoint.CheckpointError:
         previous = None
-    kept = (f"the previous checkpoint {previous} is intact; make room and continue it with --resume"
+    kept = (f"the previous checkpoint {previous} is intact; make room and continue it with {resume_flags(out_dir)}"
             if previous else "no earlier checkpoint exists; make room and start again")
     log = f"; the steps so far are logged in {log_path}" if log_path else ""
     return f"saving step {step} to {out_dir} failed: {what}{where}; {kept}{log}"

@@ -73,58 +73,30 @@ def rne_f32(x: Fraction) -> np.float32:
     return np.float32(sign * float(value))
 
 
-def test_round_wide_is_one_correct_rounding():
+def test_block_weighted_sum_follows_its_definition_exactly():
+    """block_weighted_sum against the definition in exact rationals: per block, E from the largest
+    exponent field, U = RNE(u 2^(13 - E)), the exact integer partial, then float64 adds in block order
+    from +0 and one float32 rounding; blocks of mixed magnitudes, zeros, and a tie in U."""
     rng = np.random.default_rng(0)
-    highs = np.concatenate([rng.integers(-2**52, 2**52, 300), rng.integers(-2**20, 2**20, 300),
-                            [0, 0, -1, 1, 2**52 - 1, -2**52, 2**29, -2**29 - 1]])
-    lows = np.concatenate([rng.integers(0, 2**32, 600), [0, 1, 2**32 - 1, 0, 2**32 - 1, 0, 2**31, 2**31]])
-    # ties at float32 precision: (odd 25-bit integer) * 2^k exactly halfway between two floats
-    tie = (2**24 + 1) * 2 + 1  # 25 significant bits, last one set
-    for shift in (0, 8, 20, 30, 40):
-        value = tie << shift
-        highs = np.append(highs, [value >> 32, -value >> 32])
-        lows = np.append(lows, [value & 0xFFFFFFFF, -value & 0xFFFFFFFF])
-    scales = rng.integers(-200, 60, highs.size)
-    scales[:20] = -160  # float32 subnormal results
-    scales[20:30] = 50  # overflow to inf
-    got = ref.round_wide(highs.astype(np.int64), lows.astype(np.int64), scales.astype(np.int64))
-    for h, l, s, y in zip(highs, lows, scales, got):
-        want = rne_f32((Fraction(int(h)) * 2**32 + int(l)) * Fraction(2) ** int(s))
-        assert bits(y) == bits(want), (h, l, s, y, want)
-
-
-def kernel_style_sum(big_u: np.ndarray, rows: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels' accumulation: each product's low 32 bits into lo, the rest into hi, in a random
-    order and random chunks, then normalised to (H, l). rows are integers; big_u [N] one coefficient vector."""
-    products = big_u[:, None] * rows.astype(np.int64)  # |.| < 2^53
-    order = rng.permutation(products.shape[0])
-    lo = np.zeros(rows.shape[1], dtype=np.uint64)
-    hi = np.zeros(rows.shape[1], dtype=np.int64)
-    for chunk in np.array_split(order, 7):
-        lo += (products[chunk] & 0xFFFFFFFF).astype(np.uint64).sum(axis=0)
-        hi += (products[chunk] >> 32).sum(axis=0)
-    return hi + (lo >> np.uint64(32)).astype(np.int64), (lo & np.uint64(0xFFFFFFFF)).astype(np.int64)
-
-
-def test_kernel_accumulation_and_reference_digits_give_the_same_wide_sum():
-    rng = np.random.default_rng(1)
-    n, d = 3000, 9
-    big_u = rng.integers(-2**31, 2**31 + 1, n)
-    big_u[:1500] = 2**31  # the largest coefficients
-    rows = rng.integers(-(2**22 - 1), 2**22, (n, d))
-    rows[:1500] = 2**22 - 1  # and the largest rows: a sum beyond int64 (1500 * 2^53 > 2^63)
-    high, low = np.zeros((1, d), np.int64), np.zeros((1, d), np.int64)
-    rest = big_u[None, :]
-    for index in range(3):  # as exact_weighted_sum does
-        digit = rest & 2047 if index < 2 else rest
-        rest = rest >> 11
-        high, low = ref.wide_add(high, low, (digit.astype(np.float64) @ rows.astype(np.float64)).astype(np.int64),
-                                 11 * index)
-    exact = [sum(int(u) * int(r) for u, r in zip(big_u, rows[:, i])) for i in range(d)]
-    assert [int(h) * 2**32 + int(l) for h, l in zip(high[0], low[0])] == exact
-    assert max(abs(x) for x in exact) > 2**63
-    kh, kl = kernel_style_sum(big_u, rows, rng)
-    assert np.array_equal(kh, high[0]) and np.array_equal(kl, low[0])
+    n_out, d = 5, 3
+    blocks = []
+    for scale in (1.0, 2.0**-30, 2.0**20, 0.0, 3.0):
+        u = rng.normal(size=(n_out, 64)) * scale
+        u[0, :3] = [1.5 * 2.0**-13, 2.5 * 2.0**-13, 1.0]  # ties at the coefficient unit: RNE to even
+        rows = rng.integers(-(2**22 - 1), 2**22, (64, d))
+        blocks.append((u, rows))
+    got = ref.block_weighted_sum(blocks, 23, (n_out, d))
+    for i in range(n_out):
+        for c in range(d):
+            acc = 0.0
+            for u, rows in blocks:
+                row = u[i]
+                largest = max(abs(x) for x in row)
+                e = int(np.floor(np.log2(largest))) if largest > 0 else 0
+                big_u = [round(Fraction(float(x)) * Fraction(2) ** (13 - e)) for x in row]  # Python: half to even
+                exact = sum(bu * int(r) for bu, r in zip(big_u, rows[:, c]))
+                acc = acc + float(Fraction(exact) * Fraction(2) ** (e - 13 - 21))  # exact, then one float64 add
+            assert bits(got[i, c]) == bits(np.float32(acc)), (i, c)
 
 
 # ---- float64 gradients of softmax attention (the analytic formulas), checked by torch and by finite differences
@@ -212,8 +184,10 @@ def contract_error_bounds(q, k, v, do):
         |delta - delta*| <= D_delta = sum_d |do_d| |o_d - o*_d| + (D + 1) 2^-52 max_d |do_d o_d|.
       * dP is exact; dS = P (dP - delta) c rounds three times in float64 (2^-53, negligible):
         |dS_j - dS*_j| <= c P*_j (eps_P |dP*_j - delta*| + D_delta).
-      * each weighted sum: the coefficients quantized to 32 bits lose at most 2^-30 of the largest
-        |u_i| = |coefficient_i| 2^e_i <= |coefficient_i| max|row_i| per term; then one float32 rounding.
+      * each weighted sum: the coefficients quantized to 15 bits below their block's largest lose at
+        most 2^-14 of it per term (here bounded by the largest |u_i| = |coefficient_i| 2^e_i <=
+        |coefficient_i| max|row_i| of the whole sum); the float64 adds of the block partials 2^-53 of the
+        running sum each; then one float32 rounding.
     Returns (bound_dq, bound_dk, bound_dv) and the float64 gradients of the encoded inputs."""
     qd, kd, vd, dod = dequantize(q, 23), dequantize(k, 15), dequantize(v, 15), dequantize(do, 23)
     n, hq, d = q.shape
@@ -224,6 +198,7 @@ def contract_error_bounds(q, k, v, do):
     bound_dq, bound_dk, bound_dv = np.zeros_like(dq), np.zeros_like(dk), np.zeros_like(dv)
     keys = np.arange(1, n + 1, dtype=np.float64)
     quant_dk, quant_dv = np.zeros(k.shape[:2]), np.zeros(k.shape[:2])
+    sum_dk, sum_dv = np.zeros(k.shape), np.zeros(k.shape)  # sums of |terms|: the float64 adds' error scale
     for h, part in enumerate(parts):
         g = h // group
         big_p, d_p, delta = part["P"], part["dP"], part["delta"]
@@ -236,14 +211,17 @@ def contract_error_bounds(q, k, v, do):
         p_err = eps_p[:, None] * big_p
         kmax, qmax = np.abs(kd[:, g]).max(axis=1), np.abs(qd[:, h]).max(axis=1)
         domax = np.abs(dod[:, h]).max(axis=1)
-        bound_dq[:, h] = ds_err @ np.abs(kd[:, g]) + keys[:, None] * 2.0**-30 * (np.abs(d_s) * kmax).max(axis=1)[:, None]
+        bound_dq[:, h] = ds_err @ np.abs(kd[:, g]) + keys[:, None] * 2.0**-14 * (np.abs(d_s) * kmax).max(axis=1)[:, None] \
+            + 2.0**-52 * (np.abs(d_s) @ np.abs(kd[:, g]))
         bound_dk[:, g] += ds_err.T @ np.abs(qd[:, h])
         bound_dv[:, g] += p_err.T @ np.abs(dod[:, h])
+        sum_dk[:, g] += np.abs(d_s).T @ np.abs(qd[:, h])
+        sum_dv[:, g] += big_p.T @ np.abs(dod[:, h])
         quant_dk[:, g] = np.maximum(quant_dk[:, g], (np.abs(d_s) * qmax[:, None]).max(axis=0))
         quant_dv[:, g] = np.maximum(quant_dv[:, g], (big_p * domax[:, None]).max(axis=0))
     pairs = (n - np.arange(n))[:, None] * group  # terms of dk_j and dv_j
-    bound_dk += (pairs * 2.0**-30 * quant_dk)[:, :, None]
-    bound_dv += (pairs * 2.0**-30 * quant_dv)[:, :, None]
+    bound_dk += (pairs * 2.0**-14 * quant_dk)[:, :, None] + 2.0**-52 * sum_dk
+    bound_dv += (pairs * 2.0**-14 * quant_dv)[:, :, None] + 2.0**-52 * sum_dv
     bounds = [b + np.abs(x) * 2.0**-24 for b, x in ((bound_dq, dq), (bound_dk, dk), (bound_dv, dv))]
     return bounds, (dq, dk, dv)
 
@@ -453,20 +431,20 @@ _POINTER_DTYPES = {"float": np.float32, "double": np.float64, "int": np.int32, "
 
 def _expand_tiled_entries(text: str, prefix: str) -> str:
     """The source with one set of tiled entry macros written out (PREFIX_ENTRIES(DP, names...); RLP_ATTT:
-    the portable kernels, RLP_ATTD: CUDA's FP64 tensor-core ones)."""
+    the portable kernels, RLP_ATTD: CUDA's tensor-core ones), their argument-list macros expanded."""
     import re
 
     text = text.replace("\\\n", " ")
-    args = re.search(r"#define RLP_ATTT_QUERY_ARGS(.*)", text).group(1)
-    body = re.search(rf"#define {prefix}_ENTRIES\(DP, STATS, FIELDS, DQ, DKV\)(.*)", text).group(1)
-    query = re.search(rf"#define {prefix}_QUERY_ENTRY\(NAME, DP, IS_DQ\)(.*)", text).group(1)
-    body = re.sub(rf"{prefix}_QUERY_ENTRY\((\w+), DP, (\w+)\)",
-                  lambda m: query.replace("NAME", m.group(1)).replace("IS_DQ", m.group(2)), body)
-    body = re.sub(r"__launch_bounds__\(\w+\) ", "", body).replace("RLP_ATTT_QUERY_ARGS", args)
+    lists = {name: re.search(rf"#define {name}(.*)", text).group(1) for name in ("RLP_ATTT_QUERY_ARGS", "RLP_ATTT_KEY_ARGS")}
+    params, body = re.search(rf"#define {prefix}_ENTRIES\(([^)]*)\)(.*)", text).groups()
+    params = [p.strip() for p in params.split(",")]
+    body = re.sub(r"__launch_bounds__\(\w+\) ", "", body)
+    for name, expansion in lists.items():
+        body = body.replace(name, expansion)
     entries = ""
-    for names in re.findall(rf"^{prefix}_ENTRIES\((\d+), (\w+),\s+(\w+),\s+(\w+),\s+(\w+)\)", text, re.M):
-        entries += re.sub(r"\b(DP|STATS|FIELDS|DQ|DKV)\b",
-                          lambda m: names[("DP", "STATS", "FIELDS", "DQ", "DKV").index(m.group(1))], body)
+    for call in re.findall(rf"^{prefix}_ENTRIES\(([^)]*)\)", text, re.M):
+        names = [c.strip() for c in call.split(",")]
+        entries += re.sub(r"\b(" + "|".join(params) + r")\b", lambda m: names[params.index(m.group(1))], body)
     return text + entries
 
 
@@ -536,58 +514,49 @@ def _check_arguments(launches, signatures) -> None:
 
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 @pytest.mark.parametrize("dim,dpt", [(40, 64), (128, 128), (200, 256)])
-@pytest.mark.parametrize("terms", [op.TILED_MAX_TERMS, 96])
-def test_tiled_backward_launches_match_kernel_signatures(vendor, dim, dpt, terms):
+def test_tiled_backward_launches_match_kernel_signatures(vendor, dim, dpt):
     """The tiled path ("auto" on GPU sources): its launches, their arguments against that vendor's
-    kernels' signatures, grids from that vendor's plan, and the cut-tile finish only where a key tile
-    is cut."""
+    kernels' signatures, and grids from that vendor's plan."""
     device = _RecordingDevice(vendor)
     rng = np.random.default_rng(11)
     q, k, v, do = inputs(rng, 75, 6, 2, dim)
     o = ref.attention(q, k, v, np.arange(75))
     cu = np.array([0, 4, 75])
-    op.attention_packed_backward(device, q, k, v, do, cu, o=o, tiled_terms=terms)
+    op.attention_packed_backward(device, q, k, v, do, cu, o=o)
     launched = [launch[1] for launch in device.launches]
-    cut = terms < 3 * 71
-    steps = "attention_backward_mma" if vendor == "cuda" else "attention_backward_tiled"  # CUDA: FP64 tensor cores
+    steps = "attention_backward_mma" if vendor == "cuda" else "attention_backward_tiled"  # CUDA: tensor cores
     assert launched == ["attention_write_kv", "attention_backward_tiled_keys", "attention_backward_tiled_rows"] + [
-        f"{steps}_{step}_d{dpt}" for step in ("stats", "fields", "dq", "dkv")] + (
-        ["attention_backward_tiled_finish"] if cut else [])
+        f"{steps}_{step}_d{dpt}" for step in ("stats", "dq", "dkv")]
     _check_arguments(device.launches, _kernel_parameters(vendor))
-    q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, 3, terms, vendor)
+    q_tiles, key_tiles = op.tiled_plan(cu, dpt, vendor)
     grids = {launch[1]: launch[2] for launch in device.launches}
     assert grids[f"{steps}_dq_d{dpt}"] == (q_tiles.shape[0], 6)
-    assert grids[f"{steps}_dkv_d{dpt}"] == (items.shape[0], 2)
-    assert bool(wide_rows.any()) == cut
+    assert grids[f"{steps}_dkv_d{dpt}"] == (key_tiles.shape[0], 2)
     assert all(block == (op.TILED_THREADS,) for _, name, _, block, _ in device.launches if name[-1].isdigit())
 
 
 def test_tiled_plan_covers_every_pair_once():
-    """Every (query row, key) pair j <= t of every sequence lies in exactly one dq tile step and one dkv
-    item; cut items hold at most max_terms pairs per key row."""
+    """Every (query row, key) pair j <= t of every sequence lies in exactly one dq tile and one dkv key
+    tile; tiles start on their sequence's multiples of the tile size."""
     cu = np.array([0, 1, 64, 64 + 100, 64 + 100 + 33])
-    for vendor, dpt, group, terms in itertools.product(("cuda", "hip"), (128, 64, 256), (1, 2, 3),
-                                                       (op.TILED_MAX_TERMS, 96)):
+    for vendor, dpt in itertools.product(("cuda", "hip"), (128, 64, 256)):
         tiles = op.tiled_tiles(dpt, vendor)
-        if terms // group < tiles["bq2"]:
-            continue
-        q_tiles, items, wide_rows = op.tiled_plan(cu, dpt, group, terms, vendor)
-        seen = np.zeros((cu[-1], cu[-1]), dtype=np.int64)
-        for seq, first in q_tiles:
-            rows = np.arange(first, min(first + tiles["bq"], cu[seq + 1]))
-            seen[rows[:, None], np.arange(cu[seq], rows[-1] + 1)[None, :]] += 1
-        causal = np.zeros_like(seen)
+        q_tiles, key_tiles = op.tiled_plan(cu, dpt, vendor)
+        causal = np.zeros((cu[-1], cu[-1]), dtype=np.int64)
         for s in range(cu.size - 1):
             block = np.arange(cu[s], cu[s + 1])
             causal[block[:, None], block[None, :]] = block[:, None] >= block[None, :]
-        assert np.all(seen[causal == 1] == 1)
-        pairs = np.zeros_like(seen)
-        for seq, j0, begin, end, flag in items:
-            keys = np.arange(j0, min(j0 + tiles["bkv"], cu[seq + 1]))
-            pairs[begin:end, keys[0]:keys[-1] + 1] += 1
-            assert (end - begin) * group <= terms
-            assert bool(flag) == bool(wide_rows[j0])
-        assert np.all(pairs[causal == 1] == 1)
+        for plan, size, axis in ((q_tiles, tiles["bq"], 0), (key_tiles, tiles["bkv"], 1)):
+            seen = np.zeros_like(causal)
+            for seq, first in plan:
+                assert (first - cu[seq]) % size == 0
+                rows = np.arange(first, min(first + size, cu[seq + 1]))
+                span = np.arange(cu[seq], cu[seq + 1])
+                if axis == 0:
+                    seen[rows[:, None], span[None, :]] += 1
+                else:
+                    seen[span[:, None], rows[None, :]] += 1
+            assert np.all(seen[causal == 1] == 1)
 
 
 def test_portable_tiled_kernels_fit_mi300x_shared_memory():
@@ -602,19 +571,17 @@ def test_portable_tiled_kernels_fit_mi300x_shared_memory():
 
 
 def test_backward_method_errors():
-    """Bad method or tiled_terms values name the argument; "tiled" where it does not exist says why."""
+    """A bad method names the argument; "tiled" where it does not exist says why."""
     rng = np.random.default_rng(12)
     q, k, v, do = inputs(rng, 5, 2, 1, 8)
     with pytest.raises(InputError, match="method must be one of"):
         op.attention_packed_backward(CPU, q, k, v, do, [0, 5], method="fast")
-    with pytest.raises(InputError, match="tiled_terms must be an integer"):
-        op.attention_packed_backward(CPU, q, k, v, do, [0, 5], tiled_terms=0)
     with pytest.raises(InputError, match="the tiled kernels exist for GPU kernel sources"):
         op.attention_packed_backward(CPU, q, k, v, do, [0, 5], method="tiled")
-    assert op.backward_methods(CPU, 128, 2) == ("rows",)
-    assert op.backward_methods(_RecordingDevice(), 128, 2) == ("rows", "tiled")
-    assert op.backward_methods(_RecordingDevice(), 320, 2) == ("rows",)  # padded head_dim beyond 256
-    assert op.backward_methods(_RecordingDevice("hip"), 128, 2) == ("rows", "tiled")
+    assert op.backward_methods(CPU, 128) == ("rows",)
+    assert op.backward_methods(_RecordingDevice(), 128) == ("rows", "tiled")
+    assert op.backward_methods(_RecordingDevice(), 320) == ("rows",)  # padded head_dim beyond 256
+    assert op.backward_methods(_RecordingDevice("hip"), 128) == ("rows", "tiled")
 
 
 # ---- the forward's statistics (m, L) handed to the backward
@@ -629,8 +596,8 @@ def test_tiled_backward_from_the_forwards_statistics_leaves_out_the_stats_step()
     op.attention_packed_backward(device, q, k, v, do, np.array([0, 4, 75]), o=o, row_stats=stats)
     launched = [launch[1] for launch in device.launches]
     assert "attention_backward_mma_stats_d128" not in launched
-    assert launched[-3:] == [f"attention_backward_mma_{step}_d128" for step in ("fields", "dq", "dkv")]
-    assert all(launch[4][13] is stats for launch in device.launches if "_fields_" in launch[1] or "_dq_" in launch[1])
+    assert launched[-2:] == [f"attention_backward_mma_{step}_d128" for step in ("dq", "dkv")]
+    assert all(launch[4][13] is stats for launch in device.launches if "_dq_" in launch[1] or "_dkv_" in launch[1])
     _check_arguments(device.launches, _kernel_parameters("cuda"))
 
 

@@ -416,19 +416,19 @@ RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 // ---------------------------------------------------------------------------
 // Tiled backward: the CUDA fast path of op "attention_backward", the bits of the rows kernels above
 // (ops/attention.py method "tiled"). Tiles of query rows x key columns in shared memory, the products
-// on the FP64 tensor cores (mma.sync m16n8k4 f64, sm_80+) over integer operands held exactly in float64,
-// but _fields' scores, which are the forward's int8 digit products (mma.sync m16n8k32 s8). Each partial
-// sum of a product stays below 2^53, so each mma result is the exact integer sum in any order, and the
-// tiling changes nothing:
-//   S = qq . qk, dP = qdo . qv                |terms| < 2^36, D <= 256 terms
-//   dq += U_hi . qk, U_lo . qk               U = U_hi 2^16 + U_lo, |U_hi|, |U_lo| <= 2^15 + 1; <= 2^17 keys
-//   dk += U_hi . qq, dv += U_hi . qdo (U_lo)  at most RLP_ATTT_MAX_TERMS (q row, head) pairs per launch item
-// The steps: _rows (encoded rows, delta), _keys (k, v rows from the cache), _stats (m, L, the poisoned
-// flag: two passes over the keys; left out when the forward gave m and L), _fields (the coefficients' largest exponent fields E: per query row
-// for dq, per key row for dk and dv, with a poison mark), _dq, _dkv (launch items cut where a key tile
-// has more pairs than one item may sum; such tiles add their exact two-word sums with integer atomics
-// and _finish rounds them). Shared-memory rows are DP + 4 doubles apart: a half-warp's fragment loads
-// then fall on 16 distinct bank pairs.
+// on the FP64 tensor cores (mma.sync m16n8k4 f64, sm_80+) over integer operands held exactly in float64.
+// Each partial sum of a product stays below 2^53, so each mma result is the exact integer sum in any
+// order, and the tiling changes nothing:
+//   S = qq . qk, dP = qdo . qv               |terms| < 2^36, D <= 256 terms
+//   dq block partial  += U . qk              |U| <= 2^14, |qk| < 2^14, 64 keys: < 2^35
+//   dk, dv block partial += U . qq, U . qdo  |qq|, |qdo| < 2^22, 64 queries: < 2^42
+// The coefficients of one block (64 aligned positions: keys for dq, queries of one q head for dk and dv)
+// are held in shared memory until the block's largest exponent field is known, quantized in place, and
+// the block's exact partial is scaled into the float64 sum in ascending (block, head) order, as the
+// contract orders it. The steps: _rows and _keys (encoded rows), _stats (m, L, the poisoned flag: two
+// passes over the keys; left out when the forward gave m and L), _dq (per query tile and q head) and
+// _dkv (per key tile and kv head). Shared-memory rows are DP + 4 doubles apart: a half-warp's fragment
+// loads then fall on 16 distinct bank pairs.
 #define RLP_ATTD_THREADS 256
 #define RLP_ATTD_WARPS 8
 #define RLP_ATTD_PAD 4
@@ -436,11 +436,11 @@ RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 template <int DP>
 struct RlpAttd {
     static constexpr int LD = DP + RLP_ATTD_PAD;
-    static constexpr int BQ = 4096 / DP;                        // query rows of a dq / stats / fields tile
-    static constexpr int BK = (4096 / DP < 32) ? 4096 / DP : 32;  // keys per step of those
-    static constexpr int BKV = 4096 / DP;                       // key rows of a dkv tile
-    static constexpr int BQ2 = 32;                              // query rows per step of dkv
-    static constexpr int ULD = 32 + RLP_ATTD_PAD;               // coefficient tiles' row stride
+    static constexpr int BQ = 4096 / DP;              // query rows of a dq / stats tile
+    static constexpr int BK = DP <= 128 ? 64 : 32;     // keys per step of those (a coefficient block: 64)
+    static constexpr int BKV = 4096 / DP;             // key rows of a dkv tile
+    static constexpr int BQ2 = 32;                    // query rows per step of dkv
+    static constexpr int ULD = RLP_ATTB_BLOCK + RLP_ATTD_PAD;  // coefficient tiles (one block) row stride
 };
 
 // One 16x8x4 f64 product. Thread (g, t) = (lane / 4, lane % 4) holds A (g, t) and (g + 8, t), B (t, g),
@@ -506,27 +506,20 @@ __device__ __forceinline__ unsigned int rlp_attd_umax_columns(unsigned int v) {
 }
 
 // acc[n] += U[16 rows, kk] . B[kk rows, 8 columns at 8 n] for N column blocks (U rows uld apart, B rows
-// ld apart), both halves of U.
+// ld apart).
 template <int N>
-__device__ __forceinline__ void rlp_attd_accumulate(double (&acc)[N][2][4], const double* u_hi, const double* u_lo,
-                                                    int uld, const double* b, int ld, int kk) {
+__device__ __forceinline__ void rlp_attd_accumulate(double (&acc)[N][4], const double* u, int uld, const double* b,
+                                                    int ld, int kk) {
     const int lane = threadIdx.x & 31;
     const int a_off = (lane >> 2) * uld + (lane & 3);
     const int b_off = (lane & 3) * ld + (lane >> 2);
 #pragma unroll 2
     for (int i = 0; i < kk; i += 4) {
-        const double h0 = u_hi[a_off + i], h1 = u_hi[a_off + 8 * uld + i];
-        const double l0 = u_lo[a_off + i], l1 = u_lo[a_off + 8 * uld + i];
+        const double u0 = u[a_off + i], u1 = u[a_off + 8 * uld + i];
 #pragma unroll
-        for (int n = 0; n < N; ++n) {
-            const double bv = b[b_off + i * ld + 8 * n];
-            rlp_attd_mma(acc[n][0], h0, h1, bv);
-            rlp_attd_mma(acc[n][1], l0, l1, bv);
-        }
+        for (int n = 0; n < N; ++n) rlp_attd_mma(acc[n], u0, u1, b[b_off + i * ld + 8 * n]);
     }
 }
-
-
 
 // Rows [count] of DP integers from global (row r at src + (first + r step) DP) into shared memory as
 // float64 (exact; stride LD); rows at or beyond `count` are zero. The operands travel as int32, half the
@@ -551,88 +544,17 @@ __device__ __forceinline__ void rlp_attd_load(double* dst, const int* __restrict
 
 
 
-// Rows [count] of DP integers (|v| < 2^23) from global (as rlp_attd_load) into shared memory as NDIG
-// balanced int8 digit planes, laid out [digit][DP / 64][ROWS][64] like the forward's tiles (a fragment's
-// 16 bytes are one load); rows at or beyond `count` are zero.
-template <int DP, int ROWS, int NDIG>
-__device__ __forceinline__ void rlp_attd_load_digits(signed char* dst, const int* __restrict__ src, long long first,
-                                                     long long step, int count) {
-    for (int i = threadIdx.x; i < ROWS * (DP / 4); i += RLP_ATTD_THREADS) {
-        const int r = i / (DP / 4);
-        const int c = 4 * (i - r * (DP / 4));
-        int4 v = make_int4(0, 0, 0, 0);
-        if (r < count) v = *reinterpret_cast<const int4*>(src + (first + r * step) * DP + c);
-        int w[4] = {v.x, v.y, v.z, v.w};
-        unsigned int packed[NDIG];
-#pragma unroll
-        for (int k = 0; k < NDIG; ++k) packed[k] = 0u;
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-#pragma unroll
-            for (int k = 0; k < NDIG; ++k) {
-                const int low = ((w[e] + 128) & 255) - 128;
-                w[e] = (w[e] - low) >> 8;
-                packed[k] |= (unsigned int)(low & 255) << (8 * e);
-            }
-#pragma unroll
-        for (int k = 0; k < NDIG; ++k)
-            *reinterpret_cast<unsigned int*>(dst + ((k * (DP / 64) + c / 64) * ROWS + r) * 64 + c % 64) = packed[k];
-    }
-}
-
-// The 16x8 block of a . b^T over DP from digit tiles (rows a0.. of a: RA rows, 3 digits; rows b0.. of b:
-// RB rows, 2 digits): the forward's int8 tensor-core digit products (rlp_attm_chunk), combined exactly in
-// int64 and held exactly in float64 (|S| < 2^44): the values rlp_attd_dots gives.
-template <int DP, int RA, int RB>
-__device__ __forceinline__ void rlp_attd_block8(double (&x)[4], const signed char* a, int a0, const signed char* b,
-                                                int b0) {
-    constexpr int CH = DP / 64;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int acc[4][4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[k][i] = 0;
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
-        int4 fa[3][2], fb[2];
-#pragma unroll
-        for (int i = 0; i < 3; ++i)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                fa[i][r] = *reinterpret_cast<const int4*>(a + ((i * CH + ch) * RA + a0 + g + 8 * r) * 64 + 16 * t);
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-            fb[j] = *reinterpret_cast<const int4*>(b + ((j * CH + ch) * RB + b0 + g) * 64 + 16 * t);
-        rlp_attm_chunk(acc, fa, fb);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = (double)rlp_attm_combine(acc, i);
-}
-
-// x[n] = a . b_n^T and y[n] = c . e_n^T (b_n: rows b0 + 8 n) from digit tiles: rlp_attd_dots on int8.
-template <int DP, int NB, int RA, int RB>
-__device__ __forceinline__ void rlp_attd_dots8(double (&x)[NB][4], double (&y)[NB][4], const signed char* a,
-                                               const signed char* c, int a0, const signed char* b,
-                                               const signed char* e, int b0) {
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-        rlp_attd_block8<DP, RA, RB>(x[n], a, a0, b, b0 + 8 * n);
-        rlp_attd_block8<DP, RA, RB>(y[n], c, a0, e, b0 + 8 * n);
-    }
-}
-
 // The per-query-tile kernels' shared state: the tile's q and do rows, a step's k and v rows, the
 // rows' and keys' scalars.
 template <int DP>
 struct RlpAttdRows {
     static constexpr int BQ = RlpAttd<DP>::BQ;
     static constexpr int BK = RlpAttd<DP>::BK;
-    int eq[BQ], edo[BQ], bad[BQ], e[BQ];
+    int eq[BQ], edo[BQ], bad[BQ];
     float m[BQ];
     double total[BQ], delta[BQ];
     int ek[BK], ev[BK];
-    unsigned int key[BQ], flag[BQ], field_q[BQ], field_k[BK], field_v[BK];
+    unsigned int key[BQ], flag[BQ], field[BQ];
     unsigned long long sum[BQ];
 };
 
@@ -770,201 +692,174 @@ __device__ __forceinline__ void rlp_attd_terms(const RlpAttdRows<DP>& s, int r, 
     rlp_attt_pair(sum, dp_sum, s.eq[r], s.ek[c], s.edo[r], s.ev[c], s.m[r], s.total[r], s.delta[r], scale, big_p, ds);
 }
 
-// FIELDS: the largest exponent fields (per query row: of dS 2^ek, to e_fields; per key row and kv
-// head: of dS 2^eq and P 2^edo, atomicMax into key_fields [T hkv, 2], RLP_ATTT_POISON where a
-// poisoned row reaches the key). DQ: dq of the tile's rows from the exact sums of U . qk.
-template <int DP, bool DQ>
-__device__ __forceinline__ void rlp_attd_query_tile(
-    const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
-    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
-    const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
-    const int* __restrict__ row_info, const double* __restrict__ row_stats, int* __restrict__ e_fields,
-    unsigned int* __restrict__ key_fields, float* __restrict__ dq, double* smem) {
-    using T = RlpAttd<DP>;
-    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSB = (BQ / 16) * (BK / 8);
-    constexpr int NB = NSB >= 2 * RLP_ATTD_WARPS ? NSB / RLP_ATTD_WARPS : 1;  // S blocks per warp, sharing a
-    constexpr int NPW = 4;  // 16x8 accumulator blocks per warp: BQ DP / 128 blocks over 8 warps
-    // dq: float64 tiles of q, do, k, v and the coefficients, every product on the FP64 tensor cores;
-    // fields: int8 digit tiles of q, do (3 digits) and k, v (2), the scores on the int8 tensor cores
-    // (a quarter of the shared memory: more blocks per multiprocessor). In dq, whose time goes to the
-    // coefficients' products and the tile loads, int8 scores measured slower (digit tiles beside the
-    // float64 keys the coefficients' products need).
-    double* qs = smem;
-    double* ds_rows = qs + (DQ ? BQ * LD : 0);
-    double* ks = ds_rows + (DQ ? BQ * LD : 0);
-    double* vs = ks + (DQ ? BK * LD : 0);
-    double* u_hi = vs + (DQ ? BK * LD : 0);
-    double* u_lo = u_hi + (DQ ? BQ * ULD : 0);
-    signed char* q8 = reinterpret_cast<signed char*>(u_lo + (DQ ? BQ * ULD : 0));
-    signed char* do8 = q8 + (DQ ? 0 : 3 * BQ * DP);
-    signed char* k8 = do8 + (DQ ? 0 : 3 * BQ * DP);
-    signed char* v8 = k8 + (DQ ? 0 : 2 * BK * DP);
-    RlpAttdRows<DP>& s = *reinterpret_cast<RlpAttdRows<DP>*>(v8 + (DQ ? 0 : 2 * BK * DP));
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const RlpAtttTile tile = rlp_attd_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
-    const long long t0 = tile.t0, start = tile.start;
-    const int rows = tile.rows, h = tile.h, g = tile.g;
-    if constexpr (DQ) {
-        rlp_attd_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
-        rlp_attd_load<DP, BQ>(ds_rows, do_int, t0 * hq + h, hq, rows);
-    } else {
-        rlp_attd_load_digits<DP, BQ, 3>(q8, q_int, t0 * hq + h, hq, rows);
-        rlp_attd_load_digits<DP, BQ, 3>(do8, do_int, t0 * hq + h, hq, rows);
-    }
-    rlp_attd_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
-    for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) {
-        s.field_q[r] = 0u;
-        if (DQ) s.e[r] = r < rows ? e_fields[(t0 + r) * hq + h] : 0;
-    }
-    const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
-    double acc[NPW][2][4];
+// Largest exponent field of the coefficients per row of a 16x8 fragment block: f[half] holds the thread's
+// rows g (half 0) and g + 8 (half 1); the four lanes of a row meet, lane % 4 == 0 adds it to field[].
+__device__ __forceinline__ void rlp_attd_row_fields(const unsigned int (&f)[2], unsigned int* field, int r0,
+                                                    int rows) {
 #pragma unroll
-    for (int n = 0; n < NPW; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) { acc[n][0][i] = 0.0; acc[n][1][i] = 0.0; }
-    for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
-        const int keys = (int)min((long long)BK, t0 + rows - j0);
-        __syncthreads();
-        if constexpr (DQ) {
-            rlp_attd_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
-            rlp_attd_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
-        } else {
-            rlp_attd_load_digits<DP, BK, 2>(k8, k_int, j0 * hkv + g, hkv, keys);
-            rlp_attd_load_digits<DP, BK, 2>(v8, v_int, j0 * hkv + g, hkv, keys);
-        }
-        rlp_attd_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
-        for (int c = threadIdx.x; c < BK; c += RLP_ATTD_THREADS) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
-        __syncthreads();
-        for (int sg = warp; sg < NSB / NB; sg += RLP_ATTD_WARPS) {
-            const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
-            double x[NB][4], y[NB][4];
-            if constexpr (DQ)
-                rlp_attd_dots<NB, true>(x, y, qs + mb * 16 * LD, ks + nb0 * 8 * LD, ds_rows + mb * 16 * LD,
-                                        vs + nb0 * 8 * LD, LD, DP);
-            else
-                rlp_attd_dots8<DP, NB, BQ, BK>(x, y, q8, do8, mb * 16, k8, v8, nb0 * 8);
-            unsigned int fq[2] = {0u, 0u};
-#pragma unroll
-            for (int n = 0; n < NB; ++n) {
-                unsigned int fk[4] = {0u, 0u, 0u, 0u}, fv[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = mb * 16 + rlp_attd_row(i), c = (nb0 + n) * 8 + rlp_attd_col(i);
-                    const bool reach = r < rows && c < keys && j0 + c <= t0 + r;
-                    const bool valid = reach && s.bad[r] == 0;
-                    double big_p = 0.0, ds = 0.0;
-                    if (valid) rlp_attd_terms<DP>(s, r, c, x[n][i], y[n][i], scale, &big_p, &ds);
-                    if (DQ) {
-                        double hi = 0.0, lo = 0.0;
-                        if (valid) rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.ek[c]), s.e[r]), &hi, &lo);
-                        u_hi[r * ULD + c] = hi;
-                        u_lo[r * ULD + c] = lo;
-                    } else if (valid) {
-                        fq[i >> 1] = max(fq[i >> 1], rlp_attb_field(ds * rlp_pow2_f64(s.ek[c])));
-                        fk[i] = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
-                        fv[i] = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
-                    } else if (reach) {
-                        fk[i] = RLP_ATTT_POISON;
-                        fv[i] = RLP_ATTT_POISON;
-                    }
-                }
-                if (!DQ) {
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {  // column 2 t + i: rows g (element i) and g + 8 (element i + 2)
-                        const unsigned int k_max = rlp_attd_umax_columns(max(fk[i], fk[i + 2]));
-                        const unsigned int v_max = rlp_attd_umax_columns(max(fv[i], fv[i + 2]));
-                        const int c = (nb0 + n) * 8 + rlp_attd_col(i);
-                        if (lane < 4 && k_max) atomicMax(&s.field_k[c], k_max);
-                        if (lane < 4 && v_max) atomicMax(&s.field_v[c], v_max);
-                    }
-                }
-            }
-            if (!DQ) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const unsigned int f = rlp_attm_umax_rows(fq[half]);
-                    const int r = mb * 16 + rlp_attd_row(2 * half);
-                    if ((lane & 3) == 0 && r < rows && f) atomicMax(&s.field_q[r], f);
-                }
-            }
-        }
-        __syncthreads();
-        if (DQ) {
-            rlp_attd_accumulate<NPW>(acc, u_hi + acc_m * 16 * ULD, u_lo + acc_m * 16 * ULD, ULD, ks + acc_n * 8, LD, BK);
-        } else {
-            for (int c = threadIdx.x; c < keys; c += RLP_ATTD_THREADS) {
-                unsigned int* kf = key_fields + 2 * ((j0 + c) * hkv + g);
-                if (s.field_k[c]) atomicMax(kf, s.field_k[c]);
-                if (s.field_v[c]) atomicMax(kf + 1, s.field_v[c]);
-            }
-        }
-    }
-    __syncthreads();
-    if (DQ) {
-        const int unit_base = -(RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = acc_m * 16 + rlp_attd_row(i);
-            if (r >= rows) continue;
-            float* out = dq + ((t0 + r) * hq + h) * (long long)d;
-#pragma unroll
-            for (int n = 0; n < NPW; ++n) {
-                const int col = (acc_n + n) * 8 + rlp_attd_col(i);
-                if (col < d) {
-                    unsigned long long lo;
-                    long long hi;
-                    rlp_attt_words(acc[n][0][i], acc[n][1][i], &lo, &hi);
-                    out[col] = s.bad[r] ? rlp_canonical_nan()
-                                        : rlp_attb_round_wide(lo, (unsigned long long)hi, s.e[r] + unit_base);
-                }
-            }
-        }
-    } else {
-        for (int r = threadIdx.x; r < rows; r += RLP_ATTD_THREADS)
-            e_fields[(t0 + r) * hq + h] = rlp_attb_exponent(s.field_q[r]);
+    for (int half = 0; half < 2; ++half) {
+        const unsigned int m = rlp_attm_umax_rows(f[half]);
+        const int r = r0 + rlp_attd_row(2 * half);
+        if ((threadIdx.x & 3) == 0 && r < rows && m) atomicMax(&field[r], m);
     }
 }
 
-// One block per (key tile item, kv head): items[5 i ..] = sequence, first key j0, first and end query row
-// of the item's range (t >= j0), and a flag (ops/attention.py tiled_plan): nonzero where the
-// key tile is cut into several items, whose exact sums go to dk_wide / dv_wide ([T hkv, d, 2] words)
-// for _finish. dk = sum over pairs of U(dS 2^eq) qq, dv = sum of U(P 2^edo) qdo.
+// U = RNE(u 2^(13 - E)) in place over a [rows, 64] coefficient tile (row stride ULD), E from field[r].
+template <int ROWS>
+__device__ __forceinline__ void rlp_attd_quantize_tile(double* u, const unsigned int* field) {
+    constexpr int ULD = RLP_ATTB_BLOCK + RLP_ATTD_PAD;
+    for (int i = threadIdx.x; i < ROWS * RLP_ATTB_BLOCK; i += RLP_ATTD_THREADS) {
+        const int r = i / RLP_ATTB_BLOCK, c = i - r * RLP_ATTB_BLOCK;
+        u[r * ULD + c] = (double)rlp_attb_quantize(u[r * ULD + c], rlp_attb_exponent(field[r]));
+    }
+}
+
+// dq of a query tile (grid (tiles, hq)): per block of 64 keys (aligned from the sequence start), the
+// coefficients u = dS 2^ek of the tile's rows into a shared tile (in steps of BK keys), each row's E
+// over the block, U in place, the block's exact partial U . qk (the last step's keys still resident,
+// earlier ones loaded again), then acc = acc + partial 2^(E - 26), blocks ascending.
 template <int DP>
-__device__ __forceinline__ void rlp_attd_dkv(
-    const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
+__device__ __forceinline__ void rlp_attd_dq(
+    const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
     const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
-    const int* __restrict__ row_info, const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields,
-    float* __restrict__ dk, float* __restrict__ dv, unsigned long long* __restrict__ dk_wide,
-    unsigned long long* __restrict__ dv_wide, double* smem) {
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dq, double* smem) {
     using T = RlpAttd<DP>;
-    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ULD = T::ULD, NSB = (BKV / 16) * (BQ2 / 8);
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSUB = RLP_ATTB_BLOCK / BK;
+    constexpr int NSB = (BQ / 16) * (BK / 8);
+    constexpr int NB = NSB >= 2 * RLP_ATTD_WARPS ? NSB / RLP_ATTD_WARPS : 1;  // S blocks per warp, sharing a
+    constexpr int NPW = 4;  // 16x8 accumulator blocks per warp: BQ DP / 128 blocks over 8 warps
+    double* qs = smem;
+    double* dos = qs + BQ * LD;
+    double* ks = dos + BQ * LD;
+    double* vs = ks + BK * LD;
+    double* us = vs + BK * LD;
+    RlpAttdRows<DP>& s = *reinterpret_cast<RlpAttdRows<DP>*>(us + BQ * ULD);
+    const int warp = threadIdx.x >> 5;
+    const RlpAtttTile tile = rlp_attd_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const long long t0 = tile.t0, start = tile.start, t_end = tile.t0 + tile.rows;
+    const int rows = tile.rows, h = tile.h, g = tile.g;
+    rlp_attd_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
+    rlp_attd_load<DP, BQ>(dos, do_int, t0 * hq + h, hq, rows);
+    rlp_attd_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
+    const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
+    double acc[NPW][4];
+#pragma unroll
+    for (int n = 0; n < NPW; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.0;
+    for (long long b0 = start; b0 < t_end; b0 += RLP_ATTB_BLOCK) {
+        for (int sub = 0; sub < NSUB; ++sub) {
+            const long long j0 = b0 + sub * BK;
+            const int keys = (int)max(0LL, min((long long)BK, t_end - j0));
+            __syncthreads();
+            if (sub == 0)
+                for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) s.field[r] = 0u;
+            rlp_attd_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
+            rlp_attd_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
+            rlp_attd_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
+            __syncthreads();
+            for (int sg = warp; sg < NSB / NB; sg += RLP_ATTD_WARPS) {
+                const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
+                double x[NB][4], y[NB][4];
+                rlp_attd_dots<NB, true>(x, y, qs + mb * 16 * LD, ks + nb0 * 8 * LD, dos + mb * 16 * LD,
+                                        vs + nb0 * 8 * LD, LD, DP);
+                unsigned int f[2] = {0u, 0u};
+#pragma unroll
+                for (int n = 0; n < NB; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = mb * 16 + rlp_attd_row(i), c = (nb0 + n) * 8 + rlp_attd_col(i);
+                        double u = 0.0;
+                        if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
+                            double big_p, ds;
+                            rlp_attd_terms<DP>(s, r, c, x[n][i], y[n][i], scale, &big_p, &ds);
+                            u = ds * rlp_pow2_f64(s.ek[c]);
+                            f[i >> 1] = max(f[i >> 1], rlp_attb_field(u));
+                        }
+                        us[r * ULD + sub * BK + c] = u;
+                    }
+                rlp_attd_row_fields(f, s.field, mb * 16, rows);
+            }
+        }
+        __syncthreads();
+        rlp_attd_quantize_tile<BQ>(us, s.field);
+        __syncthreads();
+        int e[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) e[half] = rlp_attb_exponent(s.field[acc_m * 16 + rlp_attd_row(2 * half)]);
+        double part[NPW][4];
+#pragma unroll
+        for (int n = 0; n < NPW; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[n][i] = 0.0;
+        for (int sub = NSUB - 1; sub >= 0; --sub) {
+            if (sub != NSUB - 1) {
+                const long long j0 = b0 + sub * BK;
+                __syncthreads();
+                rlp_attd_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, (int)max(0LL, min((long long)BK, t_end - j0)));
+                __syncthreads();
+            }
+            rlp_attd_accumulate<NPW>(part, us + acc_m * 16 * ULD + sub * BK, ULD, ks + acc_n * 8, LD, BK);
+        }
+#pragma unroll
+        for (int n = 0; n < NPW; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)  // the partial's scaling is exact: one rounding, the add
+                acc[n][i] = acc[n][i] + part[n][i] * rlp_pow2_f64(e[i >> 1] - (RLP_ATTB_COEF_BITS - 2) -
+                                                                  (RLP_ATT_KV_BITS - 2));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = acc_m * 16 + rlp_attd_row(i);
+        if (r >= rows) continue;
+        float* out = dq + ((t0 + r) * hq + h) * (long long)d;
+#pragma unroll
+        for (int n = 0; n < NPW; ++n) {
+            const int col = (acc_n + n) * 8 + rlp_attd_col(i);
+            if (col < d) out[col] = s.bad[r] ? rlp_canonical_nan() : __double2float_rn(acc[n][i]);
+        }
+    }
+}
+
+// dk and dv of a key tile (grid (key tiles, hkv)): per block of 64 queries (aligned from the sequence
+// start, from the block holding the tile's first key) and, within it, per q head of the group in order:
+// the coefficients dS 2^eq and P 2^edo of the tile's keys into two shared tiles (in steps of BQ2 queries),
+// each key's E over the block, U in place, the block's exact partials U . qq and U . qdo (the last
+// step's rows still resident), then acc = acc + partial 2^(E - 34). A key that a poisoned query row
+// reaches gets the canonical NaN.
+template <int DP>
+__device__ __forceinline__ void rlp_attd_dkv(
+    const int* __restrict__ key_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
+    const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
+    const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dk,
+    float* __restrict__ dv, double* smem) {
+    using T = RlpAttd<DP>;
+    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ULD = T::ULD, NSUB = RLP_ATTB_BLOCK / BQ2;
+    constexpr int NSB = (BKV / 16) * (BQ2 / 8);
     constexpr int NB = NSB >= 2 * RLP_ATTD_WARPS ? NSB / RLP_ATTD_WARPS : 1;  // S blocks per warp, sharing a
     constexpr int NPW = 4;  // 16x8 accumulator blocks per warp and output: BKV DP / 128 blocks over 8 warps
     double* ks = smem;
     double* vs = ks + BKV * LD;
     double* qs = vs + BKV * LD;
     double* dos = qs + BQ2 * LD;
-    double* uk_hi = dos + BQ2 * LD;
-    double* uk_lo = uk_hi + BKV * ULD;
-    double* uv_hi = uk_lo + BKV * ULD;
-    double* uv_lo = uv_hi + BKV * ULD;
-    int* r_eq = reinterpret_cast<int*>(uv_lo + BKV * ULD);
+    double* uk = dos + BQ2 * LD;
+    double* uv = uk + BKV * ULD;
+    double* r_total = uv + BKV * ULD;
+    double* r_delta = r_total + BQ2;
+    float* r_m = reinterpret_cast<float*>(r_delta + BQ2);
+    int* r_eq = reinterpret_cast<int*>(r_m + BQ2);
     int* r_edo = r_eq + BQ2;
     int* r_bad = r_edo + BQ2;
-    float* r_m = reinterpret_cast<float*>(r_bad + BQ2);
-    double* r_total = reinterpret_cast<double*>(r_m + BQ2);
-    double* r_delta = r_total + BQ2;
-    int* c_ek = reinterpret_cast<int*>(r_delta + BQ2);
+    int* c_ek = r_bad + BQ2;
     int* c_ev = c_ek + BKV;
-    int* c_fk = c_ev + BKV;
-    int* c_fv = c_fk + BKV;
+    unsigned int* c_fk = reinterpret_cast<unsigned int*>(c_ev + BKV);
+    unsigned int* c_fv = c_fk + BKV;
+    unsigned int* c_bad = c_fv + BKV;
     const int warp = threadIdx.x >> 5;
-    const int* item = items + 5 * blockIdx.x;
-    const int seq = item[0];
-    const long long j0 = item[1], q_begin = item[2], q_end = item[3];
-    const bool wide = item[4] != 0;
-    const long long end = cu_seqlens[seq + 1];
+    const int seq = key_tiles[2 * blockIdx.x];
+    const long long j0 = key_tiles[2 * blockIdx.x + 1], start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
     const int rows = (int)min((long long)BKV, end - j0);
     const int g = blockIdx.y, group = hq / hkv;
     rlp_attd_load<DP, BKV>(ks, k_int, j0 * hkv + g, hkv, rows);
@@ -973,136 +868,145 @@ __device__ __forceinline__ void rlp_attd_dkv(
         const long long kr = (j0 + r) * hkv + g;
         c_ek[r] = r < rows ? k_exponents[kr] : 0;
         c_ev[r] = r < rows ? v_exponents[kr] : 0;
-        c_fk[r] = r < rows ? (int)key_fields[2 * kr] : 0;
-        c_fv[r] = r < rows ? (int)key_fields[2 * kr + 1] : 0;
+        c_bad[r] = 0u;
     }
     const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
-    double acc_k[NPW][2][4], acc_v[NPW][2][4];
+    double acc_k[NPW][4], acc_v[NPW][4];
 #pragma unroll
     for (int n = 0; n < NPW; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) { acc_k[n][0][i] = 0.0; acc_k[n][1][i] = 0.0; acc_v[n][0][i] = 0.0; acc_v[n][1][i] = 0.0; }
-    for (int hh = 0; hh < group; ++hh) {
-        const int h = g * group + hh;
-        for (long long t0 = q_begin; t0 < q_end; t0 += BQ2) {
-            const int qrows = (int)min((long long)BQ2, q_end - t0);
-            __syncthreads();
-            rlp_attd_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
-            rlp_attd_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
-            for (int c = threadIdx.x; c < BQ2; c += RLP_ATTD_THREADS) {
-                const long long it = (t0 + c) * hq + h;
-                const bool in = c < qrows;
-                r_eq[c] = in ? row_info[3 * it] : 0;
-                r_edo[c] = in ? row_info[3 * it + 1] : 0;
-                r_bad[c] = in ? row_info[3 * it + 2] : 1;
-                r_m[c] = in ? (float)row_stats[3 * it] : 0.0f;
-                r_total[c] = in ? row_stats[3 * it + 1] : 1.0;
-                r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
-            }
-            __syncthreads();
-            for (int sg = warp; sg < NSB / NB; sg += RLP_ATTD_WARPS) {
-                const int mb = sg / (BQ2 / 8 / NB), nb0 = (sg - mb * (BQ2 / 8 / NB)) * NB;
-                double x[NB][4], y[NB][4];
-                rlp_attd_dots<NB, true>(x, y, ks + mb * 16 * LD, qs + nb0 * 8 * LD, vs + mb * 16 * LD,
-                                        dos + nb0 * 8 * LD, LD, DP);
+        for (int i = 0; i < 4; ++i) { acc_k[n][i] = 0.0; acc_v[n][i] = 0.0; }
+    for (long long b0 = start + (j0 - start) / RLP_ATTB_BLOCK * RLP_ATTB_BLOCK; b0 < end; b0 += RLP_ATTB_BLOCK)
+        for (int hh = 0; hh < group; ++hh) {
+            const int h = g * group + hh;
+            for (int sub = 0; sub < NSUB; ++sub) {
+                const long long t0 = b0 + sub * BQ2;
+                const int qrows = (int)max(0LL, min((long long)BQ2, end - t0));
+                __syncthreads();
+                if (sub == 0)
+                    for (int r = threadIdx.x; r < BKV; r += RLP_ATTD_THREADS) { c_fk[r] = 0u; c_fv[r] = 0u; }
+                rlp_attd_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
+                rlp_attd_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
+                for (int c = threadIdx.x; c < BQ2; c += RLP_ATTD_THREADS) {
+                    const long long it = (t0 + c) * hq + h;
+                    const bool in = c < qrows;
+                    r_eq[c] = in ? row_info[3 * it] : 0;
+                    r_edo[c] = in ? row_info[3 * it + 1] : 0;
+                    r_bad[c] = in ? row_info[3 * it + 2] : 1;
+                    r_m[c] = in ? (float)row_stats[3 * it] : 0.0f;
+                    r_total[c] = in ? row_stats[3 * it + 1] : 1.0;
+                    r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
+                }
+                __syncthreads();
+                for (int sg = warp; sg < NSB / NB; sg += RLP_ATTD_WARPS) {
+                    const int mb = sg / (BQ2 / 8 / NB), nb0 = (sg - mb * (BQ2 / 8 / NB)) * NB;
+                    double x[NB][4], y[NB][4];
+                    rlp_attd_dots<NB, true>(x, y, ks + mb * 16 * LD, qs + nb0 * 8 * LD, vs + mb * 16 * LD,
+                                            dos + nb0 * 8 * LD, LD, DP);
+                    unsigned int fk[2] = {0u, 0u}, fv[2] = {0u, 0u}, bad[2] = {0u, 0u};
 #pragma unroll
-                for (int n = 0; n < NB; ++n)
+                    for (int n = 0; n < NB; ++n)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int r = mb * 16 + rlp_attd_row(i);        // key row
-                        const int c = (nb0 + n) * 8 + rlp_attd_col(i);  // query row
-                        double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
-                        if (r < rows && c < qrows && j0 + r <= t0 + c && r_bad[c] == 0 &&
-                            c_fk[r] < (int)RLP_ATTT_POISON) {
-                            double big_p, ds;
-                            rlp_attt_pair(x[n][i], y[n][i], r_eq[c], c_ek[r], r_edo[c], c_ev[r], r_m[c], r_total[c],
-                                          r_delta[c], scale, &big_p, &ds);
-                            rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(r_eq[c]), rlp_attb_exponent(c_fk[r])),
-                                           &kh, &kl);
-                            rlp_attt_split(rlp_attb_quantize(big_p * rlp_pow2_f64(r_edo[c]),
-                                                             rlp_attb_exponent(c_fv[r])), &vh, &vl);
+                        for (int i = 0; i < 4; ++i) {
+                            const int r = mb * 16 + rlp_attd_row(i);        // key row
+                            const int c = (nb0 + n) * 8 + rlp_attd_col(i);  // query row
+                            double ukv = 0.0, uvv = 0.0;
+                            if (r < rows && c < qrows && j0 + r <= t0 + c) {
+                                if (r_bad[c] != 0) {
+                                    bad[i >> 1] = 1u;
+                                } else {
+                                    double big_p, ds;
+                                    rlp_attt_pair(x[n][i], y[n][i], r_eq[c], c_ek[r], r_edo[c], c_ev[r], r_m[c],
+                                                  r_total[c], r_delta[c], scale, &big_p, &ds);
+                                    ukv = ds * rlp_pow2_f64(r_eq[c]);
+                                    uvv = big_p * rlp_pow2_f64(r_edo[c]);
+                                    fk[i >> 1] = max(fk[i >> 1], rlp_attb_field(ukv));
+                                    fv[i >> 1] = max(fv[i >> 1], rlp_attb_field(uvv));
+                                }
+                            }
+                            uk[r * ULD + sub * BQ2 + c] = ukv;
+                            uv[r * ULD + sub * BQ2 + c] = uvv;
                         }
-                        uk_hi[r * ULD + c] = kh;
-                        uk_lo[r * ULD + c] = kl;
-                        uv_hi[r * ULD + c] = vh;
-                        uv_lo[r * ULD + c] = vl;
-                    }
+                    rlp_attd_row_fields(fk, c_fk, mb * 16, rows);
+                    rlp_attd_row_fields(fv, c_fv, mb * 16, rows);
+                    rlp_attd_row_fields(bad, c_bad, mb * 16, rows);
+                }
             }
             __syncthreads();
-            rlp_attd_accumulate<NPW>(acc_k, uk_hi + acc_m * 16 * ULD, uk_lo + acc_m * 16 * ULD, ULD, qs + acc_n * 8, LD,
-                                     BQ2);
-            rlp_attd_accumulate<NPW>(acc_v, uv_hi + acc_m * 16 * ULD, uv_lo + acc_m * 16 * ULD, ULD, dos + acc_n * 8, LD,
-                                     BQ2);
+            rlp_attd_quantize_tile<BKV>(uk, c_fk);
+            rlp_attd_quantize_tile<BKV>(uv, c_fv);
+            __syncthreads();
+            int ek[2], ev[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = acc_m * 16 + rlp_attd_row(2 * half);
+                ek[half] = rlp_attb_exponent(c_fk[r]);
+                ev[half] = rlp_attb_exponent(c_fv[r]);
+            }
+            double part_k[NPW][4], part_v[NPW][4];
+#pragma unroll
+            for (int n = 0; n < NPW; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) { part_k[n][i] = 0.0; part_v[n][i] = 0.0; }
+            for (int sub = NSUB - 1; sub >= 0; --sub) {
+                if (sub != NSUB - 1) {
+                    const long long t0 = b0 + sub * BQ2;
+                    const int qrows = (int)max(0LL, min((long long)BQ2, end - t0));
+                    __syncthreads();
+                    rlp_attd_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
+                    rlp_attd_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
+                    __syncthreads();
+                }
+                rlp_attd_accumulate<NPW>(part_k, uk + acc_m * 16 * ULD + sub * BQ2, ULD, qs + acc_n * 8, LD, BQ2);
+                rlp_attd_accumulate<NPW>(part_v, uv + acc_m * 16 * ULD + sub * BQ2, ULD, dos + acc_n * 8, LD, BQ2);
+            }
+#pragma unroll
+            for (int n = 0; n < NPW; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // exact scalings: one rounding each, the adds
+                    acc_k[n][i] = acc_k[n][i] + part_k[n][i] * rlp_pow2_f64(ek[i >> 1] - (RLP_ATTB_COEF_BITS - 2) -
+                                                                            RLP_ATTB_ROW_SHIFT);
+                    acc_v[n][i] = acc_v[n][i] + part_v[n][i] * rlp_pow2_f64(ev[i >> 1] - (RLP_ATTB_COEF_BITS - 2) -
+                                                                            RLP_ATTB_ROW_SHIFT);
+                }
         }
-    }
+    __syncthreads();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int r = acc_m * 16 + rlp_attd_row(i);
         if (r >= rows) continue;
-        const long long kr = (j0 + r) * hkv + g;
-        const bool poisoned = c_fk[r] >= (int)RLP_ATTT_POISON;
-        const int unit_k = rlp_attb_exponent(c_fk[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
-        const int unit_v = rlp_attb_exponent(c_fv[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
+        const long long at = ((j0 + r) * hkv + g) * (long long)d;
+        const bool poisoned = c_bad[r] != 0u;
 #pragma unroll
         for (int n = 0; n < NPW; ++n) {
             const int col = (acc_n + n) * 8 + rlp_attd_col(i);
             if (col >= d) continue;
-            unsigned long long lo_k, lo_v;
-            long long hi_k, hi_v;
-            rlp_attt_words(acc_k[n][0][i], acc_k[n][1][i], &lo_k, &hi_k);
-            rlp_attt_words(acc_v[n][0][i], acc_v[n][1][i], &lo_v, &hi_v);
-            const long long at = kr * d + col;
-            if (wide) {
-                if (!poisoned) {
-                    atomicAdd(dk_wide + 2 * at, lo_k);
-                    atomicAdd(dk_wide + 2 * at + 1, (unsigned long long)hi_k);
-                    atomicAdd(dv_wide + 2 * at, lo_v);
-                    atomicAdd(dv_wide + 2 * at + 1, (unsigned long long)hi_v);
-                }
-            } else {
-                dk[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_k, (unsigned long long)hi_k, unit_k);
-                dv[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_v, (unsigned long long)hi_v, unit_v);
-            }
+            dk[at + col] = poisoned ? rlp_canonical_nan() : __double2float_rn(acc_k[n][i]);
+            dv[at + col] = poisoned ? rlp_canonical_nan() : __double2float_rn(acc_v[n][i]);
         }
     }
 }
 
-
-
-// fields (IS_DQ false) and dq (true) of padded head_dim DP: rlp_attd_query_tile
-#define RLP_ATTD_QUERY_ENTRY(NAME, DP, IS_DQ)                                                                    \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) NAME(RLP_ATTT_QUERY_ARGS) {                   \
-        extern __shared__ double rlp_attd_smem[];                                                                \
-        rlp_attd_query_tile<DP, IS_DQ>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
-                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
-                                       rlp_attd_smem);                                                           \
-    }
-
-#define RLP_ATTD_ENTRIES(DP, STATS, FIELDS, DQ, DKV)                                                             \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) STATS(                                       \
-        RLP_ATTT_QUERY_ARGS) {                                                                                   \
-        extern __shared__ double rlp_attd_smem[];                                                                \
+#define RLP_ATTD_ENTRIES(DP, STATS, DQ, DKV)                                                                   \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) STATS(RLP_ATTT_QUERY_ARGS) {              \
+        extern __shared__ double rlp_attd_smem[];                                                              \
         rlp_attd_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
-                           row_stats, rlp_attd_smem);                                                            \
-    }                                                                                                            \
-    RLP_ATTD_QUERY_ENTRY(FIELDS, DP, false)                                                                  \
-    RLP_ATTD_QUERY_ENTRY(DQ, DP, true)                                                                       \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) DKV(                                         \
-        const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d,        \
-        double scale, const int* __restrict__ q_int, const int* __restrict__ do_int,                      \
-        const int* __restrict__ k_int, const int* __restrict__ v_int, const int* __restrict__ k_exponents, \
-        const int* __restrict__ v_exponents, const int* __restrict__ row_info,                                  \
-        const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields, float* __restrict__ dk, \
-        float* __restrict__ dv, unsigned long long* __restrict__ dk_wide, unsigned long long* __restrict__ dv_wide) { \
-        extern __shared__ double rlp_attd_smem[];                                                                \
-        rlp_attd_dkv<DP>(items, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,         \
-                         v_exponents, row_info, row_stats, key_fields, dk, dv, dk_wide, dv_wide, rlp_attd_smem); \
+                           row_stats, rlp_attd_smem);                                                          \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) DQ(RLP_ATTT_QUERY_ARGS) {                 \
+        extern __shared__ double rlp_attd_smem[];                                                              \
+        rlp_attd_dq<DP>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,      \
+                        v_exponents, row_info, row_stats, dq, rlp_attd_smem);                                  \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) DKV(RLP_ATTT_KEY_ARGS) {                  \
+        extern __shared__ double rlp_attd_smem[];                                                              \
+        rlp_attd_dkv<DP>(key_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,   \
+                         v_exponents, row_info, row_stats, dk, dv, rlp_attd_smem);                             \
     }
 
 // padded head_dim 64, 128 and 256 (192 runs as 256)
-RLP_ATTD_ENTRIES(64, attention_backward_mma_stats_d64, attention_backward_mma_fields_d64,
-                 attention_backward_mma_dq_d64, attention_backward_mma_dkv_d64)
-RLP_ATTD_ENTRIES(128, attention_backward_mma_stats_d128, attention_backward_mma_fields_d128,
-                 attention_backward_mma_dq_d128, attention_backward_mma_dkv_d128)
-RLP_ATTD_ENTRIES(256, attention_backward_mma_stats_d256, attention_backward_mma_fields_d256,
-                 attention_backward_mma_dq_d256, attention_backward_mma_dkv_d256)
+RLP_ATTD_ENTRIES(64, attention_backward_mma_stats_d64, attention_backward_mma_dq_d64, attention_backward_mma_dkv_d64)
+RLP_ATTD_ENTRIES(128, attention_backward_mma_stats_d128, attention_backward_mma_dq_d128,
+                 attention_backward_mma_dkv_d128)
+RLP_ATTD_ENTRIES(256, attention_backward_mma_stats_d256, attention_backward_mma_dq_d256,
+                 attention_backward_mma_dkv_d256)

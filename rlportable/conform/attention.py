@@ -397,11 +397,11 @@ def _backward_inputs(rng, tokens: int, hq: int, hkv: int, d: int, kind: str = "n
 
 
 def _attention_backward(backend: Backend, q, k, v, do, cu, o=None, threads: int = attention_op.BACKWARD_THREADS,
-                        method: str = "rows", tiled_terms: int = attention_op.TILED_MAX_TERMS) -> tuple[np.ndarray, ...]:
+                        method: str = "rows") -> tuple[np.ndarray, ...]:
     b = backend
     grads = attention_op.attention_packed_backward(b, b.asarray(q), b.asarray(k), b.asarray(v), b.asarray(do), cu,
                                                    o=None if o is None else b.asarray(o), threads=threads,
-                                                   method=method, tiled_terms=tiled_terms)
+                                                   method=method)
     return tuple(b.to_numpy(g) for g in grads)
 
 
@@ -426,7 +426,7 @@ def _add_all_methods(tally: Tally, backend: Backend, expected, q, k, v, do, cu, 
     """Every backward variant this backend runs for these shapes (rows, and tiled where it exists; the
     tiled one also from the forward's statistics), each against the expected bits (of the token rows
     `rows` of its gradients)."""
-    for method in attention_op.backward_methods(backend, q.shape[2], q.shape[1] // k.shape[1]):
+    for method in attention_op.backward_methods(backend, q.shape[2]):
         got = _attention_backward(backend, q, k, v, do, cu, method=method, **options)
         _add_grads(tally, (g[rows] for g in got), expected)
         if method == "tiled" and not options:
@@ -491,11 +491,6 @@ def check_attention_backward_invariance(backend: Backend, rng, quick: bool) -> T
         _add_grads(tally, _attention_backward(backend, q, k, v, do, cu_seqlens([target]), threads=threads), expected)
     o = _packed_output(backend, q, k, v, cu_seqlens([target]))
     _add_all_methods(tally, backend, expected, q, k, v, do, cu_seqlens([target]), o=o)
-    if "tiled" in attention_op.backward_methods(backend, d, hq // hkv):  # key tiles cut into several items
-        step = attention_op.tiled_query_step(backend, d)
-        for terms in (step * (hq // hkv), 3 * step * (hq // hkv)):
-            _add_grads(tally, _attention_backward(backend, q, k, v, do, cu_seqlens([target]), method="tiled",
-                                                  tiled_terms=terms), expected)
     return tally
 
 

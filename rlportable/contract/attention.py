@@ -130,19 +130,19 @@ def _one_head(qq, eq, qk, ek, qv, ev, allowed, scale) -> np.ndarray:
 #   dP_j    = float64(sum_d qdo_d qv_jd) * 2^(edo + ev_j - 34)            exact
 #   delta   = do . o from the exact products qdo_d o_d, summed at 53 bits below the largest (delta_of)
 #   dS_j    = (P_j * (dP_j - delta)) * c                                  three float64 roundings, c = 1/sqrt(D)
-# and the three gradients are exact weighted sums of encoded rows (exact_weighted_sum):
-#   dq_t = sum_{j<=t} dS_j k_j         coefficients dS_j 2^ek_j,  rows qk_j (15 bits)
-#   dk_j = sum_{t>=j, h in g} dS_tj q_t    coefficients dS_tj 2^eq_t, rows qq_t (23 bits)
-#   dv_j = sum_{t>=j, h in g} P_tj do_t    coefficients P_tj 2^edo_t, rows qdo_t (23 bits)
+# and the three gradients are block-scaled weighted sums of encoded rows (block_weighted_sum):
+#   dq_t = sum_{j<=t} dS_j k_j         coefficients dS_j 2^ek_j,  rows qk_j (15 bits); blocks: 64 keys
+#   dk_j = sum_{t>=j, h in g} dS_tj q_t    coefficients dS_tj 2^eq_t, rows qq_t (23 bits); blocks: 64 queries x 1 head
+#   dv_j = sum_{t>=j, h in g} P_tj do_t    coefficients P_tj 2^edo_t, rows qdo_t (23 bits); the same blocks
+# A block is an aligned range of BLOCK sequence positions (of one q head for dk and dv); its coefficients
+# are quantized to COEF_BITS below their own largest, its integer partial is exact, and the partials are
+# added in float64 in ascending (block, head) order, then rounded once to float32.
 
 DO_BITS = 23  # the incoming gradient's rows (3 int8 digits, as activations)
 DELTA_BITS = 53  # delta's products, relative to the largest of the row (512 terms stay below 2^62)
-COEF_BITS = 32  # coefficients of the weighted sums, relative to the largest of each sum
-WIDE_LOW_BITS = 32  # a wide sum is H 2^32 + l with 0 <= l < 2^32
-_LOW_MASK = (1 << WIDE_LOW_BITS) - 1
-_DIGIT_BITS = 11  # the reference's BLAS digits of the coefficients (3 digits hold 32 bits)
-#: Hq / Hkv limit: a sum of dk or dv has at most MAX_KEYS * group < 2^31 terms, which keeps the
-#: kernels' two-word accumulators and the float64 conversion of H exact (contract: "wide sums").
+COEF_BITS = 15  # coefficients of the weighted sums, relative to the largest of each block (2 int8 digits)
+BLOCK = 64  # sequence positions per coefficient block: one exponent per (output row, block)
+#: Hq / Hkv limit (the split kernels' shared arrays and the group loops' int32 counters stay within it)
 MAX_GROUP = 2**14
 
 
@@ -152,63 +152,51 @@ def exponent_fields(u: np.ndarray) -> np.ndarray:
             & np.uint64(0x7FF)).astype(np.int64)
 
 
-def quantize_coefficients(blocks: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
-    """Coefficient blocks u [N, n_b] (float64) -> (U blocks int64 [N, n_b], E int64 [N]).
+def quantize_block(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A block's coefficients u [..., n] (float64) -> (U float64 integers [..., n], E int64 [...]).
 
-    E = (largest exponent field over a row of every block) - 1023, 0 for an all-zero row;
+    E = (largest exponent field over the last axis) - 1023, 0 for an all-zero block;
     U = RNE(u * 2^(COEF_BITS - 2 - E)), |U| <= 2^(COEF_BITS - 1). Exact but for the one rounding:
     the contract bounds every nonzero |u| to [2^-661, 2^394], so the scaling stays in range."""
-    fields = np.max([exponent_fields(u).max(axis=1, initial=0) for u in blocks], axis=0)
+    fields = exponent_fields(u).max(axis=-1, initial=0)
     e = np.where(fields > 0, fields - 1023, 0)
-    unit = fp.pow2_f64(COEF_BITS - 2 - e)[:, None]
-    return [np.rint(u * unit).astype(np.int64) for u in blocks], e
+    return np.rint(u * fp.pow2_f64(COEF_BITS - 2 - e)[..., None]), e
 
 
-def wide_add(high: np.ndarray, low: np.ndarray, x: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray]:
-    """(H, l) + x 2^shift, exactly: x int64, 0 <= shift < 32; the result is normalised (0 <= l < 2^32)."""
-    x = np.asarray(x, dtype=np.int64)
-    low = low + ((x << np.int64(shift)) & _LOW_MASK)  # the low 32 bits of x 2^shift (wrapping shift)
-    high = high + (x >> np.int64(WIDE_LOW_BITS - shift)) + (low >> np.int64(WIDE_LOW_BITS))
-    return high, low & _LOW_MASK
+def block_weighted_sum(blocks, row_bits: int, shape: tuple[int, ...]) -> np.ndarray:
+    """sum over blocks (in the order given) of U_b @ r_b, each block's exact partial scaled into float64
+    and added to a float64 sum that starts at +0, then one rounding to float32: the kernels' order.
+
+    blocks: (u [..., N, n_b] float64, r [..., n_b, D] integers of row_bits bits), n_b <= BLOCK, in
+    ascending (position block, head) order; shape: the result's (+0 where there is no block). Each
+    partial is exact in float64 BLAS: |U r| <= 2^14 2^22 and n_b <= 64 terms keep every partial sum
+    below 2^42."""
+    acc = np.zeros(shape)
+    for u, rows in blocks:
+        big_u, e = quantize_block(u)
+        part = np.matmul(big_u, np.asarray(rows, dtype=np.float64)).astype(np.int64).astype(np.float64)
+        part = part * fp.pow2_f64(e - (COEF_BITS - 2) - (row_bits - 2))[..., None]  # exact: a power of two
+        acc = acc + part
+    return acc.astype(np.float32)
 
 
-def round_wide(high: np.ndarray, low: np.ndarray, scale_exponent: np.ndarray) -> np.ndarray:
-    """RNE_f32((H 2^32 + l) 2^s), one rounding: H 2^32 and l are exact float64 (|H| < 2^53), their
-    sum is rounded to odd with an exact TwoSum (round to nearest, then one step toward the error
-    when it is nonzero and the nearest is even), scaled exactly and converted once."""
-    a = np.asarray(high, dtype=np.int64).astype(np.float64) * 2.0**WIDE_LOW_BITS
-    b = np.asarray(low, dtype=np.int64).astype(np.float64)
-    s = a + b
-    bb = s - a
-    err = (a - (s - bb)) + (b - bb)
-    raw = s.view(np.int64).copy()
-    step = (err != 0) & ((raw & 1) == 0)
-    away = (err > 0) == (s > 0)  # the exact sum is larger in magnitude than s
-    raw = np.where(step, raw + np.where(away, 1, -1), raw)
-    with np.errstate(over="ignore"):
-        return (raw.view(np.float64) * fp.pow2_f64(scale_exponent)).astype(np.float32)
+def position_blocks(length: int) -> list[slice]:
+    """The aligned BLOCK-position ranges of keys 0..length-1, ascending."""
+    return [slice(b, min(b + BLOCK, length)) for b in range(0, length, BLOCK)]
 
 
-def exact_weighted_sum(terms: list[tuple[np.ndarray, np.ndarray]], row_bits: int) -> np.ndarray:
-    """sum_b u_b @ (r_b 2^-(row_bits-2)) with one rounding to float32, exactly as the kernels do.
-
-    terms: blocks (u [N, n_b] float64, r [n_b, D] integers of row_bits bits). The coefficients
-    of all blocks are quantized together (quantize_coefficients), the products summed exactly:
-    U splits into 3 digits of 11 bits, each digit product is a float64 BLAS product whose partial
-    sums stay below 2^11 2^22 2^17 = 2^50 (exact), and the digits meet in the wide (H, l) form."""
-    blocks, e = quantize_coefficients([u for u, _ in terms])
-    width = terms[0][1].shape[1]
-    high = np.zeros((e.size, width), dtype=np.int64)
-    low = np.zeros((e.size, width), dtype=np.int64)
-    for big_u, (_, rows) in zip(blocks, terms):
-        rows = np.asarray(rows, dtype=np.float64)
-        rest = big_u
-        for digit_index in range(3):
-            digit = rest & ((1 << _DIGIT_BITS) - 1) if digit_index < 2 else rest
-            rest = rest >> np.int64(_DIGIT_BITS)
-            product = (digit.astype(np.float64) @ rows).astype(np.int64)
-            high, low = wide_add(high, low, product, _DIGIT_BITS * digit_index)
-    return round_wide(high, low, (e - (COEF_BITS - 2) - (row_bits - 2))[:, None])
+def query_blocks(positions: np.ndarray) -> list[tuple[slice, np.ndarray]]:
+    """The query blocks of padded rows at positions [S, Tq] (-1: padding), ascending: for block b, the
+    smallest range of rows holding every row of any sequence at a position in [64 b, 64 b + 64), and
+    the mask [S, rows] of those rows."""
+    out = []
+    for b in range(int(positions.max(initial=-1)) // BLOCK + 1):
+        inside = (positions >= 0) & (positions // BLOCK == b)
+        rows = np.flatnonzero(inside.any(axis=0))
+        if rows.size:
+            span = slice(int(rows[0]), int(rows[-1]) + 1)
+            out.append((span, inside[:, span]))
+    return out
 
 
 def delta_of(qdo: np.ndarray, edo: np.ndarray, o: np.ndarray) -> np.ndarray:
@@ -269,12 +257,15 @@ def attention_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarr
     dk = np.empty((length, hkv, dim), dtype=np.float32)
     dv = np.empty((length, hkv, dim), dtype=np.float32)
     group = hq // hkv
+    keys = position_blocks(length)
+    queries = [positions // BLOCK == b for b in range(int(positions.max(initial=-1)) // BLOCK + 1)]
     for g in range(hkv):
         key_terms, value_terms, last_poisoned = [], [], -1
         ek_s = np.where(enc["ek"][:, g] == fp.NONFINITE_EXPONENT, 0, enc["ek"][:, g])
         for h in range(g * group, (g + 1) * group):
             big_p, d_s, poisoned = _head_gradient_terms(enc, h, g, allowed, scale)
-            dq[:, h] = exact_weighted_sum([(d_s * fp.pow2_f64(ek_s)[None, :], enc["qk"][:, g])], K_BITS)
+            u = d_s * fp.pow2_f64(ek_s)[None, :]
+            dq[:, h] = block_weighted_sum([(u[:, b], enc["qk"][b, g]) for b in keys], K_BITS, (tq, dim))
             dq[poisoned, h] = fp.CANONICAL_NAN
             eq_s = np.where(poisoned, 0, enc["eq"][:, h])
             edo_s = np.where(poisoned, 0, enc["edo"][:, h])
@@ -282,8 +273,10 @@ def attention_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarr
             value_terms.append((big_p.T * fp.pow2_f64(edo_s)[None, :], enc["qdo"][:, h]))
             if poisoned.any():
                 last_poisoned = max(last_poisoned, int(positions[poisoned].max()))
-        dk[:, g] = exact_weighted_sum(key_terms, Q_BITS)
-        dv[:, g] = exact_weighted_sum(value_terms, DO_BITS)
+        # blocks in ascending (query block, head) order
+        dk[:, g] = block_weighted_sum([(u[:, b], r[b]) for b in queries for u, r in key_terms], Q_BITS, (length, dim))
+        dv[:, g] = block_weighted_sum([(u[:, b], r[b]) for b in queries for u, r in value_terms], DO_BITS,
+                                      (length, dim))
         dk[:last_poisoned + 1, g] = fp.CANONICAL_NAN
         dv[:last_poisoned + 1, g] = fp.CANONICAL_NAN
     return dq, dk, dv
@@ -493,39 +486,14 @@ def attention_packed_batched(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seq
     return out
 
 
-def _exact_weighted_sum_batched(terms: list[tuple[np.ndarray, np.ndarray]], row_bits: int) -> np.ndarray:
-    """exact_weighted_sum for B independent sums at once, the same bits for each: blocks (u [B, N, n_b]
-    float64, r [B, n_b, D]); every block has n_b <= MAX_KEYS terms, so the digit products stay exact
-    (partial sums below 2^11 2^22 2^17 = 2^50) and every digit of every block meets the others in the
-    exact wide form."""
-    batch, rows_out = terms[0][0].shape[:2]
-    blocks, e = quantize_coefficients([u.reshape(batch * rows_out, u.shape[2]) for u, _ in terms])
-    width = terms[0][1].shape[2]
-    high = np.zeros((batch, rows_out, width), dtype=np.int64)
-    low = np.zeros((batch, rows_out, width), dtype=np.int64)
-    for big_u, (u, rows) in zip(blocks, terms):
-        rows = np.asarray(rows, dtype=np.float64)
-        rest = big_u.reshape(u.shape)
-        for digit_index in range(3):
-            digit = rest & ((1 << _DIGIT_BITS) - 1) if digit_index < 2 else rest
-            rest = rest >> np.int64(_DIGIT_BITS)
-            product = (digit.astype(np.float64) @ rows).astype(np.int64)
-            high, low = wide_add(high, low, product, _DIGIT_BITS * digit_index)
-    return round_wide(high, low, (e.reshape(batch, rows_out) - (COEF_BITS - 2) - (row_bits - 2))[..., None])
-
-
-def _head_blocks(u: np.ndarray, rows: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """dk / dv terms of a kv head's G q heads: u [S, Hkv, G, Tq, L], rows [S, Hkv, G, Tq, D] ->
-    blocks (u [S Hkv, L, n], r [S Hkv, n, D]) of whole heads, n <= MAX_KEYS terms each."""
-    s, hkv, group, tq, length = u.shape
-    per_block = max(1, MAX_KEYS // max(tq, 1))
-    blocks = []
-    for h in range(0, group, per_block):
-        heads = slice(h, min(h + per_block, group))
-        n = (heads.stop - heads.start) * tq
-        blocks.append((np.moveaxis(u[:, :, heads], -1, 2).reshape(s * hkv, length, n),
-                       rows[:, :, heads].reshape(s * hkv, n, rows.shape[-1])))
-    return blocks
+def _query_block_terms(u: np.ndarray, rows: np.ndarray, positions: np.ndarray):
+    """dk / dv blocks of a chunk in ascending (query block, head) order: u [S, Hkv, G, Tq, L] coefficients,
+    rows [S, Hkv, G, Tq, D], positions [S, Tq] -> (u [S, Hkv, L, n], r [S, Hkv, n, D]), the rows of other
+    blocks (and padding) zeroed."""
+    for span, inside in query_blocks(positions):
+        mask = inside[:, None, :, None]
+        for h in range(u.shape[2]):
+            yield np.swapaxes(u[:, :, h, span] * mask, -1, -2), rows[:, :, h, span] * mask
 
 
 def _backward_chunk(qq, eq, qk, ek, qv, ev, qdo, edo, o, positions):
@@ -561,13 +529,16 @@ def _backward_chunk(qq, eq, qk, ek, qv, ev, qdo, edo, o, positions):
     # attention_backward: the three exact weighted sums and the poisoned rows' NaN
     group = hq // hkv
     ek_dq = np.where(ek == nonfinite, 0, ek)[:, :, None, None, :]
-    u_dq = (d_s * fp.pow2_f64(ek_dq)).reshape(s * hkv, group * tq, length)
-    dq = _exact_weighted_sum_batched([(u_dq, qk.reshape(s * hkv, length, dim))], K_BITS)
+    u_dq = (d_s * fp.pow2_f64(ek_dq)).reshape(s, hkv, group * tq, length)
+    dq = block_weighted_sum([(u_dq[..., b], qk[:, :, b]) for b in position_blocks(length)], K_BITS,
+                            (s, hkv, group * tq, dim))
     dq = dq.reshape(s, hkv, group, tq, dim)
     dq[poisoned] = fp.CANONICAL_NAN
     eq_s, edo_s = np.where(poisoned, 0, eq), np.where(poisoned, 0, edo)
-    dk = _exact_weighted_sum_batched(_head_blocks(d_s * fp.pow2_f64(eq_s)[..., None], qq), Q_BITS)
-    dv = _exact_weighted_sum_batched(_head_blocks(big_p * fp.pow2_f64(edo_s)[..., None], qdo), DO_BITS)
+    dk = block_weighted_sum(_query_block_terms(d_s * fp.pow2_f64(eq_s)[..., None], qq, positions), Q_BITS,
+                            (s, hkv, length, dim))
+    dv = block_weighted_sum(_query_block_terms(big_p * fp.pow2_f64(edo_s)[..., None], qdo, positions), DO_BITS,
+                            (s, hkv, length, dim))
     last_poisoned = np.where(poisoned, np.broadcast_to(positions[:, None, None, :], poisoned.shape), -1)
     reached = np.arange(length)[None, None, :] <= last_poisoned.max(axis=(2, 3))[..., None]  # [S, Hkv, L]
     dk, dv = dk.reshape(s, hkv, length, dim), dv.reshape(s, hkv, length, dim)

@@ -588,36 +588,26 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 #                            (eq, edo, poisoned), row_stats [rows, 3] float64 (m, L, delta);
 #   attention_backward_dq    one block per (token, q head): dq over keys j <= t (P and dS recomputed);
 #   attention_backward_dkv   one block per (key token, kv head): dk and dv over t >= j and the group's heads.
-# "tiled", CUDA sources (sm_80+), padded head_dim <= 256: tiles of query rows x keys in shared memory,
-# every product on the FP64 tensor cores over integer operands (exact: see attention.cu "Tiled
-# backward"): _rows and _keys (the encoded rows as int32, padded to the kernels' head_dim), _stats
-# (m, L, poisoned), _fields (the coefficients' exponents E), _dq, _dkv and, for key tiles cut into
-# several items, _finish.
+# "tiled", GPU sources, padded head_dim <= 256: tiles of query rows x keys in shared memory (on CUDA the
+# products on the tensor cores: attention.cu "Tiled backward"): _rows and _keys (the encoded rows as
+# int32, padded to the kernels' head_dim), _stats (m, L, poisoned; left out when the forward gave m and
+# L), _dq (per query tile, key blocks ascending) and _dkv (per key tile, query blocks ascending, the
+# group's heads in order within each block).
 
 BACKWARD_THREADS = 256
 BACKWARD_METHODS = ("auto", "rows", "tiled")
 TILED_THREADS = 256  # the tiled kernels' block size (their tiling assumes it)
 TILED_ROWS_THREADS = 256  # attention_backward_tiled_rows: one 32-lane segment per row
 TILED_HEAD_DIMS = (64, 128, 256)  # the padded head_dim each tiled kernel is built for
-TILED_QUERY_STEP = 32  # query rows per step of the CUDA attention_backward_mma_dkv (RlpAttd::BQ2)
-#: (q row, head) pairs one dkv item sums: keeps its float64 sums of 37-bit products below 2^53
-TILED_MAX_TERMS = 2**15
 #: shared memory per workgroup the portable (hip) tiled kernels stay within: MI300X's LDS
 PORTABLE_SHARED_LIMIT = 64 * 1024
 
 
-def backward_methods(backend: Backend, head_dim: int, group: int) -> tuple[str, ...]:
-    """The backward variants this backend runs for this head_dim and group (cpu: the reference, "rows")."""
-    if (backend.kernel_vendor is not None and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]
-            and group * tiled_query_step(backend, head_dim) <= TILED_MAX_TERMS):
+def backward_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
+    """The backward variants this backend runs for this head_dim (cpu: the reference, "rows")."""
+    if backend.kernel_vendor is not None and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]:
         return ("rows", "tiled")
     return ("rows",)
-
-
-def tiled_query_step(backend: Backend, head_dim: int) -> int:
-    """Query rows per step of this backend's tiled dkv kernel for head_dim (tiled_plan cuts key tiles
-    into whole steps)."""
-    return tiled_tiles(tiled_head_dim(round_up(head_dim, K_ALIGN)), backend.kernel_vendor)["bq2"]
 
 
 def tiled_head_dim(head_dim: int) -> int:
@@ -631,7 +621,7 @@ def tiled_tiles(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     fragments, up to 227 KiB of shared memory); hip: RlpAttp in backends/portable/attention.hip
     (within PORTABLE_SHARED_LIMIT)."""
     if vendor == "cuda":
-        return {"bq": 4096 // dpt, "bk": min(32, 4096 // dpt), "bkv": 4096 // dpt, "bq2": TILED_QUERY_STEP}
+        return {"bq": 4096 // dpt, "bk": 64 if dpt <= 128 else 32, "bkv": 4096 // dpt, "bq2": 32}
     b = 2048 // dpt
     return {"bq": b, "bk": min(16, b), "bkv": b, "bq2": min(16, b)}
 
@@ -652,14 +642,15 @@ def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     """Dynamic shared memory of each tiled kernel. cuda: the layouts in cuda/attention.cu plus slack for
     the scalars' struct padding; hip: portable/attention.hip's layouts, exactly."""
     t = tiled_tiles(dpt, vendor)
-    if vendor == "cuda":
-        ld, uld = dpt + 4, 32 + 4
-        scalars = 56 * t["bq"] + 16 * t["bk"] + 256
-        return {"stats": 8 * (t["bq"] + t["bk"]) * ld + scalars,
-                "fields": (6 * t["bq"] + 4 * t["bk"]) * dpt + scalars,  # int8 digit tiles: q, do 3, k, v 2
-                "dq": 8 * (2 * t["bq"] * ld + 2 * t["bk"] * ld + 2 * t["bq"] * uld) + scalars,
-                "dkv": 8 * (2 * t["bkv"] * ld + 2 * t["bq2"] * ld + 4 * t["bkv"] * uld) + 32 * t["bq2"] + 16 * t["bkv"]}
     i32, u32, f32, f64, u64 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_double, ctypes.c_uint64
+    if vendor == "cuda":
+        bq, bk, bkv, bq2, ld, uld = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 4, reference.BLOCK + 4
+        rows = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("m", f32, bq), ("total", f64, bq),
+                              ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk), ("key", u32, bq),
+                              ("flag", u32, bq), ("field", u32, bq), ("sum", u64, bq)])  # RlpAttdRows
+        return {"stats": 8 * (bq + bk) * ld + rows,
+                "dq": 8 * (2 * bq * ld + 2 * bk * ld + bq * uld) + rows,
+                "dkv": 8 * (2 * bkv * ld + 2 * bq2 * ld + 2 * bkv * uld) + 32 * bq2 + 20 * bkv}
     bq, bk, bkv, bq2, ld = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 1
     rows = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("e", i32, bq), ("m", f32, bq),
                           ("total", f64, bq), ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk),
@@ -683,7 +674,7 @@ def hip_dynamic_lds() -> dict[str, int]:
              "attention_split_values_h2": max(split_values_shared_bytes(2, dp) for dp in dims)}
     for dpt in TILED_HEAD_DIMS:
         shared = tiled_shared_bytes(dpt, "hip")
-        for step in ("stats", "fields", "dq", "dkv"):
+        for step in ("stats", "dq", "dkv"):
             sizes[f"attention_backward_tiled_{step}_d{dpt}"] = shared[step]
     return sizes
 
@@ -698,57 +689,38 @@ def _tiles(cu: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _DevicePlan(NamedTuple):
-    """tiled_plan's lists on the device, with the counts the launches need."""
+    """tiled_plan's lists on the device, with their counts."""
     q_tiles: Any
-    items: Any
-    wide_rows: Any
+    key_tiles: Any
     cu: Any
     n_tiles: int
-    n_items: int
-    cut: bool
+    n_key_tiles: int
 
 
 _PLANS: dict[tuple, _DevicePlan] = {}  # the last few packings: a model's layers share one cu_seqlens
 
 
-def _device_plan(backend: Backend, cu: np.ndarray, dpt: int, group: int, max_terms: int) -> _DevicePlan:
-    key = (id(backend), backend.kernel_vendor, cu.tobytes(), dpt, group, max_terms)
+def _device_plan(backend: Backend, cu: np.ndarray, dpt: int) -> _DevicePlan:
+    key = (id(backend), backend.kernel_vendor, cu.tobytes(), dpt)
     if key not in _PLANS:
-        q_tiles, items, wide_rows = tiled_plan(cu, dpt, group, max_terms, backend.kernel_vendor)
+        q_tiles, key_tiles = tiled_plan(cu, dpt, backend.kernel_vendor)
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = _DevicePlan(backend.asarray(q_tiles), backend.asarray(items), backend.asarray(wide_rows),
-                                  backend.asarray(cu.astype(np.int64)), q_tiles.shape[0], items.shape[0],
-                                  bool(wide_rows.any()))
+        _PLANS[key] = _DevicePlan(backend.asarray(q_tiles), backend.asarray(key_tiles),
+                                  backend.asarray(cu.astype(np.int64)), q_tiles.shape[0], key_tiles.shape[0])
     return _PLANS[key]
 
 
-def tiled_plan(cu: np.ndarray, dpt: int, group: int, max_terms: int = TILED_MAX_TERMS, vendor: str = "cuda"):
-    """The tiled kernels' launch lists: q_tiles int32 [n, 2] (sequence, first token) for the
-    per-query-tile kernels; items int32 [m, 5] (sequence, first key, first and end query row, cut)
-    for dkv: a key tile's queries t >= its first key in ranges of at most max_terms / group rows
-    (whole query steps), cut = 1 where a tile has several; wide_rows int32 [T]: 1 on the key rows
-    of cut tiles (their sums meet in integer atomics, then attention_backward_tiled_finish); the tiles
-    of `vendor`'s kernels (tiled_tiles)."""
+def tiled_plan(cu: np.ndarray, dpt: int, vendor: str = "cuda") -> tuple[np.ndarray, np.ndarray]:
+    """The tiled kernels' launch lists, int32 [n, 2] (sequence, first token) each: q_tiles for the
+    per-query-tile kernels (tiles of bq rows, the longest first), key_tiles for dkv (tiles of bkv keys);
+    each sequence tiled from its start, with the tiles of `vendor`'s kernels (tiled_tiles)."""
     t = tiled_tiles(dpt, vendor)
     seqs, first = _tiles(cu, t["bq"])
-    q_tiles = np.stack([seqs, first], axis=1).astype(np.int32)
-    per = (max_terms // group) // t["bq2"] * t["bq2"]
-    if per < t["bq2"]:
-        raise InputError(f"attention_packed_backward: tiled_terms {max_terms} is below one query step of "
-                         f"{t['bq2']} rows times the group {group}")
-    key_seqs, keys = _tiles(cu, t["bkv"])
-    ends = cu[1:][key_seqs]
-    cuts = -(-(ends - keys) // per)
-    item_tile = np.repeat(np.arange(keys.size), cuts)
-    index = np.arange(item_tile.size) - np.repeat(np.cumsum(cuts) - cuts, cuts)
-    begin = keys[item_tile] + index * per
-    items = np.stack([key_seqs[item_tile], keys[item_tile], begin, np.minimum(begin + per, ends[item_tile]),
-                      (cuts[item_tile] > 1).astype(np.int64)], axis=1).astype(np.int32)
-    wide_rows = np.zeros(int(cu[-1]), dtype=np.int32)
-    for tile in np.flatnonzero(cuts > 1):
-        wide_rows[keys[tile]:min(keys[tile] + t["bkv"], ends[tile])] = 1
-    return q_tiles, items, wide_rows
+    longest = np.argsort(cu[seqs] - first, kind="stable")  # the most keys first: the last wave is short
+    q_tiles = np.stack([seqs[longest], first[longest]], axis=1).astype(np.int32)
+    key_tiles = np.stack(_tiles(cu, t["bkv"]), axis=1).astype(np.int32)  # the most queries first already
+    return q_tiles, key_tiles
 
 
 def _check_backward_extra(name: str, array, shape: tuple[int, ...]) -> None:
@@ -763,16 +735,14 @@ def _check_row_stats(name: str, array, rows: int) -> None:
 
 
 def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None, threads: int = BACKWARD_THREADS,
-                              method: str = "auto", tiled_terms: int = TILED_MAX_TERMS, row_stats=None):
+                              method: str = "auto", row_stats=None):
     """Gradients of attention_packed(q, k, v, cu_seqlens) for the incoming gradient do [T, Hq, D]:
     (dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, D]) float32, under the contract's "attention_backward".
 
     o: the forward's output attention_packed(q, k, v, cu_seqlens) if the caller kept it (the contract's
     delta = do . o reads it; passing it saves one forward), else None and it is recomputed here.
     threads: the rows kernels' block size (any value in [1, MAX_THREADS] gives the same bits).
-    method: "auto", "rows" or "tiled" (BACKWARD_METHODS; the same bits). tiled_terms: the most pairs
-    one dkv item of the tiled kernels sums (any value gives the same bits; small ones exercise the
-    cut key tiles). row_stats: the statistics attention_packed(q, k, v, cu_seqlens, keep_stats=True)
+    method: "auto", "rows" or "tiled" (BACKWARD_METHODS; the same bits). row_stats: the statistics attention_packed(q, k, v, cu_seqlens, keep_stats=True)
     returned beside o (with o, or None): the tiled kernels then skip their statistics pass (the same
     bits) and write delta into its third column; the other methods compute their own."""
     name = "attention_packed_backward"
@@ -791,13 +761,10 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
         raise InputError(f"{name}: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
     if method not in BACKWARD_METHODS:
         raise InputError(f"{name}: method must be one of {BACKWARD_METHODS}, got {method!r}")
-    if not isinstance(tiled_terms, (int, np.integer)) or not 1 <= int(tiled_terms) <= TILED_MAX_TERMS:
-        raise InputError(f"{name}: tiled_terms must be an integer in [1, {TILED_MAX_TERMS}], got {tiled_terms!r}")
-    available = backward_methods(backend, dim, hq // hkv)
+    available = backward_methods(backend, dim)
     if method == "tiled" and "tiled" not in available:
         raise InputError(f"{name}: the tiled kernels exist for GPU kernel sources, padded head_dim <= "
-                         f"{TILED_HEAD_DIMS[-1]} and groups <= {TILED_MAX_TERMS // TILED_QUERY_STEP}; got "
-                         f"{backend.label} with head_dim {dim}, group {hq // hkv}")
+                         f"{TILED_HEAD_DIMS[-1]}; got {backend.label} with head_dim {dim}")
     if method == "auto":
         method = available[-1]
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
@@ -816,7 +783,7 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the forward's float64 1/sqrt(D)
     if method == "tiled":
-        _backward_tiled(backend, q, do, o, cu, cache, scale, int(tiled_terms), dq, dk, dv, row_stats)
+        _backward_tiled(backend, q, do, o, cu, cache, scale, dq, dk, dv, row_stats)
         return dq, dk, dv
     rows = tokens * hq
     q_int, do_int = backend.empty((rows, dim), np.int32), backend.empty((rows, dim), np.int32)
@@ -837,24 +804,19 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     return dq, dk, dv
 
 
-def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, max_terms: int, dq, dk, dv,
-                    row_stats=None) -> None:
+def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, dq, dk, dv, row_stats=None) -> None:
     """The tiled kernels' launches (method "tiled"), writing dq, dk, dv; row_stats: the forward's m and L
     (the statistics step is then left out), else None."""
     tokens, hq, dim = q.shape
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     dpt = tiled_head_dim(dp)
     rows, key_rows = tokens * hq, tokens * hkv
-    plan = _device_plan(backend, cu, dpt, hq // hkv, max_terms)
+    plan = _device_plan(backend, cu, dpt)
     q_int, do_int = backend.empty((rows, dpt), np.int32), backend.empty((rows, dpt), np.int32)
     k_int, v_int = backend.empty((key_rows, dpt), np.int32), backend.empty((key_rows, dpt), np.int32)
     row_info = backend.empty((rows, 3), np.int32)
-    steps_run = ("fields", "dq") if row_stats is not None else ("stats", "fields", "dq")
+    steps_run = ("dq",) if row_stats is not None else ("stats", "dq")
     row_stats = backend.empty((rows, 3), np.float64) if row_stats is None else row_stats
-    e_fields = backend.empty((rows,), np.int32)
-    key_fields = backend.zeros((key_rows, 2), np.uint32)
-    wide_shape = (key_rows, dim, 2) if plan.cut else (1, 2)
-    dk_wide, dv_wide = backend.zeros(wide_shape, np.uint64), backend.zeros(wide_shape, np.uint64)
     backend.launch("attention", "attention_backward_tiled_keys", (min(-(-key_rows * dpt // 256), GRID_LIMIT),),
                    (256,), (cache.k_digits, cache.v_digits, np.int64(key_rows), np.int32(dp), np.int32(dpt),
                             k_int, v_int))
@@ -862,21 +824,12 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, ma
                    (min(-(-rows // (TILED_ROWS_THREADS // 32)), GRID_LIMIT),), (TILED_ROWS_THREADS,),
                    (q, do, o, np.int64(rows), np.int32(dim), np.int32(dpt), q_int, do_int, row_info, row_stats))
     shared = tiled_shared_bytes(dpt, backend.kernel_vendor)
-    query_args = (plan.q_tiles, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
-                  do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, e_fields,
-                  key_fields, dq)
-    grid = (plan.n_tiles, hq)
+    operands = (np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int, do_int, k_int, v_int, cache.k_exponents,
+                cache.v_exponents, row_info, row_stats)
     block = (TILED_THREADS,)
     steps = "attention_backward_mma" if backend.kernel_vendor == "cuda" else "attention_backward_tiled"
     for step in steps_run:
-        backend.launch("attention", f"{steps}_{step}_d{dpt}", grid, block, query_args,
-                       shared_mem=shared[step])
-    backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_items, hkv), block,
-                   (plan.items, plan.cu, np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int,
-                    do_int, k_int, v_int, cache.k_exponents, cache.v_exponents, row_info, row_stats, key_fields, dk,
-                    dv, dk_wide, dv_wide), shared_mem=shared["dkv"])
-    if plan.cut:
-        n = key_rows * dim
-        backend.launch("attention", "attention_backward_tiled_finish", (min(-(-n // 256), GRID_LIMIT),), (256,),
-                       (plan.wide_rows, np.int64(tokens), np.int32(hkv), np.int32(dim), key_fields,
-                        dk_wide, dv_wide, dk, dv))
+        backend.launch("attention", f"{steps}_{step}_d{dpt}", (plan.n_tiles, hq), block,
+                       (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared[step])
+    backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_key_tiles, hkv), block,
+                   (plan.key_tiles, plan.cu) + operands + (dk, dv), shared_mem=shared["dkv"])

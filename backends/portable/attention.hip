@@ -839,11 +839,15 @@ extern "C" __global__ void attention_split_combine(
 // For query row r = token * hq + h (position t, kv head g) and key j <= t, wherever needed (the same
 // bits every time): s_j and p_j = exp_f32(s_j - m) exactly as attention_paged;
 //   P_j = (p_j 2^21) / L,  dP_j = (sum_d qdo_d qv_jd) 2^(edo + ev_j - 34),  dS_j = (P_j (dP_j - delta)) c.
-// Each gradient element is an exact weighted sum of encoded rows: coefficients u_i (dS or P times the
-// power of two of the row's exponent) are quantized to 32 bits below their largest exponent field E
-// (an integer max), U_i = RNE(u_i 2^(30 - E)); the products U_i r_id (|.| < 2^53) are added into two
-// integer sums, lo (each product's low 32 bits) and hi (the rest), so any order, tiling or thread
-// count gives the same pair; (hi, lo) is rounded once at the end (rlp_attb_round_wide).
+// Each gradient element is a block-scaled weighted sum of encoded rows (reference: block_weighted_sum).
+// Its terms fall into coefficient blocks: for dq, the keys of one aligned range of 64 positions (counted
+// from the sequence start); for dk and dv, the queries of one such range and one q head of the group.
+// In a block the coefficients u_i (dS or P times the power of two of the row's exponent) are quantized
+// to 15 bits below the block's largest exponent field E (an integer max), U_i = RNE(u_i 2^(13 - E));
+// the block's partial sum_i U_i r_id is an exact integer (|.| < 2^42), scaled exactly by a power of
+// two into a float64 sum that starts at +0 and takes the blocks one add each, in ascending (position
+// block, head) order; one rounding to float32 at the end. Only the adds round, in a fixed order, so any
+// thread count or tiling that keeps that order gives the same bits.
 // Scratch (written by attention_backward_rows, read by the other two), per query row r:
 //   q_int, do_int [rows, d] int32: the 23-bit q and do rows (0 for a non-finite row)
 //   row_info [rows, 3] int32: eq, edo, poisoned (1: the forward's row is NaN, or do or o is non-finite)
@@ -852,10 +856,11 @@ extern "C" __global__ void attention_split_combine(
 //   int64, delta = float64(sum) 2^(E_w - 51 + edo - 21) (reference: delta_of)
 #define RLP_ATTB_DO_BITS 23
 #define RLP_ATTB_DELTA_BITS 53
-#define RLP_ATTB_COEF_BITS 32
+#define RLP_ATTB_COEF_BITS 15
+#define RLP_ATTB_BLOCK 64        // sequence positions per coefficient block
+#define RLP_ATTB_ROUND 16        // coefficient blocks per round of the rows kernels (RLP_ATT_MAX_THREADS / 64)
 #define RLP_ATTB_DP_SHIFT 34     // (DO_BITS - 2) + (KV_BITS - 2)
 #define RLP_ATTB_ROW_SHIFT 21    // a 23-bit row (q, do) counts in units of 2^(e - 21)
-#define RLP_ATTB_LOW_BITS 32
 
 // P_j and dS_j of one (query row, key) pair from its two exact dot products; stats: the row's
 // (m, L, delta). Reference: _head_gradient_terms (float64 IEEE steps, one rounding each).
@@ -869,42 +874,34 @@ __device__ __forceinline__ void rlp_attb_terms(long long s_int, long long dp_int
     *ds = (big_p * (dp - stats[2])) * scale;
 }
 
-// The biased exponent field of a float64 (0 for zero): the integer key of the coefficients' max.
+// The biased exponent field of a float64 (0 for zero): the integer key of a block's max.
 // Reference: exponent_fields.
 __device__ __forceinline__ unsigned int rlp_attb_field(double u) {
     return (unsigned int)((__double_as_longlong(u) >> 52) & 0x7ffLL);
 }
 
-// E from the largest field, 0 for an all-zero sum; U = RNE(u 2^(30 - E)), |U| <= 2^31.
-// Reference: quantize_coefficients.
+// E from the block's largest field, 0 for an all-zero block; U = RNE(u 2^(13 - E)), |U| <= 2^14.
+// Reference: quantize_block (the contract keeps every nonzero |u| in [2^-661, 2^394]: the scalings
+// by 2^(13 - E) and, for the partials, 2^(E - 13 - 21) stay normal).
 __device__ __forceinline__ int rlp_attb_exponent(unsigned int field) { return field ? (int)field - 1023 : 0; }
 
 __device__ __forceinline__ long long rlp_attb_quantize(double u, int e) {
     return rlp_double2ll_rn(u * rlp_pow2_f64(RLP_ATTB_COEF_BITS - 2 - e));
 }
 
-// (lo, hi) += prod: lo takes prod mod 2^32 (in [0, 2^32)), hi takes floor(prod / 2^32).
-__device__ __forceinline__ void rlp_attb_add(unsigned long long& lo, long long& hi, long long prod) {
-    lo += (unsigned long long)(prod & 0xffffffffLL);
-    hi += prod >> RLP_ATTB_LOW_BITS;
+// acc + float64(partial) 2^(e - 13 - row_shift): one block's exact partial (|partial| < 2^53 converts
+// exactly, the power of two is exact) added with the one rounding of the float64 add.
+__device__ __forceinline__ double rlp_attb_add_block(double acc, long long partial, unsigned int field, int row_shift) {
+    return acc + rlp_ll2double_rn(partial) *
+                     rlp_pow2_f64(rlp_attb_exponent(field) - (RLP_ATTB_COEF_BITS - 2) - row_shift);
 }
 
-// RNE_f32((hi 2^32 + lo) 2^e) with one rounding. Normalised to H 2^32 + l (0 <= l < 2^32, |H| < 2^53),
-// H 2^32 and l are exact float64; their sum rounded to odd (TwoSum's exact error decides: a nonzero
-// error with an even nearest moves one step toward the exact sum), scaled exactly, converted once.
-// Reference: round_wide.
-__device__ __forceinline__ float rlp_attb_round_wide(unsigned long long lo, unsigned long long hi, int e) {
-    const long long high = (long long)hi + (long long)(lo >> RLP_ATTB_LOW_BITS);
-    const double a = rlp_ll2double_rn(high) * rlp_pow2_f64(RLP_ATTB_LOW_BITS);
-    const double b = rlp_ll2double_rn((long long)(lo & 0xffffffffull));
-    const double s = a + b;
-    const double bb = s - a;
-    const double err = (a - (s - bb)) + (b - bb);
-    long long raw = __double_as_longlong(s);
-    if (err != 0.0 && (raw & 1LL) == 0LL) raw += ((err > 0.0) == (s > 0.0)) ? 1LL : -1LL;
-    return rlp_double2float_rn(__longlong_as_double(raw) * rlp_pow2_f64(e));
+// The coefficient blocks a rows kernel takes per round: one per 64 threads, at least one, at most
+// RLP_ATTB_ROUND (the shared arrays' size).
+__device__ __forceinline__ int rlp_attb_round_blocks() {
+    const int n = (int)blockDim.x / RLP_ATTB_BLOCK;
+    return n < 1 ? 1 : (n > RLP_ATTB_ROUND ? RLP_ATTB_ROUND : n);
 }
-
 // sum_i a[i] b[i] of two integer rows, exact in int64.
 __device__ __forceinline__ long long rlp_attb_dot_rows(const int* a, const int* __restrict__ b, int d) {
     long long s = 0;
@@ -1028,10 +1025,12 @@ extern "C" __global__ void attention_backward_rows(
     }
 }
 
-// One block per (token, q head), grid-stride: dq_t = sum_{j<=t} dS_j k_j. Pass 1 (threads over keys):
-// E, the largest exponent field of u_j = dS_j 2^ek_j. Pass 2 (keys in chunks of blockDim): U_j in
-// shared memory, then threads over (key part, d) add U_j qk_jd into the two-word sums.
-// dq = RNE_f32(sum 2^(E - 30 - 13)). A poisoned row gives the canonical NaN.
+// One block per (token, q head), grid-stride: dq_t = sum_{j<=t} dS_j k_j over the key blocks of 64
+// positions, in rounds of up to RLP_ATTB_ROUND blocks. Per round: threads over the round's keys form
+// u_j = dS_j 2^ek_j (to shared memory) and each block's largest field (a shared atomicMax); then U_j
+// replaces u_j; then one thread per column d forms each block's exact int64 partial sum_j U_j qk_jd and
+// adds it to its float64 sum, blocks in ascending order. dq = RNE_f32(sum). A poisoned row gives the
+// canonical NaN.
 extern "C" __global__ void attention_backward_dq(
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ row_info,
     const double* __restrict__ row_stats, const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens,
@@ -1040,13 +1039,12 @@ extern "C" __global__ void attention_backward_dq(
     const int* __restrict__ v_exponents, float* __restrict__ dq) {
     __shared__ int qq[RLP_ATT_MAX_HEAD_DIM];
     __shared__ int qdo[RLP_ATT_MAX_HEAD_DIM];
-    __shared__ unsigned long long acc_lo[RLP_ATT_MAX_HEAD_DIM];
-    __shared__ unsigned long long acc_hi[RLP_ATT_MAX_HEAD_DIM];
-    __shared__ long long weights[RLP_ATT_MAX_THREADS];
-    __shared__ long long key_rows[RLP_ATT_MAX_THREADS];
-    __shared__ unsigned int max_field;
+    __shared__ double acc[RLP_ATT_MAX_HEAD_DIM];
+    __shared__ double coef[RLP_ATTB_ROUND * RLP_ATTB_BLOCK];  // u, then U (float64 integers)
+    __shared__ unsigned int fields[RLP_ATTB_ROUND];
     const int group = hq / hkv;
     const long long items = tokens * hq;
+    const int per_round = rlp_attb_round_blocks();
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
         const long long token = item / hq;
         const int g = (int)(item - token * hq) / group;
@@ -1060,58 +1058,51 @@ extern "C" __global__ void attention_backward_dq(
             for (int i = threadIdx.x; i < dp; i += blockDim.x) {
                 qq[i] = i < d ? q_int[item * d + i] : 0;
                 qdo[i] = i < d ? do_int[item * d + i] : 0;
-                if (i < d) { acc_lo[i] = 0ull; acc_hi[i] = 0ull; }
+                if (i < d) acc[i] = 0.0;
             }
-            if (threadIdx.x == 0) max_field = 0u;
-            __syncthreads();
-            // ---- pass 1: E
-            unsigned int local = 0u;
-            for (long long j = start + threadIdx.x; j <= token; j += blockDim.x) {
-                const long long row = j * hkv + g;
-                const int ek = k_exponents[row];
-                double big_p, ds;
-                rlp_attb_terms(rlp_att_dot(qq, k_digits + row * (2LL * dp), d, dp),
-                               rlp_att_dot(qdo, v_digits + row * (2LL * dp), d, dp), eq, ek, edo, v_exponents[row],
-                               stats, scale, &big_p, &ds);
-                local = rlp_max_u32(local, rlp_attb_field(ds * rlp_pow2_f64(ek)));
-            }
-            atomicMax(&max_field, local);
-            __syncthreads();
-            const int e = rlp_attb_exponent(max_field);
-            // ---- pass 2: the exact sums
-            const int parts = (int)blockDim.x >= d ? (int)blockDim.x / d : 1;
-            for (long long base = start; base <= token; base += blockDim.x) {
-                const long long j = base + threadIdx.x;
-                const int count = token + 1 - base < (long long)blockDim.x ? (int)(token + 1 - base) : (int)blockDim.x;
-                if (j <= token) {
-                    const long long row = j * hkv + g;
-                    const int ek = k_exponents[row];
-                    double big_p, ds;
-                    rlp_attb_terms(rlp_att_dot(qq, k_digits + row * (2LL * dp), d, dp),
-                                   rlp_att_dot(qdo, v_digits + row * (2LL * dp), d, dp), eq, ek, edo,
-                                   v_exponents[row], stats, scale, &big_p, &ds);
-                    weights[threadIdx.x] = rlp_attb_quantize(ds * rlp_pow2_f64(ek), e);
-                    key_rows[threadIdx.x] = row * (2LL * dp);
+            const long long blocks = (token - start) / RLP_ATTB_BLOCK + 1;
+            for (long long b0 = 0; b0 < blocks; b0 += per_round) {
+                const int count = blocks - b0 < (long long)per_round ? (int)(blocks - b0) : per_round;
+                const long long first = start + b0 * RLP_ATTB_BLOCK;  // the round's first key
+                for (int x = threadIdx.x; x < count; x += blockDim.x) fields[x] = 0u;
+                __syncthreads();
+                for (int w = threadIdx.x; w < count * RLP_ATTB_BLOCK; w += blockDim.x) {
+                    const long long j = first + w;
+                    double u = 0.0;
+                    if (j <= token) {
+                        const long long row = j * hkv + g;
+                        const int ek = k_exponents[row];
+                        double big_p, ds;
+                        rlp_attb_terms(rlp_att_dot(qq, k_digits + row * (2LL * dp), d, dp),
+                                       rlp_att_dot(qdo, v_digits + row * (2LL * dp), d, dp), eq, ek, edo,
+                                       v_exponents[row], stats, scale, &big_p, &ds);
+                        u = ds * rlp_pow2_f64(ek);
+                        const unsigned int field = rlp_attb_field(u);
+                        if (field) atomicMax(&fields[w / RLP_ATTB_BLOCK], field);
+                    }
+                    coef[w] = u;
                 }
                 __syncthreads();
-                for (int work = threadIdx.x; work < parts * d; work += blockDim.x) {
-                    const int part = work / d;
-                    const int i = work - part * d;
-                    unsigned long long lo = 0ull;
-                    long long hi = 0;
-                    for (int c = part; c < count; c += parts) {
-                        const signed char* kr = k_digits + key_rows[c];
-                        rlp_attb_add(lo, hi, weights[c] * ((int)kr[i] + 256 * (int)kr[dp + i]));
+                for (int w = threadIdx.x; w < count * RLP_ATTB_BLOCK; w += blockDim.x)
+                    coef[w] = (double)rlp_attb_quantize(coef[w], rlp_attb_exponent(fields[w / RLP_ATTB_BLOCK]));
+                __syncthreads();
+                for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                    double sum = acc[i];
+                    for (int x = 0; x < count; ++x) {
+                        const long long base = first + (long long)x * RLP_ATTB_BLOCK;
+                        const int keys = token + 1 - base < RLP_ATTB_BLOCK ? (int)(token + 1 - base) : RLP_ATTB_BLOCK;
+                        long long partial = 0;
+                        for (int c = 0; c < keys; ++c) {
+                            const signed char* kr = k_digits + ((base + c) * hkv + g) * (2LL * dp);
+                            partial += (long long)coef[x * RLP_ATTB_BLOCK + c] * ((int)kr[i] + 256 * (int)kr[dp + i]);
+                        }
+                        sum = rlp_attb_add_block(sum, partial, fields[x], RLP_ATT_KV_BITS - 2);
                     }
-                    if (lo != 0ull || hi != 0) {
-                        atomicAdd(&acc_lo[i], lo);
-                        atomicAdd(&acc_hi[i], (unsigned long long)hi);
-                    }
+                    acc[i] = sum;
                 }
                 __syncthreads();
             }
-            const int unit = e - (RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2);
-            for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = rlp_attb_round_wide(acc_lo[i], acc_hi[i], unit);
+            for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = rlp_double2float_rn(acc[i]);
         } else {
             for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = rlp_canonical_nan();
         }
@@ -1120,10 +1111,11 @@ extern "C" __global__ void attention_backward_dq(
 }
 
 // One block per (key token j, kv head g), grid-stride: dk_j = sum dS_tj q_t and dv_j = sum P_tj do_t
-// over the n = (end - j) * group pairs (t >= j of j's sequence, h in g's heads), pair w -> t = j + w / group,
-// h = g * group + w % group. Pass 1 (threads over pairs): any poisoned pair (then dk_j and dv_j are the
-// canonical NaN), else the largest exponent fields of dS 2^eq and P 2^edo. Pass 2 (pairs in chunks of
-// blockDim): U in shared memory, then threads over (pair part, d) add U_k q_td and U_v do_td.
+// over the pairs (t >= j of j's sequence, h in g's heads). Coefficient block x = (query block b, head
+// h): b ascending from the block holding j, the group's heads ascending within each b. Rounds of up to
+// RLP_ATTB_ROUND blocks as in attention_backward_dq: threads over the round's pairs form dS 2^eq and
+// P 2^edo and the blocks' largest fields, then U, then one thread per column adds each block's exact
+// int64 partials. A poisoned pair anywhere makes dk_j and dv_j the canonical NaN.
 extern "C" __global__ void attention_backward_dkv(
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ row_info,
     const double* __restrict__ row_stats, const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens,
@@ -1132,18 +1124,21 @@ extern "C" __global__ void attention_backward_dkv(
     const int* __restrict__ v_exponents, float* __restrict__ dk, float* __restrict__ dv) {
     __shared__ int key_row[RLP_ATT_MAX_HEAD_DIM];
     __shared__ int value_row[RLP_ATT_MAX_HEAD_DIM];
-    __shared__ unsigned long long acc[4][RLP_ATT_MAX_HEAD_DIM];  // dk lo, dk hi, dv lo, dv hi
-    __shared__ long long key_weights[RLP_ATT_MAX_THREADS];
-    __shared__ long long value_weights[RLP_ATT_MAX_THREADS];
-    __shared__ long long pair_rows[RLP_ATT_MAX_THREADS];
-    __shared__ unsigned int max_field[2];
+    __shared__ double acc[2][RLP_ATT_MAX_HEAD_DIM];                    // dk, dv
+    __shared__ double coef[2][RLP_ATTB_ROUND * RLP_ATTB_BLOCK];        // u, then U, of dk and dv
+    __shared__ long long pair_rows[RLP_ATTB_ROUND * RLP_ATTB_BLOCK];  // r d of the pair's query row, -1: none
+    __shared__ unsigned int fields[2][RLP_ATTB_ROUND];
     __shared__ unsigned int poisoned;
     const int group = hq / hkv;
     const long long items = tokens * hkv;
+    const int per_round = rlp_attb_round_blocks();
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
         const long long j = item / hkv;
         const int g = (int)(item - j * hkv);
-        const long long n = (cu_seqlens[token_seq[j] + 1] - j) * group;
+        const int seq = token_seq[j];
+        const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
+        const long long first_block = start + (j - start) / RLP_ATTB_BLOCK * RLP_ATTB_BLOCK;
+        const long long blocks = ((end - first_block + RLP_ATTB_BLOCK - 1) / RLP_ATTB_BLOCK) * group;
         const signed char* kr = k_digits + item * (2LL * dp);  // cache row j * hkv + g
         const signed char* vr = v_digits + item * (2LL * dp);
         const int ek = k_exponents[item];
@@ -1151,80 +1146,73 @@ extern "C" __global__ void attention_backward_dkv(
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
             key_row[i] = (int)kr[i] + 256 * (int)kr[dp + i];
             value_row[i] = (int)vr[i] + 256 * (int)vr[dp + i];
-            acc[0][i] = 0ull; acc[1][i] = 0ull; acc[2][i] = 0ull; acc[3][i] = 0ull;
+            acc[0][i] = 0.0;
+            acc[1][i] = 0.0;
         }
-        if (threadIdx.x == 0) { max_field[0] = 0u; max_field[1] = 0u; poisoned = 0u; }
-        __syncthreads();
-        // ---- pass 1: poisoned pairs, the maxima E_k and E_v
-        unsigned int local_k = 0u, local_v = 0u, local_bad = 0u;
-        for (long long w = threadIdx.x; w < n; w += blockDim.x) {
-            const long long r = (j + w / group) * hq + (long long)g * group + w % group;
-            const int* info = row_info + 3 * r;
-            if (info[2] != 0) { local_bad = 1u; continue; }
-            double big_p, ds;
-            rlp_attb_terms(rlp_attb_dot_rows(key_row, q_int + r * d, d), rlp_attb_dot_rows(value_row, do_int + r * d, d),
-                           info[0], ek, info[1], ev, row_stats + 3 * r, scale, &big_p, &ds);
-            local_k = rlp_max_u32(local_k, rlp_attb_field(ds * rlp_pow2_f64(info[0])));
-            local_v = rlp_max_u32(local_v, rlp_attb_field(big_p * rlp_pow2_f64(info[1])));
+        if (threadIdx.x == 0) poisoned = 0u;
+        for (long long x0 = 0; x0 < blocks; x0 += per_round) {
+            const int count = blocks - x0 < (long long)per_round ? (int)(blocks - x0) : per_round;
+            for (int x = threadIdx.x; x < count; x += blockDim.x) { fields[0][x] = 0u; fields[1][x] = 0u; }
+            __syncthreads();
+            for (int w = threadIdx.x; w < count * RLP_ATTB_BLOCK; w += blockDim.x) {
+                const long long x = x0 + w / RLP_ATTB_BLOCK;
+                const long long t = first_block + (x / group) * RLP_ATTB_BLOCK + w % RLP_ATTB_BLOCK;
+                double uk = 0.0, uv = 0.0;
+                long long at = -1;
+                if (t >= j && t < end) {
+                    const long long r = t * hq + (long long)g * group + x % group;
+                    const int* info = row_info + 3 * r;
+                    if (info[2] != 0) {
+                        atomicOr(&poisoned, 1u);
+                    } else {
+                        double big_p, ds;
+                        rlp_attb_terms(rlp_attb_dot_rows(key_row, q_int + r * d, d),
+                                       rlp_attb_dot_rows(value_row, do_int + r * d, d), info[0], ek, info[1], ev,
+                                       row_stats + 3 * r, scale, &big_p, &ds);
+                        uk = ds * rlp_pow2_f64(info[0]);
+                        uv = big_p * rlp_pow2_f64(info[1]);
+                        const unsigned int fk = rlp_attb_field(uk), fv = rlp_attb_field(uv);
+                        if (fk) atomicMax(&fields[0][w / RLP_ATTB_BLOCK], fk);
+                        if (fv) atomicMax(&fields[1][w / RLP_ATTB_BLOCK], fv);
+                        at = r * d;
+                    }
+                }
+                coef[0][w] = uk;
+                coef[1][w] = uv;
+                pair_rows[w] = at;
+            }
+            __syncthreads();
+            if (poisoned != 0u) break;  // block-uniform: written only before the barrier above
+            for (int w = threadIdx.x; w < count * RLP_ATTB_BLOCK; w += blockDim.x) {
+                const int x = w / RLP_ATTB_BLOCK;
+                coef[0][w] = (double)rlp_attb_quantize(coef[0][w], rlp_attb_exponent(fields[0][x]));
+                coef[1][w] = (double)rlp_attb_quantize(coef[1][w], rlp_attb_exponent(fields[1][x]));
+            }
+            __syncthreads();
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                double sum_k = acc[0][i], sum_v = acc[1][i];
+                for (int x = 0; x < count; ++x) {
+                    long long partial_k = 0, partial_v = 0;
+                    for (int w = x * RLP_ATTB_BLOCK; w < (x + 1) * RLP_ATTB_BLOCK; ++w) {
+                        const long long at = pair_rows[w];
+                        if (at < 0) continue;
+                        partial_k += (long long)coef[0][w] * q_int[at + i];
+                        partial_v += (long long)coef[1][w] * do_int[at + i];
+                    }
+                    sum_k = rlp_attb_add_block(sum_k, partial_k, fields[0][x], RLP_ATTB_ROW_SHIFT);
+                    sum_v = rlp_attb_add_block(sum_v, partial_v, fields[1][x], RLP_ATTB_ROW_SHIFT);
+                }
+                acc[0][i] = sum_k;
+                acc[1][i] = sum_v;
+            }
+            __syncthreads();
         }
-        atomicMax(&max_field[0], local_k);
-        atomicMax(&max_field[1], local_v);
-        atomicOr(&poisoned, local_bad);
-        __syncthreads();
         float* dk_row = dk + item * (long long)d;
         float* dv_row = dv + item * (long long)d;
-        if (poisoned == 0u) {  // block-uniform
-            const int e_k = rlp_attb_exponent(max_field[0]);
-            const int e_v = rlp_attb_exponent(max_field[1]);
-            // ---- pass 2: the exact sums
-            const int parts = (int)blockDim.x >= d ? (int)blockDim.x / d : 1;
-            for (long long base = 0; base < n; base += blockDim.x) {
-                const long long w = base + threadIdx.x;
-                const int count = n - base < (long long)blockDim.x ? (int)(n - base) : (int)blockDim.x;
-                if (w < n) {
-                    const long long r = (j + w / group) * hq + (long long)g * group + w % group;
-                    const int* info = row_info + 3 * r;
-                    double big_p, ds;
-                    rlp_attb_terms(rlp_attb_dot_rows(key_row, q_int + r * d, d),
-                                   rlp_attb_dot_rows(value_row, do_int + r * d, d), info[0], ek, info[1], ev,
-                                   row_stats + 3 * r, scale, &big_p, &ds);
-                    key_weights[threadIdx.x] = rlp_attb_quantize(ds * rlp_pow2_f64(info[0]), e_k);
-                    value_weights[threadIdx.x] = rlp_attb_quantize(big_p * rlp_pow2_f64(info[1]), e_v);
-                    pair_rows[threadIdx.x] = r * d;
-                }
-                __syncthreads();
-                for (int work = threadIdx.x; work < parts * d; work += blockDim.x) {
-                    const int part = work / d;
-                    const int i = work - part * d;
-                    unsigned long long lo_k = 0ull, lo_v = 0ull;
-                    long long hi_k = 0, hi_v = 0;
-                    for (int c = part; c < count; c += parts) {
-                        const long long at = pair_rows[c] + i;
-                        rlp_attb_add(lo_k, hi_k, key_weights[c] * q_int[at]);
-                        rlp_attb_add(lo_v, hi_v, value_weights[c] * do_int[at]);
-                    }
-                    if (lo_k != 0ull || hi_k != 0) {
-                        atomicAdd(&acc[0][i], lo_k);
-                        atomicAdd(&acc[1][i], (unsigned long long)hi_k);
-                    }
-                    if (lo_v != 0ull || hi_v != 0) {
-                        atomicAdd(&acc[2][i], lo_v);
-                        atomicAdd(&acc[3][i], (unsigned long long)hi_v);
-                    }
-                }
-                __syncthreads();
-            }
-            const int unit_k = e_k - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
-            const int unit_v = e_v - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
-            for (int i = threadIdx.x; i < d; i += blockDim.x) {
-                dk_row[i] = rlp_attb_round_wide(acc[0][i], acc[1][i], unit_k);
-                dv_row[i] = rlp_attb_round_wide(acc[2][i], acc[3][i], unit_v);
-            }
-        } else {
-            for (int i = threadIdx.x; i < d; i += blockDim.x) {
-                dk_row[i] = rlp_canonical_nan();
-                dv_row[i] = rlp_canonical_nan();
-            }
+        const bool bad = poisoned != 0u;  // block-uniform (read after a barrier that follows every write)
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            dk_row[i] = bad ? rlp_canonical_nan() : rlp_double2float_rn(acc[0][i]);
+            dv_row[i] = bad ? rlp_canonical_nan() : rlp_double2float_rn(acc[1][i]);
         }
         __syncthreads();
     }
@@ -1233,23 +1221,29 @@ extern "C" __global__ void attention_backward_dkv(
 // ---------------------------------------------------------------------------
 // Tiled backward, portable (ops/attention.py method "tiled"): the bits of the rows kernels above from
 // tiles of query rows x keys in shared memory. The operands sit in shared memory as int32; every
-// product and partial sum is an integer below 2^53 formed with float64 FMAs, so each sum is exact in
-// any order and any cut (the bounds and the U = U_hi 2^16 + U_lo split are those of the FP64
-// tensor-core kernels in backends/cuda/attention.cu, and so is the launch plan). No warp width is assumed: products are per thread, maxima and
-// sums meet through shared-memory atomics, and the one per-row kernel gives a row to a 32-lane segment.
+// product and partial sum of the dot products and of a coefficient block's partial is an integer below
+// 2^53 formed with float64 FMAs, so each is exact in any order and any cut; only the float64 adds of
+// the blocks' partials round, and each thread does those for its outputs in the contract's order.
+// dq: per query tile, the key blocks of 64 positions ascending; in each, the 64 keys in steps of BK
+// (S, dP, then u = dS 2^ek and each row's largest field), U in place of u, then the block's partials
+// (steps again, k rows reloaded but the last) and one float64 add per output. dkv: per key tile (inside
+// one block of 64 positions: BKV divides 64), the query blocks ascending from the one holding the tile,
+// and for each the group's heads ascending; in each (block, head) the queries in steps of BQ2 the same
+// way, with per-key maxima. No warp width is assumed: products are per thread, maxima meet through
+// shared-memory atomics, and the one per-row kernel gives a row to a 32-lane segment.
 // Tiles are sized so that each kernel's shared memory stays within 64 KiB (MI300X's LDS per
 // workgroup): ops/attention.py tiled_tiles / tiled_shared_bytes say the same numbers.
 #define RLP_ATTP_THREADS 256
-#define RLP_ATTT_POISON 4096u  // a key row's field above every exponent field: a poisoned pair reaches it
-#define RLP_ATTT_HALF 16       // U = U_hi 2^16 + U_lo
 
 template <int DP>
 struct RlpAttp {
     static constexpr int LD = DP + 1;  // int32 rows an odd stride apart: a walk down a column hits distinct banks
-    static constexpr int BQ = 2048 / DP;                          // query rows of a stats / fields / dq tile
-    static constexpr int BK = (2048 / DP < 16) ? 2048 / DP : 16;  // keys per step of those
-    static constexpr int BKV = 2048 / DP;                         // key rows of a dkv tile
-    static constexpr int BQ2 = (2048 / DP < 16) ? 2048 / DP : 16; // query rows per step of dkv
+    static constexpr int BQ = 2048 / DP;             // query rows of a stats / dq tile
+    static constexpr int BK = 16;                    // keys per step of those (4 steps per key block)
+    static constexpr int BKV = 2048 / DP;            // key rows of a dkv tile (divides 64)
+    static constexpr int BQ2 = DP == 64 ? 8 : 16;    // query rows per step of dkv
+    static_assert(RLP_ATTB_BLOCK % BK == 0 && RLP_ATTB_BLOCK % BKV == 0 && RLP_ATTB_BLOCK % BQ2 == 0,
+                  "steps and key tiles must tile the 64-position blocks");
 };
 
 // How the threads share a ROWS x COLS tile of dot products: thread t takes column t % COLS and rows
@@ -1308,22 +1302,19 @@ __device__ __forceinline__ double rlp_attp_sum(const double* parts, int o) {
     return s;
 }
 
-// acc[k] += sum_c (U_hi, U_lo)[r][c] b[c][col] for the thread's outputs: column t % DP, rows
-// t / DP + k (THREADS / DP); U is ROWS x COLS (zero where no pair), b holds COLS rows of DP int32.
+// part[k] += sum_c U[r][c] b[c][col] for the thread's outputs: column t % DP, rows t / DP + k (THREADS / DP);
+// U rows u_ld apart (COLS of them used, zero where no pair), b holds COLS rows of DP int32. Exact: a
+// block's partials stay integers below 2^53.
 template <int DP, int ROWS, int COLS>
-__device__ __forceinline__ void rlp_attp_accumulate(double (&acc)[ROWS * DP / RLP_ATTP_THREADS][2], const double* u_hi,
-                                                    const double* u_lo, const int* b) {
+__device__ __forceinline__ void rlp_attp_accumulate(double (&part)[ROWS * DP / RLP_ATTP_THREADS], const double* u,
+                                                    int u_ld, const int* b) {
     constexpr int RS = RLP_ATTP_THREADS / DP, RPT = ROWS / RS, LD = RlpAttp<DP>::LD;
     const int col = threadIdx.x % DP, r0 = threadIdx.x / DP;
 #pragma unroll 4
     for (int c = 0; c < COLS; ++c) {
         const double bv = (double)b[c * LD + col];
 #pragma unroll
-        for (int k = 0; k < RPT; ++k) {
-            const int at = (r0 + k * RS) * COLS + c;
-            acc[k][0] = rlp_fma_f64(u_hi[at], bv, acc[k][0]);
-            acc[k][1] = rlp_fma_f64(u_lo[at], bv, acc[k][1]);
-        }
+        for (int k = 0; k < RPT; ++k) part[k] = rlp_fma_f64(u[(r0 + k * RS) * u_ld + c], bv, part[k]);
     }
 }
 
@@ -1340,21 +1331,6 @@ __device__ __forceinline__ void rlp_attp_load(int* dst, const int* __restrict__ 
 
 // int32 elements rounded up to a whole number of 8-byte words (what follows them is 8-byte aligned).
 __device__ __forceinline__ constexpr int rlp_attp_words(int ints) { return (ints + 1) / 2; }
-
-// U split exactly into U_hi 2^16 + U_lo with U_lo in [-2^15, 2^15).
-__device__ __forceinline__ void rlp_attt_split(long long u, double* hi, double* lo) {
-    const long long low = ((u + (1LL << 15)) & 0xffffLL) - (1LL << 15);
-    *lo = (double)low;
-    *hi = (double)((u - low) >> RLP_ATTT_HALF);
-}
-
-// The exact sum hi_sum 2^16 + lo_sum as the two words (lo, hi) rlp_attb_round_wide takes.
-__device__ __forceinline__ void rlp_attt_words(double hi_sum, double lo_sum, unsigned long long* lo, long long* hi) {
-    const long long a = rlp_double2ll_rn(hi_sum);  // exact: integers below 2^53
-    const long long b = rlp_double2ll_rn(lo_sum);
-    *lo = (((unsigned long long)a << RLP_ATTT_HALF) & 0xffffffffull) + ((unsigned long long)b & 0xffffffffull);
-    *hi = (a >> (RLP_ATTB_LOW_BITS - RLP_ATTT_HALF)) + (b >> RLP_ATTB_LOW_BITS);
-}
 
 // P and dS of one (query row, key) pair from its two exact dot products: rlp_attb_terms, step for step.
 __device__ __forceinline__ void rlp_attt_pair(double sum, double dp_sum, int eq, int ek, int edo, int ev, float m,
@@ -1442,11 +1418,11 @@ extern "C" __global__ void attention_backward_tiled_keys(
 // The per-query-tile kernels' scalars: the tile's rows' and a step's keys'.
 template <int BQ, int BK>
 struct RlpAtttRows {
-    int eq[BQ], edo[BQ], bad[BQ], e[BQ];
+    int eq[BQ], edo[BQ], bad[BQ];
     float m[BQ];
     double total[BQ], delta[BQ];
     int ek[BK], ev[BK];
-    unsigned int key[BQ], flag[BQ], field_q[BQ], field_k[BK], field_v[BK];
+    unsigned int key[BQ], flag[BQ], field[BQ];
     unsigned long long sum[BQ];
 };
 
@@ -1488,6 +1464,7 @@ __device__ __forceinline__ void rlp_attt_row_scalars(RlpAtttRows<BQ, BK>& s, con
     }
 }
 
+// A key step's exponents: key c of the step is token j0 + c (keys valid), kv head g.
 template <int BQ, int BK>
 __device__ __forceinline__ void rlp_attt_key_scalars(RlpAtttRows<BQ, BK>& s, const int* __restrict__ k_exponents,
                                                      const int* __restrict__ v_exponents, long long j0, int keys,
@@ -1495,8 +1472,6 @@ __device__ __forceinline__ void rlp_attt_key_scalars(RlpAtttRows<BQ, BK>& s, con
     for (int c = threadIdx.x; c < BK; c += RLP_ATTP_THREADS) {
         s.ek[c] = c < keys ? k_exponents[(j0 + c) * hkv + g] : 0;
         s.ev[c] = c < keys ? v_exponents[(j0 + c) * hkv + g] : 0;
-        s.field_k[c] = 0u;
-        s.field_v[c] = 0u;
     }
 }
 
@@ -1567,152 +1542,136 @@ __device__ __forceinline__ void rlp_attt_stats(
     }
 }
 
-// FIELDS (DQ false): the largest exponent fields (per query row: of dS 2^ek, to e_fields; per key row and
-// kv head: of dS 2^eq and P 2^edo, atomicMax into key_fields [T hkv, 2], RLP_ATTT_POISON where a
-// poisoned row reaches the key). DQ: dq of the tile's rows from the exact sums of U . qk.
-// Shared: partial sums of S and dP, U_hi and U_lo, q, do, k, v rows, scalars.
-template <int DP, bool DQ>
-__device__ __forceinline__ void rlp_attt_query_tile(
+// dq of a query tile, grid (tiles, hq): for each key block of 64 positions (ascending, up to the tile's
+// last row), the u = dS 2^ek of the tile's rows x the block's keys and each row's largest field; U in
+// place of u; each row's exact partials sum_c U qk; acc += partial 2^(E - 26), one add per block.
+// Shared: partial sums of S and dP, u / U [BQ][64], q, do, k, v rows, scalars.
+template <int DP>
+__device__ __forceinline__ void rlp_attt_dq(
     const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
     const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
-    const int* __restrict__ row_info, const double* __restrict__ row_stats, int* __restrict__ e_fields,
-    unsigned int* __restrict__ key_fields, float* __restrict__ dq, double* smem) {
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dq, double* smem) {
     using T = RlpAttp<DP>;
     using D = RlpAttpDots<T::BQ, T::BK>;
-    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ACC = BQ * DP / RLP_ATTP_THREADS;
+    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, NB = RLP_ATTB_BLOCK, ACC = BQ * DP / RLP_ATTP_THREADS;
     double* px = smem;
     double* py = px + D::PARTS;
-    double* u_hi = py + D::PARTS;
-    double* u_lo = u_hi + D::OUT;
-    int* qs = reinterpret_cast<int*>(u_lo + D::OUT);
+    double* us = py + D::PARTS;
+    int* qs = reinterpret_cast<int*>(us + BQ * NB);
     int* dos = qs + BQ * LD;
     int* ks = dos + BQ * LD;
     int* vs = ks + BK * LD;
-    RlpAtttRows<BQ, BK>& s =
-        *reinterpret_cast<RlpAtttRows<BQ, BK>*>(u_lo + D::OUT + rlp_attp_words(2 * (BQ + BK) * LD));
+    RlpAtttRows<BQ, BK>& s = *reinterpret_cast<RlpAtttRows<BQ, BK>*>(us + BQ * NB + rlp_attp_words(2 * (BQ + BK) * LD));
     const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
-    const long long t0 = tile.t0, start = tile.start;
+    const long long t0 = tile.t0, start = tile.start, last = tile.t0 + tile.rows;  // keys j < last
     const int rows = tile.rows, h = tile.h, g = tile.g;
     rlp_attp_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
     rlp_attp_load<DP, BQ>(dos, do_int, t0 * hq + h, hq, rows);
     rlp_attt_row_scalars<BQ, BK>(s, row_info, row_stats, t0, rows, hq, h);
-    for (int r = threadIdx.x; r < BQ; r += RLP_ATTP_THREADS) {
-        s.field_q[r] = 0u;
-        if (DQ) s.e[r] = r < rows ? e_fields[(t0 + r) * hq + h] : 0;
-    }
-    double acc[ACC][2];
+    double acc[ACC];
 #pragma unroll
-    for (int k = 0; k < ACC; ++k) { acc[k][0] = 0.0; acc[k][1] = 0.0; }
-    for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
-        const long long left = t0 + rows - j0;
-        const int keys = (int)(left < (long long)BK ? left : (long long)BK);
-        __syncthreads();
-        rlp_attp_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
-        rlp_attp_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
-        rlp_attt_key_scalars<BQ, BK>(s, k_exponents, v_exponents, j0, keys, hkv, g);
-        __syncthreads();
-        rlp_attp_dots<DP, BQ, BK, true>(qs, ks, dos, vs, px, py);
-        __syncthreads();
-        for (int o = threadIdx.x; o < D::OUT; o += RLP_ATTP_THREADS) {
-            const int r = o / BK, c = o - r * BK;
-            const bool reach = r < rows && c < keys && j0 + c <= t0 + r;
-            const bool valid = reach && s.bad[r] == 0;
-            double big_p = 0.0, ds = 0.0;
-            if (valid)
-                rlp_attt_pair(rlp_attp_sum<BQ, BK>(px, o), rlp_attp_sum<BQ, BK>(py, o), s.eq[r], s.ek[c], s.edo[r],
-                              s.ev[c], s.m[r], s.total[r], s.delta[r], scale, &big_p, &ds);
-            if (DQ) {
-                double hi = 0.0, lo = 0.0;
-                if (valid) rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.ek[c]), s.e[r]), &hi, &lo);
-                u_hi[o] = hi;
-                u_lo[o] = lo;
-            } else if (valid) {
-                const unsigned int fq = rlp_attb_field(ds * rlp_pow2_f64(s.ek[c]));
-                const unsigned int fk = rlp_attb_field(ds * rlp_pow2_f64(s.eq[r]));
-                const unsigned int fv = rlp_attb_field(big_p * rlp_pow2_f64(s.edo[r]));
-                if (fq) atomicMax(&s.field_q[r], fq);
-                if (fk) atomicMax(&s.field_k[c], fk);
-                if (fv) atomicMax(&s.field_v[c], fv);
-            } else if (reach) {
-                atomicMax(&s.field_k[c], RLP_ATTT_POISON);
-                atomicMax(&s.field_v[c], RLP_ATTT_POISON);
+    for (int k = 0; k < ACC; ++k) acc[k] = 0.0;
+    for (long long jb = start; jb < last; jb += NB) {
+        const int steps = (int)(((last - jb < NB ? last - jb : NB) + BK - 1) / BK);
+        __syncthreads();  // the previous block's fields are read
+        for (int r = threadIdx.x; r < BQ; r += RLP_ATTP_THREADS) s.field[r] = 0u;
+        for (int step = 0; step < steps; ++step) {
+            const long long j0 = jb + step * BK;
+            const int keys = (int)(last - j0 < (long long)BK ? last - j0 : (long long)BK);
+            __syncthreads();
+            rlp_attp_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
+            rlp_attp_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
+            rlp_attt_key_scalars<BQ, BK>(s, k_exponents, v_exponents, j0, keys, hkv, g);
+            __syncthreads();
+            rlp_attp_dots<DP, BQ, BK, true>(qs, ks, dos, vs, px, py);
+            __syncthreads();
+            for (int o = threadIdx.x; o < D::OUT; o += RLP_ATTP_THREADS) {
+                const int r = o / BK, c = o - r * BK;
+                double u = 0.0;
+                if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
+                    double big_p, ds;
+                    rlp_attt_pair(rlp_attp_sum<BQ, BK>(px, o), rlp_attp_sum<BQ, BK>(py, o), s.eq[r], s.ek[c],
+                                  s.edo[r], s.ev[c], s.m[r], s.total[r], s.delta[r], scale, &big_p, &ds);
+                    u = ds * rlp_pow2_f64(s.ek[c]);
+                    const unsigned int field = rlp_attb_field(u);
+                    if (field) atomicMax(&s.field[r], field);
+                }
+                us[r * NB + step * BK + c] = u;
             }
         }
         __syncthreads();
-        if (DQ) {
-            rlp_attp_accumulate<DP, BQ, BK>(acc, u_hi, u_lo, ks);
-        } else {
-            for (int c = threadIdx.x; c < keys; c += RLP_ATTP_THREADS) {
-                unsigned int* kf = key_fields + 2 * ((j0 + c) * hkv + g);
-                if (s.field_k[c]) atomicMax(kf, s.field_k[c]);
-                if (s.field_v[c]) atomicMax(kf + 1, s.field_v[c]);
-            }
+        for (int o = threadIdx.x; o < BQ * NB; o += RLP_ATTP_THREADS) {
+            const int r = o / NB;
+            if (o - r * NB < steps * BK) us[o] = (double)rlp_attb_quantize(us[o], rlp_attb_exponent(s.field[r]));
         }
-    }
-    __syncthreads();
-    if (DQ) {
-        const int unit_base = -(RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2);
-        const int col = threadIdx.x % DP;
+        double part[ACC];
 #pragma unroll
-        for (int k = 0; k < ACC; ++k) {
-            const int r = threadIdx.x / DP + k * (RLP_ATTP_THREADS / DP);
-            if (r >= rows || col >= d) continue;
-            unsigned long long lo;
-            long long hi;
-            rlp_attt_words(acc[k][0], acc[k][1], &lo, &hi);
-            dq[((t0 + r) * hq + h) * (long long)d + col] =
-                s.bad[r] ? rlp_canonical_nan() : rlp_attb_round_wide(lo, (unsigned long long)hi, s.e[r] + unit_base);
+        for (int k = 0; k < ACC; ++k) part[k] = 0.0;
+        for (int step = steps - 1; step >= 0; --step) {  // the last step's k rows are still loaded
+            __syncthreads();
+            if (step != steps - 1) {
+                const long long j0 = jb + step * BK;
+                rlp_attp_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, (int)(last - j0 < BK ? last - j0 : BK));
+                __syncthreads();
+            }
+            rlp_attp_accumulate<DP, BQ, BK>(part, us + step * BK, NB, ks);
         }
-    } else {
-        for (int r = threadIdx.x; r < rows; r += RLP_ATTP_THREADS)
-            e_fields[(t0 + r) * hq + h] = rlp_attb_exponent(s.field_q[r]);
+#pragma unroll
+        for (int k = 0; k < ACC; ++k)
+            acc[k] = rlp_attb_add_block(acc[k], rlp_double2ll_rn(part[k]),
+                                        s.field[threadIdx.x / DP + k * (RLP_ATTP_THREADS / DP)], RLP_ATT_KV_BITS - 2);
+    }
+    const int col = threadIdx.x % DP;
+#pragma unroll
+    for (int k = 0; k < ACC; ++k) {
+        const int r = threadIdx.x / DP + k * (RLP_ATTP_THREADS / DP);
+        if (r >= rows || col >= d) continue;
+        dq[((t0 + r) * hq + h) * (long long)d + col] = s.bad[r] ? rlp_canonical_nan() : rlp_double2float_rn(acc[k]);
     }
 }
 
-// The dkv kernel's scalars: a step's query rows and the tile's key rows.
+// The dkv kernel's scalars: a step's query rows and the tile's key rows (their largest fields of
+// dS 2^eq and P 2^edo in the current block, and whether a poisoned query row reaches them).
 template <int BQ2, int BKV>
 struct RlpAtttKeys {
     int r_eq[BQ2], r_edo[BQ2], r_bad[BQ2];
     float r_m[BQ2];
     double r_total[BQ2], r_delta[BQ2];
-    int c_ek[BKV], c_ev[BKV], c_fk[BKV], c_fv[BKV];
+    int c_ek[BKV], c_ev[BKV];
+    unsigned int c_fk[BKV], c_fv[BKV], c_bad[BKV];
 };
 
-// One block per (key tile item, kv head): items[5 i ..] = sequence, first key j0, first and end query row
-// of the item's range (t >= j0), and a flag (ops/attention.py tiled_plan): nonzero where the key tile is
-// cut into several items, whose exact sums go to dk_wide / dv_wide ([T hkv, d, 2] words) for _finish.
-// dk = sum over pairs of U(dS 2^eq) qq, dv = sum of U(P 2^edo) qdo. Shared: partial sums of S^T and dP^T,
-// the four U tiles, k, v, q, do rows, scalars.
+// dk, dv of a key tile, grid (key tiles, hkv): key_tiles[2 i] = sequence, [2 i + 1] = first key j0
+// (a multiple of BKV from the sequence start, so the tile lies in one block of 64 positions). For each
+// query block from the tile's own (ascending) and each q head of the group (ascending): the u of the
+// block's queries x the tile's keys (dS 2^eq, P 2^edo) and each key's largest fields; U in place of u;
+// the exact partials sum_c U qq and sum_c U qdo; acc += partial 2^(E - 34), one add per block.
+// Shared: partial sums of S^T and dP^T, u / U [BKV][64] of dk and dv, k, v, q, do rows, scalars.
 template <int DP>
 __device__ __forceinline__ void rlp_attt_dkv(
-    const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
+    const int* __restrict__ key_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
     const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
-    const int* __restrict__ row_info, const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields,
-    float* __restrict__ dk, float* __restrict__ dv, unsigned long long* __restrict__ dk_wide,
-    unsigned long long* __restrict__ dv_wide, double* smem) {
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dk,
+    float* __restrict__ dv, double* smem) {
     using T = RlpAttp<DP>;
     using D = RlpAttpDots<T::BKV, T::BQ2>;
-    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ACC = BKV * DP / RLP_ATTP_THREADS;
+    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, NB = RLP_ATTB_BLOCK, ACC = BKV * DP / RLP_ATTP_THREADS;
     double* px = smem;
     double* py = px + D::PARTS;
-    double* uk_hi = py + D::PARTS;
-    double* uk_lo = uk_hi + D::OUT;
-    double* uv_hi = uk_lo + D::OUT;
-    double* uv_lo = uv_hi + D::OUT;
-    int* ks = reinterpret_cast<int*>(uv_lo + D::OUT);
+    double* uk = py + D::PARTS;
+    double* uv = uk + BKV * NB;
+    int* ks = reinterpret_cast<int*>(uv + BKV * NB);
     int* vs = ks + BKV * LD;
     int* qs = vs + BKV * LD;
     int* dos = qs + BQ2 * LD;
     RlpAtttKeys<BQ2, BKV>& s =
-        *reinterpret_cast<RlpAtttKeys<BQ2, BKV>*>(uv_lo + D::OUT + rlp_attp_words(2 * (BKV + BQ2) * LD));
-    const int* item = items + 5 * blockIdx.x;
-    const int seq = item[0];
-    const long long j0 = item[1], q_begin = item[2], q_end = item[3];
-    const bool wide = item[4] != 0;
-    const long long left = cu_seqlens[seq + 1] - j0;
-    const int rows = (int)(left < (long long)BKV ? left : (long long)BKV);
+        *reinterpret_cast<RlpAtttKeys<BQ2, BKV>*>(uv + BKV * NB + rlp_attp_words(2 * (BKV + BQ2) * LD));
+    const int seq = key_tiles[2 * blockIdx.x];
+    const long long j0 = key_tiles[2 * blockIdx.x + 1];
+    const long long start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
+    const int rows = (int)(end - j0 < (long long)BKV ? end - j0 : (long long)BKV);
     const int g = blockIdx.y, group = hq / hkv;
     rlp_attp_load<DP, BKV>(ks, k_int, j0 * hkv + g, hkv, rows);
     rlp_attp_load<DP, BKV>(vs, v_int, j0 * hkv + g, hkv, rows);
@@ -1720,141 +1679,140 @@ __device__ __forceinline__ void rlp_attt_dkv(
         const long long kr = (j0 + r) * hkv + g;
         s.c_ek[r] = r < rows ? k_exponents[kr] : 0;
         s.c_ev[r] = r < rows ? v_exponents[kr] : 0;
-        s.c_fk[r] = r < rows ? (int)key_fields[2 * kr] : 0;
-        s.c_fv[r] = r < rows ? (int)key_fields[2 * kr + 1] : 0;
+        s.c_bad[r] = 0u;
     }
-    double acc_k[ACC][2], acc_v[ACC][2];
+    double acc_k[ACC], acc_v[ACC];
 #pragma unroll
-    for (int k = 0; k < ACC; ++k) { acc_k[k][0] = 0.0; acc_k[k][1] = 0.0; acc_v[k][0] = 0.0; acc_v[k][1] = 0.0; }
-    for (int hh = 0; hh < group; ++hh) {
-        const int h = g * group + hh;
-        for (long long t0 = q_begin; t0 < q_end; t0 += BQ2) {
-            const long long qleft = q_end - t0;
-            const int qrows = (int)(qleft < (long long)BQ2 ? qleft : (long long)BQ2);
-            __syncthreads();
-            rlp_attp_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
-            rlp_attp_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
-            for (int c = threadIdx.x; c < BQ2; c += RLP_ATTP_THREADS) {
-                const long long it = (t0 + c) * hq + h;
-                const bool in = c < qrows;
-                s.r_eq[c] = in ? row_info[3 * it] : 0;
-                s.r_edo[c] = in ? row_info[3 * it + 1] : 0;
-                s.r_bad[c] = in ? row_info[3 * it + 2] : 1;
-                s.r_m[c] = in ? rlp_double2float_rn(row_stats[3 * it]) : 0.0f;
-                s.r_total[c] = in ? row_stats[3 * it + 1] : 1.0;
-                s.r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
-            }
-            __syncthreads();
-            rlp_attp_dots<DP, BKV, BQ2, true>(ks, qs, vs, dos, px, py);
-            __syncthreads();
-            for (int o = threadIdx.x; o < D::OUT; o += RLP_ATTP_THREADS) {
-                const int r = o / BQ2, c = o - r * BQ2;  // key row r, query row c
-                double kh = 0.0, kl = 0.0, vh = 0.0, vl = 0.0;
-                if (r < rows && c < qrows && j0 + r <= t0 + c && s.r_bad[c] == 0 && s.c_fk[r] < (int)RLP_ATTT_POISON) {
-                    double big_p, ds;
-                    rlp_attt_pair(rlp_attp_sum<BKV, BQ2>(px, o), rlp_attp_sum<BKV, BQ2>(py, o), s.r_eq[c], s.c_ek[r],
-                                  s.r_edo[c], s.c_ev[r], s.r_m[c], s.r_total[c], s.r_delta[c], scale, &big_p, &ds);
-                    rlp_attt_split(rlp_attb_quantize(ds * rlp_pow2_f64(s.r_eq[c]), rlp_attb_exponent(s.c_fk[r])), &kh,
-                                   &kl);
-                    rlp_attt_split(rlp_attb_quantize(big_p * rlp_pow2_f64(s.r_edo[c]), rlp_attb_exponent(s.c_fv[r])),
-                                   &vh, &vl);
+    for (int k = 0; k < ACC; ++k) { acc_k[k] = 0.0; acc_v[k] = 0.0; }
+    for (long long tb = start + (j0 - start) / NB * NB; tb < end; tb += NB) {
+        // the block's steps that hold a query t >= j0: [first, steps)
+        const int first = (int)((j0 > tb ? j0 - tb : 0) / BQ2);
+        const int steps = (int)(((end - tb < NB ? end - tb : NB) + BQ2 - 1) / BQ2);
+        for (int hh = 0; hh < group; ++hh) {
+            const int h = g * group + hh;
+            __syncthreads();  // the previous block's fields are read
+            for (int r = threadIdx.x; r < BKV; r += RLP_ATTP_THREADS) { s.c_fk[r] = 0u; s.c_fv[r] = 0u; }
+            for (int step = first; step < steps; ++step) {
+                const long long t0 = tb + step * BQ2;
+                const int qrows = (int)(end - t0 < (long long)BQ2 ? end - t0 : (long long)BQ2);
+                __syncthreads();
+                rlp_attp_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
+                rlp_attp_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
+                for (int c = threadIdx.x; c < BQ2; c += RLP_ATTP_THREADS) {
+                    const long long it = (t0 + c) * hq + h;
+                    const bool in = c < qrows;
+                    s.r_eq[c] = in ? row_info[3 * it] : 0;
+                    s.r_edo[c] = in ? row_info[3 * it + 1] : 0;
+                    s.r_bad[c] = in ? row_info[3 * it + 2] : 1;
+                    s.r_m[c] = in ? rlp_double2float_rn(row_stats[3 * it]) : 0.0f;
+                    s.r_total[c] = in ? row_stats[3 * it + 1] : 1.0;
+                    s.r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
                 }
-                uk_hi[o] = kh;
-                uk_lo[o] = kl;
-                uv_hi[o] = vh;
-                uv_lo[o] = vl;
+                __syncthreads();
+                rlp_attp_dots<DP, BKV, BQ2, true>(ks, qs, vs, dos, px, py);
+                __syncthreads();
+                for (int o = threadIdx.x; o < D::OUT; o += RLP_ATTP_THREADS) {
+                    const int r = o / BQ2, c = o - r * BQ2;  // key row r, query row c
+                    double ku = 0.0, vu = 0.0;
+                    if (r < rows && c < qrows && j0 + r <= t0 + c) {
+                        if (s.r_bad[c] != 0) {
+                            atomicOr(&s.c_bad[r], 1u);
+                        } else {
+                            double big_p, ds;
+                            rlp_attt_pair(rlp_attp_sum<BKV, BQ2>(px, o), rlp_attp_sum<BKV, BQ2>(py, o), s.r_eq[c],
+                                          s.c_ek[r], s.r_edo[c], s.c_ev[r], s.r_m[c], s.r_total[c], s.r_delta[c],
+                                          scale, &big_p, &ds);
+                            ku = ds * rlp_pow2_f64(s.r_eq[c]);
+                            vu = big_p * rlp_pow2_f64(s.r_edo[c]);
+                            const unsigned int fk = rlp_attb_field(ku), fv = rlp_attb_field(vu);
+                            if (fk) atomicMax(&s.c_fk[r], fk);
+                            if (fv) atomicMax(&s.c_fv[r], fv);
+                        }
+                    }
+                    uk[r * NB + step * BQ2 + c] = ku;
+                    uv[r * NB + step * BQ2 + c] = vu;
+                }
             }
             __syncthreads();
-            rlp_attp_accumulate<DP, BKV, BQ2>(acc_k, uk_hi, uk_lo, qs);
-            rlp_attp_accumulate<DP, BKV, BQ2>(acc_v, uv_hi, uv_lo, dos);
+            for (int o = threadIdx.x; o < BKV * NB; o += RLP_ATTP_THREADS) {
+                const int r = o / NB, c = o - r * NB;
+                if (c < first * BQ2 || c >= steps * BQ2) continue;
+                uk[o] = (double)rlp_attb_quantize(uk[o], rlp_attb_exponent(s.c_fk[r]));
+                uv[o] = (double)rlp_attb_quantize(uv[o], rlp_attb_exponent(s.c_fv[r]));
+            }
+            double part_k[ACC], part_v[ACC];
+#pragma unroll
+            for (int k = 0; k < ACC; ++k) { part_k[k] = 0.0; part_v[k] = 0.0; }
+            for (int step = steps - 1; step >= first; --step) {  // the last step's q, do rows are still loaded
+                __syncthreads();
+                if (step != steps - 1) {
+                    const long long t0 = tb + step * BQ2;
+                    const int qrows = (int)(end - t0 < (long long)BQ2 ? end - t0 : (long long)BQ2);
+                    rlp_attp_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
+                    rlp_attp_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
+                    __syncthreads();
+                }
+                rlp_attp_accumulate<DP, BKV, BQ2>(part_k, uk + step * BQ2, NB, qs);
+                rlp_attp_accumulate<DP, BKV, BQ2>(part_v, uv + step * BQ2, NB, dos);
+            }
+#pragma unroll
+            for (int k = 0; k < ACC; ++k) {
+                const int r = threadIdx.x / DP + k * (RLP_ATTP_THREADS / DP);
+                acc_k[k] = rlp_attb_add_block(acc_k[k], rlp_double2ll_rn(part_k[k]), s.c_fk[r], RLP_ATTB_ROW_SHIFT);
+                acc_v[k] = rlp_attb_add_block(acc_v[k], rlp_double2ll_rn(part_v[k]), s.c_fv[r], RLP_ATTB_ROW_SHIFT);
+            }
         }
     }
+    __syncthreads();
     const int col = threadIdx.x % DP;
 #pragma unroll
     for (int k = 0; k < ACC; ++k) {
         const int r = threadIdx.x / DP + k * (RLP_ATTP_THREADS / DP);
         if (r >= rows || col >= d) continue;
         const long long at = ((j0 + r) * hkv + g) * d + col;
-        const bool poisoned = s.c_fk[r] >= (int)RLP_ATTT_POISON;
-        unsigned long long lo_k, lo_v;
-        long long hi_k, hi_v;
-        rlp_attt_words(acc_k[k][0], acc_k[k][1], &lo_k, &hi_k);
-        rlp_attt_words(acc_v[k][0], acc_v[k][1], &lo_v, &hi_v);
-        if (wide) {
-            if (!poisoned) {
-                atomicAdd(dk_wide + 2 * at, lo_k);
-                atomicAdd(dk_wide + 2 * at + 1, (unsigned long long)hi_k);
-                atomicAdd(dv_wide + 2 * at, lo_v);
-                atomicAdd(dv_wide + 2 * at + 1, (unsigned long long)hi_v);
-            }
-        } else {
-            const int unit_k = rlp_attb_exponent(s.c_fk[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
-            const int unit_v = rlp_attb_exponent(s.c_fv[r]) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT;
-            dk[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_k, (unsigned long long)hi_k, unit_k);
-            dv[at] = poisoned ? rlp_canonical_nan() : rlp_attb_round_wide(lo_v, (unsigned long long)hi_v, unit_v);
-        }
+        const bool poisoned = s.c_bad[r] != 0u;
+        dk[at] = poisoned ? rlp_canonical_nan() : rlp_double2float_rn(acc_k[k]);
+        dv[at] = poisoned ? rlp_canonical_nan() : rlp_double2float_rn(acc_v[k]);
     }
 }
 
-// The key rows of cut tiles (wide_rows[j] != 0): dk, dv rounded from their summed words.
-extern "C" __global__ void attention_backward_tiled_finish(
-    const int* __restrict__ wide_rows, long long tokens, int hkv, int d, const unsigned int* __restrict__ key_fields,
-    const unsigned long long* __restrict__ dk_wide, const unsigned long long* __restrict__ dv_wide,
-    float* __restrict__ dk, float* __restrict__ dv) {
-    const long long n = tokens * hkv * d;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long kr = i / d;
-        if (wide_rows[kr / hkv] == 0) continue;
-        const unsigned int fk = key_fields[2 * kr], fv = key_fields[2 * kr + 1];
-        if (fk >= RLP_ATTT_POISON) { dk[i] = rlp_canonical_nan(); dv[i] = rlp_canonical_nan(); continue; }
-        dk[i] = rlp_attb_round_wide(dk_wide[2 * i], dk_wide[2 * i + 1],
-                                    rlp_attb_exponent(fk) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT);
-        dv[i] = rlp_attb_round_wide(dv_wide[2 * i], dv_wide[2 * i + 1],
-                                    rlp_attb_exponent(fv) - (RLP_ATTB_COEF_BITS - 2) - RLP_ATTB_ROW_SHIFT);
-    }
-}
-
+// stats' and dq's: q_tiles[2 i] = sequence, q_tiles[2 i + 1] = first token of tile i; grid (tiles, hq)
 #define RLP_ATTT_QUERY_ARGS                                                                                      \
     const int *__restrict__ q_tiles, const long long *__restrict__ cu_seqlens, int hq, int hkv, int d, double scale, \
         const int *__restrict__ q_int, const int *__restrict__ do_int, const int *__restrict__ k_int,   \
         const int *__restrict__ v_int, const int *__restrict__ k_exponents, const int *__restrict__ v_exponents, \
-        int *__restrict__ row_info, double *__restrict__ row_stats, int *__restrict__ e_fields,                 \
-        unsigned int *__restrict__ key_fields, float *__restrict__ dq
+        int *__restrict__ row_info, double *__restrict__ row_stats, float *__restrict__ dq
 
-// fields (IS_DQ false) and dq (true) of padded head_dim DP: rlp_attt_query_tile
-#define RLP_ATTT_QUERY_ENTRY(NAME, DP, IS_DQ)                                                                    \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) NAME(RLP_ATTT_QUERY_ARGS) {                   \
-        RLP_DYNAMIC_SHARED(double, rlp_attt_smem);                                                                \
-        rlp_attt_query_tile<DP, IS_DQ>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int,      \
-                                       k_exponents, v_exponents, row_info, row_stats, e_fields, key_fields, dq,   \
-                                       rlp_attt_smem);                                                           \
-    }
+// dkv's: key_tiles[2 i] = sequence, key_tiles[2 i + 1] = first key of tile i; grid (tiles, hkv)
+#define RLP_ATTT_KEY_ARGS                                                                                        \
+    const int *__restrict__ key_tiles, const long long *__restrict__ cu_seqlens, int hq, int hkv, int d,         \
+        double scale, const int *__restrict__ q_int, const int *__restrict__ do_int, const int *__restrict__ k_int, \
+        const int *__restrict__ v_int, const int *__restrict__ k_exponents, const int *__restrict__ v_exponents,   \
+        const int *__restrict__ row_info, const double *__restrict__ row_stats, float *__restrict__ dk,          \
+        float *__restrict__ dv
 
-#define RLP_ATTT_ENTRIES(DP, STATS, FIELDS, DQ, DKV)                                                             \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) STATS(                                       \
-        RLP_ATTT_QUERY_ARGS) {                                                                                   \
+// stats, dq and dkv of padded head_dim DP
+#define RLP_ATTT_ENTRIES(DP, STATS, DQ, DKV)                                                                     \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) STATS(RLP_ATTT_QUERY_ARGS) {                  \
         RLP_DYNAMIC_SHARED(double, rlp_attt_smem);                                                                \
         rlp_attt_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
                            row_stats, rlp_attt_smem);                                                            \
     }                                                                                                            \
-    RLP_ATTT_QUERY_ENTRY(FIELDS, DP, false)                                                                  \
-    RLP_ATTT_QUERY_ENTRY(DQ, DP, true)                                                                       \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) DKV(                                         \
-        const int* __restrict__ items, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d,        \
-        double scale, const int* __restrict__ q_int, const int* __restrict__ do_int,                      \
-        const int* __restrict__ k_int, const int* __restrict__ v_int, const int* __restrict__ k_exponents, \
-        const int* __restrict__ v_exponents, const int* __restrict__ row_info,                                  \
-        const double* __restrict__ row_stats, const unsigned int* __restrict__ key_fields, float* __restrict__ dk, \
-        float* __restrict__ dv, unsigned long long* __restrict__ dk_wide, unsigned long long* __restrict__ dv_wide) { \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) DQ(RLP_ATTT_QUERY_ARGS) {                     \
         RLP_DYNAMIC_SHARED(double, rlp_attt_smem);                                                                \
-        rlp_attt_dkv<DP>(items, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,         \
-                         v_exponents, row_info, row_stats, key_fields, dk, dv, dk_wide, dv_wide, rlp_attt_smem); \
+        rlp_attt_dq<DP>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,        \
+                        v_exponents, row_info, row_stats, dq, rlp_attt_smem);                                    \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTP_THREADS) DKV(RLP_ATTT_KEY_ARGS) {                      \
+        RLP_DYNAMIC_SHARED(double, rlp_attt_smem);                                                                \
+        rlp_attt_dkv<DP>(key_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,     \
+                         v_exponents, row_info, row_stats, dk, dv, rlp_attt_smem);                               \
     }
 
 // padded head_dim 64, 128 and 256 (192 runs as 256)
-RLP_ATTT_ENTRIES(64, attention_backward_tiled_stats_d64, attention_backward_tiled_fields_d64,
-                 attention_backward_tiled_dq_d64, attention_backward_tiled_dkv_d64)
-RLP_ATTT_ENTRIES(128, attention_backward_tiled_stats_d128, attention_backward_tiled_fields_d128,
-                 attention_backward_tiled_dq_d128, attention_backward_tiled_dkv_d128)
-RLP_ATTT_ENTRIES(256, attention_backward_tiled_stats_d256, attention_backward_tiled_fields_d256,
-                 attention_backward_tiled_dq_d256, attention_backward_tiled_dkv_d256)
+RLP_ATTT_ENTRIES(64, attention_backward_tiled_stats_d64, attention_backward_tiled_dq_d64,
+                 attention_backward_tiled_dkv_d64)
+RLP_ATTT_ENTRIES(128, attention_backward_tiled_stats_d128, attention_backward_tiled_dq_d128,
+                 attention_backward_tiled_dkv_d128)
+RLP_ATTT_ENTRIES(256, attention_backward_tiled_stats_d256, attention_backward_tiled_dq_d256,
+                 attention_backward_tiled_dkv_d256)

@@ -622,8 +622,8 @@ def tiled_tiles(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     (within PORTABLE_SHARED_LIMIT)."""
     if vendor == "cuda":
         return {"bq": 4096 // dpt, "bk": 64 if dpt <= 128 else 32, "bkv": 4096 // dpt, "bq2": 32}
-    b = 2048 // dpt
-    return {"bq": b, "bk": min(16, b), "bkv": b, "bq2": min(16, b)}
+    b = 2048 // dpt  # bkv divides 64: a key tile lies in one block of 64 positions
+    return {"bq": b, "bk": 16, "bkv": b, "bq2": 8 if dpt == 64 else 16}
 
 
 def _struct_bytes(fields: list[tuple[str, Any, int]]) -> int:
@@ -651,19 +651,20 @@ def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
         return {"stats": 8 * (bq + bk) * ld + rows,
                 "dq": 8 * (2 * bq * ld + 2 * bk * ld + bq * uld) + rows,
                 "dkv": 8 * (2 * bkv * ld + 2 * bq2 * ld + 2 * bkv * uld) + 32 * bq2 + 20 * bkv}
-    bq, bk, bkv, bq2, ld = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 1
-    rows = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("e", i32, bq), ("m", f32, bq),
-                          ("total", f64, bq), ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk),
-                          ("key", u32, bq), ("flag", u32, bq), ("field_q", u32, bq), ("field_k", u32, bk),
-                          ("field_v", u32, bk), ("sum", u64, bq)])
+    bq, bk, bkv, bq2, ld, block = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 1, reference.BLOCK
+    rows = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("m", f32, bq), ("total", f64, bq),
+                          ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk), ("key", u32, bq), ("flag", u32, bq),
+                          ("field", u32, bq), ("sum", u64, bq)])  # RlpAtttRows
     keys = _struct_bytes([("r_eq", i32, bq2), ("r_edo", i32, bq2), ("r_bad", i32, bq2), ("r_m", f32, bq2),
                           ("r_total", f64, bq2), ("r_delta", f64, bq2), ("c_ek", i32, bkv), ("c_ev", i32, bkv),
-                          ("c_fk", i32, bkv), ("c_fv", i32, bkv)])
+                          ("c_fk", u32, bkv), ("c_fv", u32, bkv), ("c_bad", u32, bkv)])  # RlpAtttKeys
     words = lambda ints: 8 * (-(-ints // 2))  # int32 arrays rounded up to whole 8-byte words
     query_parts, key_parts = _portable_parts(bq, bk), _portable_parts(bkv, bq2)
-    query = 8 * (2 * query_parts + 2 * bq * bk) + words(2 * (bq + bk) * ld) + rows
-    return {"stats": 8 * query_parts + words((bq + bk) * ld) + rows, "fields": query, "dq": query,
-            "dkv": 8 * (2 * key_parts + 4 * bkv * bq2) + words(2 * (bkv + bq2) * ld) + keys}
+    # partial sums of the dot products (S, dP), coefficient tiles of one block ([rows][64] float64),
+    # int32 operand rows, scalars
+    return {"stats": 8 * query_parts + words((bq + bk) * ld) + rows,
+            "dq": 8 * (2 * query_parts + bq * block) + words(2 * (bq + bk) * ld) + rows,
+            "dkv": 8 * (2 * key_parts + 2 * bkv * block) + words(2 * (bkv + bq2) * ld) + keys}
 
 
 def hip_dynamic_lds() -> dict[str, int]:

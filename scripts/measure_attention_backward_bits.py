@@ -1,24 +1,24 @@
-"""Accuracy of the attention backward's coefficient bits (contracts/attention.toml, coef_bits), on the CPU.
+"""Accuracy of the attention backward's coefficient rule (contracts/attention.toml, coef_bits), on the CPU.
 
     PYTHONPATH=. python3 scripts/measure_attention_backward_bits.py [bits ...] > result.json
 
-For each candidate number of coefficient bits (default 32 16 15 14 12), with the reference's
-COEF_BITS set to it:
-  * models: the gradients of the three random-weight model tests (test_model_backward: Qwen3, Qwen2,
-    Llama shapes, two packed sequences of 17 and 23 tokens) against float64 torch autograd: the worst
-    relative L2 error over the weight tensors, beside bf16 autograd's worst (the contract's rule: at
-    most 1/10 of it);
-  * attention alone at long sequences: one sequence of T tokens (2 q heads, 1 kv head, head_dim 128),
-    q scaled so the softmax is peaky as in trained models (score spread ~ 4), against float64 autograd
-    of the same (encoded) inputs, beside torch's bf16 attention backward on the same inputs;
-  * block-scaled coefficients ("attention_block_scaled", T = 256 ... 16384): the same attention
-    inputs, the weighted sums of dq, dk, dv cut into aligned blocks of BLOCK = 64 sequence positions
-    (dq_t: keys j in [64b, 64b + 64); dk_j, dv_j: queries t in [64b, 64b + 64), all q heads of the kv
-    group), coefficients quantized to B bits below the largest of their own block (B in BLOCK_BITS),
-    each block's exact integer partial scaled into float64 and the partials added in float64 in
-    ascending block order, one rounding to float32 (attention_backward_blocked); beside the flat rule
-    (one largest per whole sum, the contract's) at the same B, computed by the same chunked function
-    (bit-identical to the reference at COEF_BITS = B where the reference runs: T <= 4096).
+The contract's weighted sums (dq, dk, dv) quantize their coefficients by block: aligned blocks of
+BLOCK = 64 sequence positions (dq_t: keys j in [64b, 64b + 64); dk_j, dv_j: queries t in [64b, 64b + 64)
+of one q head), each block's coefficients to COEF_BITS = 15 bits below the largest of that block, each
+block's exact integer partial scaled into float64 and the partials added in float64 in ascending (query
+block, head) order, one rounding to float32. Measured:
+  * models: for each COEF_BITS of the block rule (default 15 16 14 12; reference.COEF_BITS set to it),
+    the gradients of the three random-weight model tests (test_model_backward: Qwen3, Qwen2, Llama
+    shapes, two packed sequences of 17 and 23 tokens) against float64 torch autograd: the worst relative
+    L2 error over the weight tensors, beside bf16 autograd's worst (the contract's rule: at most 1/10 of it);
+  * attention alone, T = 256 ... 16384: one sequence of T tokens (2 q heads, 1 kv head, head_dim 128),
+    q scaled so the softmax is peaky as in trained models (score spread ~ 4), against float64 autograd of
+    the same (encoded) inputs, beside torch's bf16 attention backward on the same inputs: the block rule
+    at 15 bits (the contract), 16 and 12, and for comparison the flat rule at 32 bits (one exponent per
+    whole sum, the exact sum rounded once), all by a chunked function whose memory is linear in T
+    (attention_backward_chunked); where the reference's own backward runs (T <= 4096), its bits at each
+    COEF_BITS of the block rule (the contract's first) are compared with the chunked function's
+    (chunked_equals_reference).
 Prints JSON.
 """
 
@@ -42,17 +42,20 @@ from rlportable.runtime import get_backend  # noqa: E402
 from test_model_backward import _rel_error, _torch_grads  # noqa: E402
 from test_model_forward import hf_model_and_ours  # noqa: E402
 
-BITS = [int(b) for b in sys.argv[1:]] or [32, 16, 15, 14, 12]
+CONTRACT_BITS = reference.COEF_BITS  # read before any measurement changes it
+BITS = [int(b) for b in sys.argv[1:]] or [CONTRACT_BITS, 16, 14, 12]
 CPU = get_backend("cpu")
-BLOCK = 64  # sequence positions per coefficient block (one E per output row and block)
-BLOCK_BITS = [15, 16, 12]  # 15: two int8 digits
-LENGTHS = (256, 1024, 4096)  # the reference's own (whole-sequence) backward runs at these
-LONG_LENGTHS = LENGTHS + (16384,)  # the chunked functions below also run at these
-WHOLE_MAX = 4096  # longer sequences: autograd head by head / in query chunks (memory), see attention_grads
+BLOCK = reference.BLOCK  # sequence positions per coefficient block (one E per output row, block and head)
+BLOCK_BITS = [CONTRACT_BITS, 16, 12]  # 15: two int8 digits
+FLAT_BITS = 32  # the flat rule's bits (one E per whole sum) for the comparison
+LENGTHS = (256, 1024, 4096, 16384)
+WHOLE_MAX = 4096  # longer sequences: no reference backward (its [T, T] arrays), autograd head by head /
+#                   in query chunks (memory), see attention_grads
 
 
 def model_errors(bits_list):
-    """{arch: {"bf16": worst, bits: worst}} over the weight tensors of the model test."""
+    """{arch: {"bf16": worst, bits: worst, "ratio_to_bf16": {bits: ratio}}} over the weight tensors of the
+    model test."""
     out = {}
     for arch in ("qwen3", "qwen2", "llama"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -66,11 +69,13 @@ def model_errors(bits_list):
             bf16 = _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16)
             row = {"bf16": max(_rel_error(bf16[n], r) for n, r in exact.items())}
             for bits in bits_list:
-                reference.COEF_BITS = bits
+                reference.COEF_BITS = bits  # read at call time by the cpu backend's backward
                 model = Model(CPU, rl_config, weights, trainable=True)
                 fwd = backward.forward(model, tokens, cu, rows=rows)
                 grads = backward.backward(model, fwd, g).named_tensors(rl_config)
                 row[str(bits)] = max(_rel_error(grads[n], r) for n, r in exact.items())
+            reference.COEF_BITS = CONTRACT_BITS
+            row["ratio_to_bf16"] = {str(bits): row[str(bits)] / row["bf16"] for bits in bits_list}
             out[arch] = row
     return out
 
@@ -135,25 +140,59 @@ def attention_grads(q, k, v, do, dtype):
     return (attention_f64 if q.shape[0] <= WHOLE_MAX else attention_f64_long)(q, k, v, do, dtype)
 
 
-# ---- the block-scaled coefficient rule, beside the flat one
+# ---- the contract's block rule and the flat rule, by query chunks
 #
 # P and dS are the reference's own float64 values (reference._head_gradient_terms on a chunk of query
-# rows against their keys: a row's P and dS depend on its own row and keys only), so the two rules differ
-# from the reference's flat rule only in how the coefficients are quantized and summed.
+# rows against their keys: a row's P and dS depend on its own row and keys only), so the rules differ
+# only in how the coefficients are quantized and summed, and the block rule at COEF_BITS = bits gives
+# the reference's bits.
+
+DIGIT_BITS = 11  # a flat coefficient (up to 33 bits) as 3 digits, each digit's product exact in float64
+
 
 def quantize_last_axis(u, bits):
-    """quantize_coefficients' rule with one E per entry of u's leading axes, over its last axis:
-    (U = RNE(u 2^(bits-2-E)) as float64 integers, E int64), E from the largest exponent field, 0 if all 0."""
+    """reference.quantize_block at COEF_BITS = bits: one E per entry of u's leading axes, over its last
+    axis (U = RNE(u 2^(bits-2-E)) as float64 integers, E int64), E from the largest exponent field, 0 if
+    all 0."""
     fields = reference.exponent_fields(u).max(axis=-1, initial=0)
     e = np.where(fields > 0, fields - 1023, 0)
     return np.rint(u * fp.pow2_f64(bits - 2 - e)[..., None]), e
 
 
-def _blocks(x, count):
-    """[G, R, ...] -> [R / BLOCK, G * BLOCK, ...]: the G heads' rows of each aligned query block together."""
-    g = x.shape[0]
-    x = x.reshape((g, count, BLOCK) + x.shape[2:])
-    return np.moveaxis(x, 1, 0).reshape((count, g * BLOCK) + x.shape[3:])
+def digit_sums(big_u, rows):
+    """The exact sum big_u @ rows (big_u [..., N, n] float64 integers, |U| <= 2^32; rows [..., n, D]
+    integers, |r| <= 2^22) as 3 int64 arrays [..., N, D] of digit sums, U = d0 + d1 2^11 + d2 2^22 (d0, d1
+    in [0, 2^11)): each digit's float64 product is exact while 2^11 2^22 n < 2^53."""
+    assert 2.0**DIGIT_BITS * 2.0**22 * big_u.shape[-1] < 2.0**53
+    rest = big_u.astype(np.int64)
+    out = []
+    for i in range(3):
+        digit = rest & (2**DIGIT_BITS - 1) if i < 2 else rest
+        rest = rest >> DIGIT_BITS
+        out.append((digit.astype(np.float64) @ rows).astype(np.int64))
+    return out
+
+
+def round_digit_sums(sums, scale_exponent):
+    """RNE_f32((s0 + s1 2^11 + s2 2^22) 2^scale_exponent) with one rounding: the exact sum as H 2^32 + l
+    (0 <= l < 2^32; H 2^32 and l exact in float64), rounded to odd at 53 bits (an exact TwoSum, then one
+    step toward the error where the nearest is even), scaled exactly, converted to float32 once (round to
+    odd at 53 bits, then to nearest at 24, is the one rounding)."""
+    high, low = np.zeros_like(sums[0]), np.zeros_like(sums[0])
+    for i, s in enumerate(sums):
+        shift = DIGIT_BITS * i  # s 2^shift = (s >> (32 - shift)) 2^32 + (s's low 32 - shift bits) 2^shift
+        low = low + ((s & ((1 << (32 - shift)) - 1)) << shift)
+        high = high + (s >> (32 - shift))
+    high, low = high + (low >> 32), low & ((1 << 32) - 1)
+    a, b = high.astype(np.float64) * 2.0**32, low.astype(np.float64)
+    s = a + b
+    bb = s - a
+    err = (a - (s - bb)) + (b - bb)
+    raw = s.view(np.int64).copy()
+    step = (err != 0) & ((raw & 1) == 0)
+    away = (err > 0) == (s > 0)  # the exact sum is larger in magnitude than s
+    raw = np.where(step, raw + np.where(away, 1, -1), raw)
+    return (raw.view(np.float64) * fp.pow2_f64(scale_exponent)).astype(np.float32)
 
 
 def _chunks(enc, g, group, length, rows_per_chunk, scale):
@@ -169,14 +208,16 @@ def _chunks(enc, g, group, length, rows_per_chunk, scale):
         yield rows, np.stack([p for p, _, _ in terms]), np.stack([d for _, d, _ in terms])
 
 
-def attention_backward_blocked(q, k, v, do, variants, rows_per_chunk=256):
+def attention_backward_chunked(q, k, v, do, block_bits, flat_bits, rows_per_chunk=256):
     """dq, dk, dv of one causal sequence (q, do [T, Hq, D]; k, v [T, Hkv, D] float32, T a multiple of BLOCK)
-    for each variant (bits, block): block = BLOCK, one E per (output row, block of BLOCK positions), the
-    blocks' partials added in float64 in ascending order; block = None, the flat rule (one E per output row:
-    the reference's exact_weighted_sum at COEF_BITS = bits, the same bits). Returns {variant: (dq, dk, dv)}.
+    by the block rule at each of block_bits (the reference's attention_backward at COEF_BITS = bits) and by
+    the flat rule at each of flat_bits (one E per output row over its whole sum, the exact sum rounded
+    once). Returns {("block" or "flat", bits): (dq, dk, dv)}.
 
-    Memory stays linear in T (chunks of query rows). Flat dk and dv need each column's largest coefficient
-    over all queries first: a second pass recomputes P and dS for them."""
+    Memory stays linear in T (chunks of query rows). A chunk holds whole query blocks and the chunks come
+    in ascending order, so dk and dv add their blocks in the reference's (query block, head) order. Flat dk
+    and dv need each column's largest coefficient over all queries first: a second pass recomputes P and
+    dS for them."""
     length, hq, dim = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -187,17 +228,17 @@ def attention_backward_blocked(q, k, v, do, variants, rows_per_chunk=256):
         enc["q" + name], enc["e" + name] = reference.encode_heads(x, bits)
     scale = 1.0 / np.sqrt(np.float64(dim))
     q_row, k_row = reference.Q_BITS - 2, reference.K_BITS - 2  # do's rows have q's 23 bits
-    for bits, block in variants:  # every integer partial (block or whole flat sum) must be exact in float64
-        terms = BLOCK * group if block else length * group
-        assert terms * 2.0 ** (bits - 1) * 2.0 ** (q_row + 1) < 2.0**53, (bits, block, length)
-    out = {var: tuple(np.empty(x.shape, np.float32) for x in (q, k, v)) for var in variants}
-    flat_bits = [bits for bits, block in variants if block is None]
+    for bits in block_bits:  # every block's integer partial (BLOCK terms) must be exact in float64
+        assert BLOCK * 2.0 ** (bits - 1) * 2.0 ** (q_row + 1) < 2.0**53, bits
+    assert all(bits <= 3 * DIGIT_BITS for bits in flat_bits)  # 3 digits (digit_sums)
+    out = {var: tuple(np.empty(x.shape, np.float32) for x in (q, k, v))
+           for var in [("block", b) for b in block_bits] + [("flat", b) for b in flat_bits]}
     for g in range(hkv):
         heads = slice(g * group, (g + 1) * group)
         row_q, row_do = np.moveaxis(enc["qq"][:, heads], 1, 0), np.moveaxis(enc["qdo"][:, heads], 1, 0)  # [G, T, D]
         scale_q, scale_do = (fp.pow2_f64(np.moveaxis(enc[e][:, heads], 1, 0))[..., None] for e in ("eq", "edo"))
         scale_k = fp.pow2_f64(enc["ek"][:, g])
-        wide = {var: (np.zeros((length, dim)), np.zeros((length, dim))) for var in variants if var[1]}
+        wide = {bits: (np.zeros((length, dim)), np.zeros((length, dim))) for bits in block_bits}  # float64 sums
         fields = [np.zeros(length, np.int64), np.zeros(length, np.int64)]  # flat dk, dv: largest exponent fields
         for rows, big_p, d_s in _chunks(enc, g, group, length, rows_per_chunk, scale):
             end, count = rows.stop, (rows.stop - rows.start) // BLOCK
@@ -205,43 +246,48 @@ def attention_backward_blocked(q, k, v, do, variants, rows_per_chunk=256):
             u_kv = (d_s * scale_q[:, rows], big_p * scale_do[:, rows])
             for i, u in enumerate(u_kv):
                 fields[i][:end] = np.maximum(fields[i][:end], reference.exponent_fields(u).max(axis=(0, 1)))
-            for bits, block in variants:
-                dq = out[bits, block][0]
-                if block is None:  # the flat rule: dq_t's sum is all in this chunk
-                    big_u, e = quantize_last_axis(u_dq, bits)
-                    exact = big_u @ enc["qk"][:end, g]  # exact integers (< 2^53)
-                    dq[rows, heads] = np.moveaxis(exact * fp.pow2_f64(e - (bits - 2) - k_row)[..., None], 0, 1)
-                    continue
-                # dq: blocks of BLOCK keys; partials [keys blocks, G R, D], added in ascending order (cumsum)
+            for bits in flat_bits:  # flat dq: dq_t's whole sum is in this chunk
+                big_u, e = quantize_last_axis(u_dq, bits)
+                dq = round_digit_sums(digit_sums(big_u, enc["qk"][:end, g]), (e - (bits - 2) - k_row)[..., None])
+                out["flat", bits][0][rows, heads] = np.moveaxis(dq, 0, 1)
+            for bits in block_bits:
+                # dq: blocks of BLOCK keys; partials [key blocks, G R, D], added in ascending order to a
+                # float64 sum that starts at +0 (as block_weighted_sum)
                 big_u, e = quantize_last_axis(u_dq.reshape(group * (end - rows.start), end // BLOCK, BLOCK), bits)
                 exact = np.moveaxis(big_u, 1, 0) @ enc["qk"][:end, g].reshape(end // BLOCK, BLOCK, dim)
                 partial = exact * fp.pow2_f64(e.T - (bits - 2) - k_row)[..., None]
-                total = np.cumsum(partial, axis=0)[-1].reshape(group, end - rows.start, dim)
-                dq[rows, heads] = np.moveaxis(total, 0, 1)
-                # dk, dv: the chunk's query blocks, each [keys, G BLOCK] with one E per key, in ascending order
-                for acc, u, r in zip(wide[bits, block], u_kv, (row_q, row_do)):
-                    big_u, e = quantize_last_axis(np.swapaxes(_blocks(u, count), 1, 2), bits)  # [count, end, G B]
-                    exact = big_u @ _blocks(r[:, rows], count)  # [count, end, D], exact integers
-                    partial = exact * fp.pow2_f64(e - (bits - 2) - q_row)[..., None]
+                total = np.zeros(partial.shape[1:])
+                for part in partial:
+                    total += part
+                out["block", bits][0][rows, heads] = np.moveaxis(total.reshape(group, end - rows.start, dim), 0, 1)
+                # dk, dv: the chunk's query blocks of each q head, [count, G, keys, BLOCK] with one E per
+                # (block, head, key), added in ascending (query block, head) order
+                for acc, u, r in zip(wide[bits], u_kv, (row_q, row_do)):
+                    blocks = np.swapaxes(u.reshape(group, count, BLOCK, end), 0, 1)  # [count, G, BLOCK, end]
+                    big_u, e = quantize_last_axis(np.swapaxes(blocks, -1, -2), bits)  # [count, G, end, BLOCK]
+                    rows_b = np.swapaxes(r[:, rows].reshape(group, count, BLOCK, dim), 0, 1)  # [count, G, BLOCK, D]
+                    partial = (big_u @ rows_b) * fp.pow2_f64(e - (bits - 2) - q_row)[..., None]  # exact integers
                     for b in range(count):
-                        acc[:end] += partial[b]
-        for var, acc in wide.items():
+                        for h in range(group):
+                            acc[:end] += partial[b, h]
+        for bits, acc in wide.items():
             for i in (1, 2):
-                out[var][i][:, g] = acc[i - 1]
+                out["block", bits][i][:, g] = acc[i - 1]
         if not flat_bits:
             continue
         e_kv = [np.where(f > 0, f - 1023, 0) for f in fields]
-        sums = {bits: (np.zeros((length, dim), np.int64), np.zeros((length, dim), np.int64)) for bits in flat_bits}
+        sums = {bits: [[np.zeros((length, dim), np.int64) for _ in range(3)] for _ in range(2)] for bits in flat_bits}
         for rows, big_p, d_s in _chunks(enc, g, group, length, rows_per_chunk, scale):  # second pass: flat dk, dv
             end = rows.stop
             u_kv = (d_s * scale_q[:, rows], big_p * scale_do[:, rows])
             for bits in flat_bits:
                 for acc, u, r, e in zip(sums[bits], u_kv, (row_q, row_do), e_kv):
                     big_u = np.rint(u * fp.pow2_f64(bits - 2 - e[:end]))
-                    acc[:end] += (big_u.reshape(-1, end).T @ r[:, rows].reshape(-1, dim)).astype(np.int64)
+                    for a, s in zip(acc, digit_sums(big_u.reshape(-1, end).T, r[:, rows].reshape(-1, dim))):
+                        a[:end] += s  # exact int64: below 2^11 2^22 (G T)
         for bits in flat_bits:
             for i, (acc, e) in enumerate(zip(sums[bits], e_kv)):
-                out[bits, None][i + 1][:, g] = acc.astype(np.float64) * fp.pow2_f64(e - (bits - 2) - q_row)[:, None]
+                out["flat", bits][i + 1][:, g] = round_digit_sums(acc, (e - (bits - 2) - q_row)[:, None])
     return out
 
 
@@ -256,62 +302,59 @@ def attention_inputs(length):
     return (q, k, v, do), (encoded(q, 23), encoded(k, 15), encoded(v, 15), encoded(do, 23))
 
 
-def attention_errors(bits_list, length, exact, bf16):
-    """The reference's own (flat) backward at each COEF_BITS; returns (row, {bits: (dq, dk, dv)})."""
-    q, k, v, do = attention_inputs(length)[0]
-    row = {"length": length, "bf16": [_rel_error(a, b) for a, b in zip(bf16, exact)]}
-    cu = np.array([0, length])
-    grads = {}
-    for bits in bits_list:
-        reference.COEF_BITS = bits
-        grads[bits] = reference.attention_packed_backward_batched(q, k, v, do, cu, None)
-        row[str(bits)] = [_rel_error(a, b) for a, b in zip(grads[bits], exact)]
-    reference.COEF_BITS = 32
-    return row, grads
+def same_bits(a, b):
+    return all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
 
 
-def block_errors(length, exact, bf16, reference_grads):
-    """Flat and block-scaled rules at BLOCK_BITS: errors, their ratio to bf16's, and whether the flat
-    rule equals the reference's bits (where the reference ran at that COEF_BITS)."""
+def attention_errors(length, exact, bf16):
+    """Errors of the block rule at BLOCK_BITS and of the flat rule at FLAT_BITS, their ratios to bf16's, and
+    (T <= WHOLE_MAX) whether the chunked block rule's bits equal the reference's at the same COEF_BITS."""
     q, k, v, do = attention_inputs(length)[0]
-    variants = [(bits, None) for bits in BLOCK_BITS] + [(bits, BLOCK) for bits in BLOCK_BITS]
-    started = time.time()
-    grads = attention_backward_blocked(q, k, v, do, variants)
     bf16_errors = [_rel_error(a, b) for a, b in zip(bf16, exact)]
-    row = {"length": length, "bf16": bf16_errors, "seconds": round(time.time() - started, 1)}
-    for name, block in (("flat", None), (f"block{BLOCK}", BLOCK)):
-        errors = {str(bits): [_rel_error(a, b) for a, b in zip(grads[bits, block], exact)] for bits in BLOCK_BITS}
-        row[name] = errors
-        row[name + "_ratio_to_bf16"] = {bits: [x / y for x, y in zip(e, bf16_errors)] for bits, e in errors.items()}
-    row["flat_equals_reference"] = {str(bits): all(np.array_equal(a, b, equal_nan=True)
-                                                    for a, b in zip(grads[bits, None], reference_grads[bits]))
-                                    for bits in BLOCK_BITS if bits in reference_grads}
+    started = time.time()
+    grads = attention_backward_chunked(q, k, v, do, BLOCK_BITS, [FLAT_BITS])
+    row = {"length": length, "bf16": bf16_errors, "chunked_seconds": round(time.time() - started, 1)}
+    for rule, bits_list in (("block", BLOCK_BITS), ("flat", [FLAT_BITS])):
+        errors = {str(bits): [_rel_error(a, b) for a, b in zip(grads[rule, bits], exact)] for bits in bits_list}
+        row[rule] = errors
+        row[rule + "_ratio_to_bf16"] = {bits: [x / y for x, y in zip(e, bf16_errors)] for bits, e in errors.items()}
+    if length <= WHOLE_MAX:
+        started = time.time()
+        row["chunked_equals_reference"] = {}
+        for bits in BLOCK_BITS:  # the contract's bits, and the others through the reference's own COEF_BITS
+            reference.COEF_BITS = bits
+            ours = reference.attention_packed_backward_batched(q, k, v, do, np.array([0, length]), None)
+            row["chunked_equals_reference"][str(bits)] = same_bits(grads["block", bits], ours)
+        reference.COEF_BITS = CONTRACT_BITS
+        row["reference_seconds"] = round(time.time() - started, 1)
     return row
 
 
 def main():
     started = time.time()
-    result = {"bits": BITS, "what": "worst relative L2 error against float64 autograd (dq, dk, dv for attention)",
-              "models": model_errors(BITS), "attention": []}
-    result["block_scaled"] = {
-        "block": BLOCK, "bits": BLOCK_BITS,
-        "what": ("relative L2 error (dq, dk, dv) against float64 autograd of the encoded inputs; flat: one E per "
-                 "output row (the contract's rule), block64: one E per output row and aligned block of 64 positions "
-                 "(keys for dq, queries of all q heads of the kv group for dk, dv), exact integer block partials "
-                 "added in float64 in ascending block order, one rounding to float32. P and dS are the reference's "
-                 "own float64 values (rlportable.contract.attention._head_gradient_terms on chunks of query rows), "
-                 "so only the coefficient quantization differs; flat_equals_reference: the flat rule's bits equal "
-                 "the reference's attention_packed_backward_batched at COEF_BITS = bits. Beyond T = 4096 the "
-                 "float64 autograd runs in query chunks per head and bf16 autograd per head (memory)"),
-        "attention": []}
-    for length in LONG_LENGTHS:
+    result = {
+        "what": "worst relative L2 error against float64 autograd (dq, dk, dv for attention)",
+        "contract": {"rule": "block", "block": BLOCK, "coef_bits": CONTRACT_BITS},
+        "models": {"bits": BITS, "what": ("block rule at COEF_BITS = bits (reference.COEF_BITS); ratio_to_bf16: "
+                                          "the contract's rule is at most 0.1 at its own bits"),
+                   **model_errors(BITS)},
+        "attention": {
+            "block_bits": BLOCK_BITS, "flat_bits": FLAT_BITS,
+            "what": ("relative L2 error (dq, dk, dv) against float64 autograd of the encoded inputs; block: the "
+                     "contract's rule at COEF_BITS = bits (one E per output row and aligned block of 64 positions: "
+                     "keys for dq, queries of one q head for dk, dv; exact integer block partials added in "
+                     "float64 in ascending (query block, head) order, one rounding to float32); flat: one E per "
+                     "output row over its whole sum, the exact sum rounded once (at 32 bits, for comparison). "
+                     "Both by the script's chunked function on the reference's own float64 P and dS "
+                     "(rlportable.contract.attention._head_gradient_terms on chunks of query rows); "
+                     "chunked_equals_reference: the block rule's bits equal the reference's "
+                     "attention_packed_backward_batched at COEF_BITS = bits (T <= 4096). Beyond T = 4096 "
+                     "the float64 autograd runs in query chunks per head and bf16 autograd per head (memory)"),
+            "rows": []}}
+    for length in LENGTHS:
         raw, enc = attention_inputs(length)
         exact, bf16 = attention_grads(*enc, torch.float64), attention_grads(*raw, torch.bfloat16)
-        reference_grads = {}
-        if length in LENGTHS:
-            row, reference_grads = attention_errors(BITS, length, exact, bf16)
-            result["attention"].append(row)
-        result["block_scaled"]["attention"].append(block_errors(length, exact, bf16, reference_grads))
+        result["attention"]["rows"].append(attention_errors(length, exact, bf16))
     result["seconds"] = round(time.time() - started, 1)
     print(json.dumps(result, indent=1))
 

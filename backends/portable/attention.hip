@@ -909,11 +909,13 @@ __device__ __forceinline__ long long rlp_attb_dot_rows(const int* a, const int* 
     return s;
 }
 
+// The three per-row kernels run at any block size up to RLP_ATT_MAX_THREADS: their bounds keep the
+// registers within what 1024 threads may hold.
 // One block per (token, q head), grid-stride: the q, do and o row exponents (integer maxima), the
 // 23-bit q and do rows (to q_int, do_int), delta (E_w an integer max, then an exact int64 sum), then
 // m and L over keys start..token in two passes exactly as attention_paged, and the row's info and stats.
 // q, dout, o: [tokens, hq, d] float32; token_seq [tokens] int32; cu_seqlens [num_seqs + 1] int64.
-extern "C" __global__ void attention_backward_rows(
+extern "C" __global__ void RLP_LAUNCH_BOUNDS(RLP_ATT_MAX_THREADS, 1) attention_backward_rows(
     const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ o,
     const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens, long long tokens, int hq, int hkv,
     int d, int dp, double scale, const signed char* __restrict__ k_digits, const int* __restrict__ k_exponents,
@@ -1031,7 +1033,7 @@ extern "C" __global__ void attention_backward_rows(
 // replaces u_j; then one thread per column d forms each block's exact int64 partial sum_j U_j qk_jd and
 // adds it to its float64 sum, blocks in ascending order. dq = RNE_f32(sum). A poisoned row gives the
 // canonical NaN.
-extern "C" __global__ void attention_backward_dq(
+extern "C" __global__ void RLP_LAUNCH_BOUNDS(RLP_ATT_MAX_THREADS, 1) attention_backward_dq(
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ row_info,
     const double* __restrict__ row_stats, const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens,
     long long tokens, int hq, int hkv, int d, int dp, double scale, const signed char* __restrict__ k_digits,
@@ -1116,7 +1118,7 @@ extern "C" __global__ void attention_backward_dq(
 // RLP_ATTB_ROUND blocks as in attention_backward_dq: threads over the round's pairs form dS 2^eq and
 // P 2^edo and the blocks' largest fields, then U, then one thread per column adds each block's exact
 // int64 partials. A poisoned pair anywhere makes dk_j and dv_j the canonical NaN.
-extern "C" __global__ void attention_backward_dkv(
+extern "C" __global__ void RLP_LAUNCH_BOUNDS(RLP_ATT_MAX_THREADS, 1) attention_backward_dkv(
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ row_info,
     const double* __restrict__ row_stats, const int* __restrict__ token_seq, const long long* __restrict__ cu_seqlens,
     long long tokens, int hq, int hkv, int d, int dp, double scale, const signed char* __restrict__ k_digits,

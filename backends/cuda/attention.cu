@@ -436,7 +436,7 @@ RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 template <int DP>
 struct RlpAttd {
     static constexpr int LD = DP + RLP_ATTD_PAD;
-    static constexpr int BQ = 4096 / DP;              // query rows of a dq / stats tile
+    static constexpr int BQ = DP <= 128 ? 64 : 32;     // query rows of a stats (and dq) tile
     static constexpr int BK = DP <= 128 ? 64 : 32;     // keys per step of those (a coefficient block: 64)
     static constexpr int BKV = 4096 / DP;             // key rows of a dkv tile
     static constexpr int BQ2 = 32;                    // query rows per step of dkv
@@ -503,22 +503,6 @@ __device__ __forceinline__ unsigned int rlp_attd_umax_columns(unsigned int v) {
     v = max(v, __shfl_xor_sync(0xffffffffu, v, 4));
     v = max(v, __shfl_xor_sync(0xffffffffu, v, 8));
     return max(v, __shfl_xor_sync(0xffffffffu, v, 16));
-}
-
-// acc[n] += U[16 rows, kk] . B[kk rows, 8 columns at 8 n] for N column blocks (U rows uld apart, B rows
-// ld apart).
-template <int N>
-__device__ __forceinline__ void rlp_attd_accumulate(double (&acc)[N][4], const double* u, int uld, const double* b,
-                                                    int ld, int kk) {
-    const int lane = threadIdx.x & 31;
-    const int a_off = (lane >> 2) * uld + (lane & 3);
-    const int b_off = (lane & 3) * ld + (lane >> 2);
-#pragma unroll 2
-    for (int i = 0; i < kk; i += 4) {
-        const double u0 = u[a_off + i], u1 = u[a_off + 8 * uld + i];
-#pragma unroll
-        for (int n = 0; n < N; ++n) rlp_attd_mma(acc[n], u0, u1, b[b_off + i * ld + 8 * n]);
-    }
 }
 
 // Rows [count] of DP integers from global (row r at src + (first + r step) DP) into shared memory as
@@ -685,13 +669,6 @@ __device__ __forceinline__ void rlp_attd_stats(
 }
 
 
-// rlp_attt_pair for query row r, key c of a query tile.
-template <int DP>
-__device__ __forceinline__ void rlp_attd_terms(const RlpAttdRows<DP>& s, int r, int c, double sum, double dp_sum,
-                                               double scale, double* big_p, double* ds) {
-    rlp_attt_pair(sum, dp_sum, s.eq[r], s.ek[c], s.edo[r], s.ev[c], s.m[r], s.total[r], s.delta[r], scale, big_p, ds);
-}
-
 // Largest exponent field of the coefficients per row of a 16x8 fragment block: f[half] holds the thread's
 // rows g (half 0) and g + 8 (half 1); the four lanes of a row meet, lane % 4 == 0 adds it to field[].
 __device__ __forceinline__ void rlp_attd_row_fields(const unsigned int (&f)[2], unsigned int* field, int r0,
@@ -704,282 +681,426 @@ __device__ __forceinline__ void rlp_attd_row_fields(const unsigned int (&f)[2], 
     }
 }
 
-// U = RNE(u 2^(13 - E)) in place over a [rows, 64] coefficient tile (row stride ULD), E from field[r].
-template <int ROWS>
-__device__ __forceinline__ void rlp_attd_quantize_tile(double* u, const unsigned int* field) {
-    constexpr int ULD = RLP_ATTB_BLOCK + RLP_ATTD_PAD;
-    for (int i = threadIdx.x; i < ROWS * RLP_ATTB_BLOCK; i += RLP_ATTD_THREADS) {
-        const int r = i / RLP_ATTB_BLOCK, c = i - r * RLP_ATTB_BLOCK;
-        u[r * ULD + c] = (double)rlp_attb_quantize(u[r * ULD + c], rlp_attb_exponent(field[r]));
+// ---- The int8 tensor-core dq and dkv (mma.sync m16n8k32 s8, sm_80+). With 15-bit coefficients every
+// product of the backward is an int8 digit product: S = qq . qk and dP = qdo . qv as the forward's 3 x 2
+// digits (rlp_attm_chunk); a block's partial U . qk as 2 x 2 digits, U . qq and U . qdo as 2 x 3, with
+// the block's 64 positions as the reduction dimension (one 64-byte chunk). The digit products of equal
+// shift meet in int32 (|group| <= 2 * 64 * 2^14 = 2^21), combined exactly in int64. The operands whose
+// reduction dimension is the block's positions sit transposed, [digit][column][64 positions]; their
+// fragments read the same bytes [16t, 16t + 16) of each chunk as the other operand's (a permutation of
+// the positions both share). A block's coefficients never leave the registers of the threads that
+// formed them until its exponent is known: then they are quantized and stored as digits.
+template <int DP>
+struct RlpAtt8 {
+    static constexpr int BQ = DP <= 128 ? 64 : 32;  // query rows of a dq tile (keys per step: one block)
+    static constexpr int BKV = 4096 / DP;           // key rows of a dkv tile (queries per step: one block)
+    static constexpr int CH = DP / 64;              // 64-byte chunks of a row's digits
+};
+
+// The int8 kernels' scalars: a query block's rows (dq: the tile's rows; dkv: the block's 64 queries) and
+// keys (dq: the block's 64 keys; dkv: the tile's keys).
+template <int BQ, int BK>
+struct RlpAtt8Rows {
+    double total[BQ], delta[BQ];
+    float m[BQ];
+    int eq[BQ], edo[BQ], bad[BQ];
+    int ek[BK], ev[BK];
+    unsigned int field[BQ];
+};
+
+template <int BQ, int BKV>
+struct RlpAtt8Keys {
+    double total[BQ], delta[BQ];
+    float m[BQ];
+    int eq[BQ], edo[BQ], bad[BQ];
+    int ek[BKV], ev[BKV];
+    unsigned int field_k[BKV], field_v[BKV], bad_key[BKV];
+};
+
+// A balanced int8 digit of v (v - digit is a multiple of 256), and v's rest after it.
+__device__ __forceinline__ int rlp_attd_digit(int& v) {
+    const int low = ((v + 128) & 255) - 128;
+    v = (v - low) >> 8;
+    return low;
+}
+
+// Rows [count] of DP integers (|v| <= 2^22) from global (row r at src + (first + r step) DP) as NDIG
+// balanced digit planes [digit][DP / 64][ROWS][64] (the reduction dimension d); rows beyond count are 0.
+template <int DP, int ROWS, int NDIG>
+__device__ __forceinline__ void rlp_attd_load_digits(signed char* dst, const int* __restrict__ src, long long first,
+                                                     long long step, int count) {
+    for (int i = threadIdx.x; i < ROWS * (DP / 4); i += RLP_ATTD_THREADS) {
+        const int r = i / (DP / 4);
+        const int c = 4 * (i - r * (DP / 4));
+        int4 v = make_int4(0, 0, 0, 0);
+        if (r < count) v = *reinterpret_cast<const int4*>(src + (first + r * step) * DP + c);
+        int w[4] = {v.x, v.y, v.z, v.w};
+        unsigned int packed[NDIG];
+#pragma unroll
+        for (int k = 0; k < NDIG; ++k) packed[k] = 0u;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int k = 0; k < NDIG; ++k) packed[k] |= (unsigned int)(rlp_attd_digit(w[e]) & 255) << (8 * e);
+#pragma unroll
+        for (int k = 0; k < NDIG; ++k)
+            *reinterpret_cast<unsigned int*>(dst + ((k * (DP / 64) + c / 64) * ROWS + r) * 64 + c % 64) = packed[k];
     }
 }
 
-// dq of a query tile (grid (tiles, hq)): per block of 64 keys (aligned from the sequence start), the
-// coefficients u = dS 2^ek of the tile's rows into a shared tile (in steps of BK keys), each row's E
-// over the block, U in place, the block's exact partial U . qk (the last step's keys still resident,
-// earlier ones loaded again), then acc = acc + partial 2^(E - 26), blocks ascending.
+// The same 64 rows (positions of a block) transposed: [digit][DP][64], position c of column d at byte
+// (digit DP + d) 64 + c. Consecutive threads take consecutive positions: a warp's byte stores fill
+// whole shared-memory words.
+template <int DP, int NDIG>
+__device__ __forceinline__ void rlp_attd_load_digits_t(signed char* dst, const int* __restrict__ src, long long first,
+                                                       long long step, int count) {
+    for (int i = threadIdx.x; i < 64 * (DP / 4); i += RLP_ATTD_THREADS) {
+        const int c = i & 63, d = 4 * (i >> 6);
+        int4 v = make_int4(0, 0, 0, 0);
+        if (c < count) v = *reinterpret_cast<const int4*>(src + (first + c * step) * DP + d);
+        int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int k = 0; k < NDIG; ++k) dst[(k * DP + d + e) * 64 + c] = (signed char)rlp_attd_digit(w[e]);
+    }
+}
+
+// The 16x8 block of a . b^T over DP from row-layout digit tiles (a: RA rows, 3 digits, rows a0..;
+// b: RB rows, 2 digits, rows b0..), exact, as float64 (|S| < 2^44): the forward's digit products.
+template <int DP, int RA, int RB>
+__device__ __forceinline__ void rlp_attd_block8(double (&x)[4], const signed char* a, int a0, const signed char* b,
+                                                int b0) {
+    constexpr int CH = DP / 64;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int acc[4][4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[k][i] = 0;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+        int4 fa[3][2], fb[2];
+#pragma unroll
+        for (int i = 0; i < 3; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                fa[i][r] = *reinterpret_cast<const int4*>(a + ((i * CH + ch) * RA + a0 + g + 8 * r) * 64 + 16 * t);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            fb[j] = *reinterpret_cast<const int4*>(b + ((j * CH + ch) * RB + b0 + g) * 64 + 16 * t);
+        rlp_attm_chunk(acc, fa, fb);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = (double)rlp_attm_combine(acc, i);
+}
+
+// The 16x8 block of a block's partial: A (2 coefficient digits, [digit][RA][64], rows a0..) times B
+// (NB digits, transposed [digit][DP][64], columns b0..) over the block's 64 positions, exact in int64.
+template <int RA, int NB, int DP>
+__device__ __forceinline__ void rlp_attd_partial8(long long (&x)[4], const signed char* a, int a0, const signed char* b,
+                                                  int b0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int acc[NB + 1][4];
+#pragma unroll
+    for (int k = 0; k <= NB; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[k][i] = 0;
+    int4 fa[2][2], fb[NB];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) fa[i][r] = *reinterpret_cast<const int4*>(a + (i * RA + a0 + g + 8 * r) * 64 + 16 * t);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) fb[j] = *reinterpret_cast<const int4*>(b + (j * DP + b0 + g) * 64 + 16 * t);
+#pragma unroll
+    for (int step = 0; step < 2; ++step)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < NB; ++j)
+                rlp_attm_mma(acc[i + j], rlp_attm_word(fa[i][0], 2 * step), rlp_attm_word(fa[i][1], 2 * step),
+                             rlp_attm_word(fa[i][0], 2 * step + 1), rlp_attm_word(fa[i][1], 2 * step + 1),
+                             rlp_attm_word(fb[j], 2 * step), rlp_attm_word(fb[j], 2 * step + 1));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        long long v = acc[NB][i];
+#pragma unroll
+        for (int k = NB - 1; k >= 0; --k) v = v * 256 + acc[k][i];
+        x[i] = v;
+    }
+}
+
+// A quantized coefficient's two digits into a [digit][rows][64] tile at (row, position).
+__device__ __forceinline__ void rlp_attd_store_u(signed char* u, int rows, int row, int pos, long long big_u) {
+    int v = (int)big_u;
+    u[row * 64 + pos] = (signed char)rlp_attd_digit(v);
+    u[(rows + row) * 64 + pos] = (signed char)v;
+}
+
+// dq of a query tile (grid (tiles, hq)) on the int8 tensor cores: per block of 64 keys, S and dP (each
+// warp a 16-row strip x 8 n-blocks' share), the coefficients u = dS 2^ek kept in registers, each row's E
+// over the block (lanes, then shared atomics), U's digits into a tile, then the block's partial U . qk
+// and acc = acc + partial 2^(E - 26), blocks ascending.
 template <int DP>
-__device__ __forceinline__ void rlp_attd_dq(
+__device__ __forceinline__ void rlp_attd_dq8(
     const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
     const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
-    const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dq, double* smem) {
-    using T = RlpAttd<DP>;
-    constexpr int BQ = T::BQ, BK = T::BK, LD = T::LD, ULD = T::ULD, NSUB = RLP_ATTB_BLOCK / BK;
-    constexpr int NSB = (BQ / 16) * (BK / 8);
-    constexpr int NB = NSB >= 2 * RLP_ATTD_WARPS ? NSB / RLP_ATTD_WARPS : 1;  // S blocks per warp, sharing a
-    constexpr int NPW = 4;  // 16x8 accumulator blocks per warp: BQ DP / 128 blocks over 8 warps
-    double* qs = smem;
-    double* dos = qs + BQ * LD;
-    double* ks = dos + BQ * LD;
-    double* vs = ks + BK * LD;
-    double* us = vs + BK * LD;
-    RlpAttdRows<DP>& s = *reinterpret_cast<RlpAttdRows<DP>*>(us + BQ * ULD);
+    const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dq,
+    signed char* smem) {
+    using T = RlpAtt8<DP>;
+    constexpr int BQ = T::BQ, BK = RLP_ATTB_BLOCK;
+    constexpr int NBW = (BQ / 16) * (BK / 8) / RLP_ATTD_WARPS;  // S blocks per warp (one 16-row strip)
+    constexpr int NPW = (BQ / 16) * (DP / 8) / RLP_ATTD_WARPS;   // output blocks per warp
+    signed char* q8 = smem;
+    signed char* do8 = q8 + 3 * BQ * DP;
+    signed char* k8 = do8 + 3 * BQ * DP;
+    signed char* v8 = k8 + 2 * BK * DP;
+    signed char* kt8 = v8 + 2 * BK * DP;
+    signed char* u8 = kt8 + 2 * BK * DP;
+    RlpAtt8Rows<BQ, BK>& s = *reinterpret_cast<RlpAtt8Rows<BQ, BK>*>(u8 + 2 * BQ * BK);
     const int warp = threadIdx.x >> 5;
     const RlpAtttTile tile = rlp_attd_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
     const long long t0 = tile.t0, start = tile.start, t_end = tile.t0 + tile.rows;
     const int rows = tile.rows, h = tile.h, g = tile.g;
-    rlp_attd_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
-    rlp_attd_load<DP, BQ>(dos, do_int, t0 * hq + h, hq, rows);
-    rlp_attd_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
-    const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
+    rlp_attd_load_digits<DP, BQ, 3>(q8, q_int, t0 * hq + h, hq, rows);
+    rlp_attd_load_digits<DP, BQ, 3>(do8, do_int, t0 * hq + h, hq, rows);
+    for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) {
+        const long long item = (t0 + r) * hq + h;
+        const bool in = r < rows;
+        s.eq[r] = in ? row_info[3 * item] : 0;
+        s.edo[r] = in ? row_info[3 * item + 1] : 0;
+        s.bad[r] = in ? row_info[3 * item + 2] : 1;
+        s.m[r] = in ? (float)row_stats[3 * item] : 0.0f;
+        s.total[r] = in ? row_stats[3 * item + 1] : 1.0;
+        s.delta[r] = in ? row_stats[3 * item + 2] : 0.0;
+    }
+    const int mb = (warp * NBW) / (BK / 8), nb0 = (warp * NBW) % (BK / 8);  // S blocks of this warp
+    const int om = (warp * NPW) / (DP / 8), on0 = (warp * NPW) % (DP / 8);  // output blocks of this warp
     double acc[NPW][4];
 #pragma unroll
     for (int n = 0; n < NPW; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.0;
-    for (long long b0 = start; b0 < t_end; b0 += RLP_ATTB_BLOCK) {
-        for (int sub = 0; sub < NSUB; ++sub) {
-            const long long j0 = b0 + sub * BK;
-            const int keys = (int)max(0LL, min((long long)BK, t_end - j0));
-            __syncthreads();
-            if (sub == 0)
-                for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) s.field[r] = 0u;
-            rlp_attd_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, keys);
-            rlp_attd_load<DP, BK>(vs, v_int, j0 * hkv + g, hkv, keys);
-            rlp_attd_key_scalars<DP>(s, k_exponents, v_exponents, j0, keys, hkv, g);
-            __syncthreads();
-            for (int sg = warp; sg < NSB / NB; sg += RLP_ATTD_WARPS) {
-                const int mb = sg / (BK / 8 / NB), nb0 = (sg - mb * (BK / 8 / NB)) * NB;
-                double x[NB][4], y[NB][4];
-                rlp_attd_dots<NB, true>(x, y, qs + mb * 16 * LD, ks + nb0 * 8 * LD, dos + mb * 16 * LD,
-                                        vs + nb0 * 8 * LD, LD, DP);
-                unsigned int f[2] = {0u, 0u};
+    for (long long j0 = start; j0 < t_end; j0 += BK) {
+        const int keys = (int)min((long long)BK, t_end - j0);
+        __syncthreads();
+        rlp_attd_load_digits<DP, BK, 2>(k8, k_int, j0 * hkv + g, hkv, keys);
+        rlp_attd_load_digits<DP, BK, 2>(v8, v_int, j0 * hkv + g, hkv, keys);
+        rlp_attd_load_digits_t<DP, 2>(kt8, k_int, j0 * hkv + g, hkv, keys);
+        for (int c = threadIdx.x; c < BK; c += RLP_ATTD_THREADS) {
+            s.ek[c] = c < keys ? k_exponents[(j0 + c) * hkv + g] : 0;
+            s.ev[c] = c < keys ? v_exponents[(j0 + c) * hkv + g] : 0;
+        }
+        for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) s.field[r] = 0u;
+        __syncthreads();
+        double u[NBW][4];
+        unsigned int f[2] = {0u, 0u};
 #pragma unroll
-                for (int n = 0; n < NB; ++n)
+        for (int n = 0; n < NBW; ++n) {
+            double x[4], y[4];
+            rlp_attd_block8<DP, BQ, BK>(x, q8, mb * 16, k8, (nb0 + n) * 8);
+            rlp_attd_block8<DP, BQ, BK>(y, do8, mb * 16, v8, (nb0 + n) * 8);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int r = mb * 16 + rlp_attd_row(i), c = (nb0 + n) * 8 + rlp_attd_col(i);
-                        double u = 0.0;
-                        if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
-                            double big_p, ds;
-                            rlp_attd_terms<DP>(s, r, c, x[n][i], y[n][i], scale, &big_p, &ds);
-                            u = ds * rlp_pow2_f64(s.ek[c]);
-                            f[i >> 1] = max(f[i >> 1], rlp_attb_field(u));
-                        }
-                        us[r * ULD + sub * BK + c] = u;
-                    }
-                rlp_attd_row_fields(f, s.field, mb * 16, rows);
+            for (int i = 0; i < 4; ++i) {
+                const int r = mb * 16 + rlp_attd_row(i), c = (nb0 + n) * 8 + rlp_attd_col(i);
+                u[n][i] = 0.0;
+                if (r < rows && c < keys && j0 + c <= t0 + r && s.bad[r] == 0) {
+                    double big_p, ds;
+                    rlp_attt_pair(x[i], y[i], s.eq[r], s.ek[c], s.edo[r], s.ev[c], s.m[r], s.total[r], s.delta[r],
+                                  scale, &big_p, &ds);
+                    u[n][i] = ds * rlp_pow2_f64(s.ek[c]);
+                    f[i >> 1] = max(f[i >> 1], rlp_attb_field(u[n][i]));
+                }
             }
         }
+        rlp_attd_row_fields(f, s.field, mb * 16, BQ);
         __syncthreads();
-        rlp_attd_quantize_tile<BQ>(us, s.field);
-        __syncthreads();
-        int e[2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) e[half] = rlp_attb_exponent(s.field[acc_m * 16 + rlp_attd_row(2 * half)]);
-        double part[NPW][4];
+        for (int n = 0; n < NBW; ++n)
 #pragma unroll
-        for (int n = 0; n < NPW; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) part[n][i] = 0.0;
-        for (int sub = NSUB - 1; sub >= 0; --sub) {
-            if (sub != NSUB - 1) {
-                const long long j0 = b0 + sub * BK;
-                __syncthreads();
-                rlp_attd_load<DP, BK>(ks, k_int, j0 * hkv + g, hkv, (int)max(0LL, min((long long)BK, t_end - j0)));
-                __syncthreads();
+            for (int i = 0; i < 4; ++i) {
+                const int r = mb * 16 + rlp_attd_row(i);
+                rlp_attd_store_u(u8, BQ, r, (nb0 + n) * 8 + rlp_attd_col(i),
+                                 rlp_attb_quantize(u[n][i], rlp_attb_exponent(s.field[r])));
             }
-            rlp_attd_accumulate<NPW>(part, us + acc_m * 16 * ULD + sub * BK, ULD, ks + acc_n * 8, LD, BK);
+        __syncthreads();
+        double unit[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            unit[half] = rlp_pow2_f64(rlp_attb_exponent(s.field[om * 16 + rlp_attd_row(2 * half)]) -
+                                      (RLP_ATTB_COEF_BITS - 2) - (RLP_ATT_KV_BITS - 2));
+#pragma unroll
+        for (int n = 0; n < NPW; ++n) {
+            long long part[4];
+            rlp_attd_partial8<BQ, 2, DP>(part, u8, om * 16, kt8, (on0 + n) * 8);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)  // exact scaling (|part| < 2^35): one rounding, the add
+                acc[n][i] = acc[n][i] + (double)part[i] * unit[i >> 1];
         }
-#pragma unroll
-        for (int n = 0; n < NPW; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)  // the partial's scaling is exact: one rounding, the add
-                acc[n][i] = acc[n][i] + part[n][i] * rlp_pow2_f64(e[i >> 1] - (RLP_ATTB_COEF_BITS - 2) -
-                                                                  (RLP_ATT_KV_BITS - 2));
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int r = acc_m * 16 + rlp_attd_row(i);
+        const int r = om * 16 + rlp_attd_row(i);
         if (r >= rows) continue;
         float* out = dq + ((t0 + r) * hq + h) * (long long)d;
 #pragma unroll
         for (int n = 0; n < NPW; ++n) {
-            const int col = (acc_n + n) * 8 + rlp_attd_col(i);
+            const int col = (on0 + n) * 8 + rlp_attd_col(i);
             if (col < d) out[col] = s.bad[r] ? rlp_canonical_nan() : __double2float_rn(acc[n][i]);
         }
     }
 }
 
-// dk and dv of a key tile (grid (key tiles, hkv)): per block of 64 queries (aligned from the sequence
-// start, from the block holding the tile's first key) and, within it, per q head of the group in order:
-// the coefficients dS 2^eq and P 2^edo of the tile's keys into two shared tiles (in steps of BQ2 queries),
-// each key's E over the block, U in place, the block's exact partials U . qq and U . qdo (the last
-// step's rows still resident), then acc = acc + partial 2^(E - 34). A key that a poisoned query row
-// reaches gets the canonical NaN.
+// dk and dv of a key tile (grid (key tiles, hkv)) on the int8 tensor cores: per block of 64 queries
+// (from the block holding the tile's first key) and within it per q head of the group in order: S and
+// dP as [query][key] fragments, the coefficients dS 2^eq and P 2^edo in registers, each key's E over the
+// block (a column maximum), the transposed U digits into tiles, the block's partials U^T . qq and
+// U^T . qdo against the transposed q and do digit tiles, acc = acc + partial 2^(E - 34). A key that a
+// poisoned row reaches gets the canonical NaN.
 template <int DP>
-__device__ __forceinline__ void rlp_attd_dkv(
+__device__ __forceinline__ void rlp_attd_dkv8(
     const int* __restrict__ key_tiles, const long long* __restrict__ cu_seqlens, int hq, int hkv, int d, double scale,
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
     const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
     const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dk,
-    float* __restrict__ dv, double* smem) {
-    using T = RlpAttd<DP>;
-    constexpr int BKV = T::BKV, BQ2 = T::BQ2, LD = T::LD, ULD = T::ULD, NSUB = RLP_ATTB_BLOCK / BQ2;
-    constexpr int NSB = (BKV / 16) * (BQ2 / 8);
-    constexpr int NB = NSB >= 2 * RLP_ATTD_WARPS ? NSB / RLP_ATTD_WARPS : 1;  // S blocks per warp, sharing a
-    constexpr int NPW = 4;  // 16x8 accumulator blocks per warp and output: BKV DP / 128 blocks over 8 warps
-    double* ks = smem;
-    double* vs = ks + BKV * LD;
-    double* qs = vs + BKV * LD;
-    double* dos = qs + BQ2 * LD;
-    double* uk = dos + BQ2 * LD;
-    double* uv = uk + BKV * ULD;
-    double* r_total = uv + BKV * ULD;
-    double* r_delta = r_total + BQ2;
-    float* r_m = reinterpret_cast<float*>(r_delta + BQ2);
-    int* r_eq = reinterpret_cast<int*>(r_m + BQ2);
-    int* r_edo = r_eq + BQ2;
-    int* r_bad = r_edo + BQ2;
-    int* c_ek = r_bad + BQ2;
-    int* c_ev = c_ek + BKV;
-    unsigned int* c_fk = reinterpret_cast<unsigned int*>(c_ev + BKV);
-    unsigned int* c_fv = c_fk + BKV;
-    unsigned int* c_bad = c_fv + BKV;
+    float* __restrict__ dv, signed char* smem) {
+    using T = RlpAtt8<DP>;
+    constexpr int BKV = T::BKV, BQ = RLP_ATTB_BLOCK;
+    constexpr int NBW = (BQ / 16) * (BKV / 8) / RLP_ATTD_WARPS;  // S blocks per warp ([query][key])
+    constexpr int NPW = (BKV / 16) * (DP / 8) / RLP_ATTD_WARPS;  // output blocks per warp and output
+    signed char* q8 = smem;
+    signed char* do8 = q8 + 3 * BQ * DP;
+    signed char* qt8 = do8 + 3 * BQ * DP;
+    signed char* dot8 = qt8 + 3 * BQ * DP;
+    signed char* k8 = dot8 + 3 * BQ * DP;
+    signed char* v8 = k8 + 2 * BKV * DP;
+    signed char* uk8 = v8 + 2 * BKV * DP;
+    signed char* uv8 = uk8 + 2 * BKV * BQ;
+    RlpAtt8Keys<BQ, BKV>& s = *reinterpret_cast<RlpAtt8Keys<BQ, BKV>*>(uv8 + 2 * BKV * BQ);
     const int warp = threadIdx.x >> 5;
     const int seq = key_tiles[2 * blockIdx.x];
     const long long j0 = key_tiles[2 * blockIdx.x + 1], start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
-    const int rows = (int)min((long long)BKV, end - j0);
+    const int keys = (int)min((long long)BKV, end - j0);
     const int g = blockIdx.y, group = hq / hkv;
-    rlp_attd_load<DP, BKV>(ks, k_int, j0 * hkv + g, hkv, rows);
-    rlp_attd_load<DP, BKV>(vs, v_int, j0 * hkv + g, hkv, rows);
-    for (int r = threadIdx.x; r < BKV; r += RLP_ATTD_THREADS) {
-        const long long kr = (j0 + r) * hkv + g;
-        c_ek[r] = r < rows ? k_exponents[kr] : 0;
-        c_ev[r] = r < rows ? v_exponents[kr] : 0;
-        c_bad[r] = 0u;
+    rlp_attd_load_digits<DP, BKV, 2>(k8, k_int, j0 * hkv + g, hkv, keys);
+    rlp_attd_load_digits<DP, BKV, 2>(v8, v_int, j0 * hkv + g, hkv, keys);
+    for (int c = threadIdx.x; c < BKV; c += RLP_ATTD_THREADS) {
+        const long long kr = (j0 + c) * hkv + g;
+        s.ek[c] = c < keys ? k_exponents[kr] : 0;
+        s.ev[c] = c < keys ? v_exponents[kr] : 0;
+        s.bad_key[c] = 0u;
     }
-    const int acc_m = (warp * NPW) / (DP / 8), acc_n = (warp * NPW) % (DP / 8);
+    const int mb = (warp * NBW) / (BKV / 8), nb0 = (warp * NBW) % (BKV / 8);  // S blocks: query strip, keys
+    const int om = (warp * NPW) / (DP / 8), on0 = (warp * NPW) % (DP / 8);    // output blocks: key strip, d
     double acc_k[NPW][4], acc_v[NPW][4];
 #pragma unroll
     for (int n = 0; n < NPW; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) { acc_k[n][i] = 0.0; acc_v[n][i] = 0.0; }
-    for (long long b0 = start + (j0 - start) / RLP_ATTB_BLOCK * RLP_ATTB_BLOCK; b0 < end; b0 += RLP_ATTB_BLOCK)
+    for (long long t0 = start + (j0 - start) / BQ * BQ; t0 < end; t0 += BQ)
         for (int hh = 0; hh < group; ++hh) {
             const int h = g * group + hh;
-            for (int sub = 0; sub < NSUB; ++sub) {
-                const long long t0 = b0 + sub * BQ2;
-                const int qrows = (int)max(0LL, min((long long)BQ2, end - t0));
-                __syncthreads();
-                if (sub == 0)
-                    for (int r = threadIdx.x; r < BKV; r += RLP_ATTD_THREADS) { c_fk[r] = 0u; c_fv[r] = 0u; }
-                rlp_attd_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
-                rlp_attd_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
-                for (int c = threadIdx.x; c < BQ2; c += RLP_ATTD_THREADS) {
-                    const long long it = (t0 + c) * hq + h;
-                    const bool in = c < qrows;
-                    r_eq[c] = in ? row_info[3 * it] : 0;
-                    r_edo[c] = in ? row_info[3 * it + 1] : 0;
-                    r_bad[c] = in ? row_info[3 * it + 2] : 1;
-                    r_m[c] = in ? (float)row_stats[3 * it] : 0.0f;
-                    r_total[c] = in ? row_stats[3 * it + 1] : 1.0;
-                    r_delta[c] = in ? row_stats[3 * it + 2] : 0.0;
-                }
-                __syncthreads();
-                for (int sg = warp; sg < NSB / NB; sg += RLP_ATTD_WARPS) {
-                    const int mb = sg / (BQ2 / 8 / NB), nb0 = (sg - mb * (BQ2 / 8 / NB)) * NB;
-                    double x[NB][4], y[NB][4];
-                    rlp_attd_dots<NB, true>(x, y, ks + mb * 16 * LD, qs + nb0 * 8 * LD, vs + mb * 16 * LD,
-                                            dos + nb0 * 8 * LD, LD, DP);
-                    unsigned int fk[2] = {0u, 0u}, fv[2] = {0u, 0u}, bad[2] = {0u, 0u};
+            const int qrows = (int)min((long long)BQ, end - t0);
+            __syncthreads();
+            rlp_attd_load_digits<DP, BQ, 3>(q8, q_int, t0 * hq + h, hq, qrows);
+            rlp_attd_load_digits<DP, BQ, 3>(do8, do_int, t0 * hq + h, hq, qrows);
+            rlp_attd_load_digits_t<DP, 3>(qt8, q_int, t0 * hq + h, hq, qrows);
+            rlp_attd_load_digits_t<DP, 3>(dot8, do_int, t0 * hq + h, hq, qrows);
+            for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) {
+                const long long it = (t0 + r) * hq + h;
+                const bool in = r < qrows;
+                s.eq[r] = in ? row_info[3 * it] : 0;
+                s.edo[r] = in ? row_info[3 * it + 1] : 0;
+                s.bad[r] = in ? row_info[3 * it + 2] : 1;
+                s.m[r] = in ? (float)row_stats[3 * it] : 0.0f;
+                s.total[r] = in ? row_stats[3 * it + 1] : 1.0;
+                s.delta[r] = in ? row_stats[3 * it + 2] : 0.0;
+            }
+            for (int c = threadIdx.x; c < BKV; c += RLP_ATTD_THREADS) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
+            __syncthreads();
+            double uk[NBW][4], uv[NBW][4];
 #pragma unroll
-                    for (int n = 0; n < NB; ++n)
+            for (int n = 0; n < NBW; ++n) {
+                double x[4], y[4];
+                rlp_attd_block8<DP, BQ, BKV>(x, q8, mb * 16, k8, (nb0 + n) * 8);
+                rlp_attd_block8<DP, BQ, BKV>(y, do8, mb * 16, v8, (nb0 + n) * 8);
+                unsigned int fk[2] = {0u, 0u}, fv[2] = {0u, 0u}, bad[2] = {0u, 0u};
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int r = mb * 16 + rlp_attd_row(i);        // key row
-                            const int c = (nb0 + n) * 8 + rlp_attd_col(i);  // query row
-                            double ukv = 0.0, uvv = 0.0;
-                            if (r < rows && c < qrows && j0 + r <= t0 + c) {
-                                if (r_bad[c] != 0) {
-                                    bad[i >> 1] = 1u;
-                                } else {
-                                    double big_p, ds;
-                                    rlp_attt_pair(x[n][i], y[n][i], r_eq[c], c_ek[r], r_edo[c], c_ev[r], r_m[c],
-                                                  r_total[c], r_delta[c], scale, &big_p, &ds);
-                                    ukv = ds * rlp_pow2_f64(r_eq[c]);
-                                    uvv = big_p * rlp_pow2_f64(r_edo[c]);
-                                    fk[i >> 1] = max(fk[i >> 1], rlp_attb_field(ukv));
-                                    fv[i >> 1] = max(fv[i >> 1], rlp_attb_field(uvv));
-                                }
-                            }
-                            uk[r * ULD + sub * BQ2 + c] = ukv;
-                            uv[r * ULD + sub * BQ2 + c] = uvv;
+                for (int i = 0; i < 4; ++i) {
+                    const int r = mb * 16 + rlp_attd_row(i);        // query row
+                    const int c = (nb0 + n) * 8 + rlp_attd_col(i);  // key
+                    uk[n][i] = 0.0;
+                    uv[n][i] = 0.0;
+                    if (r < qrows && c < keys && j0 + c <= t0 + r) {
+                        if (s.bad[r] != 0) {
+                            bad[i & 1] = 1u;
+                        } else {
+                            double big_p, ds;
+                            rlp_attt_pair(x[i], y[i], s.eq[r], s.ek[c], s.edo[r], s.ev[c], s.m[r], s.total[r],
+                                          s.delta[r], scale, &big_p, &ds);
+                            uk[n][i] = ds * rlp_pow2_f64(s.eq[r]);
+                            uv[n][i] = big_p * rlp_pow2_f64(s.edo[r]);
+                            fk[i & 1] = max(fk[i & 1], rlp_attb_field(uk[n][i]));
+                            fv[i & 1] = max(fv[i & 1], rlp_attb_field(uv[n][i]));
                         }
-                    rlp_attd_row_fields(fk, c_fk, mb * 16, rows);
-                    rlp_attd_row_fields(fv, c_fv, mb * 16, rows);
-                    rlp_attd_row_fields(bad, c_bad, mb * 16, rows);
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {  // key column 2 t + e: the 8 lanes of the column meet
+                    const unsigned int k_max = rlp_attd_umax_columns(fk[e]);
+                    const unsigned int v_max = rlp_attd_umax_columns(fv[e]);
+                    const unsigned int b_any = rlp_attd_umax_columns(bad[e]);
+                    const int c = (nb0 + n) * 8 + rlp_attd_col(e);
+                    if ((threadIdx.x & 31) < 4) {
+                        if (k_max) atomicMax(&s.field_k[c], k_max);
+                        if (v_max) atomicMax(&s.field_v[c], v_max);
+                        if (b_any) s.bad_key[c] = 1u;
+                    }
                 }
             }
             __syncthreads();
-            rlp_attd_quantize_tile<BKV>(uk, c_fk);
-            rlp_attd_quantize_tile<BKV>(uv, c_fv);
+#pragma unroll
+            for (int n = 0; n < NBW; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = mb * 16 + rlp_attd_row(i), c = (nb0 + n) * 8 + rlp_attd_col(i);
+                    rlp_attd_store_u(uk8, BKV, c, r, rlp_attb_quantize(uk[n][i], rlp_attb_exponent(s.field_k[c])));
+                    rlp_attd_store_u(uv8, BKV, c, r, rlp_attb_quantize(uv[n][i], rlp_attb_exponent(s.field_v[c])));
+                }
             __syncthreads();
-            int ek[2], ev[2];
+            double unit_k[2], unit_v[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int r = acc_m * 16 + rlp_attd_row(2 * half);
-                ek[half] = rlp_attb_exponent(c_fk[r]);
-                ev[half] = rlp_attb_exponent(c_fv[r]);
-            }
-            double part_k[NPW][4], part_v[NPW][4];
-#pragma unroll
-            for (int n = 0; n < NPW; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) { part_k[n][i] = 0.0; part_v[n][i] = 0.0; }
-            for (int sub = NSUB - 1; sub >= 0; --sub) {
-                if (sub != NSUB - 1) {
-                    const long long t0 = b0 + sub * BQ2;
-                    const int qrows = (int)max(0LL, min((long long)BQ2, end - t0));
-                    __syncthreads();
-                    rlp_attd_load<DP, BQ2>(qs, q_int, t0 * hq + h, hq, qrows);
-                    rlp_attd_load<DP, BQ2>(dos, do_int, t0 * hq + h, hq, qrows);
-                    __syncthreads();
-                }
-                rlp_attd_accumulate<NPW>(part_k, uk + acc_m * 16 * ULD + sub * BQ2, ULD, qs + acc_n * 8, LD, BQ2);
-                rlp_attd_accumulate<NPW>(part_v, uv + acc_m * 16 * ULD + sub * BQ2, ULD, dos + acc_n * 8, LD, BQ2);
+                const int c = om * 16 + rlp_attd_row(2 * half);
+                unit_k[half] = rlp_pow2_f64(rlp_attb_exponent(s.field_k[c]) - (RLP_ATTB_COEF_BITS - 2) -
+                                            RLP_ATTB_ROW_SHIFT);
+                unit_v[half] = rlp_pow2_f64(rlp_attb_exponent(s.field_v[c]) - (RLP_ATTB_COEF_BITS - 2) -
+                                            RLP_ATTB_ROW_SHIFT);
             }
 #pragma unroll
-            for (int n = 0; n < NPW; ++n)
+            for (int n = 0; n < NPW; ++n) {
+                long long pk[4], pv[4];
+                rlp_attd_partial8<BKV, 3, DP>(pk, uk8, om * 16, qt8, (on0 + n) * 8);
+                rlp_attd_partial8<BKV, 3, DP>(pv, uv8, om * 16, dot8, (on0 + n) * 8);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {  // exact scalings: one rounding each, the adds
-                    acc_k[n][i] = acc_k[n][i] + part_k[n][i] * rlp_pow2_f64(ek[i >> 1] - (RLP_ATTB_COEF_BITS - 2) -
-                                                                            RLP_ATTB_ROW_SHIFT);
-                    acc_v[n][i] = acc_v[n][i] + part_v[n][i] * rlp_pow2_f64(ev[i >> 1] - (RLP_ATTB_COEF_BITS - 2) -
-                                                                            RLP_ATTB_ROW_SHIFT);
+                for (int i = 0; i < 4; ++i) {  // exact scalings (|partial| < 2^42): one rounding each, the adds
+                    acc_k[n][i] = acc_k[n][i] + (double)pk[i] * unit_k[i >> 1];
+                    acc_v[n][i] = acc_v[n][i] + (double)pv[i] * unit_v[i >> 1];
                 }
+            }
         }
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int r = acc_m * 16 + rlp_attd_row(i);
-        if (r >= rows) continue;
-        const long long at = ((j0 + r) * hkv + g) * (long long)d;
-        const bool poisoned = c_bad[r] != 0u;
+        const int c = om * 16 + rlp_attd_row(i);
+        if (c >= keys) continue;
+        const long long at = ((j0 + c) * hkv + g) * (long long)d;
+        const bool poisoned = s.bad_key[c] != 0u;
 #pragma unroll
         for (int n = 0; n < NPW; ++n) {
-            const int col = (acc_n + n) * 8 + rlp_attd_col(i);
+            const int col = (on0 + n) * 8 + rlp_attd_col(i);
             if (col >= d) continue;
             dk[at + col] = poisoned ? rlp_canonical_nan() : __double2float_rn(acc_k[n][i]);
             dv[at + col] = poisoned ? rlp_canonical_nan() : __double2float_rn(acc_v[n][i]);
@@ -995,13 +1116,13 @@ __device__ __forceinline__ void rlp_attd_dkv(
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) DQ(RLP_ATTT_QUERY_ARGS) {                 \
         extern __shared__ double rlp_attd_smem[];                                                              \
-        rlp_attd_dq<DP>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,      \
-                        v_exponents, row_info, row_stats, dq, rlp_attd_smem);                                  \
+        rlp_attd_dq8<DP>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,     \
+                         v_exponents, row_info, row_stats, dq, reinterpret_cast<signed char*>(rlp_attd_smem));                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) DKV(RLP_ATTT_KEY_ARGS) {                  \
         extern __shared__ double rlp_attd_smem[];                                                              \
-        rlp_attd_dkv<DP>(key_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,   \
-                         v_exponents, row_info, row_stats, dk, dv, rlp_attd_smem);                             \
+        rlp_attd_dkv8<DP>(key_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,  \
+                          v_exponents, row_info, row_stats, dk, dv, reinterpret_cast<signed char*>(rlp_attd_smem));                             \
     }
 
 // padded head_dim 64, 128 and 256 (192 runs as 256)

@@ -177,7 +177,8 @@ def block_weighted_sum(blocks, row_bits: int, shape: tuple[int, ...]) -> np.ndar
         part = np.matmul(big_u, np.asarray(rows, dtype=np.float64)).astype(np.int64).astype(np.float64)
         part = part * fp.pow2_f64(e - (COEF_BITS - 2) - (row_bits - 2))[..., None]  # exact: a power of two
         acc = acc + part
-    return acc.astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond FLT_MAX rounds to +-inf, as the contract says
+        return acc.astype(np.float32)
 
 
 def position_blocks(length: int) -> list[slice]:

@@ -617,11 +617,13 @@ def tiled_head_dim(head_dim: int) -> int:
 
 def tiled_tiles(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     """The tiled kernels' tile sizes: query rows and keys per step of the per-query-tile kernels, key
-    rows and query rows per step of dkv. cuda: RlpAttd in backends/cuda/attention.cu (FP64 mma
-    fragments, up to 227 KiB of shared memory); hip: RlpAttp in backends/portable/attention.hip
+    rows and query rows per step of dkv. cuda: RlpAttd (stats, FP64 mma) and RlpAtt8 (dq and dkv, int8
+    mma, a step of one coefficient block) in backends/cuda/attention.cu, up to 227 KiB of shared
+    memory; hip: RlpAttp in backends/portable/attention.hip
     (within PORTABLE_SHARED_LIMIT)."""
     if vendor == "cuda":
-        return {"bq": 4096 // dpt, "bk": 64 if dpt <= 128 else 32, "bkv": 4096 // dpt, "bq2": 32}
+        return {"bq": 64 if dpt <= 128 else 32, "bk": 64 if dpt <= 128 else 32, "bkv": 4096 // dpt,
+                "bq2": reference.BLOCK}
     b = 2048 // dpt  # bkv divides 64: a key tile lies in one block of 64 positions
     return {"bq": b, "bk": 16, "bkv": b, "bq2": 8 if dpt == 64 else 16}
 
@@ -644,13 +646,19 @@ def tiled_shared_bytes(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     t = tiled_tiles(dpt, vendor)
     i32, u32, f32, f64, u64 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_double, ctypes.c_uint64
     if vendor == "cuda":
-        bq, bk, bkv, bq2, ld, uld = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 4, reference.BLOCK + 4
-        rows = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("m", f32, bq), ("total", f64, bq),
-                              ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk), ("key", u32, bq),
-                              ("flag", u32, bq), ("field", u32, bq), ("sum", u64, bq)])  # RlpAttdRows
-        return {"stats": 8 * (bq + bk) * ld + rows,
-                "dq": 8 * (2 * bq * ld + 2 * bk * ld + bq * uld) + rows,
-                "dkv": 8 * (2 * bkv * ld + 2 * bq2 * ld + 2 * bkv * uld) + 32 * bq2 + 20 * bkv}
+        bq, bk, bkv, block, ld = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 4
+        stats = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("m", f32, bq), ("total", f64, bq),
+                               ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk), ("key", u32, bq),
+                               ("flag", u32, bq), ("field", u32, bq), ("sum", u64, bq)])  # RlpAttdRows
+        query = [("total", f64), ("delta", f64), ("m", f32), ("eq", i32), ("edo", i32), ("bad", i32)]
+        rows8 = _struct_bytes([(n, c, bq) for n, c in query] + [("ek", i32, block), ("ev", i32, block),
+                                                                  ("field", u32, bq)])  # RlpAtt8Rows
+        keys8 = _struct_bytes([(n, c, block) for n, c in query] + [(n, c, bkv) for n, c in (
+            ("ek", i32), ("ev", i32), ("field_k", u32), ("field_v", u32), ("bad_key", u32))])  # RlpAtt8Keys
+        # int8 digit tiles: q, do 3 digits; k, v, k transposed 2; coefficients 2 (dkv: q, do also transposed)
+        return {"stats": 8 * (bq + bk) * ld + stats,
+                "dq": 6 * bq * dpt + 6 * block * dpt + 2 * bq * block + rows8,
+                "dkv": 12 * block * dpt + 4 * bkv * dpt + 4 * bkv * block + keys8}
     bq, bk, bkv, bq2, ld, block = t["bq"], t["bk"], t["bkv"], t["bq2"], dpt + 1, reference.BLOCK
     rows = _struct_bytes([("eq", i32, bq), ("edo", i32, bq), ("bad", i32, bq), ("m", f32, bq), ("total", f64, bq),
                           ("delta", f64, bq), ("ek", i32, bk), ("ev", i32, bk), ("key", u32, bq), ("flag", u32, bq),

@@ -695,6 +695,10 @@ struct RlpAtt8 {
     static constexpr int BQ = DP <= 128 ? 64 : 32;  // query rows of a dq tile (keys per step: one block)
     static constexpr int BKV = 4096 / DP;           // key rows of a dkv tile (queries per step: one block)
     static constexpr int CH = DP / 64;              // 64-byte chunks of a row's digits
+    // 16 warps where the tiles have work for them: one block a multiprocessor (the shared memory),
+    // so more warps are what hides the loads' and the per-pair arithmetic's latency
+    static constexpr int THREADS = DP <= 128 ? 512 : 256;
+    static constexpr int WARPS = THREADS / 32;
 };
 
 // The int8 kernels' scalars: a query block's rows (dq: the tile's rows; dkv: the block's 64 queries) and
@@ -726,10 +730,10 @@ __device__ __forceinline__ int rlp_attd_digit(int& v) {
 
 // Rows [count] of DP integers (|v| <= 2^22) from global (row r at src + (first + r step) DP) as NDIG
 // balanced digit planes [digit][DP / 64][ROWS][64] (the reduction dimension d); rows beyond count are 0.
-template <int DP, int ROWS, int NDIG>
+template <int DP, int ROWS, int NDIG, int NT>
 __device__ __forceinline__ void rlp_attd_load_digits(signed char* dst, const int* __restrict__ src, long long first,
                                                      long long step, int count) {
-    for (int i = threadIdx.x; i < ROWS * (DP / 4); i += RLP_ATTD_THREADS) {
+    for (int i = threadIdx.x; i < ROWS * (DP / 4); i += NT) {
         const int r = i / (DP / 4);
         const int c = 4 * (i - r * (DP / 4));
         int4 v = make_int4(0, 0, 0, 0);
@@ -751,10 +755,10 @@ __device__ __forceinline__ void rlp_attd_load_digits(signed char* dst, const int
 // The same 64 rows (positions of a block) transposed: [digit][DP][64], position c of column d at byte
 // (digit DP + d) 64 + c. Consecutive threads take consecutive positions: a warp's byte stores fill
 // whole shared-memory words.
-template <int DP, int NDIG>
+template <int DP, int NDIG, int NT>
 __device__ __forceinline__ void rlp_attd_load_digits_t(signed char* dst, const int* __restrict__ src, long long first,
                                                        long long step, int count) {
-    for (int i = threadIdx.x; i < 64 * (DP / 4); i += RLP_ATTD_THREADS) {
+    for (int i = threadIdx.x; i < 64 * (DP / 4); i += NT) {
         const int c = i & 63, d = 4 * (i >> 6);
         int4 v = make_int4(0, 0, 0, 0);
         if (c < count) v = *reinterpret_cast<const int4*>(src + (first + c * step) * DP + d);
@@ -850,9 +854,9 @@ __device__ __forceinline__ void rlp_attd_dq8(
     const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dq,
     signed char* smem) {
     using T = RlpAtt8<DP>;
-    constexpr int BQ = T::BQ, BK = RLP_ATTB_BLOCK;
-    constexpr int NBW = (BQ / 16) * (BK / 8) / RLP_ATTD_WARPS;  // S blocks per warp (one 16-row strip)
-    constexpr int NPW = (BQ / 16) * (DP / 8) / RLP_ATTD_WARPS;   // output blocks per warp
+    constexpr int BQ = T::BQ, BK = RLP_ATTB_BLOCK, NT = T::THREADS, NW = T::WARPS;
+    constexpr int NBW = (BQ / 16) * (BK / 8) / NW;  // S blocks per warp (one 16-row strip)
+    constexpr int NPW = (BQ / 16) * (DP / 8) / NW;   // output blocks per warp
     signed char* q8 = smem;
     signed char* do8 = q8 + 3 * BQ * DP;
     signed char* k8 = do8 + 3 * BQ * DP;
@@ -864,9 +868,9 @@ __device__ __forceinline__ void rlp_attd_dq8(
     const RlpAtttTile tile = rlp_attd_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
     const long long t0 = tile.t0, start = tile.start, t_end = tile.t0 + tile.rows;
     const int rows = tile.rows, h = tile.h, g = tile.g;
-    rlp_attd_load_digits<DP, BQ, 3>(q8, q_int, t0 * hq + h, hq, rows);
-    rlp_attd_load_digits<DP, BQ, 3>(do8, do_int, t0 * hq + h, hq, rows);
-    for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) {
+    rlp_attd_load_digits<DP, BQ, 3, NT>(q8, q_int, t0 * hq + h, hq, rows);
+    rlp_attd_load_digits<DP, BQ, 3, NT>(do8, do_int, t0 * hq + h, hq, rows);
+    for (int r = threadIdx.x; r < BQ; r += NT) {
         const long long item = (t0 + r) * hq + h;
         const bool in = r < rows;
         s.eq[r] = in ? row_info[3 * item] : 0;
@@ -886,14 +890,14 @@ __device__ __forceinline__ void rlp_attd_dq8(
     for (long long j0 = start; j0 < t_end; j0 += BK) {
         const int keys = (int)min((long long)BK, t_end - j0);
         __syncthreads();
-        rlp_attd_load_digits<DP, BK, 2>(k8, k_int, j0 * hkv + g, hkv, keys);
-        rlp_attd_load_digits<DP, BK, 2>(v8, v_int, j0 * hkv + g, hkv, keys);
-        rlp_attd_load_digits_t<DP, 2>(kt8, k_int, j0 * hkv + g, hkv, keys);
-        for (int c = threadIdx.x; c < BK; c += RLP_ATTD_THREADS) {
+        rlp_attd_load_digits<DP, BK, 2, NT>(k8, k_int, j0 * hkv + g, hkv, keys);
+        rlp_attd_load_digits<DP, BK, 2, NT>(v8, v_int, j0 * hkv + g, hkv, keys);
+        rlp_attd_load_digits_t<DP, 2, NT>(kt8, k_int, j0 * hkv + g, hkv, keys);
+        for (int c = threadIdx.x; c < BK; c += NT) {
             s.ek[c] = c < keys ? k_exponents[(j0 + c) * hkv + g] : 0;
             s.ev[c] = c < keys ? v_exponents[(j0 + c) * hkv + g] : 0;
         }
-        for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) s.field[r] = 0u;
+        for (int r = threadIdx.x; r < BQ; r += NT) s.field[r] = 0u;
         __syncthreads();
         double u[NBW][4];
         unsigned int f[2] = {0u, 0u};
@@ -967,9 +971,9 @@ __device__ __forceinline__ void rlp_attd_dkv8(
     const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dk,
     float* __restrict__ dv, signed char* smem) {
     using T = RlpAtt8<DP>;
-    constexpr int BKV = T::BKV, BQ = RLP_ATTB_BLOCK;
-    constexpr int NBW = (BQ / 16) * (BKV / 8) / RLP_ATTD_WARPS;  // S blocks per warp ([query][key])
-    constexpr int NPW = (BKV / 16) * (DP / 8) / RLP_ATTD_WARPS;  // output blocks per warp and output
+    constexpr int BKV = T::BKV, BQ = RLP_ATTB_BLOCK, NT = T::THREADS, NW = T::WARPS;
+    constexpr int NBW = (BQ / 16) * (BKV / 8) / NW;  // S blocks per warp ([query][key])
+    constexpr int NPW = (BKV / 16) * (DP / 8) / NW;  // output blocks per warp and output
     signed char* q8 = smem;
     signed char* do8 = q8 + 3 * BQ * DP;
     signed char* qt8 = do8 + 3 * BQ * DP;
@@ -984,9 +988,9 @@ __device__ __forceinline__ void rlp_attd_dkv8(
     const long long j0 = key_tiles[2 * blockIdx.x + 1], start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
     const int keys = (int)min((long long)BKV, end - j0);
     const int g = blockIdx.y, group = hq / hkv;
-    rlp_attd_load_digits<DP, BKV, 2>(k8, k_int, j0 * hkv + g, hkv, keys);
-    rlp_attd_load_digits<DP, BKV, 2>(v8, v_int, j0 * hkv + g, hkv, keys);
-    for (int c = threadIdx.x; c < BKV; c += RLP_ATTD_THREADS) {
+    rlp_attd_load_digits<DP, BKV, 2, NT>(k8, k_int, j0 * hkv + g, hkv, keys);
+    rlp_attd_load_digits<DP, BKV, 2, NT>(v8, v_int, j0 * hkv + g, hkv, keys);
+    for (int c = threadIdx.x; c < BKV; c += NT) {
         const long long kr = (j0 + c) * hkv + g;
         s.ek[c] = c < keys ? k_exponents[kr] : 0;
         s.ev[c] = c < keys ? v_exponents[kr] : 0;
@@ -1004,11 +1008,11 @@ __device__ __forceinline__ void rlp_attd_dkv8(
             const int h = g * group + hh;
             const int qrows = (int)min((long long)BQ, end - t0);
             __syncthreads();
-            rlp_attd_load_digits<DP, BQ, 3>(q8, q_int, t0 * hq + h, hq, qrows);
-            rlp_attd_load_digits<DP, BQ, 3>(do8, do_int, t0 * hq + h, hq, qrows);
-            rlp_attd_load_digits_t<DP, 3>(qt8, q_int, t0 * hq + h, hq, qrows);
-            rlp_attd_load_digits_t<DP, 3>(dot8, do_int, t0 * hq + h, hq, qrows);
-            for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) {
+            rlp_attd_load_digits<DP, BQ, 3, NT>(q8, q_int, t0 * hq + h, hq, qrows);
+            rlp_attd_load_digits<DP, BQ, 3, NT>(do8, do_int, t0 * hq + h, hq, qrows);
+            rlp_attd_load_digits_t<DP, 3, NT>(qt8, q_int, t0 * hq + h, hq, qrows);
+            rlp_attd_load_digits_t<DP, 3, NT>(dot8, do_int, t0 * hq + h, hq, qrows);
+            for (int r = threadIdx.x; r < BQ; r += NT) {
                 const long long it = (t0 + r) * hq + h;
                 const bool in = r < qrows;
                 s.eq[r] = in ? row_info[3 * it] : 0;
@@ -1018,7 +1022,7 @@ __device__ __forceinline__ void rlp_attd_dkv8(
                 s.total[r] = in ? row_stats[3 * it + 1] : 1.0;
                 s.delta[r] = in ? row_stats[3 * it + 2] : 0.0;
             }
-            for (int c = threadIdx.x; c < BKV; c += RLP_ATTD_THREADS) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
+            for (int c = threadIdx.x; c < BKV; c += NT) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
             __syncthreads();
             double uk[NBW][4], uv[NBW][4];
 #pragma unroll
@@ -1114,12 +1118,12 @@ __device__ __forceinline__ void rlp_attd_dkv8(
         rlp_attd_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
                            row_stats, rlp_attd_smem);                                                          \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) DQ(RLP_ATTT_QUERY_ARGS) {                 \
+    extern "C" __global__ void __launch_bounds__(RlpAtt8<DP>::THREADS) DQ(RLP_ATTT_QUERY_ARGS) {             \
         extern __shared__ double rlp_attd_smem[];                                                              \
         rlp_attd_dq8<DP>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,     \
                          v_exponents, row_info, row_stats, dq, reinterpret_cast<signed char*>(rlp_attd_smem));                                   \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(RLP_ATTD_THREADS) DKV(RLP_ATTT_KEY_ARGS) {                  \
+    extern "C" __global__ void __launch_bounds__(RlpAtt8<DP>::THREADS) DKV(RLP_ATTT_KEY_ARGS) {              \
         extern __shared__ double rlp_attd_smem[];                                                              \
         rlp_attd_dkv8<DP>(key_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,  \
                           v_exponents, row_info, row_stats, dk, dv, reinterpret_cast<signed char*>(rlp_attd_smem));                             \

@@ -628,6 +628,14 @@ def tiled_tiles(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     return {"bq": b, "bk": 16, "bkv": b, "bq2": 8 if dpt == 64 else 16}
 
 
+def tiled_threads(dpt: int, step: str, vendor: str = "cuda") -> int:
+    """The block size of a tiled kernel step ("stats", "dq", "dkv"): RlpAtt8::THREADS for CUDA's int8 dq
+    and dkv (16 warps where the tiles have work for them), else TILED_THREADS."""
+    if vendor == "cuda" and step in ("dq", "dkv") and dpt <= 128:
+        return 2 * TILED_THREADS
+    return TILED_THREADS
+
+
 def _struct_bytes(fields: list[tuple[str, Any, int]]) -> int:
     """sizeof a C struct of arrays (name, ctypes type, length), by ctypes' C layout rules."""
     return ctypes.sizeof(type("_S", (ctypes.Structure,), {"_fields_": [(n, t * k) for n, t, k in fields]}))
@@ -835,10 +843,10 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, dq
     shared = tiled_shared_bytes(dpt, backend.kernel_vendor)
     operands = (np.int32(hq), np.int32(hkv), np.int32(dim), scale, q_int, do_int, k_int, v_int, cache.k_exponents,
                 cache.v_exponents, row_info, row_stats)
-    block = (TILED_THREADS,)
-    steps = "attention_backward_mma" if backend.kernel_vendor == "cuda" else "attention_backward_tiled"
+    vendor = backend.kernel_vendor
+    steps = "attention_backward_mma" if vendor == "cuda" else "attention_backward_tiled"
     for step in steps_run:
-        backend.launch("attention", f"{steps}_{step}_d{dpt}", (plan.n_tiles, hq), block,
+        backend.launch("attention", f"{steps}_{step}_d{dpt}", (plan.n_tiles, hq), (tiled_threads(dpt, step, vendor),),
                        (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared[step])
-    backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_key_tiles, hkv), block,
+    backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_key_tiles, hkv), (tiled_threads(dpt, "dkv", vendor),),
                    (plan.key_tiles, plan.cu) + operands + (dk, dv), shared_mem=shared["dkv"])

@@ -650,22 +650,10 @@ __device__ __forceinline__ void rlp_attd_stats(
             }
         }
         __syncthreads();
-        if (pass == 0)
-            for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) {
-                const float m = rlp_att_from_order_key(s.key[r]);
-                if (s.flag[r] != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) s.bad[r] = 1;
-                s.m[r] = m;
-            }
+        if (pass == 0) rlp_attt_stats_max<BQ, RLP_ATTD_THREADS>(s);
     }
     __syncthreads();
-    for (int r = threadIdx.x; r < rows; r += RLP_ATTD_THREADS) {
-        const long long item = (t0 + r) * hq + h;
-        const bool poisoned = s.bad[r] != 0;
-        if (poisoned) { row_info[3 * item] = 0; row_info[3 * item + 1] = 0; row_info[3 * item + 2] = 1; }
-        row_stats[3 * item] = poisoned ? 0.0 : (double)s.m[r];
-        row_stats[3 * item + 1] = poisoned ? 0.0 : __ll2double_rn((long long)s.sum[r]);
-        if (poisoned) row_stats[3 * item + 2] = 0.0;
-    }
+    rlp_attt_stats_write<RLP_ATTD_THREADS>(s, row_info, row_stats, t0, rows, hq, h);
 }
 
 
@@ -720,6 +708,23 @@ struct RlpAtt8Keys {
     int ek[BKV], ev[BKV];
     unsigned int field_k[BKV], field_v[BKV], bad_key[BKV];
 };
+
+// The scalars of query rows t0 .. t0 + BQ - 1 of head h (rows beyond count: poisoned, no terms).
+template <int BQ, int NT, typename S>
+__device__ __forceinline__ void rlp_att8_row_scalars(S& s, const int* __restrict__ row_info,
+                                                     const double* __restrict__ row_stats, long long t0, int count,
+                                                     int hq, int h) {
+    for (int r = threadIdx.x; r < BQ; r += NT) {
+        const long long item = (t0 + r) * hq + h;
+        const bool in = r < count;
+        s.eq[r] = in ? row_info[3 * item] : 0;
+        s.edo[r] = in ? row_info[3 * item + 1] : 0;
+        s.bad[r] = in ? row_info[3 * item + 2] : 1;
+        s.m[r] = in ? (float)row_stats[3 * item] : 0.0f;
+        s.total[r] = in ? row_stats[3 * item + 1] : 1.0;
+        s.delta[r] = in ? row_stats[3 * item + 2] : 0.0;
+    }
+}
 
 // A balanced int8 digit of v (v - digit is a multiple of 256), and v's rest after it.
 __device__ __forceinline__ int rlp_attd_digit(int& v) {
@@ -870,16 +875,7 @@ __device__ __forceinline__ void rlp_attd_dq8(
     const int rows = tile.rows, h = tile.h, g = tile.g;
     rlp_attd_load_digits<DP, BQ, 3, NT>(q8, q_int, t0 * hq + h, hq, rows);
     rlp_attd_load_digits<DP, BQ, 3, NT>(do8, do_int, t0 * hq + h, hq, rows);
-    for (int r = threadIdx.x; r < BQ; r += NT) {
-        const long long item = (t0 + r) * hq + h;
-        const bool in = r < rows;
-        s.eq[r] = in ? row_info[3 * item] : 0;
-        s.edo[r] = in ? row_info[3 * item + 1] : 0;
-        s.bad[r] = in ? row_info[3 * item + 2] : 1;
-        s.m[r] = in ? (float)row_stats[3 * item] : 0.0f;
-        s.total[r] = in ? row_stats[3 * item + 1] : 1.0;
-        s.delta[r] = in ? row_stats[3 * item + 2] : 0.0;
-    }
+    rlp_att8_row_scalars<BQ, NT>(s, row_info, row_stats, t0, rows, hq, h);
     const int mb = (warp * NBW) / (BK / 8), nb0 = (warp * NBW) % (BK / 8);  // S blocks of this warp
     const int om = (warp * NPW) / (DP / 8), on0 = (warp * NPW) % (DP / 8);  // output blocks of this warp
     double acc[NPW][4];
@@ -1012,16 +1008,7 @@ __device__ __forceinline__ void rlp_attd_dkv8(
             rlp_attd_load_digits<DP, BQ, 3, NT>(do8, do_int, t0 * hq + h, hq, qrows);
             rlp_attd_load_digits_t<DP, 3, NT>(qt8, q_int, t0 * hq + h, hq, qrows);
             rlp_attd_load_digits_t<DP, 3, NT>(dot8, do_int, t0 * hq + h, hq, qrows);
-            for (int r = threadIdx.x; r < BQ; r += NT) {
-                const long long it = (t0 + r) * hq + h;
-                const bool in = r < qrows;
-                s.eq[r] = in ? row_info[3 * it] : 0;
-                s.edo[r] = in ? row_info[3 * it + 1] : 0;
-                s.bad[r] = in ? row_info[3 * it + 2] : 1;
-                s.m[r] = in ? (float)row_stats[3 * it] : 0.0f;
-                s.total[r] = in ? row_stats[3 * it + 1] : 1.0;
-                s.delta[r] = in ? row_stats[3 * it + 2] : 0.0;
-            }
+            rlp_att8_row_scalars<BQ, NT>(s, row_info, row_stats, t0, qrows, hq, h);
             for (int c = threadIdx.x; c < BKV; c += NT) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
             __syncthreads();
             double uk[NBW][4], uv[NBW][4];

@@ -1428,6 +1428,32 @@ struct RlpAtttRows {
     unsigned long long sum[BQ];
 };
 
+// The statistics kernels' last steps (this source's and CUDA's mma one, over their own scalar structs):
+// after pass 0, each row's m from its largest order key and the poisoned flag; at the end, each row's
+// info and stats.
+template <int BQ, int NT, typename S>
+__device__ __forceinline__ void rlp_attt_stats_max(S& s) {
+    for (int r = threadIdx.x; r < BQ; r += NT) {
+        const float m = rlp_att_from_order_key(s.key[r]);
+        if (s.flag[r] != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) s.bad[r] = 1;
+        s.m[r] = m;
+    }
+}
+
+template <int NT, typename S>
+__device__ __forceinline__ void rlp_attt_stats_write(const S& s, int* __restrict__ row_info,
+                                                     double* __restrict__ row_stats, long long t0, int rows, int hq,
+                                                     int h) {
+    for (int r = threadIdx.x; r < rows; r += NT) {
+        const long long item = (t0 + r) * hq + h;
+        const bool poisoned = s.bad[r] != 0;
+        if (poisoned) { row_info[3 * item] = 0; row_info[3 * item + 1] = 0; row_info[3 * item + 2] = 1; }
+        row_stats[3 * item] = poisoned ? 0.0 : (double)s.m[r];
+        row_stats[3 * item + 1] = poisoned ? 0.0 : rlp_ll2double_rn((long long)s.sum[r]);
+        if (poisoned) row_stats[3 * item + 2] = 0.0;
+    }
+}
+
 // The block's query tile: q_tiles[2 blockIdx.x] = sequence, [.. + 1] = first token t0; rows of it in its
 // sequence (at most bq), q head h = blockIdx.y and its kv head g; start = the sequence's first token.
 struct RlpAtttTile {
@@ -1526,22 +1552,10 @@ __device__ __forceinline__ void rlp_attt_stats(
             }
         }
         __syncthreads();
-        if (pass == 0)
-            for (int r = threadIdx.x; r < BQ; r += RLP_ATTP_THREADS) {
-                const float m = rlp_att_from_order_key(s.key[r]);
-                if (s.flag[r] != 0u || rlp_magnitude_bits(m) >= 0x7f800000u) s.bad[r] = 1;
-                s.m[r] = m;
-            }
+        if (pass == 0) rlp_attt_stats_max<BQ, RLP_ATTP_THREADS>(s);
     }
     __syncthreads();
-    for (int r = threadIdx.x; r < rows; r += RLP_ATTP_THREADS) {
-        const long long item = (t0 + r) * hq + h;
-        const bool poisoned = s.bad[r] != 0;
-        if (poisoned) { row_info[3 * item] = 0; row_info[3 * item + 1] = 0; row_info[3 * item + 2] = 1; }
-        row_stats[3 * item] = poisoned ? 0.0 : (double)s.m[r];
-        row_stats[3 * item + 1] = poisoned ? 0.0 : rlp_ll2double_rn((long long)s.sum[r]);
-        if (poisoned) row_stats[3 * item + 2] = 0.0;
-    }
+    rlp_attt_stats_write<RLP_ATTP_THREADS>(s, row_info, row_stats, t0, rows, hq, h);
 }
 
 // dq of a query tile, grid (tiles, hq): for each key block of 64 positions (ascending, up to the tile's

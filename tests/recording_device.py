@@ -29,6 +29,10 @@ class RecordingDevice:
         self.kernel_vendor = vendor
         self.launches: list[Launch] = []
 
+    @property
+    def runs_reference(self) -> bool:
+        return self.kernel_vendor is None
+
     def asarray(self, array):
         return np.array(array)
 

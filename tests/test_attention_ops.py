@@ -394,6 +394,7 @@ def test_methods_dispatch_and_reject():
 
     class FakeCuda:
         kernel_vendor = "cuda"
+        runs_reference = False
         label = "cuda"
 
     cuda = FakeCuda()

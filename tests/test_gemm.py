@@ -144,6 +144,7 @@ class _FakeCuda:
     """What gemm's method and tile choice read from a CUDA backend (no GPU needed)."""
 
     kernel_vendor = "cuda"
+    runs_reference = False
     label = "cuda"
 
     def __init__(self, compute_capability):

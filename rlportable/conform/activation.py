@@ -29,7 +29,7 @@ def check_activation_swiglu(backend: Backend, rng, quick: bool) -> Tally:
             tally.add(backend.to_numpy(activation_op.swiglu(backend, backend.asarray(gate), backend.asarray(up))),
                       activation_ref.swiglu(gate, up))
     # gate over every float32 class and the exp edge inputs, up random bit patterns or ordinary values
-    gate = elementwise_inputs(rng, quick or backend.kernel_vendor is None)
+    gate = elementwise_inputs(rng, quick or backend.runs_reference)
     for up in (random_bits(rng, gate.shape), rng.standard_normal(gate.shape).astype(np.float32)):
         tally.add(backend.to_numpy(activation_op.swiglu(backend, backend.asarray(gate), backend.asarray(up))),
                   activation_ref.swiglu(gate, up))
@@ -79,7 +79,7 @@ def check_activation_swiglu_backward(backend: Backend, rng, quick: bool) -> Tall
             dy = random_rows(rng, *shape, "normal" if kind != "nonfinite" else "nonfinite")
             _swiglu_backward_case(tally, backend, gate, up, dy)
     # gate over every float32 class and the exp edge inputs; up, dy random bit patterns or ordinary values
-    gate = elementwise_inputs(rng, quick or backend.kernel_vendor is None)
+    gate = elementwise_inputs(rng, quick or backend.runs_reference)
     for up, dy in ((random_bits(rng, gate.shape), random_bits(rng, gate.shape)),
                    (rng.standard_normal(gate.shape).astype(np.float32), rng.standard_normal(gate.shape).astype(np.float32))):
         _swiglu_backward_case(tally, backend, gate, up, dy)

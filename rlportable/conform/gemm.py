@@ -26,7 +26,7 @@ from rlportable.runtime.base import Backend
 
 def gemm_methods(backend: Backend) -> list[tuple[str, str | None]]:
     """(method, tile) pairs this backend can run with the default bits."""
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return [("auto", None)]
     methods = [("blas", None)]
     if backend.kernel_vendor == "cuda":

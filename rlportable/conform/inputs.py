@@ -62,7 +62,7 @@ def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
 
 def sizes(backend, quick: bool, quick_sizes: list, full_sizes: list) -> list:
     """The full list on devices; on cpu (the reference against itself) the quick one, to keep CI short."""
-    return full_sizes if not quick and backend.kernel_vendor is not None else quick_sizes
+    return full_sizes if not quick and not backend.runs_reference else quick_sizes
 
 
 def random_bits(rng: np.random.Generator, shape) -> np.ndarray:

@@ -40,7 +40,7 @@ def rlportable_side(loaded, prompts: np.ndarray, new_tokens: int, seed: int) -> 
                      **({"sampler": "device"} if loaded.spec == QWEN3_06B else {})},
                     [row.tolist() for row in prompts], [params] * len(prompts), "peer")
     completions, _ = run.generate(loaded)
-    budget = 16384 if loaded.model.backend.kernel_vendor is not None else 2048
+    budget = 16384 if not loaded.model.backend.runs_reference else 2048
     trainer = trainer_logprobs(loaded, completions, "in-order", budget, np.random.default_rng(seed))
     return _side("rlportable", "contract", [c.logprobs for c in completions], [lp for lp, _ in trainer])
 
@@ -86,7 +86,7 @@ def run(backend, quick: bool = False, seed: int = 0, progress=None) -> dict:
         import transformers
     except ImportError as error:
         raise RlpError(f"conform --peer hf needs torch and transformers: {error}") from None
-    on_device = backend.kernel_vendor is not None
+    on_device = not backend.runs_reference
     if on_device and not torch.cuda.is_available():
         raise RlpError(f"conform --peer hf: torch sees no GPU for the peer on {backend.label}")
     device = "cuda" if on_device else "cpu"

@@ -31,7 +31,7 @@ U64_MAX = 2**64 - 1
 
 
 def _sizes(backend: Backend, quick: bool) -> list:
-    return SAMPLING_VOCABS_FULL if not quick and backend.kernel_vendor is not None else SAMPLING_VOCABS_QUICK
+    return SAMPLING_VOCABS_FULL if not quick and not backend.runs_reference else SAMPLING_VOCABS_QUICK
 
 
 def _logit_rows(rng, rows: int, vocab: int, kind: str) -> np.ndarray:

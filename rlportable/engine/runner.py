@@ -254,7 +254,7 @@ class ModelRunner:
         count = follows.size
         tokens = views["tokens"][:count]
         sampling_op.feed_tokens(self.backend, drawn, views["feed.rows"], follows, self._token_ids, tokens)
-        if self.backend.kernel_vendor is None:
+        if self.backend.runs_reference:
             # the NumPy reference ops read the host's token ids (plan.tokens); on cpu the fed ones are host memory
             plan.tokens[:count] = tokens
 

@@ -317,7 +317,7 @@ class Model:
     def _activation(self, gate, up):
         """(swiglu(gate, up), its encoding for the down projection or None): on one device the same launch
         encodes it (activation.swiglu_encode); the reference and the K-sharded gemm encode themselves."""
-        if self.backend.kernel_vendor is None or self.tp.size > 1:
+        if self.backend.runs_reference or self.tp.size > 1:
             return activation.swiglu(self.backend, gate, up), None
         return activation.swiglu_encode(self.backend, gate, up, gemm.DEFAULT_BITS_A)
 

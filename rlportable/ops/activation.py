@@ -52,7 +52,7 @@ def swiglu_encode(backend, gate, up, bits: int = FUSED_ENCODE_BITS):
     require_contiguous("swiglu_encode: gate", gate)
     require_contiguous("swiglu_encode: up", up)
     bits = require_bits("swiglu_encode: bits", bits)
-    if backend.kernel_vendor is None or bits != FUSED_ENCODE_BITS or not 0 < h <= MAX_FUSED_ENCODED_ROW:
+    if backend.runs_reference or bits != FUSED_ENCODE_BITS or not 0 < h <= MAX_FUSED_ENCODED_ROW:
         y = swiglu(backend, gate, up)
         return y, fixedpoint.encode_rows(backend, y, bits)
     y, encoded = backend.empty((rows, h), np.float32), fixedpoint.empty_encoding(backend, rows, h, bits)
@@ -66,7 +66,7 @@ def swiglu_encode(backend, gate, up, bits: int = FUSED_ENCODE_BITS):
 def swiglu(backend, gate, up):
     """y = silu(gate) * up, float32, any shape (gate and up alike)."""
     shape = _check(gate, up)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.swiglu(backend.to_numpy(gate), backend.to_numpy(up))
     y = backend.empty(shape, np.float32)
     n = math.prod(shape)
@@ -84,7 +84,7 @@ def swiglu_backward(backend, gate, up, dy):
             raise InputError(f"swiglu_backward: {name} must have dtype float32, got {np.dtype(array.dtype).name}")
         if shape_of(array) != shape:
             raise InputError(f"swiglu_backward: {name} {shape_of(array)} must have gate's shape {shape}")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.swiglu_backward(backend.to_numpy(gate), backend.to_numpy(up), backend.to_numpy(dy))
     dgate = backend.empty(shape, np.float32)
     dup = backend.empty(shape, np.float32)

@@ -55,7 +55,7 @@ def _flat(array):
 def largest_bits(backend, grads) -> int:
     """The largest float32 magnitude bits over every element of every tensor (0 when none)."""
     sizes = [_size(f"grads[{i}]", g) for i, g in enumerate(grads)]
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return ref.max_magnitude_bits([backend.to_numpy(g) for g in grads])
     largest_dev = backend.zeros((1,), np.uint32)
     for g, n in zip(grads, sizes):
@@ -68,7 +68,7 @@ def largest_bits(backend, grads) -> int:
 def sum_of_squares(backend, grads, e: int) -> int:
     """The exact integer sum of every element's squared NORM_BITS fixed-point value at exponent e."""
     sizes = [_size(f"grads[{i}]", g) for i, g in enumerate(grads)]
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return sum(int(s) for g in grads for s in ref.chunk_sums(backend.to_numpy(g), e))
     # every tensor's chunk sums into one buffer, read back once (not a device wait per tensor)
     chunks = [-(-n // SUMSQ_CHUNK) for n in sizes]
@@ -134,7 +134,7 @@ def adamw_step(backend, params, grads, m, v, step: int, hyper: Hyper, lr: float 
         n = _size(f"params[{i}]", p)
         for name, t in (("m", mi), ("v", vi)):
             _size(f"{name}[{i}]", t)
-        if backend.kernel_vendor is None:
+        if backend.runs_reference:
             new_p, new_m, new_v = ref.adamw_update(np.ravel(p), np.ravel(g), np.ravel(mi), np.ravel(vi), c, s)
             p.reshape(-1)[...] = new_p
             mi.reshape(-1)[...] = new_m

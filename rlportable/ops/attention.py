@@ -211,7 +211,7 @@ def _check_key_blocks(tables: np.ndarray, seqs: np.ndarray, positions: np.ndarra
 def write_kv(backend: Backend, cache: KVCache, k, v, slots) -> None:
     """Encode k, v [T, Hkv, D] float32 (15 bits per row) into cache slots [T] int32 (negative: skipped)."""
     tokens = check_kv(cache, k, v, slots)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         slots = np.asarray(slots)
         keep = slots >= 0
         for x, digits, exponents in ((k, cache.k_digits, cache.k_exponents), (v, cache.v_digits, cache.v_exponents)):
@@ -233,7 +233,7 @@ def write_kv(backend: Backend, cache: KVCache, k, v, slots) -> None:
 
 def available_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
     """The kernel variants this backend runs for this head_dim (cpu: the reference only, "portable")."""
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return ("portable",)
     if backend.kernel_vendor == "cuda" and round_up(head_dim, K_ALIGN) <= MMA_MAX_HEAD_DIM_PADDED:
         return ("portable", "mma", "split")
@@ -324,7 +324,7 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                              "the split kernels")
         _check_row_stats("attention", row_stats, tq * hq)
     dim = cache.head_dim
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         if out is not None:
             raise InputError("attention: out= is for device backends (the reference returns a new array)")
         return _attention_paged_reference(backend.to_numpy(q), np.asarray(q_seq), np.asarray(q_pos), cache,
@@ -394,7 +394,7 @@ def attention_step(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tabl
     decodes of a mixed step do not fall into the prefill kernel's 64-row tiles (the mma kernel serves
     the sequences of a tile one per round: 64 decode rows would cost 64 rounds). Each row's bits are
     those of one call over all rows (the contract's batch invariance; every method gives the same bits)."""
-    if backend.kernel_vendor is None or len(parts) == 1:
+    if backend.runs_reference or len(parts) == 1:
         return attention_paged(backend, q, q_seq, q_pos, cache, block_tables)
     out = backend.empty(shape_of(q), np.float32)
     for rows, num_seqs in parts:
@@ -562,7 +562,7 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
     tokens, hq, hkv, dim = _check_packed("attention_packed", q, k, v)
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         o = reference.attention_packed_batched(backend.to_numpy(q), backend.to_numpy(k), backend.to_numpy(v), cu)
         return (o, None) if keep_stats else o
     if tokens == 0:
@@ -605,7 +605,7 @@ PORTABLE_SHARED_LIMIT = 64 * 1024
 
 def backward_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
     """The backward variants this backend runs for this head_dim (cpu: the reference, "rows")."""
-    if backend.kernel_vendor is not None and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]:
+    if not backend.runs_reference and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]:
         return ("rows", "tiled")
     return ("rows",)
 
@@ -786,7 +786,7 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
         method = available[-1]
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens, name)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.attention_packed_backward_batched(*(backend.to_numpy(x) for x in (q, k, v, do)), cu,
                                                            None if o is None else backend.to_numpy(o))
     dq = backend.empty((tokens, hq, dim), np.float32)

@@ -29,7 +29,7 @@ def apply(backend: Backend, name: str, x):
     if name not in FUNCTIONS:
         raise InputError(f"unknown elementwise function {name!r}; choose one of {FUNCTIONS}")
     n = _require(name, x)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return getattr(reference, f"{name}_f32")(backend.to_numpy(x))
     y = backend.empty((n,), np.float32)
     if n:
@@ -46,7 +46,7 @@ def exhaustive_check(backend: Backend, name: str, progress=None) -> dict:
     wrong and inputs too close to a rounding boundary for the oracle to decide.
     Those ambiguous inputs are decided here with mpmath.
     """
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         raise RlpError("the exhaustive check runs on a GPU; on cpu use "
                        "`python -m rlportable.contract.elementwise --exhaustive-cpu exp|log`")
     which = FUNCTIONS.index(name)

@@ -29,7 +29,7 @@ def gather(backend, table, ids, host_ids=None):
     if bad.any():
         index = int(np.flatnonzero(bad)[0])
         raise InputError(f"embedding: ids[{index}] = {int(host_ids[index])} is outside the table's [0, {vocab})")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.gather(backend.to_numpy(table), host_ids)
     out = backend.empty((tokens, hidden), np.float32)
     n = tokens * hidden
@@ -64,7 +64,7 @@ def gather_shard(backend, table_shard, ids, vocab_start, host_ids=None):
     if bad.any():
         index = int(np.flatnonzero(bad)[0])
         raise InputError(f"embedding gather_shard: ids[{index}] = {int(host_ids[index])} is negative")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.gather_shard(backend.to_numpy(table_shard), host_ids, vocab_start)
     out = backend.empty((tokens, hidden), np.float32)
     n = tokens * hidden
@@ -98,7 +98,7 @@ def gather_backward(backend, ids, host_ids, dy, vocab: int):
         index = int(np.flatnonzero(bad)[0])
         raise InputError(f"embedding gather_backward: ids[{index}] = {int(host_ids[index])} "
                          f"is outside the table's [0, {vocab})")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.gather_backward(host_ids, backend.to_numpy(dy), vocab)
     offsets, order = reference.token_lists(host_ids, vocab)
     dtable = backend.empty((vocab, hidden), np.float32)

@@ -73,7 +73,7 @@ def row_exponents(backend: Backend, x):
     A K-shard's exponents, all-reduced by MAX over the shards, are the whole row's.
     """
     rows, k = require_matrix("x", x)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return fp.row_exponents(backend.to_numpy(x))
     exponents = backend.empty((rows,), np.int32)
     if rows:
@@ -89,7 +89,7 @@ def _require_given_exponents(backend: Backend, x, rows: int, exponents) -> None:
         raise InputError(f"encode_rows: exponents must be int32 [{rows}], got {np.dtype(exponents.dtype).name} "
                          f"{list(shape_of(exponents))}")
     require_contiguous("exponents", exponents)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         bad = np.flatnonzero(~fp.given_exponents_cover(backend.to_numpy(x), backend.to_numpy(exponents)))
         if bad.size:
             raise InputError(f"encode_rows: given exponent of row {int(bad[0])} is neither the sentinel nor in "
@@ -108,7 +108,7 @@ def encode_rows(backend: Backend, x, bits: int, descending: bool = False, expone
     bits = require_bits("bits", bits)
     if exponents is not None:
         _require_given_exponents(backend, x, rows, exponents)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return encode_rows_reference(backend.to_numpy(x), bits, descending,
                                      None if exponents is None else backend.to_numpy(exponents))
     if exponents is None:
@@ -139,7 +139,7 @@ def encode_rows_into(backend: Backend, x, bits: int, descending: bool, digits, e
     encoding: ops/gemm.py encode_stacked_weight)."""
     rows, k = require_matrix("x", x)
     bits = require_bits("bits", bits)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         raise InputError("encode_rows_into writes device arrays; on cpu use encode_rows")
     expected = ((rows, fp.slice_count(bits), round_up(k, K_ALIGN)), (rows,))
     if (shape_of(digits), shape_of(exponents)) != expected:

@@ -98,7 +98,7 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
     if method not in METHODS:
         raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
     _check_shared_encoding("gemm", encoded, m, k, bits_a)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return _gemm_reference(backend.to_numpy(x), weight, bits_a, encoded)
     method = resolve_method(backend, m, bits_a, weight, method)
     if m == 0 or weight.n == 0 or k == 0:
@@ -123,11 +123,11 @@ def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: Encoded
     one launch when it is a wgmma tile, else for each part's gemm)."""
     m, k = require_matrix("x", x)
     check_gemm_shapes((m, k), stacked.whole, DEFAULT_BITS_A)
-    joint = (backend.kernel_vendor is not None and m and k and
+    joint = (not backend.runs_reference and m and k and
              resolve_method(backend, m, DEFAULT_BITS_A, stacked.whole, "auto") == "fused")
     spec = tile_spec(tile or pick_tile(m, stacked.whole.n, has_wgmma(backend), k)) if joint else None
     _check_shared_encoding("gemm_columns", encoded, m, k, DEFAULT_BITS_A)
-    if backend.kernel_vendor is None:  # one product with the stacked weight, its columns split
+    if backend.runs_reference:  # one product with the stacked weight, its columns split
         y = _gemm_reference(backend.to_numpy(x), stacked.whole, DEFAULT_BITS_A, encoded)
         bounds = np.cumsum([0] + [part.n for part in stacked.parts])
         return [np.ascontiguousarray(y[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -157,7 +157,7 @@ def encode_stacked_weight(backend: Backend, weights: list, bits: int = DEFAULT_B
         raise InputError(f"encode_stacked_weight: the weights must share K; their shapes are {shapes}")
     k = shapes[0][1]
     starts = np.cumsum([0] + [rows for rows, _ in shapes])
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         encoded = [encode_rows(backend, w, bits, descending=True) for w in weights]
         digits = np.concatenate([part.digits for part in encoded])
         exponents = np.concatenate([part.exponents for part in encoded])
@@ -199,7 +199,7 @@ def gemm_sums(backend: Backend, x_encoded: EncodedRows, weight: GemmWeight):
     """
     _check_encoded_operands(x_encoded, weight)
     m, n = x_encoded.rows, weight.n
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return exact.exact_int_matmul(joined_integers(x_encoded), weight.host_integers())
     if m == 0 or n == 0 or weight.k == 0:
         return backend.zeros((m, n), np.int64)  # an empty sum is exactly 0
@@ -228,7 +228,7 @@ def round_sums(backend: Backend, sums, exponents_a, bits_a: int, weight: GemmWei
                          f"{list(shape_of(exponents_a))}")
     require_contiguous("exponents_a", exponents_a)
     exponents_w = weight.encoded.exponents
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return exact.round_sums(backend.to_numpy(sums), backend.to_numpy(exponents_a), bits_a,
                                 backend.to_numpy(exponents_w), weight.bits)
     y = backend.empty((m, n), np.float32)

@@ -68,7 +68,7 @@ def _logprob_pass(backend, logits, targets, temperature: float, want_logp: bool,
     _check_vocab("logprobs" if want_logp else "entropy", vocab)
     temperature = check_temperature(temperature)
     host_targets = _check_targets("logprobs", backend, targets, rows, vocab) if want_logp else None
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         host_logits = backend.to_numpy(logits)
         return (reference.logprobs(host_logits, host_targets, temperature) if want_logp else None,
                 reference.entropy(host_logits, temperature) if want_entropy else None)
@@ -110,7 +110,7 @@ def logprobs_backward(backend, logits, targets, temperature, grad):
         raise InputError(f"logprobs_backward: grad must be float32 of shape ({rows},), got "
                          f"{np.dtype(grad.dtype).name} of shape {shape_of(grad)}")
     require_contiguous("grad", grad)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.logprobs_backward(backend.to_numpy(logits), host_targets, temperature, backend.to_numpy(grad))
     dlogits = backend.empty((rows, vocab), np.float32)
     if rows:
@@ -140,7 +140,7 @@ def lm_head_logprobs(backend, hidden, weight: gemm_op.GemmWeight, targets, tempe
         raise InputError(f"lm_head_logprobs: token_block must be a positive integer, got {token_block!r}")
     token_block = int(token_block)
     host_targets = _check_targets("lm_head_logprobs", backend, targets, tokens, vocab)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         logp = np.empty((tokens,), dtype=np.float32)
         ent = np.empty((tokens,), dtype=np.float32) if want_entropy else None
         host_hidden = backend.to_numpy(hidden)
@@ -209,7 +209,7 @@ def shard_max_keys(backend, logits_shard, temperature: float = 1.0):
     [rows, Vr]), 0xFFFFFFFF where any of them is NaN. The MAX over the ranks is the whole row's key."""
     rows, width = _check_shard("shard_max_keys", logits_shard)
     temperature = check_temperature(temperature)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.shard_max_keys(backend.to_numpy(logits_shard), temperature)
     keys = backend.empty((rows,), np.uint32)
     if rows:
@@ -230,7 +230,7 @@ def shard_sums(backend, logits_shard, keys, targets, vocab_start, temperature: f
     vocab_start = _check_vocab_start("shard_sums", vocab_start, width)
     temperature = check_temperature(temperature)
     host_targets = _check_global_targets("shard_sums", backend, targets, rows)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.shard_sums(backend.to_numpy(logits_shard), backend.to_numpy(keys), host_targets,
                                     vocab_start, temperature)
     sums = backend.empty((rows, 2), np.int64)
@@ -251,7 +251,7 @@ def shard_finish(backend, sums, keys):
     require_contiguous("sums", sums)
     rows = shape[0]
     _check_keys("shard_finish", keys, rows)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.shard_finish(backend.to_numpy(sums), backend.to_numpy(keys))
     logp = backend.empty((rows,), np.float32)
     if rows:

@@ -59,7 +59,7 @@ def rmsnorm(backend, x, weight, eps: float):
     if h > reference.MAX_ROW:
         raise InputError(f"rmsnorm: row length {h} exceeds the contract's limit {reference.MAX_ROW}")
     eps = check_eps(eps)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         if rows == 0 or h == 0:
             return np.empty((rows, h), dtype=np.float32)
         return reference.rmsnorm(backend.to_numpy(x), backend.to_numpy(weight), eps)
@@ -99,7 +99,7 @@ def add_rmsnorm(backend, a, b, weight, eps: float, encode_bits: int | None = Non
     eps = check_eps(eps)
     if encode_bits is not None:
         encode_bits = require_bits("add_rmsnorm: encode_bits", encode_bits)
-    fused_encoding = (encode_bits == FUSED_ENCODE_BITS and backend.kernel_vendor is not None
+    fused_encoding = (encode_bits == FUSED_ENCODE_BITS and not backend.runs_reference
                       and 0 < h <= MAX_FUSED_ENCODED_ROW)
     if not fused_encoding:  # no encoding, or one the kernel does not write: encode_rows after (the reference on cpu)
         total, y = _add_rmsnorm(backend, a, b, weight, eps, rows, h)
@@ -113,7 +113,7 @@ def _add_rmsnorm(backend, a, b, weight, eps: float, rows: int, h: int):
     turn for rows the kernel cannot hold."""
     from rlportable.ops import residual
 
-    if backend.kernel_vendor is None or h > MAX_FUSED_ROW:
+    if backend.runs_reference or h > MAX_FUSED_ROW:
         total = residual.add(backend, a, b)
         return total, rmsnorm(backend, total, weight, eps)
     return _launch_add_rmsnorm(backend, a, b, weight, eps, None)
@@ -163,7 +163,7 @@ def rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps: float, positions,
     if d > MAX_FUSED_HEAD_DIM:  # rows the kernel cannot hold: the two ops in turn, the same bits
         return tuple(rope.apply(backend, rmsnorm_heads(backend, x, w, eps), positions, cos, sin, host_positions)
                      for x, w in ((q, q_weight), (k, k_weight)))
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         cos_rows, sin_rows = (backend.to_numpy(table)[host_positions] for table in (cos, sin))
         return reference.rmsnorm_heads_rope(*(backend.to_numpy(a) for a in (q, k, q_weight, k_weight)), eps,
                                             cos_rows, sin_rows)
@@ -186,7 +186,7 @@ def rmsnorm_heads_rope_write_kv(backend, q, k, v, q_weight, k_weight, eps: float
     tokens, hq, hk, d, eps, host_positions = _check_heads_rope(backend, q, k, q_weight, k_weight, eps, positions,
                                                                cos, sin, host_positions, "rmsnorm_heads_rope_write_kv")
     # every cache's head_dim (at most attention.MAX_HEAD_DIM = 512) fits the kernel's registers (RLP_NORM_KV_PAIRS)
-    if backend.kernel_vendor is None:  # the two ops in turn: the same bits
+    if backend.runs_reference:  # the two ops in turn: the same bits
         q_out, k_out = rmsnorm_heads_rope(backend, q, k, q_weight, k_weight, eps, positions, cos, sin, host_positions)
         attention.write_kv(backend, cache, k_out, v, slots)
         return q_out, k_out
@@ -229,7 +229,7 @@ def rmsnorm_backward(backend, x, weight, eps: float, dy):
     """(dx [rows, H], dweight [H]) float32: the gradient of rmsnorm(x, weight, eps) for the upstream dy,
     under contracts/norm.toml rmsnorm_backward (exact fixed-point sums over H and over rows)."""
     rows, h, eps = _check_backward("rmsnorm_backward", x, weight, eps, dy)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.rmsnorm_backward(backend.to_numpy(x), backend.to_numpy(weight), eps, backend.to_numpy(dy))
     dx = backend.empty((rows, h), np.float32)
     dweight = backend.zeros((h,), np.float32)  # rows = 0: the empty sums are +0

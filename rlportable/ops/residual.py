@@ -23,7 +23,7 @@ def _grid(n: int) -> tuple[int]:
 def add(backend, a, b):
     if shape_of(a) != shape_of(b) or np.dtype(a.dtype) != np.float32 or np.dtype(b.dtype) != np.float32:
         raise InputError(f"add: a {shape_of(a)} {a.dtype} and b {shape_of(b)} {b.dtype} must be float32 of one shape")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.add(backend.to_numpy(a), backend.to_numpy(b))
     y = backend.empty(shape_of(a), np.float32)
     n = int(np.prod(shape_of(a), dtype=np.int64))
@@ -36,7 +36,7 @@ def add_bias(backend, x, b):
     rows, n = shape_of(x)
     if shape_of(b) != (n,):
         raise InputError(f"add_bias: bias has shape {shape_of(b)}, expected ({n},) for x of shape {(rows, n)}")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.add_bias(backend.to_numpy(x), backend.to_numpy(b))
     y = backend.empty((rows, n), np.float32)
     if rows * n:
@@ -53,7 +53,7 @@ MAX_GRID_Y = 65535
 def transpose(backend, x):
     """y [cols, rows] float32 = x.T for a C-contiguous float32 matrix x [rows, cols] (any size, 0 included)."""
     rows, cols = require_matrix("transpose: x", x)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.transpose(backend.to_numpy(x))
     y = backend.empty((cols, rows), np.float32)
     if rows and cols:
@@ -78,7 +78,7 @@ def copy_rows(backend, array, src, dst, count: int) -> None:
     """In place: array[dst[i]] = array[src[i]] for i < count (src, dst: device int32 [>= count], pairs
     already checked by check_copy_pairs on the host). array: C-contiguous, rows of 32-bit words."""
     rows = shape_of(array)[0]
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         reference.copy_rows(array, np.asarray(src)[:count], np.asarray(dst)[:count])
         return
     row_bytes = int(np.prod(shape_of(array)[1:], dtype=np.int64)) * np.dtype(array.dtype).itemsize

@@ -75,7 +75,7 @@ def apply_backward(backend, dy, positions, cos, sin, host_positions=None):
 def _rotate(backend, x, positions, cos, sin, host_positions, op: str, name: str, kernel: str, reference_fn):
     tokens, heads, half, table_rows = _check(x, positions, cos, sin, op, name)
     host_positions = _check_positions(backend, positions, host_positions, table_rows, op)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         cos, sin = backend.to_numpy(cos), backend.to_numpy(sin)
         return reference_fn(backend.to_numpy(x), cos[host_positions], sin[host_positions])
     y = backend.empty((tokens, heads, 2 * half), np.float32)

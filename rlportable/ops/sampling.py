@@ -75,7 +75,7 @@ def sample(backend, logits, temperature, top_k=None, top_p=None, min_p=None, *, 
                          f"min_p={float(min_p[row])!r} at temperature {float(temperature[row])!r}: filtered rows "
                          f"are sampled on the host (rlportable.contract.sampling.sample), not by this op")
     seeds, requests, samples, positions = _row_counters(rows, seed, request, sample_index, position)
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         return reference.sample(backend.to_numpy(logits), temperature, seed=seeds, request=requests,
                                 sample_index=samples, position=positions)
     temperature = np.ascontiguousarray(temperature, dtype=np.float64)
@@ -105,7 +105,7 @@ def sampled_logprobs(backend, logits, tokens, temperature):
         z = embedding_op.gather(backend, logits, backend.asarray(group))  # a bit copy of the rows
         out[group] = backend.to_numpy(logprob_op.logprobs(backend, z, backend.asarray(host_tokens[group]),
                                                           float(value)))
-    return out if backend.kernel_vendor is None else backend.asarray(out)
+    return out if backend.runs_reference else backend.asarray(out)
 
 
 # ---- the engine's step loop: parameters already on the device, nothing read back
@@ -136,7 +136,7 @@ def sample_on_device(backend, logits, temperature, seed, request, sample_index, 
         if shape_of(array) != (rows,) or np.dtype(array.dtype) != np.dtype(dtype):
             raise InputError(f"sampling: {name} must be {np.dtype(dtype).name} of shape ({rows},), got "
                              f"{np.dtype(array.dtype).name} of shape {shape_of(array)}")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         tokens = np.asarray(reference.sample(np.asarray(logits), np.asarray(temperature), seed=np.asarray(seed),
                                              request=np.asarray(request), sample_index=np.asarray(sample_index),
                                              position=np.asarray(position)), dtype=np.int32)
@@ -195,7 +195,7 @@ def feed_tokens(backend, drawn, rows, host_rows: np.ndarray, id_table, out) -> N
                              f"{np.dtype(array.dtype).name} of shape {shape_of(array)}")
     if n and (host_rows.min() < 0 or host_rows.max() >= m):
         raise InputError(f"feed_tokens: rows must lie in [0, {m}), the rows drawn")
-    if backend.kernel_vendor is None:
+    if backend.runs_reference:
         picked = np.asarray(drawn)[host_rows]
         out[...] = np.where((picked >= 0) & (picked < vocab), picked, 0)
         return

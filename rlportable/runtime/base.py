@@ -37,6 +37,11 @@ class Backend(ABC):
     #: a CPU there and leaves out the models only a GPU runs in reasonable time
     on_host: bool = False
 
+    @property
+    def runs_reference(self) -> bool:
+        """Whether the ops run the NumPy reference here (no kernel sources: the cpu backend)."""
+        return self.kernel_vendor is None
+
     @abstractmethod
     def asarray(self, array: np.ndarray) -> Any: ...
 

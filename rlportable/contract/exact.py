@@ -15,6 +15,12 @@ import numpy as np
 
 from rlportable.contract import fixedpoint as fp
 
+#: the K of one exact product in the trainer's input gradients (dX = dY W, K = N): longer K is cut into
+#: chunks of this many columns, a fixed power of two below gemm_max_k(23, 15) = 65535, so the chunking
+#: never depends on data
+GEMM_K_CHUNK = 32768
+
+
 def gemm_max_k(bits_a: int, bits_w: int) -> int:
     """Largest K the contract accepts.
 

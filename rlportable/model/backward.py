@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.errors import InputError
 from rlportable.model import parallel
 from rlportable.model.forward import Model, check_packing, next_token_rows, packed_positions
@@ -37,7 +38,6 @@ from rlportable.model.weights import LayerWeights, ModelWeights
 from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope, rowsum
 from rlportable.ops.checks import shape_of
 
-GEMM_K_CHUNK = 32768   # < gemm_max_k(23, 15) = 65535; a fixed power of two so the chunking never depends on data
 LM_HEAD_ROW_CHUNK = 1024  # next-token rows per LM-head backward pass: the [rows, V] gradient never exists whole
 WEIGHT_GRAD_BITS = 15
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.errors import InputError
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import ModelWeights
@@ -79,8 +80,6 @@ class TensorParallel:
             # ranks sharing a KV head would each hold a part of its gradient
             problems.append(f"training needs num_key_value_heads ({kv}) divisible by the TP size ({size})")
         if trainable and size > 1:
-            from rlportable.model.backward import GEMM_K_CHUNK
-
             widest = max(config.intermediate_size, config.num_attention_heads * config.head_dim)
             if widest > GEMM_K_CHUNK:  # the column-parallel input gradient is one exact product
                 problems.append(f"training needs the column-parallel outputs (intermediate_size, heads x head_dim "

@@ -527,6 +527,7 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
     an interrupt says which checkpoint survived. The last step's line goes to stdout too (for scripts)
     unless both streams are the same terminal, which has it already."""
     from rlportable.train import checkpoint
+    from rlportable.train.evaluation import format_eval_line, is_eval
     from rlportable.train.metrics import format_line, summary_lines
     from rlportable.train.run import resume_flags
 
@@ -534,6 +535,9 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
     try:
         with click.progressbar(length=steps, label=kind, file=sys.stderr) as bar:
             def on_step(record):
+                if is_eval(record):  # an evaluation on held-out prompts, not a step
+                    click.echo("\n" + format_eval_line(record), err=True)
+                    return
                 bar.update(1)
                 done.append(record["step"])
                 click.echo("\n" + format_line(record, keys), err=True)
@@ -623,12 +627,24 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
               help="DAPO: completions cut at --max-completion-length leave the loss (TRL's option).")
 @click.option("--num-iterations", default=None, type=click.IntRange(min=1), help="Passes over each rollout." + CONFIG_DEFAULT)
 @click.option("--mini-batches", default=None, type=click.IntRange(min=1), help="Optimiser steps per pass." + CONFIG_DEFAULT)
+@click.option("--eval-data", type=click.Path(dir_okay=False), default=None,
+              help="Held-out prompts to evaluate on, a JSONL file in --data's format (scored by the run's rewards).")
+@click.option("--eval-task", default=None, help="Held-out prompts from a built-in task, as --task (200 records from "
+                                                "a seed of their own).")
+@click.option("--eval-every", default=None, type=click.IntRange(min=0),
+              help="Evaluate before the first step, every N steps and after the last; 0: never (default: 10 with "
+                   "--eval-data or --eval-task, else never).")
+@click.option("--eval-samples", default=None, type=click.IntRange(min=1),
+              help="K: samples a held-out prompt at the training temperature, for pass@1 and pass@K (besides one "
+                   "greedy completion)." + CONFIG_DEFAULT)
+@click.option("--eval-pass-threshold", default=None, type=float,
+              help="A held-out completion passes (pass@k) when its reward is at least this." + CONFIG_DEFAULT)
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, dp_emulate, tp,
          rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
          epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, num_iterations,
-         mini_batches):
+         mini_batches, eval_data, eval_task, eval_every, eval_samples, eval_pass_threshold):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
 
@@ -636,7 +652,8 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
         if reward_weights and len(reward_weights) != len(rewards):
             raise RlpError(f"{len(reward_weights)} --reward-weight values for {len(rewards)} --reward functions")
         model_spec = model_spec or launch.DEFAULT_GRPO_MODEL
-        config = launch.grpo_config(model_spec, **_given(
+        config = launch.grpo_config(model_spec, held_out=eval_data is not None or eval_task is not None, **_given(
+            eval_every=eval_every, eval_samples=eval_samples, eval_pass_threshold=eval_pass_threshold,
             steps=steps, prompts_per_step=prompts_per_step, num_generations=num_generations,
             max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=lr,
@@ -649,8 +666,9 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             click.echo(_run_config_text(config, **resolved), nl=False)
             return
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
-                                    task if task or data else launch.DEFAULT_TASK, data)
+                                    task if task or data else launch.DEFAULT_TASK, data, eval_task, eval_data)
         launch.check_paths(options)
+        held_out = launch.held_out_records(options, config)  # checked before any work
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
         if _finished_or_resuming("grpo", options, config.steps):
             return
@@ -658,6 +676,11 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
         click.echo(f"grpo: {config.steps} steps of {config.prompts_per_step} prompts x {config.num_generations} "
                    f"samples, completions up to {config.max_completion_length} tokens, lr {config.learning_rate:g}, "
                    f"warmup {config.warmup_steps}, loss {config.loss_type}", err=True)
+        if held_out is not None and config.eval_every:
+            first = "" if resume else "before the first step, "  # a resumed run had that evaluation
+            click.echo(f"grpo: evaluating {len(held_out)} held-out prompts (greedy, and {config.eval_samples} samples "
+                       f"at temperature {config.temperature:g}) {first}every {config.eval_every} steps and after the "
+                       "last", err=True)
     except RlpError as error:
         _fail(error)
     _train_on_replicas("grpo", lambda backend, on_step, group, tensor: launch.run_grpo(backend, options, config, specs,

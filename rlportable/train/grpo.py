@@ -14,11 +14,14 @@ single differing bit stops the run with LogprobMismatchError.
 Data order: epoch e visits the dataset in the permutation of PCG64([seed, e]);
 step s takes the next `prompts_per_step` records. The engine's sampling seed of
 step s is derived from (seed, s). So a run's result is a function of its
-settings, and `--resume` continues it bitwise.
+settings, and `--resume` continues it bitwise. Evaluation on held-out prompts
+(train/evaluation.py) samples under request ids of its own and leaves the run's
+bits as they are.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +34,7 @@ from rlportable.model.forward import Model
 from rlportable.runtime.collectives import Group
 from rlportable.train import objectives
 from rlportable.train.data_parallel import Replicas
+from rlportable.train.evaluation import EVAL_REQUEST_BASE, eval_due, evaluate
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.rewards import RewardSet, batch_from_records
@@ -65,10 +69,22 @@ class GRPOConfig(OptimiserSettings):
     block_size: int = 16
     max_prompt_length: int | None = None  # longer prompts keep their last tokens (TRL's left truncation)
     mask_truncated_completions: bool = False  # DAPO: completions cut at max_completion_length leave the loss
+    # evaluation on held-out prompts (train/evaluation.py); not part of what a run computes, so left out
+    # of the settings a --resume compares and a checkpoint keeps (train/launch.py settings_dict)
+    eval_every: int | None = None     # steps between evaluations; None: launch.EVAL_EVERY with held-out prompts
+    eval_samples: int = 8             # K: samples a held-out prompt at the training temperature (pass@K)
+    eval_pass_threshold: float = 1.0  # a completion passes (pass@k) when its reward is at least this
 
     def __post_init__(self):
         self.check_positive("grpo", ("steps", "prompts_per_step", "num_generations", "max_completion_length",
-                                     "num_iterations", "mini_batches", "block_size"))
+                                     "num_iterations", "mini_batches", "block_size", "eval_samples"))
+        if self.prompts_per_step >= EVAL_REQUEST_BASE:  # the request ids above are evaluation's
+            raise InputError(f"grpo: --prompts-per-step must be below 2^31, got {self.prompts_per_step}")
+        if self.eval_every is not None and (isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int)
+                                            or self.eval_every < 0):
+            raise InputError(f"grpo: --eval-every must be an integer >= 0 (0: never), got {self.eval_every!r}")
+        if not math.isfinite(self.eval_pass_threshold):
+            raise InputError(f"grpo: --eval-pass-threshold must be a finite number, got {self.eval_pass_threshold}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise InputError(f"grpo: --max-prompt-length must be at least 1, got {self.max_prompt_length}")
         if self.num_generations < 2:
@@ -83,9 +99,11 @@ class GRPOConfig(OptimiserSettings):
             raise InputError(f"grpo: {self.prompts_per_step} x {self.num_generations} samples do not split into "
                              f"{self.mini_batches} mini-batches")
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(n=self.num_generations, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              min_p=self.min_p, max_tokens=self.max_completion_length, ignore_eos=self.ignore_eos)
+    def sampling_params(self, **changes) -> SamplingParams:
+        """The rollout's SamplingParams (evaluation's with `changes`: n, temperature)."""
+        return SamplingParams(**{"n": self.num_generations, "temperature": self.temperature, "top_k": self.top_k,
+                                 "top_p": self.top_p, "min_p": self.min_p, "max_tokens": self.max_completion_length,
+                                 "ignore_eos": self.ignore_eos, **changes})
 
     def settings(self) -> objectives.GRPOSettings:
         return objectives.GRPOSettings(self.epsilon, self.epsilon_high, self.beta, self.loss_type,
@@ -116,6 +134,7 @@ class GRPOTrainer:
     config: GRPOConfig
     reference: Model | None = None   # frozen initial weights, for beta > 0
     group: Group | None = None       # data-parallel replicas (train/data_parallel.py); None: one device
+    eval_dataset: list[dict] | None = None  # held-out prompts (train/evaluation.py); None: no evaluation
     optimizer: Optimizer = field(init=False)
     engine: LLM = field(init=False)
 
@@ -126,6 +145,9 @@ class GRPOTrainer:
             raise InputError("grpo: beta > 0 needs a reference model")
         self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.group)
         longest_prompt = check_prompt_lengths(self.tokenizer, self.dataset, cfg, self.model.config.max_position_embeddings)
+        if self.eval_dataset:  # the engine is sized for the held-out prompts too (the same tokens at any size)
+            longest_prompt = max(longest_prompt, check_prompt_lengths(
+                self.tokenizer, self.eval_dataset, cfg, self.model.config.max_position_embeddings, "held-out"))
         # this replica's share of the prompts, each with its group of samples: what its KV cache must hold
         mine = -(-cfg.prompts_per_step // self.replicas.size) * cfg.num_generations
         self.engine = LLM(device=self.model.backend, loaded=(self.model, self.tokenizer),
@@ -174,6 +196,12 @@ class GRPOTrainer:
             **clock.record(seconds),
         })
         return metrics
+
+    def evaluate(self, done: int) -> dict | None:
+        """The evaluation record after `done` steps (0: before the first) when one is due, else None."""
+        if not self.eval_dataset or not eval_due(done, self.config.steps, self.config.eval_every):
+            return None
+        return evaluate(self, self.eval_dataset, done)
 
     def _rollout(self, records: list[dict], step: int) -> tuple[list[Sample], list[str]]:
         cfg = self.config
@@ -299,7 +327,8 @@ def truncated_prompt(tokenizer, prompt, max_prompt_length: int | None):
     return ids[-max_prompt_length:] if len(ids) > max_prompt_length else prompt
 
 
-def check_prompt_lengths(tokenizer, dataset: list[dict], cfg: GRPOConfig, max_positions: int) -> int:
+def check_prompt_lengths(tokenizer, dataset: list[dict], cfg: GRPOConfig, max_positions: int,
+                         name: str = "dataset") -> int:
     """The longest prompt (after --max-prompt-length), checked before any work: each prompt with its
     completion must fit the model's positions, or the engine would be sized past them."""
     longest, index = 0, 0
@@ -310,7 +339,7 @@ def check_prompt_lengths(tokenizer, dataset: list[dict], cfg: GRPOConfig, max_po
         if length > longest:
             longest, index = length, i
     if longest + cfg.max_completion_length > max_positions:
-        raise InputError(f"dataset record {index}: its prompt has {longest} tokens, and with --max-completion-length "
+        raise InputError(f"{name} record {index}: its prompt has {longest} tokens, and with --max-completion-length "
                          f"{cfg.max_completion_length} that is {longest + cfg.max_completion_length} positions, more "
                          f"than the model's {max_positions} (max_position_embeddings); shorten the prompts, lower "
                          "--max-completion-length, or set --max-prompt-length (prompts keep their last tokens)")

@@ -35,6 +35,12 @@ BUILT_IN_MODELS = ("tiny", "tiny-sft")
 EMBEDDED_SFT = {"steps": 300, "learning_rate": 3e-3, "warmup_steps": 10}
 EMBEDDED_GRPO = {"steps": 100, "learning_rate": 4e-4, "warmup_steps": 5, "prompts_per_step": 32,
                  "max_completion_length": 8}
+# Evaluation (train/evaluation.py): with held-out prompts and no --eval-every, every EVAL_EVERY steps (and
+# before the first and after the last); --eval-task generates EVAL_TASK_SIZE records, from a seed of their
+# own (EVAL_SEED_OFFSET + the run's seed), not the training data's
+EVAL_EVERY = 10
+EVAL_TASK_SIZE = 200
+EVAL_SEED_OFFSET = 1 << 32
 
 
 def sft_config(model: str, **given) -> SFTConfig:
@@ -43,8 +49,11 @@ def sft_config(model: str, **given) -> SFTConfig:
     return _config(SFTConfig, EMBEDDED_SFT, model, given)
 
 
-def grpo_config(model: str, **given) -> GRPOConfig:
-    """The run's GRPOConfig, as sft_config."""
+def grpo_config(model: str, held_out: bool = False, **given) -> GRPOConfig:
+    """The run's GRPOConfig, as sft_config; held_out: the run has held-out prompts (--eval-data or
+    --eval-task), which it then evaluates every EVAL_EVERY steps unless --eval-every says otherwise."""
+    if held_out:
+        given = {"eval_every": EVAL_EVERY, **given}
     return _config(GRPOConfig, EMBEDDED_GRPO, model, given)
 
 
@@ -63,6 +72,8 @@ class RunOptions:
     plot: str | None
     task: str | None
     data: str | None
+    eval_task: str | None = None   # held-out prompts (GRPO): a task spec, or
+    eval_data: str | None = None   # a JSONL file in --data's format
 
 
 def check_paths(options: RunOptions) -> None:
@@ -145,8 +156,11 @@ def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict, tp
 
 
 def settings_dict(config, options: RunOptions, rewards: list | None = None) -> dict:
-    """Everything that defines a run (compared on --resume): the config, model, data and rewards."""
-    return {**asdict(config), "model": options.model, "task": options.task, "data": options.data,
+    """Everything that defines a run (compared on --resume): the config, model, data and rewards. Not the
+    evaluation's settings: they change none of the run's bits, so a checkpoint is the same with or without
+    evaluation, and a run may be resumed with other ones."""
+    fields = {key: value for key, value in asdict(config).items() if not key.startswith("eval_")}
+    return {**fields, "model": options.model, "task": options.task, "data": options.data,
             "rewards": [[item if isinstance(item, str) else getattr(item, "name", repr(item)), weight]
                         for item, weight in (rewards or [])]}
 
@@ -161,6 +175,29 @@ def task_records(task: str | None, data: str | None, seed: int) -> tuple[list[di
     return chosen.dataset(seed, DATASET_SIZE), chosen
 
 
+def held_out_records(options: RunOptions, config: GRPOConfig) -> list[dict] | None:
+    """The held-out prompts of --eval-data or --eval-task (None without either), each error one line
+    naming the flag; called before any work to check them, and by run_grpo. An --eval-every above 0 needs
+    them."""
+    if options.eval_task is not None and options.eval_data is not None:
+        raise InputError("give at most one of --eval-task and --eval-data")
+    if options.eval_task is None and options.eval_data is None:
+        if config.eval_every:
+            raise InputError(f"--eval-every {config.eval_every}: no held-out prompts to evaluate; give "
+                             "--eval-data FILE.jsonl or --eval-task SPEC")
+        return None
+    if options.eval_data is not None:
+        try:
+            return tasks.load_jsonl_dataset(options.eval_data)
+        except InputError as error:
+            raise InputError(f"--eval-data {error}") from None
+    try:
+        task = tasks.parse_task_spec(options.eval_task)
+    except InputError as error:
+        raise InputError(f"--eval-task {options.eval_task}: {error}") from None
+    return task.dataset(EVAL_SEED_OFFSET + config.seed, EVAL_TASK_SIZE)
+
+
 def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: list[tuple[str, float]],
              on_step: Callable[[dict], None], group=None, tp_group=None) -> list[dict]:
     """group: this process's data-parallel replica (train/data_parallel.py); tp_group: its tensor-parallel
@@ -171,13 +208,21 @@ def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: lis
     if not items:
         raise InputError("--data needs at least one --reward module:function")
     rewards = RewardSet(items)
+    held_out = held_out_records(options, config)
+    if held_out is not None and set(held_out[0]) != set(records[0]):
+        # the run's reward functions take the columns of the training data: the held-out prompts need them
+        flag = "--eval-data" if options.eval_data is not None else "--eval-task"
+        raise InputError(f"{flag}: the held-out records' columns {sorted(held_out[0])} differ from the training "
+                         f"data's {sorted(records[0])}, which the run's reward functions take")
+    if held_out is not None and config.eval_every is None:
+        config = dataclasses.replace(config, eval_every=EVAL_EVERY)  # as grpo_config(held_out=True) resolves it
     settings = settings_dict(config, options, items)
     model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings, tp_group)
     trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config, tp_group),
-                          group)
+                          group, eval_dataset=held_out if config.eval_every else None)
     options = _writer_options(options, group, tp_group)
     return _run(trainer, "grpo", settings, tokenizer, start, ckpt, options, config.steps, on_step,
-                "reward_mean", "GRPO reward")
+                "reward_mean", "GRPO reward", evaluate=trainer.evaluate if trainer.eval_dataset else None)
 
 
 def _writer_options(options: RunOptions, group, tp_group=None) -> RunOptions:
@@ -210,25 +255,28 @@ def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[
     return _run(trainer, "sft", settings, tokenizer, start, ckpt, options, config.steps, on_step, "loss", "SFT loss")
 
 
-def _run(trainer, kind, settings, tokenizer, start, ckpt, options: RunOptions, steps, on_step, curve, title):
+def _run(trainer, kind, settings, tokenizer, start, ckpt, options: RunOptions, steps, on_step, curve, title,
+         evaluate=None):
     if ckpt is not None:
         trainer.optimizer.load_state(ckpt.optimizer_state, ckpt.trainer_state["optimizer_steps"])
     log = MetricsLog(options.log_jsonl, resume_from_step=start if ckpt is not None else None)
     history = list(ckpt.trainer_state.get("history", [])) if ckpt is not None else []
     run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step,
-              history=history, curve=curve)
+              history=history, curve=curve, evaluate=evaluate)
     if options.plot:
         # the whole run's curve: the log's records, or the checkpoint's history where the log lacks them
         logged = {r["step"] for r in log.records}
-        plot_curve([h for h in history if h["step"] not in logged] + log.records, curve, os.fspath(options.plot), title)
-    return RunRecords(log.records, history)
+        plot_curve([h for h in history if h["step"] not in logged] + log.records, curve, os.fspath(options.plot), title,
+                   evals=log.evals)
+    return RunRecords(log.records, history, log.evals)
 
 
 class RunRecords(list):
     """The steps this process ran (the list), and the whole run's curve (`history`: {"step", curve key}
     of every step since the run began, kept in the checkpoints, so that a resumed run's summary covers
-    all of it)."""
+    all of it), and its evaluations (`evals`: the eval/... records, train/evaluation.py)."""
 
-    def __init__(self, records: list[dict], history: list[dict]):
+    def __init__(self, records: list[dict], history: list[dict], evals: list[dict] | None = None):
         super().__init__(records)
         self.history = history
+        self.evals = evals or []

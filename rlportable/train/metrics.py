@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 from rlportable.errors import InputError
+from rlportable.train.evaluation import is_eval, summary_line
 
 
 class PhaseClock:
@@ -42,19 +43,24 @@ class MetricsLog:
     """Appends one JSON object per step to `path` (flushed and fsynced, so a crash loses no step).
 
     On resume the log is cut back to the steps before the resumed one, so it never holds a step
-    twice."""
+    twice. Evaluation records (their keys under eval/, train/evaluation.py) are lines of their own in
+    the file, kept apart from the steps' `records` in `evals`."""
 
     def __init__(self, path: str | None, resume_from_step: int | None = None):
         self.path = path
         self.records: list[dict] = []
+        self.evals: list[dict] = []
         if path is None:
             return
+        kept = []
         if resume_from_step is not None and os.path.exists(path):
-            self.records = [r for r in _read(path) if r.get("step", 0) <= resume_from_step]
-        _rewrite(path, self.records)
+            kept = [r for r in _read(path) if r.get("step", 0) <= resume_from_step]
+        _rewrite(path, kept)
+        for record in kept:
+            (self.evals if is_eval(record) else self.records).append(record)
 
     def write(self, record: dict) -> None:
-        self.records.append(record)
+        (self.evals if is_eval(record) else self.records).append(record)
         if self.path is None:
             return
         with open(self.path, "a", encoding="utf-8") as handle:
@@ -104,6 +110,9 @@ def summary_lines(kind: str, records: list[dict], out_dir: str | None, plot: str
         lines[0] += f"; {key} {first:.4g} (mean of the first {window}) -> {last:.4g} (mean of the last {window})"
     elif values:
         lines[0] += f"; {key} {values[-1]:.4g}"
+    evaluated = summary_line(getattr(records, "evals", None) or [])
+    if evaluated is not None:
+        lines.append(evaluated)
     if out_dir is None:
         lines.append("the trained weights are not kept (no --out); pass --out DIR to keep them")
     elif records:
@@ -126,8 +135,9 @@ def format_line(record: dict, keys: list[str]) -> str:
     return " | ".join(parts)
 
 
-def plot_curve(records: list[dict], key: str, path: str, title: str) -> None:
-    """Draw record[key] against the step to a PNG (matplotlib, the `plot` extra)."""
+def plot_curve(records: list[dict], key: str, path: str, title: str, evals: list[dict] | None = None) -> None:
+    """Draw record[key] against the step to a PNG (matplotlib, the `plot` extra), with the held-out
+    evaluations' eval/<key> (sampled) and eval/greedy/<key> where `evals` has them."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -142,6 +152,12 @@ def plot_curve(records: list[dict], key: str, path: str, title: str) -> None:
     if window > 1:  # the trend through the per-step noise: the mean of the last `window` steps
         means = [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
         axes.plot(steps, means, linewidth=2, label=f"mean of the last {window} steps")
+    for name, label in ((f"eval/{key}", "held-out, sampled"), (f"eval/greedy/{key}", "held-out, greedy")):
+        shown = [(r["step"], r[name]) for r in evals or [] if name in r and math.isfinite(r[name])]
+        if shown:
+            axes.plot([p[0] for p in shown], [p[1] for p in shown], marker="s", markersize=4, linewidth=1.5,
+                      label=label)
+    if window > 1 or evals:
         axes.legend(loc="best", fontsize=8)
     axes.set_xlabel("step")
     axes.set_ylabel(key)

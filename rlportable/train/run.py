@@ -57,18 +57,32 @@ def resume_state(out_dir: str, kind: str, settings: dict) -> checkpoint.Checkpoi
 
 def run_steps(trainer, kind: str, settings: dict, tokenizer, start_step: int, steps: int, out_dir: str | None,
               save_every: int, log: MetricsLog, on_step: Callable[[dict], None], keep_last: int | None = 3,
-              history: list[dict] | None = None, curve: str | None = None) -> None:
+              history: list[dict] | None = None, curve: str | None = None,
+              evaluate: Callable[[int], dict | None] | None = None) -> None:
     """Steps start_step..steps-1; a checkpoint every save_every steps and after the last. history: the
     run's curve so far ({"step", curve: value} a step, from the checkpoint resumed), extended in place
     with each step's and saved in the checkpoints (deterministic values only: the bytes of a checkpoint
-    stay those of an unbroken run)."""
+    stay those of an unbroken run). evaluate(steps done): an evaluation record when one is due, else None
+    (train/evaluation.py); called before the first step of a new run and after each step, before its
+    checkpoint (a run resumed there has it already); its records go to the log and to on_step too, and
+    never into the history or the checkpoints."""
     history = [] if history is None else history
+
+    def evaluation(done: int) -> None:
+        record = evaluate(done) if evaluate is not None else None
+        if record is not None:
+            log.write(record)
+            on_step(record)
+
+    if start_step == 0:
+        evaluation(0)
     for step in range(start_step, steps):
         record = trainer.step(step)
         log.write(record)
         if curve is not None and curve in record:
             history.append({"step": record["step"], curve: record[curve]})
         on_step(record)
+        evaluation(step + 1)
         if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
             state = {"kind": kind, "next_step": step + 1, "optimizer_steps": trainer.optimizer.step_count,
                      "settings": settings, "history": history}

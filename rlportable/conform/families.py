@@ -3,9 +3,9 @@
 one and silently missing from the other."""
 
 from rlportable.conform import (
-    activation, adamw, attention, elementwise, embedding, fixedpoint, gemm, logprob, norm, residual, rope, rowsum,
-    sampling,
+    activation, adamw, attention, elementwise, embedding, fixedpoint, gemm, logprob, moe, norm, residual, rope,
+    rowsum, sampling,
 )
 
 FAMILIES = (fixedpoint, gemm, rowsum, residual, elementwise, norm, rope, activation, embedding, logprob, attention,
-            sampling, adamw)
+            sampling, adamw, moe)

@@ -4,6 +4,10 @@ A contract names what an op family computes to the bit, its reference (a
 Python function), and its CUDA and HIP kernels. `validate` checks that every
 named piece exists: the reference functions import, both sources exist and
 define every named kernel as an extern "C" __global__ entry point.
+
+A family whose kernels are not written yet says so in `reference_only` (what
+is missing, one line) instead of naming sources; its ops name no kernels, and
+the ops refuse every backend but the reference rather than fall back to it.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from rlportable.errors import ContractError
 from rlportable.resources import assemble_text, resource_dir
 
 FAMILY_KEYS = {"name", "summary", "reference", "cuda_source", "hip_source"}
+SOURCE_KEYS = {"cuda_source", "hip_source"}  # absent, both, in a reference_only family
 OP_KEYS = {"name", "summary", "reference", "kernels", "computes", "inputs", "outputs", "params",
            "invariances", "edge_cases"}
 KNOWN_INVARIANCES = {
     "batch", "row_permutation", "position_in_batch", "k_sharding", "launch_shape", "vendor",
-    "elementwise", "prefill_decode", "kv_block_size", "tp_degree",
+    "elementwise", "prefill_decode", "kv_block_size", "tp_degree", "expert_grouping",
 }
 
 
@@ -46,12 +51,14 @@ class Contract:
     name: str
     summary: str
     reference: str
-    cuda_source: str
-    hip_source: str
+    cuda_source: str | None
+    hip_source: str | None
     ops: list[Op]
     extra_kernels: list[str] = field(default_factory=list)
     #: speed-only kernels with no HIP counterpart yet (each equal to the reference, checked by conform)
     cuda_only_kernels: list[str] = field(default_factory=list)
+    #: a family with no kernels yet: what is missing (its sources are None)
+    reference_only: str | None = None
 
     def all_kernels(self) -> list[str]:
         return [k for op in self.ops for k in op.kernels] + list(self.extra_kernels)
@@ -69,7 +76,13 @@ def load(path: Path) -> Contract:
     family = data.get("family")
     if not isinstance(family, dict):
         raise ContractError(f"{path}: missing [family] table")
-    _require_keys(path, "[family]", family, FAMILY_KEYS)
+    reference_only = family.get("reference_only")
+    if reference_only is not None:
+        if SOURCE_KEYS & set(family):
+            raise ContractError(f"{path}: a reference_only family names no kernel sources")
+        _require_keys(path, "[family]", family, FAMILY_KEYS - SOURCE_KEYS)
+    else:
+        _require_keys(path, "[family]", family, FAMILY_KEYS)
     if family["name"] != path.stem:
         raise ContractError(f"{path}: family name {family['name']!r} differs from the file name {path.stem!r}")
     raw_ops = data.get("op")
@@ -81,11 +94,14 @@ def load(path: Path) -> Contract:
         unknown = set(_invariance_names(raw["invariances"])) - KNOWN_INVARIANCES
         if unknown:
             raise ContractError(f"{path}: op {raw['name']!r} lists unknown invariances {sorted(unknown)}")
+        if reference_only is not None and raw["kernels"]:
+            raise ContractError(f"{path}: op {raw['name']!r} names kernels in a reference_only family")
         ops.append(Op(**{key: raw[key] for key in OP_KEYS}))
     return Contract(path=path, name=family["name"], summary=family["summary"], reference=family["reference"],
-                    cuda_source=family["cuda_source"], hip_source=family["hip_source"], ops=ops,
+                    cuda_source=family.get("cuda_source"), hip_source=family.get("hip_source"), ops=ops,
                     extra_kernels=list(family.get("extra_kernels", [])),
-                    cuda_only_kernels=list(family.get("cuda_only_kernels", [])))
+                    cuda_only_kernels=list(family.get("cuda_only_kernels", [])),
+                    reference_only=reference_only)
 
 
 def _invariance_names(invariances: list[str]) -> list[str]:
@@ -109,6 +125,10 @@ def validate(contract: Contract) -> None:
     for op in contract.ops:
         if not callable(getattr(module, op.reference, None)):
             raise ContractError(f"{contract.path}: reference {contract.reference}.{op.reference} does not exist")
+    if contract.reference_only is not None:
+        if contract.all_kernels() or contract.cuda_only_kernels:
+            raise ContractError(f"{contract.path}: a reference_only family names kernels")
+        return
     root = resource_dir("backends").parent
     for vendor, relative in (("cuda", contract.cuda_source), ("hip", contract.hip_source)):
         source = _resolve_source(root, relative)

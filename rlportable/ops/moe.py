@@ -1,0 +1,107 @@
+"""Op family "moe": route, combine and the whole sparse MLP block of a Qwen3-MoE layer.
+
+Contract: contracts/moe.toml; reference: rlportable/contract/moe.py. The family has no kernels yet
+(the contract's reference_only line says what is missing): every op runs the reference on a backend
+that runs references (cpu) and raises BackendUnavailable on any other, never falling back to the host.
+The experts' products are the gemm family's (weights encoded once, as the dense layers'), so the
+block's bits are the reference's moe_block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlportable.contract import moe as reference
+from rlportable.errors import BackendUnavailable, InputError
+from rlportable.ops import activation, gemm
+from rlportable.ops.checks import require_matrix, shape_of
+
+
+@dataclass
+class MoeWeight:
+    """One sparse layer's weights, encoded for the gemm: the router [E, H], each expert's gate and up
+    stacked ([2I, H], one product) and its down [H, I]."""
+
+    router: gemm.GemmWeight
+    gate_up: list[gemm.StackedWeight]
+    down: list[gemm.GemmWeight]
+    top_k: int
+    norm_topk_prob: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.n
+
+
+def require_reference(backend, op: str) -> None:
+    if not backend.runs_reference:
+        raise BackendUnavailable(f"moe.{op}: no kernel on the {backend.label} backend yet; the MoE family "
+                                 "runs on the cpu reference only (contracts/moe.toml)")
+
+
+def _check_top_k(num_experts: int, top_k: int) -> None:
+    try:
+        reference.check_top_k(num_experts, top_k)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool) -> MoeWeight:
+    """Encode a sparse layer's weights once (router [E, H]; per expert gate, up [I, H] and down [H, I])."""
+    require_reference(backend, "encode")
+    experts, hidden = require_matrix("moe router", router)
+    if not len(gate) == len(up) == len(down) == experts:
+        raise InputError(f"moe: the router has {experts} experts but gate, up, down hold "
+                         f"{len(gate)}, {len(up)}, {len(down)}")
+    _check_top_k(experts, top_k)
+    for e in range(experts):
+        if shape_of(gate[e]) != shape_of(up[e]) or shape_of(gate[e])[1:] != (hidden,) \
+                or shape_of(down[e]) != (hidden, shape_of(gate[e])[0]):
+            raise InputError(f"moe: expert {e} has gate {shape_of(gate[e])}, up {shape_of(up[e])}, down "
+                             f"{shape_of(down[e])}; expected [I, {hidden}], [I, {hidden}], [{hidden}, I]")
+    return MoeWeight(router=gemm.encode_weight(backend, router),
+                     gate_up=[gemm.encode_stacked_weight(backend, [gate[e], up[e]]) for e in range(experts)],
+                     down=[gemm.encode_weight(backend, down[e]) for e in range(experts)],
+                     top_k=int(top_k), norm_topk_prob=bool(norm_topk_prob))
+
+
+def route(backend, logits, top_k: int, norm_topk_prob: bool):
+    """(experts int32 [T, k], weights float32 [T, k]) of router logits [T, E] (contracts/moe.toml route)."""
+    require_reference(backend, "route")
+    _, experts = require_matrix("moe route: logits", logits)
+    _check_top_k(experts, top_k)
+    return reference.route(backend.to_numpy(logits), top_k, norm_topk_prob)
+
+
+def combine(backend, weights, outputs):
+    """out [T, H] float32 = sum_j weights[t, j] outputs[t, j] (contracts/moe.toml combine)."""
+    require_reference(backend, "combine")
+    t, k = require_matrix("moe combine: weights", weights)
+    if len(shape_of(outputs)) != 3 or shape_of(outputs)[:2] != (t, k) or np.dtype(outputs.dtype) != np.float32:
+        raise InputError(f"moe combine: outputs must be float32 [{t}, {k}, H], got "
+                         f"{np.dtype(outputs.dtype).name} {shape_of(outputs)}")
+    return reference.combine(backend.to_numpy(weights), backend.to_numpy(outputs))
+
+
+def block(backend, h, weight: MoeWeight, encoded=None):
+    """(out [T, H], experts int32 [T, k], weights float32 [T, k]): the sparse MLP of hidden rows h [T, H]
+    (contracts/moe.toml block). encoded: h's encoding at the gemm's activation bits when its producer
+    made it (the router's product reads it; an expert's rows are encoded by its own product)."""
+    require_reference(backend, "block")
+    t, hidden = require_matrix("moe block: h", h)
+    if hidden != weight.router.k:
+        raise InputError(f"moe block: h has {hidden} columns but the router takes {weight.router.k}")
+    logits = gemm.gemm(backend, h, weight.router, encoded=encoded)
+    experts, weights = route(backend, logits, weight.top_k, weight.norm_topk_prob)
+    host = backend.to_numpy(h)
+    outputs = np.zeros((t, weight.top_k, hidden), dtype=np.float32)
+    flat = experts.reshape(-1)
+    for expert in np.unique(flat):  # tokens grouped by expert: one product per expert
+        pairs = np.flatnonzero(flat == expert)
+        rows, slots = pairs // weight.top_k, pairs % weight.top_k
+        gate, up = gemm.gemm_columns(backend, backend.asarray(host[rows]), weight.gate_up[expert])
+        y = gemm.gemm(backend, activation.swiglu(backend, gate, up), weight.down[expert])
+        outputs[rows, slots] = backend.to_numpy(y)
+    return combine(backend, weights, outputs), experts, weights

@@ -34,24 +34,31 @@ DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
                                   "a 64-lane wavefront; never chosen by auto).")
 
 
+# --tp and --emulate mean the same in every command that runs ranks (generate, conform, bench decode,
+# sft, grpo): one declaration each (docs/parallelism.md, "One flag for ranks as threads")
+TP_OPTION = click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
+                         help="Tensor-parallel ranks, one process per GPU or under torchrun (sft, grpo: per "
+                              "replica, --tp x --dp in all); bitwise the same results as --tp 1.")
+EMULATE_OPTION = click.option("--emulate", is_flag=True,
+                              help="Run the ranks (--tp, or --tp x --dp) as threads of this process on one device "
+                                   "(always so on cpu).")
+
+
 def tp_options(f):
-    """--tp / --tp-emulate: tensor parallelism (rlportable/runtime/world.py run_ranks)."""
-    f = click.option("--tp-emulate", is_flag=True,
-                     help="Run the --tp ranks as threads of this process on one device (always so on cpu).")(f)
-    return click.option("--tp", default=1, show_default=True, type=int,
-                        help="Tensor-parallel ranks: one process per GPU (or under torchrun), bitwise the same "
-                             "results as --tp 1.")(f)
+    """--tp / --emulate: tensor parallelism (rlportable/runtime/world.py run_ranks)."""
+    return TP_OPTION(EMULATE_OPTION(f))
 
 
-def _run_ranks(device: str, tp: int, tp_emulate: bool, work, kernel_source: str = "native"):
-    """(reports, result) of work(backend, group) on this rank; a bad option or device is a one-line error."""
+def _run_ranks(device: str, world_size: int, emulate: bool, work, kernel_source: str = "native"):
+    """(reports, result) of work(backend, world_group) on this rank; a bad option or device is a one-line
+    error."""
     from rlportable.runtime import resolve_device
     from rlportable.runtime.world import run_ranks
 
     try:
         if device == "auto":
             click.echo(f"device auto -> {resolve_device('auto')}", err=True)
-        return run_ranks(device, tp, tp_emulate, work, kernel_source)
+        return run_ranks(device, world_size, emulate, work, kernel_source)
     except RlpError as error:
         _fail(error)
 
@@ -143,7 +150,7 @@ def info():
               help="Read (and with --write-golden write) the golden digests here, not in conformance/golden.")
 @tp_options
 def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, peer, repro_dir, write_golden,
-            golden_dir, tp, tp_emulate):
+            golden_dir, tp, emulate):
     """Check every contract's kernels against the NumPy reference, bit for bit, and the engine against the trainer.
 
     With --tp N: the tensor-parallel checks instead, on N ranks, against one device (conform/tensor_parallel.py)."""
@@ -152,7 +159,7 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, pee
     from rlportable.conform import end_to_end, golden
 
     if tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
-        _conform_tensor_parallel(device, kernel_source, tp, tp_emulate, quick, seed, only, json_path)
+        _conform_tensor_parallel(device, kernel_source, tp, emulate, quick, seed, only, json_path)
         return
     backend = _backend(device, kernel_source)
     settings = suite.Settings(seed=seed, repro_dir=Path(repro_dir), golden_dir=Path(golden_dir) if golden_dir else None)
@@ -205,15 +212,15 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, pee
     sys.exit(0 if payload["passed"] else 1)
 
 
-def _bench_decode_tensor_parallel(device, tp, tp_emulate, sequences, prompt_len, new_tokens, layers, sampler,
+def _bench_decode_tensor_parallel(device, tp, emulate, sequences, prompt_len, new_tokens, layers, sampler,
                                   json_path):
     from rlportable.bench import decode as decode_bench
 
-    def work(backend, group):
-        return decode_bench.run_tensor_parallel(backend, group, sequences, prompt_len, new_tokens, layers, sampler,
+    def work(backend, tp_group):
+        return decode_bench.run_tensor_parallel(backend, tp_group, sequences, prompt_len, new_tokens, layers, sampler,
                                                 progress=lambda text: click.echo(f"  {text}", err=True))
 
-    reports, result = _run_ranks(device, tp, tp_emulate, work)
+    reports, result = _run_ranks(device, tp, emulate, work)
     if not reports:
         return
     rows = [[name, result[key]["tokens_per_s"], result[key].get("decode_step_s_median")]
@@ -225,16 +232,16 @@ def _bench_decode_tensor_parallel(device, tp, tp_emulate, sequences, prompt_len,
     _write_json(json_path, result)
 
 
-def _conform_tensor_parallel(device, kernel_source, tp, tp_emulate, quick, seed, only, json_path):
+def _conform_tensor_parallel(device, kernel_source, tp, emulate, quick, seed, only, json_path):
     from rlportable import conform as suite
     from rlportable.conform import tensor_parallel
 
-    def work(backend, group):
-        results = tensor_parallel.run(backend, group, quick=quick, seed=seed, only=only,
+    def work(backend, tp_group):
+        results = tensor_parallel.run(backend, tp_group, quick=quick, seed=seed, only=only,
                                       progress=lambda name: click.echo(f"  checking {name} ...", err=True))
-        return backend, group.size, group.label, results
+        return backend, tp_group.size, tp_group.label, results
 
-    reports, (backend, size, label, results) = _run_ranks(device, tp, tp_emulate, work, kernel_source)
+    reports, (backend, size, label, results) = _run_ranks(device, tp, emulate, work, kernel_source)
     if not reports:
         return
     click.echo(tabulate([[r.name, r.compared, r.mismatches, "pass" if r.passed else "FAIL"] for r in results],
@@ -302,7 +309,7 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
 @tp_options
 @click.option("--json", "as_json", is_flag=True, help="Per sample: token ids, text and log-probs, as JSON.")
 def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_k, min_p, ignore_eos, seed,
-             max_batch, block_size, prefix_caching, cuda_graphs, device, tp, tp_emulate, as_json):
+             max_batch, block_size, prefix_caching, cuda_graphs, device, tp, emulate, as_json):
     """Sample completions with the rollout engine (paged KV cache, continuous batching)."""
     from rlportable.engine.llm import LLM
     from rlportable.engine.sequence import SamplingParams, SamplingParamsError
@@ -319,10 +326,10 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
     except RlpError as error:
         _fail(error)
 
-    def work(backend, group):
+    def work(backend, tp_group):
         llm = LLM(model_spec, device=backend, block_size=block_size, max_num_seqs=max_batch,
-                  enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, group=group)
-        if group.rank:
+                  enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, tp_group=tp_group)
+        if tp_group.rank:
             return llm, llm.generate(texts, params, seed=seed)
         with click.progressbar(length=len(texts) * n * max_tokens, label="generating", file=sys.stderr) as bar:
             done = [0]
@@ -333,7 +340,7 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
 
             return llm, llm.generate(texts, params, progress=progress, seed=seed)
 
-    reports, (llm, outputs) = _run_ranks(device, tp, tp_emulate, work)
+    reports, (llm, outputs) = _run_ranks(device, tp, emulate, work)
     if not reports:
         return
     stats = llm.stats
@@ -358,7 +365,7 @@ CONFIG_DEFAULT = " (default: the run config's; `--model tiny`/`tiny-sft`: the em
 
 
 #: options that say where and how a run executes, not what it computes: not part of a run's config file
-RUN_PLACE = ("out", "resume", "config_file", "print_config", "device", "dp", "dp_emulate", "tp", "log_jsonl", "plot")
+RUN_PLACE = ("out", "resume", "config_file", "print_config", "device", "dp", "emulate", "tp", "log_jsonl", "plot")
 
 
 def _option_names(command: click.Command) -> dict[str, str]:
@@ -477,11 +484,8 @@ def _run_options(f):
         click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
                      help="Data-parallel replicas: one process per GPU (or under torchrun); bitwise the same run as "
                           "--dp 1."),
-        click.option("--dp-emulate", is_flag=True,
-                     help="Run the --tp x --dp ranks as threads of this process on one device (always so on cpu)."),
-        click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
-                     help="Tensor-parallel ranks per replica (one process per GPU, --tp x --dp in all); bitwise the "
-                          "same run as --tp 1."),
+        EMULATE_OPTION,
+        TP_OPTION,
     ]
     for option in reversed(options):
         f = option(f)
@@ -509,15 +513,15 @@ def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str,
     rank 0 prints."""
     from rlportable.runtime.world import layout_groups
 
-    def work(backend, world):
+    def work(backend, world_group):
         try:
-            tensor, data = layout_groups(world, tp)
+            tp_group, dp_group = layout_groups(world_group, tp)
         except RlpError as error:
             _fail(error)
-        if world.rank == 0:
-            _train(kind, lambda on_step: run(backend, on_step, data, tensor), keys, steps, out, plot)
+        if world_group.rank == 0:
+            _train(kind, lambda on_step: run(backend, on_step, dp_group, tp_group), keys, steps, out, plot)
         else:
-            run(backend, lambda record: None, data, tensor)
+            run(backend, lambda record: None, dp_group, tp_group)
 
     _run_ranks(device, tp * dp, emulate, work)
 
@@ -570,7 +574,7 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
 @click.option("--batch-size", default=None, type=click.IntRange(min=1), help="Examples per optimiser step." + CONFIG_DEFAULT)
 @click.option("--max-length", default=None, type=click.IntRange(min=1), help="Longest prompt + completion." + CONFIG_DEFAULT)
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-        weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, dp_emulate, tp,
+        weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
         batch_size, max_length):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
     from rlportable.train import launch
@@ -595,9 +599,9 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
                    f"warmup {config.warmup_steps}, max length {config.max_length}", err=True)
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("sft", lambda backend, on_step, group, tensor: launch.run_sft(backend, options, config, on_step,
-                                                                                    group, tensor),
-                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, dp_emulate, out, plot)
+    _train_on_replicas("sft", lambda backend, on_step, dp_group, tp_group: launch.run_sft(
+                           backend, options, config, on_step, dp_group, tp_group),
+                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, emulate, out, plot)
 
 
 @main.command()
@@ -640,7 +644,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--eval-pass-threshold", default=None, type=float,
               help="A held-out completion passes (pass@k) when its reward is at least this." + CONFIG_DEFAULT)
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-         weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, dp_emulate, tp,
+         weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
          rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
          epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, num_iterations,
@@ -683,11 +687,11 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
                        "last", err=True)
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("grpo", lambda backend, on_step, group, tensor: launch.run_grpo(backend, options, config, specs,
-                                                                                       on_step, group, tensor),
+    _train_on_replicas("grpo", lambda backend, on_step, dp_group, tp_group: launch.run_grpo(
+                           backend, options, config, specs, on_step, dp_group, tp_group),
                        ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches",
                         "max_abs_dlogp", "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"],
-                       config.steps, device, tp, dp, dp_emulate, out, plot)
+                       config.steps, device, tp, dp, emulate, out, plot)
 
 
 @main.group()
@@ -837,7 +841,7 @@ def bench_forward(device, json_path, sequences, length, layers):
               help="Measure ours and the peer this many times in turn; the table shows each side's median run.")
 @tp_options
 def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, peer, time_limit, sampler,
-                 cuda_graphs, async_scheduling, runs, tp, tp_emulate):
+                 cuda_graphs, async_scheduling, runs, tp, emulate):
     """Rollout output tokens/s of the engine against HF transformers generate (bf16), and the bandwidth bound.
 
     With --tp N: the engine at TP=N against TP=1 on the same workload (no HF peer, no time limit)."""
@@ -845,7 +849,7 @@ def bench_decode(device, json_path, sequences, prompt_len, new_tokens, layers, p
     from rlportable.bench import decode as decode_bench
 
     if tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
-        _bench_decode_tensor_parallel(device, tp, tp_emulate, sequences, prompt_len, new_tokens, layers, sampler,
+        _bench_decode_tensor_parallel(device, tp, emulate, sequences, prompt_len, new_tokens, layers, sampler,
                                       json_path)
         return
 

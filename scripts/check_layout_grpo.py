@@ -40,10 +40,10 @@ records = [{"prompt": row.tolist()} for row in random_prompts(config, args.steps
 TIMING = ("rollout_s", "train_s", "step_s", "rollout_tokens_per_s", "tokens_per_s")
 
 
-def run(world, tp):
-    tensor, data = layout_groups(world, tp)
-    model = Model(backend, config, weights, trainable=True, group=tensor)
-    trainer = GRPOTrainer(model, IdsOnlyTokenizer(), records, RewardSet([(hash_reward, 1.0)]), grpo, None, data)
+def run(world_group, tp):
+    tp_group, dp_group = layout_groups(world_group, tp)
+    model = Model(backend, config, weights, trainable=True, tp_group=tp_group)
+    trainer = GRPOTrainer(model, IdsOnlyTokenizer(), records, RewardSet([(hash_reward, 1.0)]), grpo, None, dp_group)
     steps = [trainer.step(i) for i in range(args.steps)]
     digest = hashlib.sha256()
     for name, array in trainer.optimizer.whole_weights().items():
@@ -55,7 +55,7 @@ def run(world, tp):
 results, first = [], None
 for tp, dp in ((layout.tp, layout.dp) for layout in parse_layouts(args.layouts)):
     started = time.perf_counter()
-    ranks = run_threads(backend, tp * dp, lambda world, tp=tp: run(world, tp))
+    ranks = run_threads(backend, tp * dp, lambda world_group, tp=tp: run(world_group, tp))
     metrics, digest = ranks[0]
     first = first or ranks[0]
     row = {"tp": tp, "dp": dp, "logp_mismatches": [m["logp_mismatches"] for m in metrics],

@@ -32,9 +32,9 @@ for check in ("golden.training.sft.trajectory", "golden.training.grpo.trajectory
     for tp, dp in ((layout.tp, layout.dp) for layout in parse_layouts(args.layouts)):
         started = time.perf_counter()
 
-        def rank(world, tp=tp):
-            tensor, data = layout_groups(world, tp)
-            return case.compute(backend, golden_stream.Stream(case.recipe["seed"]), case.recipe, data, tensor)
+        def rank(world_group, tp=tp):
+            tp_group, dp_group = layout_groups(world_group, tp)
+            return case.compute(backend, golden_stream.Stream(case.recipe["seed"]), case.recipe, dp_group, tp_group)
 
         outputs = run_threads(backend, tp * dp, rank)
         digests = [golden_digest.digest(o) for o in outputs]

@@ -74,6 +74,7 @@ def test_generate_json_gives_tokens_text_and_logprobs():
     (["sft", "--save-every", "-1"], "--save-every"), (["sft", "--batch-size", "0"], "--batch-size"),
     (["grpo", "-G", "0"], "--num-generations"), (["grpo", "--beta", "-0.1"], "--beta"),
     (["sft", "--dp", "0"], "--dp"), (["generate", "--model", "tiny", "--prompt", "x", "--max-batch", "0"], "--max-batch"),
+    (["sft", "--tp", "0"], "--tp"), (["generate", "--model", "tiny", "--prompt", "x", "--tp", "0"], "--tp"),
 ])
 def test_numeric_options_are_checked_before_any_work(args, flag, tmp_path):
     """A zero, negative or non-finite value where the option cannot take it is one line naming the
@@ -83,6 +84,31 @@ def test_numeric_options_are_checked_before_any_work(args, flag, tmp_path):
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{flag}'" in result.output or f"Invalid value for '-G' / '{flag}'" in result.output
     assert not out.exists()
+
+
+RANK_COMMANDS = (("generate",), ("conform",), ("bench", "decode"), ("sft",), ("grpo",))
+
+
+@pytest.mark.parametrize("path", RANK_COMMANDS)
+def test_every_command_that_runs_ranks_has_the_same_tp_and_emulate(path):
+    """--tp (an integer >= 1) and --emulate (the ranks as threads) are one declaration each, the same
+    in every command; no other emulation flag is left."""
+    command = main
+    for name in path:
+        command = command.commands[name]
+    options = {opt: param for param in command.params for opt in param.opts}
+    tp = options["--tp"]
+    assert (tp.type.name, tp.type.min, tp.type.max, tp.default) == ("integer range", 1, None, 1)
+    assert options["--emulate"].is_flag
+    assert [opt for opt in options if "emulate" in opt] == ["--emulate"]
+
+
+@pytest.mark.parametrize("args", [["generate", "--tp-emulate"], ["conform", "--tp-emulate"],
+                                  ["sft", "--dp-emulate"], ["grpo", "--dp-emulate"]])
+def test_the_old_emulation_flags_are_gone_and_the_error_names_the_new_one(args):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and f"No such option '{args[1]}'" in result.output
+    assert "--emulate" in result.output
 
 
 def test_zero_learning_rate_is_taken_not_replaced_by_the_default():

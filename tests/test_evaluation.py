@@ -101,9 +101,9 @@ def test_evaluating_changes_none_of_the_runs_bits(tmp_path, monkeypatch):
     for step in ("step-000001", "step-000002", "step-000003"):
         assert _checkpoint_files(tmp_path / "plain" / step) == _checkpoint_files(tmp_path / "evaluated" / step), step
 
-    replicated = run_threads(CPU, 2, lambda group: launch.run_grpo(
+    replicated = run_threads(CPU, 2, lambda dp_group: launch.run_grpo(
         CPU, _options(tmp_path, "replicated", eval_task="arithmetic:digits=2,ops=+"), evaluating, [],
-        lambda r: None, group))
+        lambda r: None, dp_group))
     assert _training_lines(tmp_path / "replicated.jsonl") == _training_lines(tmp_path / "plain.jsonl")
     sharded, single = (_checkpoint_files(tmp_path / name / "step-000003") for name in ("replicated", "plain"))
     for name in ("model.safetensors", "trainer_state.json"):  # the optimiser state is in one shard per replica

@@ -197,9 +197,9 @@ def test_training_trajectories_reproduce_at_any_layout(check_name, tp, dp):
     expected = json.loads((COMMITTED / f"{case.group}.json").read_text())
     want = next(item["sha256"] for item in expected["digests"] if item["name"] == case.name)
 
-    def rank(world):
-        tensor, data = layout_groups(world, tp)
-        return case.compute(CPU, golden_stream.Stream(case.recipe["seed"]), case.recipe, data, tensor)
+    def rank(world_group):
+        tp_group, dp_group = layout_groups(world_group, tp)
+        return case.compute(CPU, golden_stream.Stream(case.recipe["seed"]), case.recipe, dp_group, tp_group)
 
     for rank_outputs in run_threads(CPU, tp * dp, rank):
         assert golden_digest.digest(rank_outputs) == want

@@ -71,19 +71,23 @@ VENDOR_FILES = [(vendor, path) for vendor, suffix in resources.VENDOR_SUFFIX.ite
 
 @pytest.mark.parametrize("vendor,path", VENDOR_FILES, ids=[f"{v}-{p.name}" for v, p in VENDOR_FILES])
 def test_vendor_files_add_fast_paths_to_a_portable_family(vendor, path):
-    """backends/cuda/<family>.cu holds NVIDIA's fast paths only: it includes the family's portable source,
-    defines the contract's cuda_only_kernels (most through entry macros), and redefines no portable
-    kernel; the portable source never names a fast path."""
+    """backends/cuda/<family>.cu (NVIDIA) and backends/hip/<family>.hip (AMD) hold a vendor's fast paths
+    only: each includes the family's portable source, defines the contract's cuda_only_kernels or
+    hip_only_kernels (most through entry macros), and redefines no portable kernel; the portable source
+    never names a fast path."""
     from rlportable.contract import spec
 
     family = path.stem
-    assert vendor == "cuda", f"{path}: only NVIDIA has fast paths (their contract key is cuda_only_kernels)"
     assert portable_source_path(family).is_file(), f"{path} has no backends/portable/{family}.hip"
     text, portable_text = path.read_text(), portable_source_path(family).read_text()
-    assert re.search(rf'^#include "{family}.hip"$', text, re.MULTILINE), f"{path} must include \"{family}.hip\""
+    # the HIP file shares the portable file's name, so it names the portable folder
+    include = f"{family}.hip" if vendor == "cuda" else f"../portable/{family}.hip"
+    assert re.search(rf'^#include "{re.escape(include)}"$', text, re.MULTILINE), f"{path} must include \"{include}\""
     contract = next(c for c in spec.load_all() if c.name == family)
-    assert contract.cuda_only_kernels, f"{path}: contracts/{family}.toml lists no cuda_only_kernels"
-    for kernel in contract.cuda_only_kernels:
+    only = contract.cuda_only_kernels if vendor == "cuda" else contract.hip_only_kernels
+    key = "cuda_only_kernels" if vendor == "cuda" else "hip_only_kernels"
+    assert only, f"{path}: contracts/{family}.toml lists no {key}"
+    for kernel in only:
         assert re.search(rf"\b{kernel}\b", text), f"{path} does not define the fast path {kernel}"
         assert not re.search(rf"\b{kernel}\b", portable_text), f"portable/{family}.hip names the fast path {kernel}"
     for kernel in _kernels(portable_text):
@@ -105,7 +109,7 @@ def test_portable_source_layout(family):
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)  # comments may name anything
     for name in _WARP_OR_VENDOR_SPECIFIC:
         assert name not in code, f"{family}.hip uses {name!r}: warp-width or vendor specific"
-    assert kernel_source_path("hip", family) == portable_source_path(family)
+    assert kernel_source_path("hip", family) in (portable_source_path(family), resource_dir("backends") / "hip" / f"{family}.hip")
 
 
 # The one shuffle allowed, in common.h only: width 32, a segment that divides either vendor's warp

@@ -24,8 +24,8 @@ def test_weights_and_optimiser_match_the_tensors_the_trainer_allocates():
     assert parts["weights"] == 4 * params
     layer = sum(int(np.asarray(a).size) for n, a in weights.named_tensors(config).items() if ".layers.0." in n)
     assert parts["gradient"] == 4 * (params - (config.num_hidden_layers - 1) * layer)  # one layer at a time
-    optimisers = run_threads(cpu, 3, lambda group: Optimizer(Model(cpu, config, weights, trainable=True),
-                                                             SFTConfig().hyper(), Schedule(), group))
+    optimisers = run_threads(cpu, 3, lambda dp_group: Optimizer(Model(cpu, config, weights, trainable=True),
+                                                                SFTConfig().hyper(), Schedule(), dp_group))
     largest_rank = max(sum(opt.m[name].size for name in opt.names) for opt in optimisers)
     # m, v and the gradient piece: 12 bytes an element of the largest rank's pieces (the model rounds the
     # whole count up once, the code each tensor: at most one element a tensor apart)

@@ -103,8 +103,8 @@ def test_world_from_the_launcher_environment(monkeypatch):
 def test_run_ranks_checks_tp(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(InputError, match="must be an integer >= 1"):
-        run_ranks("cpu", 0, False, lambda backend, group: None)
-    reports, sizes = run_ranks("cpu", 3, False, lambda backend, group: group.size)
+        run_ranks("cpu", 0, False, lambda backend, world_group: None)
+    reports, sizes = run_ranks("cpu", 3, False, lambda backend, world_group: world_group.size)
     assert reports and sizes == 3
 
 
@@ -138,7 +138,7 @@ def _sequences(rng, vocab, lengths):
 
 def _logprobs_at(cpu, loaded, size, tokens, cu, temperature=1.0):
     config, weights = loaded[0], loaded[1]
-    results = run_threads(cpu, size, lambda group: Model(cpu, config, weights, group=group).logprobs(
+    results = run_threads(cpu, size, lambda tp_group: Model(cpu, config, weights, tp_group=tp_group).logprobs(
         tokens, cu, temperature))
     for other in results[1:]:
         assert same_bits(other, results[0])  # every rank returns the same log-probs
@@ -184,15 +184,15 @@ def test_entropy_at_tp_equals_tp1(cpu, tiny, size):
     rng = np.random.default_rng(5)
     tokens, cu = _sequences(rng, tiny[0].vocab_size, [6, 21, 2])
     single_lp, single_ent = Model(cpu, tiny[0], tiny[1]).logprobs(tokens, cu, 0.9, with_entropy=True)
-    for lp, ent in run_threads(cpu, size, lambda group: Model(cpu, tiny[0], tiny[1], group=group).logprobs(
+    for lp, ent in run_threads(cpu, size, lambda tp_group: Model(cpu, tiny[0], tiny[1], tp_group=tp_group).logprobs(
             tokens, cu, 0.9, with_entropy=True)):
         assert same_bits(lp, single_lp) and same_bits(ent, single_ent)
 
 
 def test_training_with_shared_kv_heads_is_a_clear_error(cpu, tiny):
-    group = ThreadGroup.create(cpu, 4)[0]  # 2 KV heads over 4 ranks: shared
+    tp_group = ThreadGroup.create(cpu, 4)[0]  # 2 KV heads over 4 ranks: shared
     with pytest.raises(InputError, match="training needs num_key_value_heads \\(2\\) divisible by the TP size \\(4\\)"):
-        Model(cpu, tiny[0], tiny[1], trainable=True, group=group)
+        Model(cpu, tiny[0], tiny[1], trainable=True, tp_group=tp_group)
 
 
 def _gradients_at(cpu, loaded, size, tokens, cu, rows, grad, temperature):
@@ -200,8 +200,8 @@ def _gradients_at(cpu, loaded, size, tokens, cu, rows, grad, temperature):
 
     config, weights = loaded
 
-    def work(group):
-        model = Model(cpu, config, weights, trainable=True, group=group)
+    def work(tp_group):
+        model = Model(cpu, config, weights, trainable=True, tp_group=tp_group)
         fwd = backward.forward(model, tokens, cu, temperature, rows=rows)
         grads = backward.backward(model, fwd, grad)
         return cpu.to_numpy(fwd.logp), grads  # cpu: NumPy arrays
@@ -239,8 +239,8 @@ def test_gradients_at_tp_are_the_single_device_shards(cpu, tiny, loaded, size):
 
 # ---- the engine
 def _generate(cpu, loaded, size, prompts, params, **engine):
-    def work(group):
-        llm = LLM(device=cpu, loaded=loaded, group=group, **engine)
+    def work(tp_group):
+        llm = LLM(device=cpu, loaded=loaded, tp_group=tp_group, **engine)
         return [[(c.token_ids, c.logprobs) for c in r.outputs] for r in llm.generate(prompts, params)]
 
     results = run_threads(cpu, size, work)

@@ -110,8 +110,8 @@ def test_data_parallel_grpo_is_bitwise_the_single_device_run(tmp_path, replicas)
     config = _grpo_config(steps=2, micro_batch_tokens=12, mini_batches=2, num_iterations=2, beta=0.04)
     single = launch.run_grpo(CPU, _options(tmp_path, "single", model="tiny-sft"), config, [], lambda r: None)
     assert any(r["reward_std"] > 0 for r in single)  # non-zero advantages: the gradients are not all zero
-    replicated = run_threads(CPU, replicas, lambda group: launch.run_grpo(
-        CPU, _options(tmp_path, "replicated", model="tiny-sft"), config, [], lambda r: None, group))
+    replicated = run_threads(CPU, replicas, lambda dp_group: launch.run_grpo(
+        CPU, _options(tmp_path, "replicated", model="tiny-sft"), config, [], lambda r: None, dp_group))
     timing = ("rollout_s", "train_s", "step_s", "rollout_tokens_per_s", "tokens_per_s")
     for records in replicated:
         for a, b in zip(records, single):
@@ -127,8 +127,8 @@ def test_data_parallel_sft_is_bitwise_the_single_device_run(tmp_path):
 
     config = SFTConfig(steps=2, batch_size=8, learning_rate=3e-3, micro_batch_tokens=20, seed=2)
     single = launch.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
-    replicated = run_threads(CPU, 2, lambda group: launch.run_sft(CPU, _options(tmp_path, "replicated"), config,
-                                                                  lambda r: None, group))
+    replicated = run_threads(CPU, 2, lambda dp_group: launch.run_sft(CPU, _options(tmp_path, "replicated"), config,
+                                                                     lambda r: None, dp_group))
     for records in replicated:
         assert [r["loss"] for r in records] == [r["loss"] for r in single]
         assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in single]
@@ -147,8 +147,8 @@ def test_sharded_optimiser_holds_one_piece_per_rank():
 
     config, weights, _ = load_model("tiny")
     hyper = SFTConfig().hyper()
-    pieces = run_threads(CPU, 3, lambda group: Optimizer(Model(CPU, config, weights, trainable=True), hyper,
-                                                         Schedule(), group))
+    pieces = run_threads(CPU, 3, lambda dp_group: Optimizer(Model(CPU, config, weights, trainable=True), hyper,
+                                                            Schedule(), dp_group))
     for name, size in pieces[0].sizes.items():
         assert [opt.ranges[name] for opt in pieces] == [shard_range(size, 3, r) for r in range(3)]
         assert sum(opt.m[name].size for opt in pieces) == size
@@ -173,15 +173,15 @@ def test_sharded_checkpoint_resumes_bitwise_at_another_replica_count(tmp_path):
     for replicas in (2, 1):
         name = f"from3to{replicas}"
         with pytest.raises(KeyboardInterrupt):
-            run_threads(CPU, 3, lambda group: launch.run_sft(CPU, _options(tmp_path, name), config,
-                                                             lambda r: None if group.rank else stop_after_two(r),
-                                                             group))
+            run_threads(CPU, 3, lambda dp_group: launch.run_sft(CPU, _options(tmp_path, name), config,
+                                                                lambda r: None if dp_group.rank else stop_after_two(r),
+                                                                dp_group))
         step1 = checkpoint.latest_checkpoint(tmp_path / name)
         assert step1.endswith("step-000001")
         assert sorted(f for f in os.listdir(step1) if f.startswith("optimizer")) == [
             f"optimizer-0000{r}-of-00003.safetensors" for r in range(3)]
-        resumed = run_threads(CPU, replicas, lambda group: launch.run_sft(
-            CPU, _options(tmp_path, name, resume=True), config, lambda r: None, group))[0]
+        resumed = run_threads(CPU, replicas, lambda dp_group: launch.run_sft(
+            CPU, _options(tmp_path, name, resume=True), config, lambda r: None, dp_group))[0]
         assert [r["loss"] for r in resumed] == [r["loss"] for r in single]  # the log holds steps 1-2 too
         assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in single]
         straight, parted = _final_weights(tmp_path / "single"), _final_weights(tmp_path / name)
@@ -285,7 +285,7 @@ def test_cli_grpo_with_dp_on_cpu_prints_the_same_last_step(tmp_path):
     assert one.exit_code == 0, one.output
     last = [line for line in one.output.splitlines() if line.startswith("step 1")][-1]
     assert "logp_mismatches 0" in last
-    for layout in (["--dp", "2"], ["--tp", "2", "--dp", "2"]):
+    for layout in (["--dp", "2"], ["--tp", "2", "--dp", "2", "--emulate"]):
         other = CliRunner().invoke(main, args + layout)
         assert other.exit_code == 0, other.output
         assert last.split("| rollout")[0] == [line for line in other.output.splitlines()

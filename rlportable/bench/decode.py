@@ -319,11 +319,11 @@ def random_prompts(config, sequences: int, prompt_len: int, seed: int = 1) -> np
 def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: int, block_size: int = 16,
                    max_num_batched_tokens: int = 4096, time_limit: float | None = None,
                    bandwidth: float | None = None, sampler: str = "auto", progress=None,
-                   cuda_graphs: bool | None = None, group=None, async_scheduling: bool | None = None) -> dict:
+                   cuda_graphs: bool | None = None, tp_group=None, async_scheduling: bool | None = None) -> dict:
     """Our engine on `backend`: warm-up (and every decode graph captured), then generate
     `new_tokens` tokens for every prompt. cuda_graphs, async_scheduling: the engine's options (None:
     its defaults).
-    group: a tensor-parallel rank (every rank calls this; no time limit then, or the ranks
+    tp_group: a tensor-parallel rank (every rank calls this; no time limit then, or the ranks
     would stop at different steps)."""
     from rlportable.engine.llm import LLM
     from rlportable.engine.sequence import SamplingParams
@@ -344,7 +344,7 @@ def measure_engine(backend, config, weights, prompts: np.ndarray, new_tokens: in
         llm = LLM(device=backend, block_size=block_size,
                   num_blocks=sequences * -(-max_len // block_size), max_num_seqs=sequences,
                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
-                  loaded=(config, weights, IdsOnlyTokenizer()), cuda_graphs=cuda_graphs, group=group,
+                  loaded=(config, weights, IdsOnlyTokenizer()), cuda_graphs=cuda_graphs, tp_group=tp_group,
                   async_scheduling=async_scheduling, **sampler_kwargs)
         if progress:
             progress("ours: warm-up")
@@ -591,7 +591,7 @@ def _release_peer_memory(backend) -> None:
             torch.cuda.empty_cache()
 
 
-def run_tensor_parallel(backend, group, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 256,
+def run_tensor_parallel(backend, tp_group, sequences: int = 256, prompt_len: int = 128, new_tokens: int = 256,
                         layers: int | None = None, sampler: str = "auto", progress=None) -> dict | None:
     """`rlportable bench decode --tp N`: the engine at TP=N (every rank), then, on rank 0 alone, the
     same workload at TP=1 with and without graphs; the scaling is TP=N tokens/s over TP=1's."""
@@ -601,10 +601,10 @@ def run_tensor_parallel(backend, group, sequences: int = 256, prompt_len: int = 
     weights = random_weights(config)
     prompts = random_prompts(config, sequences, prompt_len)
     bandwidth = copy_bandwidth(backend)["bytes_per_s"]
-    say = progress if group.rank == 0 else None
+    say = progress if tp_group.rank == 0 else None
     sharded = measure_engine(backend, config, weights, prompts, new_tokens, bandwidth=bandwidth, sampler=sampler,
-                             progress=say, cuda_graphs=False, group=group)
-    if group.rank:
+                             progress=say, cuda_graphs=False, tp_group=tp_group)
+    if tp_group.rank:
         return None
     single = {graphs: measure_engine(backend, config, weights, prompts, new_tokens, bandwidth=bandwidth,
                                      sampler=sampler, progress=say, cuda_graphs=graphs) for graphs in (False, True)}
@@ -614,8 +614,8 @@ def run_tensor_parallel(backend, group, sequences: int = 256, prompt_len: int = 
 
     return {
         "device": backend.info(), "model": "Qwen3 shape, random weights", "layers": config.num_hidden_layers,
-        "sequences": sequences, "prompt_len": prompt_len, "new_tokens": new_tokens, "tp": group.size,
-        "group": group.label, "ours_tp": sharded, "ours_tp1_eager": single[False], "ours_tp1_graphs": single[True],
+        "sequences": sequences, "prompt_len": prompt_len, "new_tokens": new_tokens, "tp": tp_group.size,
+        "group": tp_group.label, "ours_tp": sharded, "ours_tp1_eager": single[False], "ours_tp1_graphs": single[True],
         "scaling": {"tp_over_tp1_eager": speed(sharded) / speed(single[False]),
                     "tp_over_tp1_graphs": speed(sharded) / speed(single[True])},
     }

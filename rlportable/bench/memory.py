@@ -30,7 +30,7 @@ def model_rows(shapes: list[str], layouts: list[memory.Layout], work: memory.Wor
     return rows
 
 
-def train_random_tokens(backend, config, weights, tokens: int, micro_batches: int, group, tp_group=None) -> str:
+def train_random_tokens(backend, config, weights, tokens: int, micro_batches: int, dp_group, tp_group=None) -> str:
     """MEASURE_STEPS optimiser steps of `micro_batches` micro-batches of random tokens each (the same
     at any rank count); the digest of the final weights."""
     from rlportable.model.forward import Model
@@ -41,9 +41,9 @@ def train_random_tokens(backend, config, weights, tokens: int, micro_batches: in
     from rlportable.train.trainer import Sample, micro_batch_gradients, pack
 
     # a copy: cpu arrays would be shared with the caller's, and updated in place
-    model = Model(backend, config, copy.deepcopy(weights), trainable=True, group=tp_group)
-    replicas = Replicas.of(group)
-    optimizer = Optimizer(model, SFTConfig().hyper(), Schedule(1e-5, 0, MEASURE_STEPS), replicas.group)
+    model = Model(backend, config, copy.deepcopy(weights), trainable=True, tp_group=tp_group)
+    replicas = Replicas.of(dp_group)
+    optimizer = Optimizer(model, SFTConfig().hyper(), Schedule(1e-5, 0, MEASURE_STEPS), replicas.dp_group)
     rng = np.random.default_rng(0)
     for _ in range(MEASURE_STEPS):
         samples = []
@@ -83,9 +83,9 @@ def measure(backend, shape: str, layers: int, tp: int, dp: int, tokens: int) -> 
     config = qwen3_config(shape, layers)
     weights = random_weights(config, seed=1)
     with PeakTracker(cupy) as tracker:
-        def rank(world):
-            tensor, data = layout_groups(world, tp)
-            return train_random_tokens(backend, config, weights, tokens, dp, data, tensor)
+        def rank(world_group):
+            tp_group, dp_group = layout_groups(world_group, tp)
+            return train_random_tokens(backend, config, weights, tokens, dp, dp_group, tp_group)
 
         digests = run_threads(backend, tp * dp, rank)
         backend.synchronize()

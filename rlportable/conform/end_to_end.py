@@ -272,8 +272,8 @@ def tensor_parallel_generate(loaded: Loaded, tp: int, engine: dict, prompts, par
 
     backend = loaded.model.backend
 
-    def rank(group):
-        model = Model(backend, loaded.model.config, loaded.weights, group=group)
+    def rank(tp_group):
+        model = Model(backend, loaded.model.config, loaded.weights, tp_group=tp_group)
         llm = LLM(device=backend, loaded=(model, loaded.tokenizer), **engine)
         outputs = llm.generate(prompts, params)
         llm.release_kv_cache()
@@ -299,8 +299,8 @@ def tensor_parallel_forward(loaded: Loaded, tp: int, completions: list[Completio
         sequences = [completions[i].prompt + completions[i].tokens for i in indices]
         tokens = np.concatenate([np.asarray(s, np.int32) for s in sequences])
         cu = np.concatenate([[0], np.cumsum([len(s) for s in sequences])]).astype(np.int64)
-        results = run_threads(backend, tp, lambda group: Model(backend, loaded.model.config, loaded.weights,
-                                                               group=group).logprobs(tokens, cu, temperature))
+        results = run_threads(backend, tp, lambda tp_group: Model(backend, loaded.model.config, loaded.weights,
+                                                                  tp_group=tp_group).logprobs(tokens, cu, temperature))
         for i, logp in zip(indices, results[0]):
             first = len(completions[i].prompt) - 1
             out[i] = np.asarray(logp[first: first + len(completions[i].tokens)], np.float32)

@@ -21,6 +21,7 @@ from rlportable.conform.tally import Tally
 from rlportable.contract import exact, fixedpoint as fp
 from rlportable.ops import fixedpoint as fixedpoint_op, gemm as gemm_op
 from rlportable.ops.gemm_fused import available_tiles
+from rlportable.ops.gemm_mfma import mfma_tiles
 from rlportable.runtime.base import Backend
 
 
@@ -31,6 +32,7 @@ def gemm_methods(backend: Backend) -> list[tuple[str, str | None]]:
     methods = [("blas", None)]
     if backend.kernel_vendor == "cuda":
         methods += [("fused", tile) for tile in available_tiles(backend)]
+    methods += [("fused", tile) for tile in mfma_tiles(backend)]
     return methods
 
 

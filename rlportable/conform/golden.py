@@ -193,31 +193,31 @@ def _run_setup(backend, r, seed: int, tp_group=None):
 
     model_config, weights, tokenizer = load_model(r["model"])
     records, task = task_records(r["task"], None, seed)
-    return Model(backend, model_config, weights, trainable=True, group=tp_group), tokenizer, records, task
+    return Model(backend, model_config, weights, trainable=True, tp_group=tp_group), tokenizer, records, task
 
 
 @TRAINING_CASES.case("sft.trajectory", **SFT_RUN)
-def _sft_trajectory(backend, s, r, group=None, tp_group=None):
-    """group: data-parallel ranks with a sharded optimiser; tp_group: tensor-parallel ranks sharing the
+def _sft_trajectory(backend, s, r, dp_group=None, tp_group=None):
+    """dp_group: data-parallel ranks with a sharded optimiser; tp_group: tensor-parallel ranks sharing the
     model: any layout's run must give the same digest."""
     from rlportable.train.sft import SFTConfig, SFTTrainer, task_sft_records
 
     config = SFTConfig(**r["config"])
     model, tokenizer, records, _ = _run_setup(backend, r, config.seed, tp_group)
-    trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config, group)
+    trainer = SFTTrainer(model, tokenizer, task_sft_records(records), config, dp_group)
     steps = [trainer.step(i) for i in range(config.steps)]
     return _trajectory(trainer.optimizer, steps, SFT_METRICS)
 
 
 @TRAINING_CASES.case("grpo.trajectory", **GRPO_RUN)
-def _grpo_trajectory(backend, s, r, group=None, tp_group=None):
-    """group, tp_group: as _sft_trajectory's."""
+def _grpo_trajectory(backend, s, r, dp_group=None, tp_group=None):
+    """dp_group, tp_group: as _sft_trajectory's."""
     from rlportable.train.grpo import GRPOConfig, GRPOTrainer
     from rlportable.train.rewards import RewardSet
 
     config = GRPOConfig(**r["config"])
     model, tokenizer, records, task = _run_setup(backend, r, config.seed, tp_group)
-    trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config, None, group)
+    trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config, None, dp_group)
     steps = [trainer.step(i) for i in range(config.steps)]
     del trainer.engine  # its KV cache
     return _trajectory(trainer.optimizer, steps, GRPO_METRICS)

@@ -7,7 +7,7 @@ single-device result and compares, bit for bit:
   * tp.model.<model>: Model.logprobs at TP=N == at TP=1 (packed sequences, two temperatures);
   * tp.engine.<model>: the engine at TP=N samples the same tokens with the same log-prob bits as at
     TP=1, and the single-device trainer's forward recomputes those log-probs bit for bit.
-The ranks are processes with NCCL / RCCL (one per GPU: `--tp N` or torchrun) or, with --tp-emulate
+The ranks are processes with NCCL / RCCL (one per GPU: `--tp N` or torchrun) or, with --emulate
 and on cpu, threads of one process (runtime/collectives.py).
 """
 
@@ -26,8 +26,8 @@ from rlportable.ops import embedding, gemm, logprob
 MODELS = {"cpu": ("tiny",), "device": ("tiny", "qwen3-0.6b-shape")}
 
 
-def _shard(array: np.ndarray, group, axis: int) -> np.ndarray:
-    return np.ascontiguousarray(np.split(array, group.size, axis=axis)[group.rank])
+def _shard(array: np.ndarray, tp_group, axis: int) -> np.ndarray:
+    return np.ascontiguousarray(np.split(array, tp_group.size, axis=axis)[tp_group.rank])
 
 
 def _inputs(rng, rows: int, columns: int) -> np.ndarray:
@@ -41,46 +41,46 @@ def _inputs(rng, rows: int, columns: int) -> np.ndarray:
     return x
 
 
-def check_row_parallel_gemm(backend, group, rng, quick: bool) -> Tally:
+def check_row_parallel_gemm(backend, tp_group, rng, quick: bool) -> Tally:
     tally = Tally()
     for rows, n, k in ((1, 64, 256), (7, 96, 512), (300, 128, 1024)) + (() if quick else ((2048, 256, 3072),)):
         x, w = _inputs(rng, rows, k), rng.standard_normal((n, k)).astype(np.float32)
-        weight = parallel.encode_row_parallel_weight(backend, group, backend.asarray(_shard(w, group, 1)))
-        y = parallel.row_parallel_gemm(backend, group, backend.asarray(_shard(x, group, 1)), weight)
-        if group.rank == 0:
+        weight = parallel.encode_row_parallel_weight(backend, tp_group, backend.asarray(_shard(w, tp_group, 1)))
+        y = parallel.row_parallel_gemm(backend, tp_group, backend.asarray(_shard(x, tp_group, 1)), weight)
+        if tp_group.rank == 0:
             expected = gemm.gemm(backend, backend.asarray(x), gemm.encode_weight(backend, backend.asarray(w)))
             tally.add(backend.to_numpy(y), backend.to_numpy(expected))
     return tally
 
 
-def check_vocab_embedding(backend, group, rng, quick: bool) -> Tally:
+def check_vocab_embedding(backend, tp_group, rng, quick: bool) -> Tally:
     tally = Tally()
-    vocab, hidden = 64 * group.size, 96
+    vocab, hidden = 64 * tp_group.size, 96
     table = rng.standard_normal((vocab, hidden)).astype(np.float32)
     table[3] = -0.0  # signed zeros survive the bit-pattern sum
     ids = rng.integers(0, vocab, 257).astype(np.int32)
     ids[:2] = (3, vocab - 1)
-    shard = _shard(table, group, 0)
-    rows = parallel.embed_tokens(backend, group, backend.asarray(shard), group.rank * shard.shape[0],
+    shard = _shard(table, tp_group, 0)
+    rows = parallel.embed_tokens(backend, tp_group, backend.asarray(shard), tp_group.rank * shard.shape[0],
                                  backend.asarray(ids), ids)
-    if group.rank == 0:
+    if tp_group.rank == 0:
         expected = embedding.gather(backend, backend.asarray(table), backend.asarray(ids), host_ids=ids)
         tally.add(backend.to_numpy(rows), backend.to_numpy(expected))
     return tally
 
 
-def check_vocab_logprobs(backend, group, rng, quick: bool) -> Tally:
+def check_vocab_logprobs(backend, tp_group, rng, quick: bool) -> Tally:
     tally = Tally()
-    for rows, hidden, vocab in ((5, 64, 128 * group.size), (130, 128, 1000 * group.size)):
+    for rows, hidden, vocab in ((5, 64, 128 * tp_group.size), (130, 128, 1000 * tp_group.size)):
         h = _inputs(rng, rows, hidden)
         w = rng.standard_normal((vocab, hidden)).astype(np.float32)
         targets = rng.integers(0, vocab, rows).astype(np.int32)
-        shard = gemm.encode_weight(backend, backend.asarray(_shard(w, group, 0)))
+        shard = gemm.encode_weight(backend, backend.asarray(_shard(w, tp_group, 0)))
         for temperature in (1.0, 0.7):
-            got = parallel.vocab_parallel_logprobs(backend, group, backend.asarray(h), shard,
-                                                   group.rank * (vocab // group.size), backend.asarray(targets),
+            got = parallel.vocab_parallel_logprobs(backend, tp_group, backend.asarray(h), shard,
+                                                   tp_group.rank * (vocab // tp_group.size), backend.asarray(targets),
                                                    temperature)
-            if group.rank == 0:
+            if tp_group.rank == 0:
                 whole = gemm.encode_weight(backend, backend.asarray(w))
                 expected = logprob.lm_head_logprobs(backend, backend.asarray(h), whole, backend.asarray(targets),
                                                     temperature)
@@ -108,16 +108,16 @@ def _packed(rng, vocab: int, count: int, longest: int):
 
 
 def model_check(spec: str) -> Callable:
-    def check(backend, group, rng, quick: bool) -> Tally:
+    def check(backend, tp_group, rng, quick: bool) -> Tally:
         from rlportable.model.forward import Model
 
         config, weights, _ = _loaded(spec, quick)
         tokens, cu = _packed(rng, config.vocab_size, 6 if quick else 24, 64 if quick else 400)
-        sharded = Model(backend, config, weights, group=group)
+        sharded = Model(backend, config, weights, tp_group=tp_group)
         tally = Tally()
         for temperature in (1.0, 0.7):
             got = sharded.logprobs(tokens, cu, temperature)
-            if group.rank == 0:
+            if tp_group.rank == 0:
                 expected = Model(backend, config, weights).logprobs(tokens, cu, temperature)
                 tally.add(np.concatenate(got), np.concatenate(expected))
         return tally
@@ -126,7 +126,7 @@ def model_check(spec: str) -> Callable:
 
 
 def engine_check(spec: str) -> Callable:
-    def check(backend, group, rng, quick: bool) -> Tally:
+    def check(backend, tp_group, rng, quick: bool) -> Tally:
         from rlportable.engine.llm import LLM
         from rlportable.model.forward import Model
         from rlportable.train.trainer import Sample, completion_logprobs, pack
@@ -138,10 +138,10 @@ def engine_check(spec: str) -> Callable:
                                 ignore_eos=True)
         engine = dict(block_size=16, max_num_seqs=128, max_model_len=256,
                       sampler="device" if backend.kernel_vendor else "host")
-        model = Model(backend, config, weights, group=group)
+        model = Model(backend, config, weights, tp_group=tp_group)
         sharded = LLM(device=backend, loaded=(model, tokenizer), **engine).generate(prompts, params)
         tally = Tally()
-        if group.rank:
+        if tp_group.rank:
             return tally
         single_model = Model(backend, config, weights)
         single = LLM(device=backend, loaded=(single_model, tokenizer), **engine).generate(prompts, params)
@@ -168,16 +168,17 @@ def checks(backend) -> list[tuple[str, Callable]]:
             + [(f"tp.engine.{spec}", engine_check(spec)) for spec in models])
 
 
-def run(backend, group, quick: bool = False, seed: int = 0, only: str | None = None,
+def run(backend, tp_group, quick: bool = False, seed: int = 0, only: str | None = None,
         progress: Callable[[str], None] | None = None) -> list[CheckResult]:
     """Every TP check on this rank; rank 0's results carry the comparisons."""
     results = []
     for name, check in checks(backend):
         if not selected(name, only):
             continue
-        if progress and group.rank == 0:
+        if progress and tp_group.rank == 0:
             progress(name)
         rng = check_rng(seed, name)  # the same inputs on every rank
-        tally = check(backend, group, rng, quick)
-        results.append(CheckResult(name, tally.compared, tally.mismatches, {"tp": group.size, "group": group.label}))
+        tally = check(backend, tp_group, rng, quick)
+        results.append(CheckResult(name, tally.compared, tally.mismatches,
+                                   {"tp": tp_group.size, "group": tp_group.label}))
     return results

@@ -57,6 +57,8 @@ class Contract:
     extra_kernels: list[str] = field(default_factory=list)
     #: speed-only kernels with no HIP counterpart yet (each equal to the reference, checked by conform)
     cuda_only_kernels: list[str] = field(default_factory=list)
+    #: AMD's speed-only kernels (backends/hip: MFMA), each built only for the targets with its instruction
+    hip_only_kernels: list[str] = field(default_factory=list)
     #: a family with no kernels yet: what is missing (its sources are None)
     reference_only: str | None = None
 
@@ -101,6 +103,7 @@ def load(path: Path) -> Contract:
                     cuda_source=family.get("cuda_source"), hip_source=family.get("hip_source"), ops=ops,
                     extra_kernels=list(family.get("extra_kernels", [])),
                     cuda_only_kernels=list(family.get("cuda_only_kernels", [])),
+                    hip_only_kernels=list(family.get("hip_only_kernels", [])),
                     reference_only=reference_only)
 
 
@@ -139,11 +142,11 @@ def validate(contract: Contract) -> None:
         for kernel in contract.all_kernels():
             if kernel not in defined:
                 raise ContractError(f"{contract.path}: kernel {kernel!r} is not an extern \"C\" __global__ entry point of {relative}")
-        if vendor == "cuda":
-            for kernel in contract.cuda_only_kernels:
-                # defined through an entry macro, e.g. RLP_GEMM_FUSED_ENTRY(name, ...)
-                if not re.search(rf"\b{kernel}\b", text):
-                    raise ContractError(f"{contract.path}: CUDA-only kernel {kernel!r} does not appear in {relative}")
+        only = contract.cuda_only_kernels if vendor == "cuda" else contract.hip_only_kernels
+        for kernel in only:
+            # defined through an entry macro, e.g. RLP_GEMM_FUSED_ENTRY(name, ...)
+            if not re.search(rf"\b{kernel}\b", text):
+                raise ContractError(f"{contract.path}: {vendor}-only kernel {kernel!r} does not appear in {relative}")
 
 
 def _resolve_source(root: Path, relative: str) -> Path:

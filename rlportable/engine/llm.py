@@ -85,14 +85,14 @@ class LLM:
     def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
                  enable_prefix_caching: bool = False, loaded=None, sampler: str = "host",
-                 cuda_graphs: bool | None = None, group=None, async_scheduling: bool | None = None):
+                 cuda_graphs: bool | None = None, tp_group=None, async_scheduling: bool | None = None):
         """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer.
         `sampler`: "host" (the contract's NumPy sampler) or "device" (the sampling kernel for rows
         without top-k/top-p/min-p, the host for the others); the same tokens and log-probs either way.
         `cuda_graphs`: decode steps padded to batch-size buckets and replayed as CUDA / HIP graphs
         (engine/runner.py); None = on where the backend has graphs (cuda, hip), off on cpu, where
         True runs the same padded steps eagerly. The same tokens and log-probs either way.
-        `group`: this process's (or thread's) tensor-parallel rank (runtime/collectives.py). Every rank
+        `tp_group`: this process's (or thread's) tensor-parallel rank (runtime/collectives.py). Every rank
         runs the same engine loop on its shard of the model (the scheduler and the sampler are
         deterministic, so the ranks agree without talking); the outputs are the same on every rank.
         `async_scheduling`: while a pure decode step runs on the device, plan and launch the next one,
@@ -108,7 +108,7 @@ class LLM:
             self.model, self.tokenizer = loaded
         else:
             config, weights, self.tokenizer = loaded if loaded is not None else load_model(model)
-            self.model = Model(self.backend, config, weights, group=group)
+            self.model = Model(self.backend, config, weights, tp_group=tp_group)
         config = self.model.config
         self.max_model_len = max_model_len or min(config.max_position_embeddings, 4096)
         self.block_size = block_size

@@ -83,7 +83,7 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
     rows = rows.astype(np.int32)
     picked = embedding.gather(backend, hidden, backend.asarray(rows), host_ids=rows)
     if model.tp.size > 1:
-        logp = parallel.vocab_parallel_logprobs(backend, model.group, picked, model.lm_head, model.vocab_start,
+        logp = parallel.vocab_parallel_logprobs(backend, model.tp_group, picked, model.lm_head, model.vocab_start,
                                                 backend.asarray(targets), temperature)
     else:
         logp = logprob.lm_head_logprobs(backend, picked, model.lm_head, backend.asarray(targets), temperature)
@@ -161,7 +161,7 @@ def _lm_head_backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray)
         picked = fwd.picked[start:stop]
         logits = gemm.gemm(backend, picked, model.lm_head)
         if sharded:
-            logits = parallel.whole_columns(backend, model.group, logits)
+            logits = parallel.whole_columns(backend, model.tp_group, logits)
         d_logits = logprob.logprobs_backward(backend, logits, backend.asarray(fwd.targets[start:stop]),
                                              fwd.temperature, backend.asarray(grad_logp[start:stop]))
         d_picked = input_grad(model, d_logits, lm_head)
@@ -206,7 +206,7 @@ def column_input_grad(model: Model, dy, w):
     if model.tp.size == 1:
         return input_grad(model, dy, w)
     # one exact product, not K chunks: TensorParallel.check keeps the outputs within GEMM_K_CHUNK
-    return parallel.row_parallel_gemm(model.backend, model.group, dy, model.transposed_column_shard(w))
+    return parallel.row_parallel_gemm(model.backend, model.tp_group, dy, model.transposed_column_shard(w))
 
 
 def weight_grad_operand(backend, x) -> list:
@@ -305,8 +305,8 @@ def _head_backward(model: Model, lin, head_norm, d_rotated, fwd: TrainingForward
         return d_normed.reshape(t, heads * dim)
     size = model.tp.size
     if size > 1:
-        lin = parallel.whole_columns(backend, model.group, lin.reshape(t, heads * dim))
-        d_normed = parallel.whole_columns(backend, model.group, d_normed.reshape(t, heads * dim))
+        lin = parallel.whole_columns(backend, model.tp_group, lin.reshape(t, heads * dim))
+        d_normed = parallel.whole_columns(backend, model.tp_group, d_normed.reshape(t, heads * dim))
     d_lin, grads[norm_name] = norm.rmsnorm_heads_backward(backend, lin.reshape(t, heads * size, dim), head_norm,
                                                           cfg.rms_norm_eps, d_normed.reshape(t, heads * size, dim))
     d_lin = d_lin.reshape(t, heads * size * dim)

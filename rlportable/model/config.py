@@ -1,4 +1,4 @@
-"""ModelConfig: the shape of a Qwen3, Qwen2 or Llama decoder, parsed from a Hugging Face config.json.
+"""ModelConfig: the shape of a Qwen3, Qwen3-MoE, Qwen2 or Llama decoder, parsed from a Hugging Face config.json.
 
 Both spellings of config.json are read: the transformers 4 one (top-level
 `rope_theta`, `rope_scaling`, `torch_dtype`) and the transformers 5 one
@@ -26,6 +26,7 @@ class ModelError(RlpError):
 
 ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
 }
@@ -34,12 +35,16 @@ _MODEL_TYPES = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 # The transformers config classes' defaults for the fields rlportable reads.
 _DEFAULTS = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "max_position_embeddings": 32768},
     "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
 }
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 DEFAULT_ROPE_THETA = 10000.0
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
+# Qwen3MoeConfig's defaults (transformers) for the sparse fields
+_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                 "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001}
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,11 @@ class ModelConfig:
     hidden_size // num_attention_heads. qkv_bias: q/k/v projections carry a
     bias (Qwen2). qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
     `raw` keeps the parsed config.json so a save writes the same file back.
+
+    Qwen3-MoE: num_experts > 0 makes the layers that sparse_layer() names a router over
+    num_experts SwiGLU experts of width moe_intermediate_size, num_experts_per_tok active
+    (contracts/moe.toml); the others keep the dense MLP of intermediate_size. num_experts = 0
+    (every dense model) means no sparse layer.
     """
 
     architecture: str
@@ -82,11 +92,28 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0  # parsed and kept; the load-balancing loss is not built yet
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def model_type(self) -> str:
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is sparse (a Qwen3-MoE config with experts)."""
+        return any(self.sparse_layer(index) for index in range(self.num_hidden_layers))
+
+    def sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` is a mixture of experts, by transformers' Qwen3MoeDecoderLayer rule."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -148,10 +175,15 @@ class ModelConfig:
             "rope_scaling": dataclasses.asdict(self.rope_scaling) if self.rope_scaling else None,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if self.model_type in ("qwen3", "llama"):
+        if self.model_type in ("qwen3", "qwen3_moe", "llama"):
             out["attention_bias"] = False
-        if self.model_type in ("qwen3", "qwen2"):
+        if self.model_type in ("qwen3", "qwen3_moe", "qwen2"):
             out["use_sliding_window"] = False
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                       router_aux_loss_coef=self.router_aux_loss_coef)
         if self.model_type == "llama":
             out["mlp_bias"] = False
         out["bos_token_id"] = self.bos_token_id
@@ -231,12 +263,12 @@ def _parse(data: Any, source: str) -> ModelConfig:
                             data.get("max_position_embeddings", defaults["max_position_embeddings"]))
     tie = flag("tie_word_embeddings", False)
 
-    if model_type in ("qwen3", "llama") and flag("attention_bias", False):
+    if model_type in ("qwen3", "qwen3_moe", "llama") and flag("attention_bias", False):
         raise fail("attention_bias=true (a bias on q/k/v/o projections) is not supported for "
                    f"{architecture}")
     if model_type == "llama" and flag("mlp_bias", False):
         raise fail("mlp_bias=true is not supported")
-    if model_type in ("qwen3", "qwen2") and flag("use_sliding_window", False):
+    if model_type in ("qwen3", "qwen3_moe", "qwen2") and flag("use_sliding_window", False):
         raise fail("use_sliding_window=true is not supported (full attention only)")
     layer_types = data.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list)
@@ -254,6 +286,7 @@ def _parse(data: Any, source: str) -> ModelConfig:
     eos = data.get("eos_token_id")
     eos_list = [] if eos is None else eos if isinstance(eos, list) else [eos]
     eos_ids = tuple(integer("eos_token_id", value, minimum=0) for value in eos_list)
+    moe = _moe(data, fail, integer, number, flag) if model_type == "qwen3_moe" else {}
 
     return ModelConfig(
         architecture=architecture,
@@ -270,13 +303,40 @@ def _parse(data: Any, source: str) -> ModelConfig:
         max_position_embeddings=max_positions,
         tie_word_embeddings=tie,
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         hidden_act=hidden_act,
         torch_dtype=torch_dtype,
         bos_token_id=bos,
         eos_token_ids=eos_ids,
+        **moe,
         raw=json.loads(json.dumps(data)),
     )
+
+
+def _moe(data: dict, fail, integer, number, flag) -> dict:
+    """Qwen3-MoE's sparse fields. transformers 5 writes num_experts as num_local_experts (its
+    attribute_map); the Qwen checkpoints' files say num_experts; either is read."""
+    def get(name: str, *aliases: str):
+        for key in (name, *aliases):
+            if data.get(key) is not None:
+                return data[key]
+        return _MOE_DEFAULTS[name]
+
+    experts = integer("num_experts", get("num_experts", "num_local_experts"), minimum=0)
+    out = {"num_experts": experts, "norm_topk_prob": flag("norm_topk_prob", False),
+           "decoder_sparse_step": integer("decoder_sparse_step", get("decoder_sparse_step")),
+           "router_aux_loss_coef": number("router_aux_loss_coef", get("router_aux_loss_coef"), positive=False)}
+    if experts:
+        out["num_experts_per_tok"] = integer("num_experts_per_tok", get("num_experts_per_tok"))
+        if out["num_experts_per_tok"] > experts:
+            raise fail(f"num_experts_per_tok ({out['num_experts_per_tok']}) exceeds num_experts ({experts})")
+        out["moe_intermediate_size"] = integer("moe_intermediate_size", get("moe_intermediate_size"))
+    only = data.get("mlp_only_layers")
+    only = [] if only is None else only
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in only):
+        raise fail(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+    out["mlp_only_layers"] = tuple(sorted(set(only)))
+    return out
 
 
 def _architecture(data: dict, fail) -> str:

@@ -1,4 +1,4 @@
-"""The model forward under the contract: Qwen3, Qwen2 and Llama decoder layers.
+"""The model forward under the contract: Qwen3, Qwen3-MoE, Qwen2 and Llama decoder layers.
 
 One `Model` holds a config and its weights on a backend, with every projection
 encoded once for the exact GEMM. `Model.logprobs` runs packed variable-length
@@ -20,9 +20,9 @@ import numpy as np
 from rlportable.contract import rope as rope_ref
 from rlportable.errors import InputError
 from rlportable.model import parallel
-from rlportable.model.config import ModelConfig
+from rlportable.model.config import ModelConfig, ModelError
 from rlportable.model.weights import LayerWeights, ModelWeights
-from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope
+from rlportable.ops import activation, attention, embedding, gemm, logprob, moe, norm, residual, rope
 from rlportable.runtime.base import Backend
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -30,7 +30,8 @@ from rlportable.runtime.collectives import Group, SingleGroup
 @dataclass
 class DeviceLayer:
     """A layer's encoded projections: q, k and v stacked into one encoding, gate and up into
-    another (ops/gemm.py StackedWeight: one launch each where the wgmma gemm runs)."""
+    another (ops/gemm.py StackedWeight: one launch each where the wgmma gemm runs). A sparse
+    (Qwen3-MoE) layer has `moe` (ops/moe.py MoeWeight) in place of gate_up and down."""
 
     attn_norm: object
     qkv: gemm.StackedWeight
@@ -41,8 +42,9 @@ class DeviceLayer:
     q_norm: object | None
     k_norm: object | None
     mlp_norm: object
-    gate_up: gemm.StackedWeight
-    down: gemm.GemmWeight
+    gate_up: gemm.StackedWeight | None
+    down: gemm.GemmWeight | None
+    moe: moe.MoeWeight | None = None
 
     @property
     def q(self) -> gemm.GemmWeight:
@@ -80,16 +82,18 @@ class Model:
     """A model's weights on one backend, ready for the forward pass."""
 
     def __init__(self, backend: Backend, config: ModelConfig, weights: ModelWeights, trainable: bool = False,
-                 group: Group | None = None):
+                 tp_group: Group | None = None):
         """trainable: also keep the float32 weights on the device (`params`, the trainer's master
         weights, updated in place by the optimiser; `reencode()` refreshes the GEMM encodings).
-        group: this rank's tensor-parallel group (model/parallel.py); the model keeps its shard of
+        tp_group: this rank's tensor-parallel group (model/parallel.py); the model keeps its shard of
         `weights` (the whole host weights) and every result is bitwise the single-device one."""
         self.backend = backend
         self.config = config
         self.trainable = trainable
-        self.group = group or SingleGroup()
-        self.tp = parallel.TensorParallel.of(self.group)
+        self.tp_group = tp_group or SingleGroup()
+        self.tp = parallel.TensorParallel.of(self.tp_group)
+        if config.is_moe:
+            check_moe_supported(backend, trainable, self.tp.size)
         #: the shapes this rank computes with (config itself without tensor parallelism)
         self.shape = config
         if self.tp.size > 1:
@@ -124,17 +128,21 @@ class Model:
 
         def encode_row_parallel(array):
             if self.tp.size > 1:
-                return parallel.encode_row_parallel_weight(backend, self.group, device(array))
+                return parallel.encode_row_parallel_weight(backend, self.tp_group, device(array))
             return gemm.encode_weight(backend, device(array))
 
         def stack(*arrays):
             return gemm.encode_stacked_weight(backend, [device(array) for array in arrays])
 
+        sparse = w.router is not None
+
         return DeviceLayer(
             attn_norm=small.attn_norm, qkv=stack(w.q, w.k, w.v), o=encode_row_parallel(w.o),
             q_bias=small.q_bias, k_bias=small.k_bias, v_bias=small.v_bias,
             q_norm=small.q_norm, k_norm=small.k_norm, mlp_norm=small.mlp_norm,
-            gate_up=stack(w.gate, w.up), down=encode_row_parallel(w.down),
+            gate_up=None if sparse else stack(w.gate, w.up), down=None if sparse else encode_row_parallel(w.down),
+            moe=moe.encode(backend, device(w.router), w.expert_gate, w.expert_up, w.expert_down,
+                           self.config.num_experts_per_tok, self.config.norm_topk_prob) if sparse else None,
         )
 
     def reencode(self) -> None:
@@ -239,7 +247,7 @@ class Model:
     def _embed(self, device_tokens, tokens: np.ndarray):
         if self.tp.size == 1:
             return embedding.gather(self.backend, self.embed, device_tokens, host_ids=tokens)
-        return parallel.embed_tokens(self.backend, self.group, self.embed, self.vocab_start, device_tokens, tokens)
+        return parallel.embed_tokens(self.backend, self.tp_group, self.embed, self.vocab_start, device_tokens, tokens)
 
     def _row_parallel(self, x, weight: gemm.GemmWeight, encoded=None):
         """x @ W.T for the o and down projections: K-sharded under tensor parallelism. encoded: x's
@@ -247,7 +255,7 @@ class Model:
         all-reduced exponents)."""
         if self.tp.size == 1:
             return gemm.gemm(self.backend, x, weight, encoded=encoded)
-        return parallel.row_parallel_gemm(self.backend, self.group, x, weight)
+        return parallel.row_parallel_gemm(self.backend, self.tp_group, x, weight)
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> list:
         """One encoded KV cache per layer (ops.attention.KVCache) of num_blocks blocks (this rank's KV heads)."""
@@ -258,7 +266,7 @@ class Model:
     def logits(self, hidden_rows):
         """float32 logits [rows, V] of final-norm hidden rows (the exact gemm with the LM head)."""
         logits = gemm.gemm(self.backend, hidden_rows, self.lm_head)
-        return logits if self.tp.size == 1 else parallel.whole_columns(self.backend, self.group, logits)
+        return logits if self.tp.size == 1 else parallel.whole_columns(self.backend, self.tp_group, logits)
 
     def _projections(self, h, stacked: gemm.StackedWeight, biases, encoded=None) -> list:
         """h @ W_i.T (+ bias_i) for the parts of a stacked weight; gemm_columns encodes h once for all of
@@ -308,6 +316,9 @@ class Model:
         # h2 comes with its encoding for the gate/up gemm from the same launch (no separate encode)
         x2, h2, h2_encoded = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps,
                                               encode_bits=gemm.DEFAULT_BITS_A)
+        if layer.moe is not None:  # a sparse layer: the router, each token's k experts, one exact combine
+            out, _, _ = moe.block(backend, h2, layer.moe, encoded=h2_encoded)
+            return x2, out
         gate, up = self._projections(h2, layer.gate_up, (None, None), h2_encoded)
         mlp, mlp_rows = self._activation(gate, up)
         if record is not None:
@@ -334,7 +345,7 @@ class Model:
         key = ("column shard", id(w))
         if key not in self._transposed:
             self._transposed[key] = parallel.encode_row_parallel_weight(
-                self.backend, self.group, residual.transpose(self.backend, w))
+                self.backend, self.tp_group, residual.transpose(self.backend, w))
         return self._transposed[key]
 
     def whole_lm_head(self):
@@ -342,7 +353,7 @@ class Model:
         key = ("whole lm_head",)
         if key not in self._transposed:
             shard = self.params.lm_head
-            self._transposed[key] = self.group.all_gather(shard).reshape(self.config.vocab_size, shard.shape[1])
+            self._transposed[key] = self.tp_group.all_gather(shard).reshape(self.config.vocab_size, shard.shape[1])
         return self._transposed[key]
 
     def logprobs(self, tokens: np.ndarray, cu_seqlens: np.ndarray, temperature: float = 1.0,
@@ -356,9 +367,9 @@ class Model:
         rows = rows.astype(np.int32)
         picked = embedding.gather(self.backend, hidden, self.backend.asarray(rows), host_ids=rows)  # a row gather
         if self.tp.size > 1:
-            lp = parallel.vocab_parallel_logprobs(self.backend, self.group, picked, self.lm_head, self.vocab_start,
+            lp = parallel.vocab_parallel_logprobs(self.backend, self.tp_group, picked, self.lm_head, self.vocab_start,
                                                   self.backend.asarray(targets), temperature)
-            ent = parallel.vocab_parallel_entropy(self.backend, self.group, picked, self.lm_head,
+            ent = parallel.vocab_parallel_entropy(self.backend, self.tp_group, picked, self.lm_head,
                                                   temperature) if with_entropy else None
         else:
             result = logprob.lm_head_logprobs(self.backend, picked, self.lm_head, self.backend.asarray(targets),
@@ -370,6 +381,20 @@ class Model:
         if with_entropy:
             return per_sequence, np.split(self.backend.to_numpy(ent), splits)
         return per_sequence
+
+
+def check_moe_supported(backend: Backend, trainable: bool, tp_size: int) -> None:
+    """A Qwen3-MoE model runs its forward on the cpu reference only, for inference: anything else is
+    refused here in one line naming what is missing, never run on a fallback."""
+    if not backend.runs_reference:
+        raise ModelError(f"Qwen3-MoE runs on the cpu backend only: the {backend.label} backend has no MoE "
+                         "kernels yet (route and combine, contracts/moe.toml)")
+    if trainable:
+        raise ModelError("Qwen3-MoE cannot be trained yet: the MoE backward (router, experts, combine) is not "
+                         "built; its forward runs on the cpu backend")
+    if tp_size > 1:
+        raise ModelError("Qwen3-MoE cannot be cut over tensor-parallel ranks yet (no expert sharding); "
+                         "run it at TP=1 on the cpu backend")
 
 
 def to_device(backend: Backend, weights: ModelWeights, projections: bool = True) -> ModelWeights:

@@ -62,9 +62,9 @@ class TensorParallel:
     size: int
 
     @classmethod
-    def of(cls, group: Group | None) -> "TensorParallel":
-        group = group or SingleGroup()
-        return cls(group.rank, group.size)
+    def of(cls, tp_group: Group | None) -> "TensorParallel":
+        tp_group = tp_group or SingleGroup()
+        return cls(tp_group.rank, tp_group.size)
 
     def check(self, config: ModelConfig, trainable: bool = False) -> None:
         """An InputError naming every field the layout cannot cut (training has two more rules)."""
@@ -169,49 +169,49 @@ def tensor_axis(name: str) -> int | None:
     return None if "norm" in name else 0
 
 
-def unshard(backend, group: Group, name: str, local, keep: bool = True):
+def unshard(backend, tp_group: Group, name: str, local, keep: bool = True):
     """The whole tensor `name` from every rank's shard (all-gathered, a copy), as a host array, or None
     where keep is False (every rank must call: the gather is collective)."""
     axis = tensor_axis(name)
-    if group.size == 1 or axis is None:
+    if tp_group.size == 1 or axis is None:
         return backend.to_numpy(local) if keep else None
-    parts = group.all_gather(local)
+    parts = tp_group.all_gather(local)
     if not keep:
         return None
     return np.concatenate(list(backend.to_numpy(parts)), axis=axis)
 
 
 # ---- the exact collectives of the forward
-def shared_exponents(backend, group: Group, x):
+def shared_exponents(backend, tp_group: Group, x):
     """Per row, the exponent of the whole row of which x [rows, K / size] is this rank's shard."""
-    return group.all_reduce(fixedpoint.row_exponents(backend, x), "max")
+    return tp_group.all_reduce(fixedpoint.row_exponents(backend, x), "max")
 
 
-def encode_row_parallel_weight(backend, group: Group, w) -> gemm.GemmWeight:
+def encode_row_parallel_weight(backend, tp_group: Group, w) -> gemm.GemmWeight:
     """A row-parallel weight's K-shard [N, K / size], encoded with its whole rows' exponents."""
-    return gemm.encode_weight(backend, w, exponents=shared_exponents(backend, group, w))
+    return gemm.encode_weight(backend, w, exponents=shared_exponents(backend, tp_group, w))
 
 
-def row_parallel_gemm(backend, group: Group, x, weight: gemm.GemmWeight, bits_a: int = gemm.DEFAULT_BITS_A):
+def row_parallel_gemm(backend, tp_group: Group, x, weight: gemm.GemmWeight, bits_a: int = gemm.DEFAULT_BITS_A):
     """Y [M, N] = X @ W.T from K-shards of X and W, bitwise gemm.gemm of the whole operands."""
-    exponents = shared_exponents(backend, group, x)
+    exponents = shared_exponents(backend, tp_group, x)
     encoded = fixedpoint.encode_rows(backend, x, bits_a, exponents=exponents)
-    sums = group.all_reduce(gemm.gemm_sums(backend, encoded, weight), "sum")
+    sums = tp_group.all_reduce(gemm.gemm_sums(backend, encoded, weight), "sum")
     return gemm.round_sums(backend, sums, exponents, bits_a, weight)
 
 
-def embed_tokens(backend, group: Group, table_shard, vocab_start: int, device_ids, host_ids):
+def embed_tokens(backend, tp_group: Group, table_shard, vocab_start: int, device_ids, host_ids):
     """Rows of the whole embedding table from the vocabulary shards (one owner per id)."""
     part = embedding.gather_shard(backend, table_shard, device_ids, vocab_start, host_ids=host_ids)
-    return group.all_reduce(part.view(np.uint32), "sum").view(np.float32)
+    return tp_group.all_reduce(part.view(np.uint32), "sum").view(np.float32)
 
 
-def whole_columns(backend, group: Group, logits_shard):
+def whole_columns(backend, tp_group: Group, logits_shard):
     """[rows, C] from every rank's [rows, C / size] in rank order (an all-gather and a row gather: bit
     copies): the whole logits from their vocabulary shards, the whole heads from each rank's heads."""
     rows, per = logits_shard.shape
-    size = group.size
-    parts = group.all_gather(logits_shard).reshape(size * rows, per)  # part p's row r at p * rows + r
+    size = tp_group.size
+    parts = tp_group.all_gather(logits_shard).reshape(size * rows, per)  # part p's row r at p * rows + r
     order = (np.arange(rows * size) % size) * rows + np.arange(rows * size) // size  # row r, part p at r*size+p
     order = order.astype(np.int32)
     return embedding.gather(backend, parts, backend.asarray(order), host_ids=order).reshape(rows, size * per)
@@ -233,23 +233,23 @@ def _by_blocks(backend, rows: int, compute):
         backend.empty((0,), np.float32)
 
 
-def vocab_parallel_logprobs(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, vocab_start: int,
+def vocab_parallel_logprobs(backend, tp_group: Group, hidden, lm_head_shard: gemm.GemmWeight, vocab_start: int,
                             targets, temperature: float):
     """float32 [rows]: logprob.lm_head_logprobs of the whole vocabulary, bitwise, from the shards."""
     def block(start, stop):
         logits = gemm.gemm(backend, hidden[start:stop], lm_head_shard)
-        keys = group.all_reduce(logprob.shard_max_keys(backend, logits, temperature), "max")
+        keys = tp_group.all_reduce(logprob.shard_max_keys(backend, logits, temperature), "max")
         sums = logprob.shard_sums(backend, logits, keys, targets[start:stop], vocab_start, temperature)
-        return logprob.shard_finish(backend, group.all_reduce(sums, "sum"), keys)
+        return logprob.shard_finish(backend, tp_group.all_reduce(sums, "sum"), keys)
 
     return _by_blocks(backend, hidden.shape[0], block)
 
 
-def vocab_parallel_entropy(backend, group: Group, hidden, lm_head_shard: gemm.GemmWeight, temperature: float):
+def vocab_parallel_entropy(backend, tp_group: Group, hidden, lm_head_shard: gemm.GemmWeight, temperature: float):
     """float32 [rows]: the entropy of logits / T over the whole vocabulary, bitwise logprob.entropy, from
     whole logit rows gathered block by block (copies; the entropy's sums run over the whole row)."""
     def block(start, stop):
         logits = gemm.gemm(backend, hidden[start:stop], lm_head_shard)
-        return logprob.entropy(backend, whole_columns(backend, group, logits), temperature)
+        return logprob.entropy(backend, whole_columns(backend, tp_group, logits), temperature)
 
     return _by_blocks(backend, hidden.shape[0], block)

@@ -44,7 +44,10 @@ _TORCH_NAME = {"BF16": "bfloat16", "F32": "float32"}
 
 @dataclass(eq=False)
 class LayerWeights:
-    """One decoder layer. Matrices are [out, in] as in torch.nn.Linear (y = x @ W.T)."""
+    """One decoder layer. Matrices are [out, in] as in torch.nn.Linear (y = x @ W.T).
+
+    A sparse (Qwen3-MoE) layer has router and the expert_* lists, one matrix per expert, and no
+    dense gate, up and down (None)."""
 
     attn_norm: np.ndarray              # [H]             input_layernorm
     q: np.ndarray                      # [Hq*D, H]
@@ -60,6 +63,10 @@ class LayerWeights:
     v_bias: np.ndarray | None = None   # [Hkv*D]  Qwen2
     q_norm: np.ndarray | None = None   # [D]      Qwen3
     k_norm: np.ndarray | None = None   # [D]      Qwen3
+    router: np.ndarray | None = None   # [E, H]   Qwen3-MoE sparse layers: mlp.gate
+    expert_gate: list | None = None    # E x [Im, H]  mlp.experts.e.gate_proj
+    expert_up: list | None = None      # E x [Im, H]  mlp.experts.e.up_proj
+    expert_down: list | None = None    # E x [H, Im]  mlp.experts.e.down_proj
 
 
 @dataclass(eq=False)
@@ -80,7 +87,7 @@ class ModelWeights:
         out = {"model.embed_tokens.weight": self.embed}
         for index, layer in enumerate(self.layers):
             for name, attr in _layer_names(config, index):
-                out[name] = getattr(layer, attr)
+                out[name] = _get(layer, attr)
         out["model.norm.weight"] = self.final_norm
         if not config.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head
@@ -89,7 +96,14 @@ class ModelWeights:
 
 def layer_named(config: ModelConfig, index: int, layer: LayerWeights) -> dict:
     """Layer `index`'s tensors by Hugging Face name."""
-    return {name: getattr(layer, attr) for name, attr in _layer_names(config, index)}
+    return {name: _get(layer, attr) for name, attr in _layer_names(config, index)}
+
+
+def _get(layer: LayerWeights, attr: str):
+    """The array an attribute path names: "q", or "expert_gate.3" for one expert's matrix."""
+    name, _, expert = attr.partition(".")
+    value = getattr(layer, name)
+    return value[int(expert)] if expert else value
 
 
 def _layer_names(config: ModelConfig, index: int) -> list[tuple[str, str]]:
@@ -107,10 +121,16 @@ def _layer_names(config: ModelConfig, index: int) -> list[tuple[str, str]]:
     names.append(("self_attn.o_proj.weight", "o"))
     if config.qk_norm:
         names += [("self_attn.q_norm.weight", "q_norm"), ("self_attn.k_norm.weight", "k_norm")]
-    names += [("post_attention_layernorm.weight", "mlp_norm"),
-              ("mlp.gate_proj.weight", "gate"),
-              ("mlp.up_proj.weight", "up"),
-              ("mlp.down_proj.weight", "down")]
+    names.append(("post_attention_layernorm.weight", "mlp_norm"))
+    if config.sparse_layer(index):  # Hugging Face's names, expert by expert
+        names.append(("mlp.gate.weight", "router"))
+        for expert in range(config.num_experts):
+            names += [(f"mlp.experts.{expert}.{proj}_proj.weight", f"expert_{proj}.{expert}")
+                      for proj in ("gate", "up", "down")]
+    else:
+        names += [("mlp.gate_proj.weight", "gate"),
+                  ("mlp.up_proj.weight", "up"),
+                  ("mlp.down_proj.weight", "down")]
     return [(prefix + name, attr) for name, attr in names]
 
 
@@ -129,6 +149,10 @@ _LAYER_SHAPES = {
     "gate": lambda c: (c.intermediate_size, c.hidden_size),
     "up": lambda c: (c.intermediate_size, c.hidden_size),
     "down": lambda c: (c.hidden_size, c.intermediate_size),
+    "router": lambda c: (c.num_experts, c.hidden_size),
+    "expert_gate": lambda c: (c.moe_intermediate_size, c.hidden_size),
+    "expert_up": lambda c: (c.moe_intermediate_size, c.hidden_size),
+    "expert_down": lambda c: (c.hidden_size, c.moe_intermediate_size),
 }
 
 
@@ -137,7 +161,7 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
     for index in range(config.num_hidden_layers):
         for name, attr in _layer_names(config, index):
-            out[name] = _LAYER_SHAPES[attr](config)
+            out[name] = _LAYER_SHAPES[attr.partition(".")[0]](config)
     out["model.norm.weight"] = (config.hidden_size,)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = (config.vocab_size, config.hidden_size)
@@ -339,7 +363,13 @@ def from_named(config: ModelConfig, arrays: dict[str, np.ndarray]) -> ModelWeigh
     """ModelWeights from Hugging Face tensor names (named_tensors' inverse)."""
     layers = []
     for index in range(config.num_hidden_layers):
-        fields = {attr: arrays[name] for name, attr in _layer_names(config, index)}
+        fields: dict = {"gate": None, "up": None, "down": None}
+        for name, attr in _layer_names(config, index):
+            field_name, _, expert = attr.partition(".")
+            if expert:  # the names come expert by expert, so each list fills in order
+                fields.setdefault(field_name, []).append(arrays[name])
+            else:
+                fields[field_name] = arrays[name]
         layers.append(LayerWeights(**fields))
     embed = arrays["model.embed_tokens.weight"]
     lm_head = embed if config.tie_word_embeddings else arrays["lm_head.weight"]

@@ -10,9 +10,10 @@ every call. Two device methods give the same bits:
     int32 matrix G_d per digit shift d in a single call each (the digit pairs
     with i + j = d are laid out side by side along K), then gemm_combine_groups
     sums 256^d * G_d in int64 and rounds once.
-  * "fused": one hand-written tensor-core kernel (CUDA only: mma.sync, or wgmma on
-    compute capability 9.0; ops/gemm_fused.py picks the tile) that keeps the G_d
-    in registers and writes float32 directly (default bits only).
+  * "fused": one hand-written matrix-core kernel that keeps the G_d in registers and
+    writes float32 directly (default bits only): on CUDA mma.sync, or wgmma on compute
+    capability 9.0 (ops/gemm_fused.py picks the tile); on AMD's gfx942 and gfx90a the
+    MFMA kernels (ops/gemm_mfma.py; HIP-CPU runs both under emulation).
 
 Row-parallel layers (tensor parallelism) split the gemm in two around the
 all-reduce: gemm_sums gives a rank's exact int64 sums of its K-shard (the blas
@@ -34,6 +35,7 @@ from rlportable.errors import InputError
 from rlportable.ops.checks import require_bits, require_contiguous, require_matrix, shape_of
 from rlportable.ops.fixedpoint import EncodedRows, empty_encoding, encode_rows, encode_rows_into, joined_integers
 from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
+from rlportable.ops.gemm_mfma import MFMA_TILES, launch_mfma, pick_mfma_tile
 from rlportable.runtime.base import Backend
 
 #: Chosen by measurement (docs/numerics.md, "Operand bits: 23-bit activations, 15-bit weights";
@@ -106,7 +108,9 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
     if encoded is None:
         encoded = encode_rows(backend, x, bits_a)
     y = backend.empty((m, weight.n), np.float32)
-    if method == "fused":
+    if method == "fused" and backend.kernel_vendor == "hip":
+        launch_mfma(backend, tile or pick_mfma_tile(backend), encoded, weight, y, _scale_offset(bits_a, weight.bits))
+    elif method == "fused":
         spec = tile_spec(tile or pick_tile(m, weight.n, has_wgmma(backend), k))
         launch_fused(backend, spec, encoded, weight, [y], _scale_offset(bits_a, weight.bits))
     else:
@@ -123,7 +127,7 @@ def gemm_columns(backend: Backend, x, stacked: "StackedWeight", encoded: Encoded
     one launch when it is a wgmma tile, else for each part's gemm)."""
     m, k = require_matrix("x", x)
     check_gemm_shapes((m, k), stacked.whole, DEFAULT_BITS_A)
-    joint = (not backend.runs_reference and m and k and
+    joint = (backend.kernel_vendor == "cuda" and m and k and
              resolve_method(backend, m, DEFAULT_BITS_A, stacked.whole, "auto") == "fused")
     spec = tile_spec(tile or pick_tile(m, stacked.whole.n, has_wgmma(backend), k)) if joint else None
     _check_shared_encoding("gemm_columns", encoded, m, k, DEFAULT_BITS_A)
@@ -260,12 +264,19 @@ WGMMA_LARGE_M_MAX_K = 3072
 
 
 def resolve_method(backend: Backend, m: int, bits_a: int, weight: GemmWeight, method: str) -> str:
-    fused_ok = backend.kernel_vendor == "cuda" and (fp.slice_count(bits_a), weight.encoded.slices) == FUSED_DIGITS
+    digits_ok = (fp.slice_count(bits_a), weight.encoded.slices) == FUSED_DIGITS
+    mfma = backend.kernel_vendor == "hip" and pick_mfma_tile(backend) is not None
+    fused_ok = digits_ok and (backend.kernel_vendor == "cuda" or mfma)
     if method == "fused" and not fused_ok:
         raise InputError(
-            f"gemm: the fused kernel exists for CUDA sources with {FUSED_DIGITS} digits; "
-            f"got {backend.label} with {fp.slice_count(bits_a)}x{weight.encoded.slices}"
+            f"gemm: the fused kernel exists for CUDA sources and for AMD's {sorted({t.arch for t in MFMA_TILES.values()})} "
+            f"with {FUSED_DIGITS} digits; got {backend.label} with {fp.slice_count(bits_a)}x{weight.encoded.slices}"
         )
+    if mfma:
+        # An AMD GPU with MFMA kernels takes them at every M (no measurement says otherwise yet:
+        # docs/rocm.md). HIP-CPU emulates each MFMA in software, so there `auto` keeps the vendor
+        # product (NumPy's) and the MFMA kernels run when asked for (conform asks for each).
+        return method if method != "auto" else ("fused" if fused_ok and not backend.on_host else "blas")
     if method == "auto":
         large_m_fused = has_wgmma(backend) and weight.k <= WGMMA_LARGE_M_MAX_K
         return "fused" if fused_ok and (m < BLAS_FROM_M or large_m_fused) else "blas"

@@ -15,7 +15,7 @@ summed across ranks.
 Groups:
   * `SingleGroup`: one rank; every collective is the identity.
   * `ThreadGroup`: `size` ranks as threads of one process, on one backend (cpu, or one GPU): the
-    emulation that CI runs and `--tp-emulate` offers. The reduction happens on the host, in NumPy,
+    emulation that CI runs and `--emulate` offers. The reduction happens on the host, in NumPy,
     with the same integer semantics as NCCL.
   * `NcclGroup` (cupy.cuda.nccl) and `RcclGroup` (hip-python's hip.rccl): one process per GPU.
 """
@@ -171,7 +171,7 @@ class ThreadGroup(Group):
     @classmethod
     def create(cls, backend, size: int, timeout: float = 600.0) -> list["ThreadGroup"]:
         if not isinstance(size, int) or size < 1:
-            raise InputError(f"tensor-parallel size must be an integer >= 1, got {size!r}")
+            raise InputError(f"the number of ranks must be an integer >= 1, got {size!r}")
         meeting = _Meeting(size, timeout)
         return [cls(backend, rank, meeting) for rank in range(size)]
 
@@ -213,12 +213,12 @@ class ThreadGroup(Group):
         return self._meeting.exchange(self.rank, value)
 
 
-def run_threads(backend, size: int, work: Callable[[Group], Any]) -> list:
-    """work(group) on `size` emulated ranks (threads); the results in rank order. An exception in
-    any rank breaks the others' waits and is raised here (the first rank's that failed)."""
-    groups = ThreadGroup.create(backend, size)
-    results: list[Any] = [None] * size
-    errors: list[BaseException | None] = [None] * size
+def run_threads(backend, world_size: int, work: Callable[[Group], Any]) -> list:
+    """work(world_group) on `world_size` emulated ranks (threads); the results in rank order. An
+    exception in any rank breaks the others' waits and is raised here (the first rank's that failed)."""
+    groups = ThreadGroup.create(backend, world_size)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
 
     def rank_main(rank: int) -> None:
         try:
@@ -227,7 +227,7 @@ def run_threads(backend, size: int, work: Callable[[Group], Any]) -> list:
             errors[rank] = error
             groups[rank]._meeting.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(rank,), name=f"tp-rank-{rank}") for rank in range(size)]
+    threads = [threading.Thread(target=rank_main, args=(rank,), name=f"rank-{rank}") for rank in range(world_size)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -380,4 +380,4 @@ def device_group_class(backend) -> type:
     if backend.name == "hip":
         return RcclGroup
     raise BackendUnavailable(f"no multi-process collectives for the {backend.label} backend: run its ranks as "
-                             "threads of one process (--tp-emulate), or use --device cuda / hip")
+                             "threads of one process (--emulate), or use --device cuda / hip")

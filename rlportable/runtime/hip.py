@@ -186,6 +186,10 @@ def _text(value) -> str:
     return str(value)
 
 
+#: AMD targets with integer MFMA kernels in backends/hip (v_mfma_i32_16x16x32_i8; 16x16x16i8)
+MFMA_ARCHS = ("gfx942", "gfx90a")
+
+
 class HipBackend(Backend):
     name = "hip"
     kernel_vendor = "hip"
@@ -240,6 +244,12 @@ class HipBackend(Backend):
         check_hip(self.hip.hipDeviceSynchronize(), "hipDeviceSynchronize")
 
     # ---- kernels
+    @property
+    def mfma_archs(self) -> tuple[str, ...]:
+        """The targets whose MFMA kernels it runs (backends/hip): its own, where one is built for it."""
+        arch = self.gcn_arch.split(":")[0]
+        return (arch,) if arch in MFMA_ARCHS else ()
+
     def compile_options(self) -> tuple[str, ...]:
         return hip_compile_options(self.gcn_arch)
 

@@ -201,6 +201,8 @@ class HipCpuBackend(Backend):
     name = "hip-cpu"
     kernel_vendor = "hip"
     on_host = True
+    #: the AMD targets whose MFMA kernels it runs: both, the instructions emulated (cpu_prelude.h)
+    mfma_archs = ("gfx942", "gfx90a")
 
     def __init__(self):
         available, reason = probe()

@@ -1,8 +1,8 @@
-"""The processes of a tensor-parallel run: who am I, who else, and how the group is formed.
+"""The processes of a parallel run (TP x DP ranks): who am I, who else, and how the groups are formed.
 
 Two ways to start N ranks, one per GPU:
-  * `rlportable <command> --tp N ...` starts N copies of the same command (spawn_ranks), one per
-    GPU, with the environment variables below;
+  * `rlportable <command> --tp T [--dp R] ...` starts N = T x R copies of the same command
+    (spawn_ranks), one per GPU, with the environment variables below;
   * an external launcher (`torchrun --nproc-per-node N -m rlportable <command> ...`, or any that
     sets the same variables) starts them itself.
 Either way a rank reads RANK, WORLD_SIZE, LOCAL_RANK (its GPU), MASTER_ADDR and MASTER_PORT.
@@ -120,45 +120,48 @@ def spawn_ranks(size: int, argv: list[str]) -> int:
     return max(codes, key=abs)
 
 
-def layout_groups(world: Group, tp: int) -> tuple[Group, Group]:
-    """(tensor-parallel group, data-parallel group) of this rank in a world of tp x dp ranks:
+def layout_groups(world_group: Group, tp: int) -> tuple[Group, Group]:
+    """(tp_group, dp_group) of this rank in a world of tp x dp ranks:
     consecutive ranks share a model (tensor parallelism, the fast links within a node); ranks with
     the same place in their model are the data-parallel replicas of that shard."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world.size % tp:
-        raise InputError(f"--tp {tp} must divide the {world.size} ranks")
-    tensor = world.split(world.rank // tp, world.rank)
-    data = world.split(world.rank % tp, world.rank)
-    return tensor, data
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_group.size % tp:
+        raise InputError(f"--tp {tp} must divide the {world_group.size} ranks")
+    tp_group = world_group.split(world_group.rank // tp, world_group.rank)
+    dp_group = world_group.split(world_group.rank % tp, world_group.rank)
+    return tp_group, dp_group
 
 
-def run_ranks(device: str, tp: int, emulate: bool, work: Callable, kernel_source: str = "native") -> tuple[bool, Any]:
-    """(reports, work(backend, group)) for this process's rank of a `tp`-way tensor-parallel run.
+def run_ranks(device: str, world_size: int, emulate: bool, work: Callable,
+              kernel_source: str = "native") -> tuple[bool, Any]:
+    """(reports, work(backend, world_group)) for this process's rank of a run of `world_size` ranks
+    (--tp, or --tp x --dp; layout_groups cuts world_group into tp_group and dp_group).
 
     reports: whether this process prints the results (rank 0; the others computed the same).
       * launched as a rank (WORLD_SIZE > 1 in the environment): this GPU's rank of the NCCL/RCCL group;
-      * tp == 1: one device, no group;
-      * emulate, or device cpu: tp threads of this process on one backend (returns rank 0's result);
-      * otherwise: starts tp ranks of this same command, one per GPU, waits for them and exits
-        with their worst exit code (SystemExit).
+      * world_size == 1: one device, a group of one;
+      * emulate (--emulate), or device cpu: world_size threads of this process on one backend
+        (returns rank 0's result);
+      * otherwise: starts world_size ranks of this same command, one per GPU, waits for them and
+        exits with their worst exit code (SystemExit).
     """
     from rlportable.runtime import get_backend, resolve_device
 
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise InputError(f"the number of ranks (--tp, --dp) must be an integer >= 1, got {tp!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"the number of ranks (--tp, --dp) must be an integer >= 1, got {world_size!r}")
     world = world_from_env()
     if world is not None:
-        if tp not in (1, world.size):
-            raise InputError(f"{tp} ranks asked for, but the launcher set WORLD_SIZE={world.size}")
+        if world_size not in (1, world.size):
+            raise InputError(f"{world_size} ranks asked for, but the launcher set WORLD_SIZE={world.size}")
         backend = get_backend(device, kernel_source, device_index=world.local_rank)
-        group = connect(backend, world)
+        world_group = connect(backend, world)
         try:
-            return world.rank == 0, work(backend, group)
+            return world.rank == 0, work(backend, world_group)
         finally:
             backend.synchronize()
-            group.close()
-    if tp == 1:
+            world_group.close()
+    if world_size == 1:
         return True, work(get_backend(device, kernel_source), SingleGroup())
     if emulate or resolve_device(device) == "cpu":
         backend = get_backend(device, kernel_source)
-        return True, run_threads(backend, tp, lambda group: work(backend, group))[0]
-    raise SystemExit(spawn_ranks(tp, sys.argv[1:]))
+        return True, run_threads(backend, world_size, lambda world_group: work(backend, world_group))[0]
+    raise SystemExit(spawn_ranks(world_size, sys.argv[1:]))

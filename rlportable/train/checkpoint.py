@@ -317,17 +317,17 @@ def _together(groups: tuple, work: Callable[[], Any]) -> list:
 
 def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig, weights: ModelWeights | None,
                     tokenizer: Tokenizer, optimizer_state: dict[str, np.ndarray], trainer_state: dict,
-                    keep_last: int | None = None, group: Group | None = None, tp_group: Group | None = None) -> str:
+                    keep_last: int | None = None, dp_group: Group | None = None, tp_group: Group | None = None) -> str:
     """Write directory/step-NNNNNN atomically, point `latest` at it, optionally prune to the
     `keep_last` highest steps (never the latest). Returns the step directory's path.
-    group, tp_group: the data-parallel and tensor-parallel ranks of a sharded run, each passing its
+    dp_group, tp_group: the data-parallel and tensor-parallel ranks of a sharded run, each passing its
     own optimizer_state (its pieces of its shards); rank 0's weights (whole), tokenizer and trainer
     state are written (the other ranks may pass weights=None)."""
     from rlportable.model.load import save_model
 
-    group, tp_group = group or SingleGroup(), tp_group or SingleGroup()
-    groups = (group, tp_group)
-    leader, ranks = group.rank == 0 and tp_group.rank == 0, group.size
+    dp_group, tp_group = dp_group or SingleGroup(), tp_group or SingleGroup()
+    groups = (dp_group, tp_group)
+    leader, ranks = dp_group.rank == 0 and tp_group.rank == 0, dp_group.size
     directory = os.fspath(directory)
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be a non-negative integer, got {step!r}")
@@ -354,7 +354,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
     tmp = _together(groups, prepare if leader else lambda: None)[0]
 
     def write() -> None:
-        atomic_write(os.path.join(tmp, optimizer_file(group.rank, ranks, tp_group.rank, tp_group.size)),
+        atomic_write(os.path.join(tmp, optimizer_file(dp_group.rank, ranks, tp_group.rank, tp_group.size)),
                      [optimizer_bytes])
         if leader:
             save_model(tmp, config, weights, tokenizer, dtype="fp32")

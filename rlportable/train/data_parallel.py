@@ -25,24 +25,24 @@ from rlportable.runtime.collectives import Group, SingleGroup, ThreadGroup
 
 @dataclass
 class Replicas:
-    group: Group
+    dp_group: Group
 
     @classmethod
-    def of(cls, group: Group | None) -> "Replicas":
-        return cls(group or SingleGroup())
+    def of(cls, dp_group: Group | None) -> "Replicas":
+        return cls(dp_group or SingleGroup())
 
     @property
     def size(self) -> int:
-        return self.group.size
+        return self.dp_group.size
 
     @property
     def rank(self) -> int:
-        return self.group.rank
+        return self.dp_group.rank
 
     @property
     def emulated(self) -> bool:
         """Several replicas as threads of this process, on one device."""
-        return self.size > 1 and isinstance(self.group, ThreadGroup)
+        return self.size > 1 and isinstance(self.dp_group, ThreadGroup)
 
     def share(self, count: int) -> list[int]:
         """The indices of `count` items this replica handles: rank, rank + R, ..."""
@@ -50,7 +50,7 @@ class Replicas:
 
     def gather_in_order(self, mine: list) -> list:
         """Every replica's share() results, back in the global order."""
-        parts = self.group.all_gather_object(mine)
+        parts = self.dp_group.all_gather_object(mine)
         out: list = []
         for index in range(sum(len(p) for p in parts)):
             out.append(parts[index % self.size][index // self.size])
@@ -76,5 +76,5 @@ class Replicas:
             else:
                 result, named = compute(batches[mine], optimizer.layer_stream(present))
                 optimizer.exchange([name for name in optimizer.names if name in named], named, present)
-            results.extend(r for r in self.group.all_gather_object(result) if r is not None)
+            results.extend(r for r in self.dp_group.all_gather_object(result) if r is not None)
         return results

@@ -133,17 +133,17 @@ class GRPOTrainer:
     rewards: RewardSet
     config: GRPOConfig
     reference: Model | None = None   # frozen initial weights, for beta > 0
-    group: Group | None = None       # data-parallel replicas (train/data_parallel.py); None: one device
+    dp_group: Group | None = None    # data-parallel replicas (train/data_parallel.py); None: one device
     eval_dataset: list[dict] | None = None  # held-out prompts (train/evaluation.py); None: no evaluation
     optimizer: Optimizer = field(init=False)
     engine: LLM = field(init=False)
 
     def __post_init__(self):
         cfg = self.config
-        self.replicas = Replicas.of(self.group)
+        self.replicas = Replicas.of(self.dp_group)
         if cfg.beta > 0 and self.reference is None:
             raise InputError("grpo: beta > 0 needs a reference model")
-        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.group)
+        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.dp_group)
         longest_prompt = check_prompt_lengths(self.tokenizer, self.dataset, cfg, self.model.config.max_position_embeddings)
         if self.eval_dataset:  # the engine is sized for the held-out prompts too (the same tokens at any size)
             longest_prompt = max(longest_prompt, check_prompt_lengths(

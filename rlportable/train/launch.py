@@ -151,7 +151,7 @@ def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict, tp
         config, weights, tokenizer = ckpt.config, ckpt.weights, ckpt.tokenizer
     else:
         config, weights, tokenizer = load_model(spec)
-    model = Model(backend, config, weights, trainable=True, group=tp_group)
+    model = Model(backend, config, weights, trainable=True, tp_group=tp_group)
     return model, tokenizer, (ckpt.trainer_state["next_step"] if ckpt else 0), ckpt
 
 
@@ -199,8 +199,8 @@ def held_out_records(options: RunOptions, config: GRPOConfig) -> list[dict] | No
 
 
 def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: list[tuple[str, float]],
-             on_step: Callable[[dict], None], group=None, tp_group=None) -> list[dict]:
-    """group: this process's data-parallel replica (train/data_parallel.py); tp_group: its tensor-parallel
+             on_step: Callable[[dict], None], dp_group=None, tp_group=None) -> list[dict]:
+    """dp_group: this process's data-parallel replica (train/data_parallel.py); tp_group: its tensor-parallel
     group (model/parallel.py). Only rank 0 of both writes metrics and the plot (every rank computes the
     same); the checkpoints are written as train/run.py says."""
     records, task = task_records(options.task, options.data, config.seed)
@@ -219,16 +219,16 @@ def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: lis
     settings = settings_dict(config, options, items)
     model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings, tp_group)
     trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config, tp_group),
-                          group, eval_dataset=held_out if config.eval_every else None)
-    options = _writer_options(options, group, tp_group)
+                          dp_group, eval_dataset=held_out if config.eval_every else None)
+    options = _writer_options(options, dp_group, tp_group)
     return _run(trainer, "grpo", settings, tokenizer, start, ckpt, options, config.steps, on_step,
                 "reward_mean", "GRPO reward", evaluate=trainer.evaluate if trainer.eval_dataset else None)
 
 
-def _writer_options(options: RunOptions, group, tp_group=None) -> RunOptions:
+def _writer_options(options: RunOptions, dp_group, tp_group=None) -> RunOptions:
     """Only rank 0 writes metrics and plots (all compute the same); the checkpoints are written as
     train/run.py says."""
-    if (group is None or group.rank == 0) and (tp_group is None or tp_group.rank == 0):
+    if (dp_group is None or dp_group.rank == 0) and (tp_group is None or tp_group.rank == 0):
         return options
     return dataclasses.replace(options, log_jsonl=None, plot=None)
 
@@ -238,20 +238,20 @@ def _reference(backend, options: RunOptions, config: GRPOConfig, tp_group=None):
     if config.beta <= 0:
         return None
     model_config, weights, _ = load_model(options.model)
-    return Model(backend, model_config, weights, group=tp_group)
+    return Model(backend, model_config, weights, tp_group=tp_group)
 
 
-def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None], group=None,
+def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None], dp_group=None,
             tp_group=None) -> list[dict]:
-    """group, tp_group: as run_grpo's."""
+    """dp_group, tp_group: as run_grpo's."""
     if options.data is not None and options.task is None:
         records = load_sft_jsonl(options.data)
     else:
         records = task_sft_records(task_records(options.task, options.data, config.seed)[0])
     settings = settings_dict(config, options)
     model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings, tp_group)
-    trainer = SFTTrainer(model, tokenizer, records, config, group)
-    options = _writer_options(options, group, tp_group)
+    trainer = SFTTrainer(model, tokenizer, records, config, dp_group)
+    options = _writer_options(options, dp_group, tp_group)
     return _run(trainer, "sft", settings, tokenizer, start, ckpt, options, config.steps, on_step, "loss", "SFT loss")
 
 

@@ -78,7 +78,7 @@ def shard_range(size: int, ranks: int, rank: int) -> tuple[int, int]:
 
 class Optimizer:
     """AdamW state (m, v per tensor, by Hugging Face name) and the gradient being accumulated,
-    sharded over the data-parallel ranks of `group` (ZeRO stages 1 and 2).
+    sharded over the data-parallel ranks of `dp_group` (ZeRO stages 1 and 2).
 
     Each rank owns one consecutive piece of every flattened tensor (shard_range): the moments and
     the accumulated gradient exist for that piece only, and the model's float32 weights there are
@@ -88,22 +88,22 @@ class Optimizer:
     into every rank's weights. So weights, moments and metrics are bitwise those of one device for
     any number of ranks. With one rank the pieces are the whole tensors.
 
-    Under tensor parallelism (the model's group) the tensors are the rank's shards, and the pieces
+    Under tensor parallelism (the model's tp_group) the tensors are the rank's shards, and the pieces
     are cut from them; the global norm then also spans the tensor-parallel ranks, each norm weight
     (held whole by every rank) counted once."""
 
-    def __init__(self, model: Model, hyper: Hyper, schedule: Schedule, group: Group | None = None):
+    def __init__(self, model: Model, hyper: Hyper, schedule: Schedule, dp_group: Group | None = None):
         if not model.trainable:
             raise InputError("the optimiser needs a Model built with trainable=True")
         self.model, self.hyper, self.schedule = model, hyper, schedule
-        self.group = group or SingleGroup()
-        self.tp = model.group
+        self.dp_group = dp_group or SingleGroup()
+        self.tp_group = model.tp_group
         self.names = list(model.params.named_tensors(model.config))
         # a tensor every tensor-parallel rank holds whole adds its squares to the norm on rank 0 only
-        self.counted = [self.tp.rank == 0 or parallel.tensor_axis(name) is not None for name in self.names]
+        self.counted = [self.tp_group.rank == 0 or parallel.tensor_axis(name) is not None for name in self.names]
         backend = model.backend
         self.sizes = {name: int(np.prod(shape_of(p), dtype=np.int64)) for name, p in self._params().items()}
-        self.ranges = {name: shard_range(n, self.group.size, self.group.rank) for name, n in self.sizes.items()}
+        self.ranges = {name: shard_range(n, self.dp_group.size, self.dp_group.rank) for name, n in self.sizes.items()}
         self.m = {name: backend.zeros((hi - lo,), np.float32) for name, (lo, hi) in self.ranges.items()}
         self.v = {name: backend.zeros((hi - lo,), np.float32) for name, (lo, hi) in self.ranges.items()}
         self.grads: dict = {}  # name -> this rank's piece of the gradient accumulated so far
@@ -124,7 +124,7 @@ class Optimizer:
     def accumulate_named(self, named: dict) -> None:
         """accumulate() of whole gradients given by tensor name (as `names`): one rank only (replicas
         exchange their gradients through Replicas.train_rounds)."""
-        if self.group.size > 1:
+        if self.dp_group.size > 1:
             raise InputError("accumulate: with several data-parallel ranks the gradients go through "
                              "Replicas.train_rounds, which exchanges them")
         for name in self.names:
@@ -139,7 +139,7 @@ class Optimizer:
     # micro-batch, the same exchanges with zeros
     def round_members(self, mine: bool) -> list[bool]:
         """Which data-parallel ranks have a micro-batch in this round (every rank calls)."""
-        return self.group.all_gather_object(mine) if self.group.size > 1 else [mine]
+        return self.dp_group.all_gather_object(mine) if self.dp_group.size > 1 else [mine]
 
     def layer_names(self, index: int) -> list[str]:
         prefix = f"model.layers.{index}."
@@ -167,25 +167,25 @@ class Optimizer:
     def exchange(self, names: list[str], named: dict | None, present: list[bool]) -> None:
         """The gradients `names` of this round: each owner adds the present ranks' pieces in rank order.
         named: this rank's whole tensors (popped as they go), or None where it has no micro-batch."""
-        group, backend = self.group, self.model.backend
-        if group.size == 1:
+        dp_group, backend = self.dp_group, self.model.backend
+        if dp_group.size == 1:
             for name in names:
                 self._add(name, self._piece(name, named.pop(name)))
             return
         for name in names:
-            size, piece = self.sizes[name], piece_size(self.sizes[name], group.size)
+            size, piece = self.sizes[name], piece_size(self.sizes[name], dp_group.size)
             whole = None if named is None else named.pop(name).reshape(-1)
-            if whole is not None and size == group.size * piece:
+            if whole is not None and size == dp_group.size * piece:
                 send = whole  # already [ranks, piece]: no padded copy
             else:
-                send = backend.zeros((group.size * piece,), np.float32)
+                send = backend.zeros((dp_group.size * piece,), np.float32)
                 if whole is not None:
                     backend.copy_into(send[:size], whole)
             del whole
-            received = group.all_to_all(send.reshape(group.size, piece))
+            received = dp_group.all_to_all(send.reshape(dp_group.size, piece))
             del send
             lo, hi = self.ranges[name]
-            for rank in range(group.size):
+            for rank in range(dp_group.size):
                 if present[rank]:  # a first piece is copied: a view would hold all ranks' pieces
                     piece = received[rank][:hi - lo]
                     self._add(name, piece if name in self.grads else piece.copy())
@@ -199,7 +199,7 @@ class Optimizer:
         info = adamw.adamw_step(self.model.backend, [self._piece(n, params[n]) for n in self.names],
                                 [self.grads[n] for n in self.names], [self.m[n] for n in self.names],
                                 [self.v[n] for n in self.names], self.step_count, self.hyper,
-                                self.schedule.lr(self.step_count), (self.group, self.tp), self.counted)
+                                self.schedule.lr(self.step_count), (self.dp_group, self.tp_group), self.counted)
         self.grads = {}
         for name in self.names:
             self._gather_into(params[name], self._piece(name, params[name]), name)
@@ -208,14 +208,14 @@ class Optimizer:
 
     def _gather_into(self, whole, piece, name: str) -> None:
         """Every rank's piece of a tensor, all-gathered into `whole` (no-op with one rank)."""
-        group, backend = self.group, self.model.backend
-        if group.size == 1:
+        dp_group, backend = self.dp_group, self.model.backend
+        if dp_group.size == 1:
             return
-        n, size = self.sizes[name], piece_size(self.sizes[name], group.size)
+        n, size = self.sizes[name], piece_size(self.sizes[name], dp_group.size)
         send = backend.zeros((size,), np.float32)
         if piece.size:
             backend.copy_into(send[:piece.size], piece)
-        backend.copy_into(whole.reshape(-1), group.all_gather(send).reshape(-1)[:n])
+        backend.copy_into(whole.reshape(-1), dp_group.all_gather(send).reshape(-1)[:n])
 
     # ---- checkpoints
     def shard_state(self) -> dict[str, np.ndarray]:
@@ -227,7 +227,7 @@ class Optimizer:
 
     def _local(self, name: str, store, shape: tuple) -> object:
         """A moment of one tensor in the tensor's (this rank's) shape, gathered from the pieces."""
-        if self.group.size == 1:
+        if self.dp_group.size == 1:
             return store[name].reshape(shape)
         whole = self.model.backend.zeros(shape, np.float32)
         self._gather_into(whole, store[name], name)
@@ -240,7 +240,7 @@ class Optimizer:
         out, shapes = {}, {name: shape_of(p) for name, p in self._params().items()}
         for kind, store in (("m", self.m), ("v", self.v)):
             for name in self.names:
-                out[f"{kind}.{name}"] = parallel.unshard(self.model.backend, self.tp, name,
+                out[f"{kind}.{name}"] = parallel.unshard(self.model.backend, self.tp_group, name,
                                                          self._local(name, store, shapes[name]), keep)
         return out if keep else None
 
@@ -248,17 +248,18 @@ class Optimizer:
         """The model's whole float32 weights by name, as host arrays (gathered over tensor-parallel
         shards; every rank must call, keep=False: this rank only takes part)."""
         params = self._params()
-        out = {name: parallel.unshard(self.model.backend, self.tp, name, params[name], keep) for name in self.names}
+        out = {name: parallel.unshard(self.model.backend, self.tp_group, name, params[name], keep)
+               for name in self.names}
         return out if keep else None
 
     def load_state(self, state, step_count: int) -> None:
         """This rank's pieces from a checkpoint's optimiser state (checkpoint.OptimizerShards), written
         at any data-parallel and tensor-parallel layout."""
         backend, config = self.model.backend, self.model.config
-        if self.tp.size > 1 and state.tp == self.tp.size:  # this rank's shard's files only
+        if self.tp_group.size > 1 and state.tp == self.tp_group.size:  # this rank's shard's files only
             def read(key, size, lo, hi):
-                return state.read_shard(key, self.tp.rank, size, lo, hi)
-        elif self.tp.size > 1:  # each whole tensor read, then this rank's shard, then its piece of that
+                return state.read_shard(key, self.tp_group.rank, size, lo, hi)
+        elif self.tp_group.size > 1:  # each whole tensor read, then this rank's shard, then its piece of that
             shapes = expected_tensors(config)
 
             def read(key, size, lo, hi):

@@ -91,13 +91,13 @@ class SFTTrainer:
     tokenizer: object
     records: list[dict]
     config: SFTConfig
-    group: Group | None = None       # data-parallel replicas (train/data_parallel.py); None: one device
+    dp_group: Group | None = None    # data-parallel replicas (train/data_parallel.py); None: one device
     optimizer: Optimizer = field(init=False)
 
     def __post_init__(self):
         cfg = self.config
-        self.replicas = Replicas.of(self.group)
-        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.group)
+        self.replicas = Replicas.of(self.dp_group)
+        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.dp_group)
 
     def step(self, step: int) -> dict:
         cfg = self.config

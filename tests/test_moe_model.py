@@ -1,0 +1,209 @@
+"""Qwen3-MoE as a model: config fields, Hugging Face weight names, the forward on the cpu reference against
+transformers, bitwise invariances, the engine's log-probs, and the one-line refusals of what is not built."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rlportable.model.config import ModelConfig, ModelError
+from rlportable.model.forward import Model
+from rlportable.model.load import load_model, save_model
+from rlportable.model.weights import expected_tensors
+from rlportable.ops import moe as moe_op
+from rlportable.runtime import get_backend
+
+CPU = get_backend("cpu")
+
+
+def bits(a):
+    return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+
+def _config(**overrides):
+    data = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "moe_intermediate_size": 16, "num_experts": 6, "num_experts_per_tok": 2}
+    data.update(overrides)
+    return ModelConfig.from_dict(data)
+
+
+def test_moe_config_fields_and_sparse_layers():
+    config = _config(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3], router_aux_loss_coef=0.01)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (6, 2, 16)
+    assert config.norm_topk_prob and config.qk_norm and config.mlp_only_layers == (3,)
+    assert [config.sparse_layer(i) for i in range(4)] == [False, True, False, False] and config.is_moe
+    assert _config(num_experts=0).is_moe is False  # transformers: no experts, every layer dense
+    # transformers 5 writes num_experts as num_local_experts; Qwen's files say num_experts
+    assert _config(num_experts=None, num_local_experts=5).num_experts == 5
+    defaults = ModelConfig.from_dict({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 16,
+                                      "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 8})
+    assert (defaults.num_experts, defaults.num_experts_per_tok, defaults.moe_intermediate_size,
+            defaults.norm_topk_prob, defaults.num_key_value_heads, defaults.head_dim) == (128, 8, 768, False, 4, 2)
+    for bad, match in (({"num_experts_per_tok": 7}, "exceeds num_experts"), ({"mlp_only_layers": "1"}, "mlp_only"),
+                       ({"decoder_sparse_step": 0}, "decoder_sparse_step")):
+        with pytest.raises(ModelError, match=match):
+            _config(**bad)
+    # the canonical dict written back parses to the same config
+    config = _config(norm_topk_prob=True, mlp_only_layers=[0])
+    import dataclasses
+
+    assert ModelConfig.from_dict(dataclasses.replace(config, raw={}).to_hf_dict()) == config
+
+
+def test_moe_weights_take_hugging_face_names():
+    config = _config(mlp_only_layers=[1])
+    names = expected_tensors(config)
+    assert names["model.layers.0.mlp.gate.weight"] == (6, 32)
+    assert names["model.layers.0.mlp.experts.5.gate_proj.weight"] == (16, 32)
+    assert names["model.layers.0.mlp.experts.5.up_proj.weight"] == (16, 32)
+    assert names["model.layers.0.mlp.experts.5.down_proj.weight"] == (32, 16)
+    assert names["model.layers.1.mlp.gate_proj.weight"] == (48, 32)
+    assert "model.layers.0.mlp.gate_proj.weight" not in names and "model.layers.1.mlp.gate.weight" not in names
+
+
+# ---- against transformers (a float64 forward on the CPU)
+# The criterion is the contract's (tests/test_model_forward.py): the log-probs' largest error against a
+# float64 forward at most 1/10 of a bf16 forward's. The router logits are exact gemms of 23 x 15-bit
+# operands; an expert choice can differ from float64's only where float64's k-th and (k+1)-th logits are
+# closer than the logits' error, counted below (none here at these seeds).
+ERROR_RATIO_TO_BF16 = 10
+MARGIN = 1e-4  # above the router logits' error at these sizes (about 2^-15 of |h| |w_router| sqrt(H))
+
+
+def _hf_moe(folder, **overrides):
+    import torch
+    import transformers
+
+    from test_model_forward import write_test_tokenizer
+
+    torch.manual_seed(0)
+    settings = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+                    initializer_range=0.15, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+    settings.update(overrides)
+    config = transformers.Qwen3MoeConfig(**settings)
+    # eager experts: the default grouped_mm takes no float64
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+    hf.save_pretrained(folder, safe_serialization=True)
+    write_test_tokenizer(folder, config.vocab_size)
+    return hf
+
+
+def _recording_block(monkeypatch):
+    """Record every sparse layer's expert choices, in call order (layer by layer)."""
+    calls = []
+    block = moe_op.block
+
+    def recording(backend, h, weight, encoded=None):
+        out = block(backend, h, weight, encoded=encoded)
+        calls.append(np.array(out[1]))
+        return out
+
+    monkeypatch.setattr(moe_op, "block", recording)
+    return calls
+
+
+@pytest.mark.parametrize("overrides", [{}, {"norm_topk_prob": False, "decoder_sparse_step": 2},
+                                       {"mlp_only_layers": [0], "num_experts_per_tok": 3}])
+def test_logprobs_and_expert_choices_match_transformers(overrides, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_model_forward import _hf_logprobs
+
+    hf = _hf_moe(tmp_path, **overrides)
+    config, weights, _ = load_model(str(tmp_path))
+    assert config.is_moe and config.num_experts == 8
+    model = Model(CPU, config, weights)
+    calls = _recording_block(monkeypatch)
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, 80).astype(np.int32)
+    (ours,) = model.logprobs(tokens, np.array([0, tokens.size]))
+
+    reference = _hf_logprobs(hf, tokens, torch.float64)
+    with torch.no_grad():  # float64's router logits, one [T, E] per sparse layer
+        routers = hf.double()(torch.tensor(tokens[None].astype(np.int64)), output_router_logits=True).router_logits
+    sparse = [i for i in range(config.num_hidden_layers) if config.sparse_layer(i)]
+    assert len(calls) == len(routers) == len(sparse)
+    k, disagreements, close = config.num_experts_per_tok, 0, 0
+    for ours_experts, logits in zip(calls, routers):
+        z = logits.numpy()
+        top = np.argsort(-z, axis=1, kind="stable")[:, :k]
+        ordered = -np.sort(-z, axis=1)
+        clear = ordered[:, k - 1] - ordered[:, k] > MARGIN
+        close += int((~clear).sum())
+        disagreements += int((np.sort(ours_experts, 1) != np.sort(top, 1)).any(axis=1)[clear].sum())
+    assert disagreements == 0, (disagreements, close)
+
+    bf16 = _hf_logprobs(hf, tokens, torch.bfloat16)
+    ours_error = np.abs(ours.astype(np.float64) - reference).max()
+    bf16_error = np.abs(bf16 - reference).max()
+    assert ours_error * ERROR_RATIO_TO_BF16 <= bf16_error, (ours_error, bf16_error)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("moe")
+    _hf_moe(folder)
+    return folder, load_model(str(folder))
+
+
+def test_a_sequence_has_the_same_bits_alone_and_packed(tiny_moe):
+    _, (config, weights, _) = tiny_moe
+    model = Model(CPU, config, weights)
+    rng = np.random.default_rng(0)
+    target = rng.integers(0, config.vocab_size, 19).astype(np.int32)
+    (alone,) = model.logprobs(target, np.array([0, target.size]))
+    for before in (1, 30):
+        other = rng.integers(0, config.vocab_size, before).astype(np.int32)
+        tokens = np.concatenate([other, target, other[:5]])
+        packed = model.logprobs(tokens, np.array([0, before, before + target.size, tokens.size]))
+        assert np.array_equal(bits(packed[1]), bits(alone))
+
+
+def test_the_engine_records_the_forwards_log_probs(tiny_moe):
+    """Decode steps route each token alone; the trainer's forward routes it inside the whole sequence:
+    the same experts and the same log-prob bits (the rollout-equals-training promise, for MoE)."""
+    from rlportable.engine.llm import LLM
+    from rlportable.engine.sequence import SamplingParams
+
+    folder, loaded = tiny_moe
+    llm = LLM(str(folder), device="cpu", loaded=loaded, max_num_seqs=4, block_size=4)
+    prompts = ["w1 w2 w3", "w7 w8", "w4 w5 w6 w9 w10"]
+    outputs = llm.generate(prompts, SamplingParams(n=2, max_tokens=6, temperature=1.0, ignore_eos=True), seed=3)
+    model = llm.model
+    for prompt, output in zip(prompts, outputs):
+        for sample in output.outputs:
+            ids = np.array(output.prompt_token_ids + list(sample.token_ids), dtype=np.int32)
+            (lp,) = model.logprobs(ids, np.array([0, ids.size]))
+            assert np.array_equal(bits(lp[-len(sample.token_ids):]), bits(np.array(sample.logprobs, np.float32)))
+
+
+def test_save_and_load_round_trip_the_moe_checkpoint(tiny_moe, tmp_path):
+    folder, (config, weights, tokenizer) = tiny_moe
+    save_model(tmp_path, config, weights, tokenizer, dtype="fp32")
+    again, weights_again, _ = load_model(str(tmp_path))
+    assert again == config and json.loads((tmp_path / "config.json").read_text())["architectures"] == \
+        ["Qwen3MoeForCausalLM"]
+    for layer, other in zip(weights.layers, weights_again.layers):
+        if layer.router is not None:
+            assert np.array_equal(bits(layer.router), bits(other.router))
+            assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(layer.expert_down, other.expert_down))
+
+
+def test_what_is_not_built_is_refused_in_one_line(tiny_moe):
+    _, (config, weights, _) = tiny_moe
+
+    class Device:  # a backend that is not the reference: its ops would launch kernels
+        runs_reference, label = False, "cuda"
+
+    with pytest.raises(ModelError, match="^Qwen3-MoE runs on the cpu backend only: the cuda backend has no MoE"):
+        Model(Device(), config, weights)
+    with pytest.raises(ModelError, match="^Qwen3-MoE cannot be trained yet: the MoE backward"):
+        Model(CPU, config, weights, trainable=True)
+    from rlportable.runtime.collectives import ThreadGroup
+
+    with pytest.raises(ModelError, match="^Qwen3-MoE cannot be cut over tensor-parallel ranks"):
+        Model(CPU, config, weights, False, ThreadGroup.create(CPU, 2)[0])

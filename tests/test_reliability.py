@@ -228,3 +228,27 @@ def test_each_default_has_one_home(kind, tmp_path, monkeypatch):
         default, run = (part.strip() for part in stated.split("/")) if "/" in stated else (stated.strip(), None)
         assert default == repr(fields[name]).strip("'"), (kind, name, stated)
         assert (run is None and name not in embedded) or run == repr(embedded.get(name)), (kind, name, stated)
+
+
+def test_the_embedded_run_is_stated_as_train_launch_defines_it():
+    """README's quick start, docs/training.md and the --model help state the embedded default run's
+    numbers, task and models: change train/launch.py (or the config's defaults) and this fails until
+    they say the same."""
+    from pathlib import Path
+
+    from rlportable.train import launch
+
+    root = Path(__file__).resolve().parent.parent
+    grpo = launch.grpo_config(launch.DEFAULT_GRPO_MODEL)
+    readme = " ".join((root / "README.md").read_text().split())
+    assert (f"built-in tiny model (`{launch.DEFAULT_GRPO_MODEL}`) on one-digit additions, {grpo.steps} steps of "
+            f"{grpo.prompts_per_step} prompts x {grpo.num_generations} samples") in readme
+    assert launch.DEFAULT_TASK == "arithmetic:digits=1,ops=+"  # README's "one-digit additions"
+    training = " ".join((root / "docs" / "training.md").read_text().split())
+    assert (f"`rlportable sft` fine-tunes the {launch.DEFAULT_SFT_MODEL} built-in model on the answers of the "
+            f"built-in task `{launch.DEFAULT_TASK}`; `rlportable grpo` starts from `{launch.DEFAULT_GRPO_MODEL}`"
+            ) in training
+    helps = {name: next(p.help for p in main.commands[name].params if p.name == "model_spec") for name in ("sft", "grpo")}
+    assert f"(default: {launch.DEFAULT_SFT_MODEL};" in helps["sft"]
+    assert f"(default: {launch.DEFAULT_GRPO_MODEL})" in helps["grpo"]
+    assert set(launch.BUILT_IN_MODELS) == {launch.DEFAULT_SFT_MODEL, launch.DEFAULT_GRPO_MODEL}

@@ -460,7 +460,7 @@ def _run_options(f):
     options = [
         click.option("--task", default=None, help="A built-in task, e.g. 'arithmetic:digits=1,ops=+' or 'countdown' "
                                                   "(default: the embedded default task, unless --data is given)."),
-        click.option("--data", type=click.Path(dir_okay=False), default=None, help="A JSONL dataset."),
+        click.option("--data", type=click.Path(dir_okay=False), default=None, help="A JSONL or Parquet dataset."),
         click.option("--steps", default=None, type=click.IntRange(min=1), help="Optimiser steps." + CONFIG_DEFAULT),
         click.option("--out", default=None, type=click.Path(file_okay=False), help="Checkpoint folder."),
         click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint."),
@@ -592,6 +592,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data)
         launch.check_paths(options)
+        launch.check_data(options, "sft")
         if _finished_or_resuming("sft", options, config.steps):
             return
         launch.write_run_config(options, _run_config_text(config, **resolved))
@@ -632,7 +633,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--num-iterations", default=None, type=click.IntRange(min=1), help="Passes over each rollout." + CONFIG_DEFAULT)
 @click.option("--mini-batches", default=None, type=click.IntRange(min=1), help="Optimiser steps per pass." + CONFIG_DEFAULT)
 @click.option("--eval-data", type=click.Path(dir_okay=False), default=None,
-              help="Held-out prompts to evaluate on, a JSONL file in --data's format (scored by the run's rewards).")
+              help="Held-out prompts to evaluate on, a file in --data's format (scored by the run's rewards).")
 @click.option("--eval-task", default=None, help="Held-out prompts from a built-in task, as --task (200 records from "
                                                 "a seed of their own).")
 @click.option("--eval-every", default=None, type=click.IntRange(min=0),
@@ -643,12 +644,18 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
                    "greedy completion)." + CONFIG_DEFAULT)
 @click.option("--eval-pass-threshold", default=None, type=float,
               help="A held-out completion passes (pass@k) when its reward is at least this." + CONFIG_DEFAULT)
+@click.option("--prompt-column", default=None,
+              help="--data's column of the prompts, a text or chat messages (default: 'prompt', else 'messages').")
+@click.option("--answer-column", default=None,
+              help="--data's column that reaches the reward functions as `answer` (math_answer's; default: "
+                   "'answer' as it is).")
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
          rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
          epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, num_iterations,
-         mini_batches, eval_data, eval_task, eval_every, eval_samples, eval_pass_threshold):
+         mini_batches, eval_data, eval_task, eval_every, eval_samples, eval_pass_threshold, prompt_column,
+         answer_column):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
 
@@ -670,8 +677,10 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             click.echo(_run_config_text(config, **resolved), nl=False)
             return
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
-                                    task if task or data else launch.DEFAULT_TASK, data, eval_task, eval_data)
+                                    task if task or data else launch.DEFAULT_TASK, data, eval_task, eval_data,
+                                    prompt_column, answer_column)
         launch.check_paths(options)
+        launch.check_data(options, "grpo")
         held_out = launch.held_out_records(options, config)  # checked before any work
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
         if _finished_or_resuming("grpo", options, config.steps):

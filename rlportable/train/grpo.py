@@ -30,10 +30,12 @@ import numpy as np
 from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams, SamplingParamsError
 from rlportable.errors import InputError, RlpError
+from rlportable.model.config import ModelError
 from rlportable.model.forward import Model
 from rlportable.runtime.collectives import Group
 from rlportable.train import objectives
 from rlportable.train.data_parallel import Replicas
+from rlportable.train.datafiles import is_chat
 from rlportable.train.evaluation import EVAL_REQUEST_BASE, eval_due, evaluate
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
@@ -314,13 +316,26 @@ def _raise_on_mismatch(check: dict) -> None:
             "broken; please report it with `rlportable conform` output")
 
 
+def engine_prompt(tokenizer, prompt):
+    """A record's prompt as the engine takes it: a text or token ids as they are; chat messages through
+    the model's chat template, ending with the generation prompt (the assistant's turn begins), as TRL
+    renders a conversational prompt."""
+    if is_chat(prompt):
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    return prompt
+
+
 def prompt_length(tokenizer, prompt) -> int:
-    """Tokens of a record's prompt: a text (encoded) or a list of token ids (as the engine takes them)."""
+    """Tokens of a record's prompt: a text (encoded), chat messages (rendered, encoded) or a list of
+    token ids (as the engine takes them)."""
+    prompt = engine_prompt(tokenizer, prompt)
     return len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
 
 
 def truncated_prompt(tokenizer, prompt, max_prompt_length: int | None):
-    """The prompt as the engine gets it: unchanged, or its last max_prompt_length token ids when longer."""
+    """The prompt as the engine gets it (engine_prompt): unchanged, or its last max_prompt_length token
+    ids when longer."""
+    prompt = engine_prompt(tokenizer, prompt)
     if max_prompt_length is None:
         return prompt
     ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
@@ -333,7 +348,7 @@ def check_prompt_lengths(tokenizer, dataset: list[dict], cfg: GRPOConfig, max_po
     completion must fit the model's positions, or the engine would be sized past them."""
     longest, index = 0, 0
     for i, record in enumerate(dataset):
-        length = prompt_length(tokenizer, record["prompt"])
+        length = _checked_prompt_length(tokenizer, record["prompt"], f"{name} record {i}")
         if cfg.max_prompt_length is not None:
             length = min(length, cfg.max_prompt_length)
         if length > longest:
@@ -344,6 +359,21 @@ def check_prompt_lengths(tokenizer, dataset: list[dict], cfg: GRPOConfig, max_po
                          f"than the model's {max_positions} (max_position_embeddings); shorten the prompts, lower "
                          "--max-completion-length, or set --max-prompt-length (prompts keep their last tokens)")
     return longest
+
+
+def _checked_prompt_length(tokenizer, prompt, where: str) -> int:
+    """prompt_length, with a chat prompt's missing or failing template one line naming the record."""
+    if is_chat(prompt):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise InputError(f"{where}: its prompt is chat messages, but the model's tokenizer "
+                             f"({getattr(tokenizer, 'source', 'tokenizer')}) has no chat template; give the prompt "
+                             "as text, or use a model with one (tokenizer_config.json's chat_template, or "
+                             "chat_template.jinja)")
+        try:
+            return prompt_length(tokenizer, prompt)
+        except ModelError as error:
+            raise InputError(f"{where}: {error}") from None
+    return prompt_length(tokenizer, prompt)
 
 
 def sampling_seed(seed: int, step: int) -> int:

@@ -17,12 +17,12 @@ from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
 from rlportable.model.weights import atomic_write
-from rlportable.train import checkpoint, tasks
+from rlportable.train import checkpoint, datafiles, tasks
 from rlportable.train.grpo import GRPOConfig, GRPOTrainer
 from rlportable.train.metrics import MetricsLog, plot_curve
 from rlportable.train.rewards import RewardSet
 from rlportable.train.run import RUN_CONFIG_FILE, resume_state, run_steps
-from rlportable.train.sft import SFTConfig, SFTTrainer, load_sft_jsonl, task_sft_records
+from rlportable.train.sft import SFTConfig, SFTTrainer, load_sft_records, task_sft_records
 
 DATASET_SIZE = 10000  # records generated for a built-in task (the epoch length)
 DEFAULT_TASK = "arithmetic:digits=1,ops=+"
@@ -73,14 +73,17 @@ class RunOptions:
     task: str | None
     data: str | None
     eval_task: str | None = None   # held-out prompts (GRPO): a task spec, or
-    eval_data: str | None = None   # a JSONL file in --data's format
+    eval_data: str | None = None   # a file in --data's format
+    prompt_column: str | None = None  # --data's columns (GRPO; train/datafiles.py): None, the defaults
+    answer_column: str | None = None
 
 
 def check_paths(options: RunOptions) -> None:
     """Before any work: an --out holding a run is continued with --resume or not touched (its checkpoints
     and `latest` would be overwritten), --resume has a checkpoint to continue, every path the run writes
-    (--out, --log-jsonl, --plot) can be written and --plot's matplotlib is installed; else the first save
-    or the end of the run would fail. (--resume without --out: _load.)"""
+    (--out, --log-jsonl, --plot) can be written, --plot's matplotlib is installed, and a Parquet --data or
+    --eval-data has pyarrow; else the first save, the end of the run or the data's reading would fail.
+    (--resume without --out: _load.)"""
     if options.out is not None:
         latest = checkpoint.latest_checkpoint(options.out) if os.path.isdir(options.out) else None
         if latest is not None and not options.resume:
@@ -98,6 +101,8 @@ def check_paths(options: RunOptions) -> None:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise InputError("--plot needs matplotlib: pip install 'rlportable[plot]'")
+    datafiles.check_readable("--data", options.data)
+    datafiles.check_readable("--eval-data", options.eval_data)
 
 
 @dataclass
@@ -160,19 +165,46 @@ def settings_dict(config, options: RunOptions, rewards: list | None = None) -> d
     evaluation's settings: they change none of the run's bits, so a checkpoint is the same with or without
     evaluation, and a run may be resumed with other ones."""
     fields = {key: value for key, value in asdict(config).items() if not key.startswith("eval_")}
-    return {**fields, "model": options.model, "task": options.task, "data": options.data,
+    # the columns only where given: the settings (and checkpoints) of runs with the default columns stay
+    # as they were, and resume as before
+    columns = {key: value for key, value in (("prompt_column", options.prompt_column),
+                                             ("answer_column", options.answer_column)) if value is not None}
+    return {**fields, "model": options.model, "task": options.task, "data": options.data, **columns,
             "rewards": [[item if isinstance(item, str) else getattr(item, "name", repr(item)), weight]
                         for item, weight in (rewards or [])]}
 
 
-def task_records(task: str | None, data: str | None, seed: int) -> tuple[list[dict], object | None]:
-    """(records, the task object or None) from --task or --data (exactly one)."""
+def task_records(task: str | None, data: str | None, seed: int, prompt_column: str | None = None,
+                 answer_column: str | None = None) -> tuple[list[dict], object | None]:
+    """(records, the task object or None) from --task or --data (exactly one); the columns: --data's
+    (train/datafiles.py)."""
     if (task is None) == (data is None):
         raise InputError("give exactly one of --task and --data")
     if data is not None:
-        return tasks.load_jsonl_dataset(data), None
+        return datafiles.load_prompt_records(data, prompt_column, answer_column), None
+    for flag, column in (("--prompt-column", prompt_column), ("--answer-column", answer_column)):
+        if column is not None:
+            raise InputError(f"{flag} names a column of --data; a built-in task's records have \"prompt\" and "
+                             "its own answer columns")
     chosen = tasks.parse_task_spec(task)
     return chosen.dataset(seed, DATASET_SIZE), chosen
+
+
+def check_data(options: RunOptions, kind: str) -> None:
+    """Before any work: --data's records (kind "sft" or "grpo") read and checked, each error one line
+    naming the file's line or row, the column or the flag (the run reads them again); the column flags
+    checked against --task."""
+    if kind == "sft":
+        if options.data is not None:
+            _sft_records(options, 0)
+    elif options.data is not None or options.prompt_column is not None or options.answer_column is not None:
+        task_records(options.task, options.data, 0, options.prompt_column, options.answer_column)
+
+
+def _sft_records(options: RunOptions, seed: int) -> list[dict]:
+    if options.data is not None and options.task is None:
+        return load_sft_records(options.data)
+    return task_sft_records(task_records(options.task, options.data, seed)[0])
 
 
 def held_out_records(options: RunOptions, config: GRPOConfig) -> list[dict] | None:
@@ -188,7 +220,7 @@ def held_out_records(options: RunOptions, config: GRPOConfig) -> list[dict] | No
         return None
     if options.eval_data is not None:
         try:
-            return tasks.load_jsonl_dataset(options.eval_data)
+            return datafiles.load_prompt_records(options.eval_data, options.prompt_column, options.answer_column)
         except InputError as error:
             raise InputError(f"--eval-data {error}") from None
     try:
@@ -203,7 +235,8 @@ def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: lis
     """dp_group: this process's data-parallel replica (train/data_parallel.py); tp_group: its tensor-parallel
     group (model/parallel.py). Only rank 0 of both writes metrics and the plot (every rank computes the
     same); the checkpoints are written as train/run.py says."""
-    records, task = task_records(options.task, options.data, config.seed)
+    records, task = task_records(options.task, options.data, config.seed, options.prompt_column,
+                                 options.answer_column)
     items = [(spec, weight) for spec, weight in reward_specs] or ([(task, 1.0)] if task is not None else [])
     if not items:
         raise InputError("--data needs at least one --reward module:function")
@@ -244,10 +277,7 @@ def _reference(backend, options: RunOptions, config: GRPOConfig, tp_group=None):
 def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None], dp_group=None,
             tp_group=None) -> list[dict]:
     """dp_group, tp_group: as run_grpo's."""
-    if options.data is not None and options.task is None:
-        records = load_sft_jsonl(options.data)
-    else:
-        records = task_sft_records(task_records(options.task, options.data, config.seed)[0])
+    records = _sft_records(options, config.seed)
     settings = settings_dict(config, options)
     model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings, tp_group)
     trainer = SFTTrainer(model, tokenizer, records, config, dp_group)

@@ -10,6 +10,8 @@ column. Both are read as exact rationals: integers (thousands commas allowed), d
 (`3/4`, `\\frac{3}{4}`), a leading sign, a trailing `%` or `$` stripped. Anything else, on either side,
 scores 0 (a record whose answer cannot be read never rewards a guess).
 boxed_format: 1.0 where the completion puts an answer in `\\boxed{...}`, else 0.0 (a format reward).
+Both take completions as strings or as TRL's conversational messages (chat records, train/rewards.py).
+The answer column may be another, named with `--answer-column` (`solution`, say).
 """
 
 from __future__ import annotations
@@ -75,19 +77,31 @@ def reference_answer(answer: Any) -> Fraction | None:
     return parse_number(answer.rsplit("####", 1)[-1])
 
 
-def math_answer(completions: list[str], answer: list[Any] | None = None, **_: Any) -> list[float]:
+def completion_text(completion: Any) -> str:
+    """A completion's text: a string, or TRL's conversational [{"role": "assistant", "content": text}]
+    (the last message's content); "" for anything else (which scores 0)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        return content if isinstance(content, str) else ""
+    return ""
+
+
+def math_answer(completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float]:
     """1.0 per completion whose final answer equals its record's answer, exactly, else 0.0."""
     if answer is None:
-        raise InputError("math_answer needs an 'answer' column in the dataset (GSM8K's 'answer', '#### 42' or 42)")
+        raise InputError("math_answer needs an 'answer' column in the dataset (GSM8K's 'answer', '#### 42' or 42); "
+                         "name another column with --answer-column")
     if len(answer) != len(completions):
         raise InputError(f"math_answer: {len(completions)} completions for {len(answer)} answers")
     scores = []
     for completion, expected in zip(completions, answer):
-        want, got = reference_answer(expected), final_answer(completion)
+        want, got = reference_answer(expected), final_answer(completion_text(completion))
         scores.append(1.0 if want is not None and got is not None and got == want else 0.0)
     return scores
 
 
-def boxed_format(completions: list[str], **_: Any) -> list[float]:
+def boxed_format(completions: list[Any], **_: Any) -> list[float]:
     """1.0 per completion that puts its answer in \\boxed{...}, else 0.0."""
-    return [1.0 if last_boxed(completion) is not None else 0.0 for completion in completions]
+    return [1.0 if last_boxed(completion_text(completion)) is not None else 0.0 for completion in completions]

@@ -7,7 +7,10 @@ name). It is called with keywords only, as TRL's GRPOTrainer does::
     fn(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns)
 
 where every dataset column other than "prompt" arrives as a list with one
-value per completion (so functions should accept ``**kwargs``). It returns one
+value per completion (so functions should accept ``**kwargs``). For records
+whose prompt is chat messages, as TRL's conversational format, ``prompts``
+holds the message lists and each completion is ``[{"role": "assistant",
+"content": text}]``. It returns one
 number per completion. A sample for which the function returns None (or NaN)
 is NaN in that function's column and is left out of the weighted sum, as TRL
 does with ``nansum``; a sample for which every function returned None gets a
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from rlportable.errors import InputError
+from rlportable.train.datafiles import is_chat
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -179,9 +183,14 @@ def batch_from_records(
     completions: Sequence[str],
     completion_ids: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """A reward batch from one dataset record per completion (repeat a record G times for a GRPO group)."""
+    """A reward batch from one dataset record per completion (repeat a record G times for a GRPO group).
+    Records whose prompt is chat messages give each completion as [{"role": "assistant", "content": text}]."""
     if len(records) != len(completions):
         raise InputError(f"{len(records)} records for {len(completions)} completions")
+    if records and is_chat(records[0]["prompt"]):
+        # conversational records, as TRL passes them: the prompt's messages, and the completion as the
+        # assistant's message
+        completions = [[{"role": "assistant", "content": text}] for text in completions]
     batch: dict[str, Any] = {"prompts": [r["prompt"] for r in records], "completions": list(completions)}
     if completion_ids is not None:
         batch["completion_ids"] = list(completion_ids)

@@ -1,6 +1,6 @@
 """Supervised fine-tuning: the loss is the mean negative log-likelihood of completion tokens only.
 
-Data: JSONL lines {"prompt": ..., "completion": ...} or {"messages": [{"role", "content"}, ...]}
+Data: JSONL lines or Parquet rows {"prompt": ..., "completion": ...} or {"messages": [{"role", "content"}, ...]}
 (the last message is the assistant's completion; the ones before it, through the
 tokenizer's chat template with the generation prompt, are the prompt), or a
 built-in task's generated records (completion = the task's answer). Every
@@ -22,10 +22,10 @@ from rlportable.model.forward import Model
 from rlportable.runtime.collectives import Group
 from rlportable.train import objectives
 from rlportable.train.data_parallel import Replicas
+from rlportable.train.datafiles import read_records
 from rlportable.train.grpo import records_for_step
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
-from rlportable.textio import read_jsonl_objects
 from rlportable.train.trainer import Sample, micro_batch_gradients, pack
 
 
@@ -40,10 +40,11 @@ class SFTConfig(OptimiserSettings):
         self.check_positive("sft", ("steps", "batch_size", "max_length"))
 
 
-def load_sft_jsonl(path) -> list[dict]:
-    """Records {"prompt", "completion"} or {"messages"}; errors name file:line and the field."""
+def load_sft_records(path) -> list[dict]:
+    """Records {"prompt", "completion"} or {"messages"} of a JSONL or Parquet file; errors name the file's
+    line or row and the field."""
     records = []
-    for where, record in read_jsonl_objects(path):
+    for where, record in read_records(path):
         if "messages" in record:
             messages = record["messages"]
             if not isinstance(messages, list) or len(messages) < 2 or not all(

@@ -1,4 +1,4 @@
-"""Built-in tasks with generated data (no download), and JSONL datasets of the user's own prompts.
+"""Built-in tasks with generated data (no download), and dataset files of the user's own prompts.
 
 A task makes a dataset deterministically from a seed (NumPy's PCG64 generator)
 and scores completions with an exact-answer reward, called like a TRL reward
@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from rlportable.errors import InputError
-from rlportable.textio import read_jsonl_objects
+from rlportable.train.datafiles import load_prompt_records
 
 
 @runtime_checkable
@@ -256,26 +256,10 @@ def parse_task_spec(spec: str) -> Task:
     return get_task(name.strip(), **options)
 
 
-# ---------------------------------------------------------------- JSONL datasets
+# ---------------------------------------------------------------- dataset files
 
 
 def load_jsonl_dataset(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Records of a JSONL file: one JSON object a line (blank lines skipped), each with a "prompt" string.
-
-    Every record must carry the same columns as the first (they reach reward
-    functions as lists, one value per completion). Errors name ``file:line``.
-    """
-    records: list[dict[str, Any]] = []
-    keys: set[str] | None = None
-    for where, record in read_jsonl_objects(path):
-        if not isinstance(record.get("prompt"), str):
-            problem = "missing" if "prompt" not in record else f"a {type(record['prompt']).__name__}, not a string"
-            raise InputError(f"{where}: the \"prompt\" column is {problem}")
-        if keys is None:
-            keys = set(record)
-        elif set(record) != keys:
-            raise InputError(f"{where}: columns {sorted(record)} differ from the first record's {sorted(keys)}")
-        records.append(record)
-    if not records:
-        raise InputError(f"{os.fspath(path)}: no records")
-    return records
+    """Records of a JSONL (or Parquet) file, each with a "prompt" (a string, or chat messages); every
+    record with the same columns as the first (train/datafiles.py). Errors name ``file:line``."""
+    return load_prompt_records(path)

@@ -455,6 +455,12 @@ def _given(**options) -> dict:
     return given
 
 
+#: --report-to of sft and grpo: where the metrics go besides the printed lines and --log-jsonl
+REPORT_TO_OPTION = click.option("--report-to", default=None, type=click.Choice(["none", "tensorboard"]),
+                                help="tensorboard: the metrics as TensorBoard scalars, event files in --out "
+                                     "(pip install 'rlportable[tensorboard]').")
+
+
 def _run_options(f):
     """Options SFT and GRPO share."""
     options = [
@@ -573,9 +579,10 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
 @_run_options
 @click.option("--batch-size", default=None, type=click.IntRange(min=1), help="Examples per optimiser step." + CONFIG_DEFAULT)
 @click.option("--max-length", default=None, type=click.IntRange(min=1), help="Longest prompt + completion." + CONFIG_DEFAULT)
+@REPORT_TO_OPTION
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
         weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
-        batch_size, max_length):
+        batch_size, max_length, report_to):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
     from rlportable.train import launch
 
@@ -590,7 +597,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
             click.echo(_run_config_text(config, **resolved), nl=False)
             return
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
-                                    task if task or data else launch.DEFAULT_TASK, data)
+                                    task if task or data else launch.DEFAULT_TASK, data, report_to=report_to)
         launch.check_paths(options)
         launch.check_data(options, "sft")
         if _finished_or_resuming("sft", options, config.steps):
@@ -649,13 +656,14 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 @click.option("--answer-column", default=None,
               help="--data's column that reaches the reward functions as `answer` (math_answer's; default: "
                    "'answer' as it is).")
+@REPORT_TO_OPTION
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
          weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
          rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
          epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, num_iterations,
          mini_batches, eval_data, eval_task, eval_every, eval_samples, eval_pass_threshold, prompt_column,
-         answer_column):
+         answer_column, report_to):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
 
@@ -678,7 +686,7 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             return
         options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
                                     task if task or data else launch.DEFAULT_TASK, data, eval_task, eval_data,
-                                    prompt_column, answer_column)
+                                    prompt_column, answer_column, report_to)
         launch.check_paths(options)
         launch.check_data(options, "grpo")
         held_out = launch.held_out_records(options, config)  # checked before any work

@@ -17,7 +17,7 @@ from rlportable.errors import InputError
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
 from rlportable.model.weights import atomic_write
-from rlportable.train import checkpoint, datafiles, tasks
+from rlportable.train import checkpoint, datafiles, report, tasks
 from rlportable.train.grpo import GRPOConfig, GRPOTrainer
 from rlportable.train.metrics import MetricsLog, plot_curve
 from rlportable.train.rewards import RewardSet
@@ -76,14 +76,15 @@ class RunOptions:
     eval_data: str | None = None   # a file in --data's format
     prompt_column: str | None = None  # --data's columns (GRPO; train/datafiles.py): None, the defaults
     answer_column: str | None = None
+    report_to: str | None = None   # "tensorboard": event files in --out too (train/report.py)
 
 
 def check_paths(options: RunOptions) -> None:
     """Before any work: an --out holding a run is continued with --resume or not touched (its checkpoints
     and `latest` would be overwritten), --resume has a checkpoint to continue, every path the run writes
-    (--out, --log-jsonl, --plot) can be written, --plot's matplotlib is installed, and a Parquet --data or
-    --eval-data has pyarrow; else the first save, the end of the run or the data's reading would fail.
-    (--resume without --out: _load.)"""
+    (--out, --log-jsonl, --plot) can be written, --plot's matplotlib and --report-to's tensorboard are
+    installed, and a Parquet --data or --eval-data has pyarrow; else the first save, the end of the run or
+    the data's reading would fail. (--resume without --out: _load.)"""
     if options.out is not None:
         latest = checkpoint.latest_checkpoint(options.out) if os.path.isdir(options.out) else None
         if latest is not None and not options.resume:
@@ -101,6 +102,7 @@ def check_paths(options: RunOptions) -> None:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise InputError("--plot needs matplotlib: pip install 'rlportable[plot]'")
+    report.check_report_to(options.report_to, options.out)
     datafiles.check_readable("--data", options.data)
     datafiles.check_readable("--eval-data", options.eval_data)
 
@@ -263,7 +265,7 @@ def _writer_options(options: RunOptions, dp_group, tp_group=None) -> RunOptions:
     train/run.py says."""
     if (dp_group is None or dp_group.rank == 0) and (tp_group is None or tp_group.rank == 0):
         return options
-    return dataclasses.replace(options, log_jsonl=None, plot=None)
+    return dataclasses.replace(options, log_jsonl=None, plot=None, report_to=None)
 
 
 def _reference(backend, options: RunOptions, config: GRPOConfig, tp_group=None):
@@ -289,10 +291,18 @@ def _run(trainer, kind, settings, tokenizer, start, ckpt, options: RunOptions, s
          evaluate=None):
     if ckpt is not None:
         trainer.optimizer.load_state(ckpt.optimizer_state, ckpt.trainer_state["optimizer_steps"])
-    log = MetricsLog(options.log_jsonl, resume_from_step=start if ckpt is not None else None)
+    report.check_report_to(options.report_to, options.out)
+    board = (report.TensorBoardLog(options.out, resumed_after=start if ckpt is not None else None)
+             if options.report_to == "tensorboard" else None)
+    log = MetricsLog(options.log_jsonl, resume_from_step=start if ckpt is not None else None,
+                     mirror=board.write if board is not None else None)
     history = list(ckpt.trainer_state.get("history", [])) if ckpt is not None else []
-    run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step,
-              history=history, curve=curve, evaluate=evaluate)
+    try:
+        run_steps(trainer, kind, settings, tokenizer, start, steps, options.out, options.save_every, log, on_step,
+                  history=history, curve=curve, evaluate=evaluate)
+    finally:
+        if board is not None:
+            board.close()
     if options.plot:
         # the whole run's curve: the log's records, or the checkpoint's history where the log lacks them
         logged = {r["step"] for r in log.records}

@@ -44,10 +44,12 @@ class MetricsLog:
 
     On resume the log is cut back to the steps before the resumed one, so it never holds a step
     twice. Evaluation records (their keys under eval/, train/evaluation.py) are lines of their own in
-    the file, kept apart from the steps' `records` in `evals`."""
+    the file, kept apart from the steps' `records` in `evals`. mirror: called with each record written
+    (--report-to's writer, train/report.py)."""
 
-    def __init__(self, path: str | None, resume_from_step: int | None = None):
+    def __init__(self, path: str | None, resume_from_step: int | None = None, mirror=None):
         self.path = path
+        self.mirror = mirror
         self.records: list[dict] = []
         self.evals: list[dict] = []
         if path is None:
@@ -61,6 +63,8 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         (self.evals if is_eval(record) else self.records).append(record)
+        if self.mirror is not None:
+            self.mirror(record)
         if self.path is None:
             return
         with open(self.path, "a", encoding="utf-8") as handle:

@@ -60,6 +60,8 @@ METHODS = ("auto", "portable", "mma", "split")
 MMA_ROWS = 64  # query rows per block of the mma kernels
 MMA_THREADS = 256
 MMA_MAX_HEAD_DIM_PADDED = 256
+#: the MFMA forward's largest padded head_dim: 256 would need 91 KB of LDS (backends/hip/attention.hip)
+MFMA_MAX_HEAD_DIM_PADDED = 128
 MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run the split kernels
 SPLIT_THREADS = 128  # RLP_ATTS_THREADS: the split kernels' block size (their shared arrays are sized for it)
 SPLIT_TARGET_BLOCKS = 1024  # (row, kv head, split) blocks wanted per pass: several per SM of the largest GPUs
@@ -237,7 +239,16 @@ def available_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
         return ("portable",)
     if backend.kernel_vendor == "cuda" and round_up(head_dim, K_ALIGN) <= MMA_MAX_HEAD_DIM_PADDED:
         return ("portable", "mma", "split")
+    if mfma_arch(backend) is not None and round_up(head_dim, K_ALIGN) <= MFMA_MAX_HEAD_DIM_PADDED:
+        return ("portable", "mma", "split")
     return ("portable", "split")
+
+
+def mfma_arch(backend: Backend) -> str | None:
+    """The AMD target whose MFMA forward this backend runs (backends/hip/attention.hip): the first of its
+    mfma_archs (runtime/hip.py, hip_cpu.py), None where it has none."""
+    archs = getattr(backend, "mfma_archs", ()) if backend.kernel_vendor == "hip" else ()
+    return archs[0] if archs else None
 
 
 def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, method: str) -> str:
@@ -245,13 +256,16 @@ def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, meth
         raise InputError(f"attention: method must be one of {METHODS}, got {method!r}")
     available = available_methods(backend, head_dim)
     if method == "mma" and "mma" not in available:
-        raise InputError(f"attention: the mma kernel exists for CUDA sources and padded head_dim <= "
-                         f"{MMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {head_dim}")
+        raise InputError(f"attention: the mma kernel exists for CUDA sources with padded head_dim <= "
+                         f"{MMA_MAX_HEAD_DIM_PADDED} and for AMD's gfx942 and gfx90a (MFMA) with padded head_dim <= "
+                         f"{MFMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {head_dim}")
     if method == "split" and "split" not in available:
         raise InputError(f"attention: the split kernels exist for CUDA and HIP sources; got {backend.label}")
     if method == "auto":
         if tq >= MMA_MIN_ROWS_PER_SEQ * max(num_seqs, 1):  # prefill-shaped
-            return "mma" if "mma" in available else "portable"
+            # HIP-CPU emulates each MFMA in software: there the portable kernel is the default and the
+            # MFMA one runs when asked for (conform asks)
+            return "mma" if "mma" in available and not backend.on_host else "portable"
         return "split" if "split" in available else "portable"  # decode-shaped
     return method
 
@@ -339,7 +353,10 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
     if method == "split":
         _attention_paged_split(backend, q, q_seq, q_pos, cache, block_tables, scale, keys_per_split, out)
         return out
-    if method == "mma":
+    if method == "mma" and backend.kernel_vendor == "hip":  # the MFMA forward: static LDS only
+        kernel = f"attention_paged_mfma_d{cache.head_dim_padded}_{mfma_arch(backend)}"
+        grid, block, shared = (-(-tq // MMA_ROWS), hq), (MMA_THREADS,), 0
+    elif method == "mma":
         dp = cache.head_dim_padded
         kernel = "attention_paged_mma_d128" if dp <= 128 else "attention_paged_mma_d256"
         grid, block, shared = (-(-tq // MMA_ROWS), hq), (MMA_THREADS,), mma_shared_bytes(dp)

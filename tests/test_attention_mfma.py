@@ -1,0 +1,88 @@
+"""AMD's MFMA attention forward (backends/hip/attention.hip): which backend takes it, and its bits on HIP-CPU.
+
+An AMD GPU whose target has the kernels (gfx942, gfx90a) takes method "mma" for prefill-shaped calls at
+padded head_dim 64 and 128; 256 (91 KB of LDS) and other targets take the portable kernel; HIP-CPU,
+which emulates the MFMA instructions, runs it only when asked. On HIP-CPU both targets' kernels must
+give the reference's bits over several sequences per 64-row tile, ragged head dims and poisoned rows
+(`conform --device hip-cpu` checks the gfx942 build over the whole attention suite). A machine without
+HIP-CPU skips those, except in CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from rlportable.contract import attention as reference
+from rlportable.errors import InputError
+from rlportable.ops import attention as attention_op
+from rlportable.runtime import hip_cpu
+
+AVAILABLE, REASON = hip_cpu.probe()
+
+
+class StandIn:
+    def __init__(self, vendor, archs=(), on_host=False):
+        self.kernel_vendor, self.mfma_archs, self.on_host = vendor, archs, on_host
+        self.label = f"stand-in {vendor} {archs}"
+
+    @property
+    def runs_reference(self):
+        return self.kernel_vendor is None
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_an_amd_gpu_with_mfma_takes_the_mfma_forward(arch):
+    gpu = StandIn("hip", (arch,))
+    assert attention_op.mfma_arch(gpu) == arch
+    for dim in (64, 100, 128):
+        assert attention_op.resolve_method(gpu, 4096, 8, dim, "auto") == "mma"
+        assert attention_op.resolve_method(gpu, 8, 8, dim, "auto") == "split"  # decode-shaped
+    assert attention_op.resolve_method(gpu, 4096, 8, 256, "auto") == "portable"
+    with pytest.raises(InputError, match="MFMA"):
+        attention_op.resolve_method(gpu, 4096, 8, 256, "mma")
+
+
+def test_other_backends_keep_their_forward():
+    assert attention_op.resolve_method(StandIn("hip", ()), 4096, 8, 128, "auto") == "portable"
+    assert attention_op.mfma_arch(StandIn("cuda", ("gfx942",))) is None  # CUDA sources never take it
+    emulated = StandIn("hip", ("gfx942", "gfx90a"), on_host=True)  # HIP-CPU
+    assert attention_op.resolve_method(emulated, 4096, 8, 128, "auto") == "portable"
+    assert attention_op.resolve_method(emulated, 4096, 8, 128, "mma") == "mma"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    if not AVAILABLE:
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{REASON} (CI must run the HIP sources on HIP-CPU; see .ci/run)")
+        pytest.skip(REASON)
+    return hip_cpu.HipCpuBackend()
+
+
+# (sequence lengths, hq, hkv, head_dim): sequences that share 64-row tiles and cross them, a group of
+# 4 q heads per kv head, a head_dim padded to 128 and one to 64
+CASES = [([70, 3, 130], 4, 1, 128), ([5, 64], 2, 2, 40), ([129], 2, 1, 100)]
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_mfma_forward_gives_the_reference_bits(backend, arch, monkeypatch):
+    monkeypatch.setattr(backend, "mfma_archs", (arch,))
+    rng = np.random.default_rng(3)
+    for lengths, hq, hkv, dim in CASES:
+        tokens = sum(lengths)
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        q = (rng.standard_normal((tokens, hq, dim)) * 4).astype(np.float32)
+        k, v = (rng.standard_normal((tokens, hkv, dim)).astype(np.float32) for _ in range(2))
+        q[1, 0, 3] = np.inf  # a poisoned query row
+        v[min(lengths[0] + 1, tokens - 1), 0, 0] = np.nan  # a poisoned value row: its later queries are NaN
+        expected = reference.attention_packed_batched(q, k, v, cu)
+        out, stats = attention_op.attention_packed(backend, backend.asarray(q), backend.asarray(k),
+                                                   backend.asarray(v), cu, method="mma", keep_stats=True)
+        assert np.asarray(out).view(np.uint32).tobytes() == expected.view(np.uint32).tobytes(), (arch, lengths)
+        _, portable_stats = attention_op.attention_packed(backend, backend.asarray(q), backend.asarray(k),
+                                                          backend.asarray(v), cu, method="portable", keep_stats=True)
+        # the statistics the backward reads (m, L): the same as the portable kernel's
+        assert np.asarray(stats)[:, :2].tobytes() == np.asarray(portable_stats)[:, :2].tobytes()

@@ -86,3 +86,37 @@ def test_mfma_forward_gives_the_reference_bits(backend, arch, monkeypatch):
                                                           backend.asarray(v), cu, method="portable", keep_stats=True)
         # the statistics the backward reads (m, L): the same as the portable kernel's
         assert np.asarray(stats)[:, :2].tobytes() == np.asarray(portable_stats)[:, :2].tobytes()
+
+
+def test_the_backward_takes_mfma_where_the_forward_does():
+    gpu, emulated = StandIn("hip", ("gfx942",)), StandIn("hip", ("gfx942", "gfx90a"), on_host=True)
+    assert attention_op.backward_methods(gpu, 128) == ("rows", "tiled", "mma")
+    assert attention_op.backward_methods(emulated, 64) == ("rows", "tiled", "mma")
+    assert attention_op.backward_methods(gpu, 256) == ("rows", "tiled")  # beyond the MFMA kernels' LDS
+    assert attention_op.backward_methods(StandIn("hip", ()), 128) == ("rows", "tiled")
+    assert attention_op.tiled_tiles(128, "mfma") == {"bq": 64, "bk": 64, "bkv": 32, "bq2": 64}
+    # a dkv tile of the MFMA kernels lies inside one block of 64 positions of its sequence
+    cu = np.array([0, 100, 229], dtype=np.int64)
+    _, key_tiles = attention_op.tiled_plan(cu, 128, "mfma")
+    assert all((first - cu[seq]) % 64 + 32 <= 64 for seq, first in key_tiles)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_mfma_backward_gives_the_reference_bits(backend, arch, monkeypatch):
+    """dq, dk, dv from the MFMA kernels (method "mma", as an AMD GPU's "tiled"), with and without the
+    forward's statistics, over sequences that share tiles, a group of 4 and poisoned rows."""
+    monkeypatch.setattr(backend, "mfma_archs", (arch,))
+    rng = np.random.default_rng(5)
+    for lengths, hq, hkv, dim in CASES:
+        tokens = sum(lengths)
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        q, do = ((rng.standard_normal((tokens, hq, dim)) * 3).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((tokens, hkv, dim)).astype(np.float32) for _ in range(2))
+        q[2, 1, 0], v[tokens - 3, 0, 1] = np.nan, np.inf
+        expected = reference.attention_packed_backward_batched(q, k, v, do, cu, None)
+        inputs = [backend.asarray(x) for x in (q, k, v, do)]
+        o, stats = attention_op.attention_packed(backend, *inputs[:3], cu, method="mma", keep_stats=True)
+        for extra in ({}, {"o": o, "row_stats": stats}):
+            grads = attention_op.attention_packed_backward(backend, *inputs, cu, method="mma", **extra)
+            for got, want in zip(grads, expected):
+                assert np.asarray(got).view(np.uint32).tobytes() == want.view(np.uint32).tobytes(), (arch, lengths)

@@ -395,6 +395,7 @@ def test_methods_dispatch_and_reject():
     class FakeCuda:
         kernel_vendor = "cuda"
         runs_reference = False
+        on_host = False
         label = "cuda"
 
     cuda = FakeCuda()

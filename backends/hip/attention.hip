@@ -374,6 +374,418 @@ __device__ __forceinline__ void rlp_attention_mfma(
     }
 }
 
+// ---- The backward's dq and dkv on MFMA (ops/attention.py method "tiled" on an AMD GPU, "mma" anywhere
+// the kernels run). Every product of the backward is an int8 digit product once the coefficients have
+// 15 bits: S = qq . qk and dP = qdo . qv as the forward's 3 x 2 digits; a block's partial U . qk as
+// 2 x 2 digits (dq), U^T . qq and U^T . qdo as 2 x 3 (dk, dv), with the block's 64 positions as the
+// reduction dimension. Shift groups in int32 (|group| <= 2 * 128 * 2^14 = 2^22 for the scores,
+// 2 * 64 * 2^14 = 2^21 for the partials), combined in int64; each block's partial is scaled into the
+// float64 sum in the contract's order (rlp_attb_add_block). The operands read along d (q, do in dq;
+// k, v in dkv: the wavefront's own rows, every block) are MFMA fragments in registers, split into
+// digits from the int32 rows once; the operands read along d by every wavefront for each block (k, v
+// in dq; q, do in dkv) are split from the int32 rows in global memory per fragment; the operands whose
+// reduction dimension is the block's positions sit in LDS transposed ([digit][d][64 positions]), and
+// the coefficients' digits in LDS as [digit][row][64 positions] once the block's exponent is known.
+// 256 threads = 4 wavefronts. dq: 64 query rows a tile, wavefront w rows 16 w ..; LDS: K transposed
+// 2 x DP x 64, U 2 x 64 x 64 (24,576 bytes at DP = 128). dkv: 32 keys a tile (a key tile lies in one
+// block of 64 positions); wavefront w takes keys 16 (w % 2) .. and queries 32 (w / 2) .. of the scores,
+// and columns (w / 2) DP / 2 .. of the partials; LDS: q and do transposed 3 x DP x 64 each, U^T for dk
+// and dv 2 x 32 x 64 each (57,344 bytes at DP = 128).
+#define RLP_ATTF_BLOCK RLP_ATTB_BLOCK  // positions of a coefficient block: the partials' reduction
+#define RLP_ATTF_DKV_KEYS 32
+
+// An MFMA operand (KL int8, byte e = element e) from KL consecutive int32 of a row, one operand per
+// balanced digit, least significant first (|v| <= 2^22: 3 digits; 2^14: 2 digits); zeros when !in.
+template <int KL, int NDIG>
+__device__ __forceinline__ void rlp_attf_split(typename RlpAttfMfma<KL>::operand (&out)[NDIG],
+                                               const int* __restrict__ src, bool in) {
+    unsigned long long packed[NDIG];
+#pragma unroll
+    for (int k = 0; k < NDIG; ++k) packed[k] = 0ull;
+#pragma unroll
+    for (int e = 0; e < KL; ++e) {
+        int v = in ? src[e] : 0;
+#pragma unroll
+        for (int k = 0; k < NDIG; ++k) {
+            const int low = ((v + 128) & 255) - 128;
+            v = (v - low) >> 8;
+            packed[k] |= (unsigned long long)(low & 255) << (8 * e);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NDIG; ++k) out[k] = (typename RlpAttfMfma<KL>::operand)packed[k];
+}
+
+// 64 rows (block positions c, row r at src + (first + c step) DP) transposed into NDIG digit planes
+// [digit][DP][64]; rows at or beyond count are 0.
+template <int DP, int NDIG>
+__device__ __forceinline__ void rlp_attf_load_transposed(signed char* dst, const int* __restrict__ src, long long first,
+                                                         long long step, int count) {
+    for (int i = threadIdx.x; i < RLP_ATTF_BLOCK * DP; i += RLP_ATTF_THREADS) {
+        const int c = i % RLP_ATTF_BLOCK, col = i / RLP_ATTF_BLOCK;
+        int v = c < count ? src[(first + c * step) * DP + col] : 0;
+#pragma unroll
+        for (int k = 0; k < NDIG; ++k) {
+            const int low = ((v + 128) & 255) - 128;
+            v = (v - low) >> 8;
+            dst[(k * DP + col) * RLP_ATTF_BLOCK + c] = (signed char)low;
+        }
+    }
+}
+
+// A coefficient quantized with its block's exponent, as two digits into a [digit][rows][64] tile.
+__device__ __forceinline__ void rlp_attf_store_u(signed char* u, int rows, int row, int pos, long long big_u) {
+    int v = (int)big_u;
+    const int low = ((v + 128) & 255) - 128;
+    u[row * RLP_ATTF_BLOCK + pos] = (signed char)low;
+    u[(rows + row) * RLP_ATTF_BLOCK + pos] = (signed char)((v - low) >> 8);
+}
+
+// The 16 x 16 block partial A . B over the block's 64 positions: A 2 digits [digit][rows][64] (rows
+// a0 + lane % 16), B NB digits transposed [digit][DP][64] (columns b0 + lane % 16), exact in int64.
+template <int DP, int KL, int NB>
+__device__ __forceinline__ void rlp_attf_partial(long long (&x)[4], const signed char* a, int a_rows, int a0,
+                                                 const signed char* b, int b0) {
+    typedef typename RlpAttfMfma<KL>::operand operand;
+    const int lane = threadIdx.x % 64, frag = lane % 16, frag_k = KL * (lane / 16);
+    rlp_attf_i32x4 g[NB + 1];
+#pragma unroll
+    for (int k = 0; k <= NB; ++k) g[k] = rlp_attf_i32x4{0, 0, 0, 0};
+#pragma unroll
+    for (int st = 0; st < RLP_ATTF_BLOCK / (4 * KL); ++st) {
+        operand fa[2], fb[NB];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            fa[i] = *reinterpret_cast<const operand*>(a + (i * a_rows + a0 + frag) * RLP_ATTF_BLOCK + 4 * KL * st + frag_k);
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+            fb[j] = *reinterpret_cast<const operand*>(b + (j * DP + b0 + frag) * RLP_ATTF_BLOCK + 4 * KL * st + frag_k);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < NB; ++j) g[i + j] = RlpAttfMfma<KL>::run(fa[i], fb[j], g[i + j]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        long long v = g[NB][r];
+#pragma unroll
+        for (int k = NB - 1; k >= 0; --k) v = v * 256 + g[k][r];
+        x[r] = v;
+    }
+}
+
+// The scalars of the query rows a tile or block serves (rows beyond count: poisoned, no terms).
+struct RlpAttfRows {
+    double total[RLP_ATTF_BLOCK], delta[RLP_ATTF_BLOCK];
+    float m[RLP_ATTF_BLOCK];
+    int eq[RLP_ATTF_BLOCK], edo[RLP_ATTF_BLOCK], bad[RLP_ATTF_BLOCK];
+};
+
+__device__ __forceinline__ void rlp_attf_row_scalars(RlpAttfRows& s, const int* __restrict__ row_info,
+                                                     const double* __restrict__ row_stats, long long t0, int count,
+                                                     int hq, int h) {
+    for (int r = threadIdx.x; r < RLP_ATTF_BLOCK; r += RLP_ATTF_THREADS) {
+        const long long item = (t0 + r) * hq + h;
+        const bool in = r < count;
+        s.eq[r] = in ? row_info[3 * item] : 0;
+        s.edo[r] = in ? row_info[3 * item + 1] : 0;
+        s.bad[r] = in ? row_info[3 * item + 2] : 1;
+        s.m[r] = in ? (float)row_stats[3 * item] : 0.0f;
+        s.total[r] = in ? row_stats[3 * item + 1] : 1.0;
+        s.delta[r] = in ? row_stats[3 * item + 2] : 0.0;
+    }
+}
+
+// dq of a query tile (grid (tiles, hq)): per block of 64 keys, S and dP of the wavefront's 16 rows x 64
+// keys, u = dS 2^ek in registers, each row's E over the block (shared atomics), U's digits into LDS,
+// the block's partial U . qk and acc = acc + partial 2^(E - 26), blocks ascending.
+template <int DP, int KL>
+__device__ __forceinline__ void rlp_attf_dq(const int* __restrict__ q_tiles, const long long* __restrict__ cu_seqlens,
+                                            int hq, int hkv, int d, double scale, const int* __restrict__ q_int,
+                                            const int* __restrict__ do_int, const int* __restrict__ k_int,
+                                            const int* __restrict__ v_int, const int* __restrict__ k_exponents,
+                                            const int* __restrict__ v_exponents, const int* __restrict__ row_info,
+                                            const double* __restrict__ row_stats, float* __restrict__ dq) {
+    typedef typename RlpAttfMfma<KL>::operand operand;
+    constexpr int STEP = 4 * KL, QSTEPS = DP / STEP, NBLOCKS = DP / 16, BQ = RLP_ATTF_ROWS, BK = RLP_ATTF_BLOCK;
+    __shared__ int4 lds4[(2 * DP * BK + 2 * BQ * BK) / 16];
+    __shared__ RlpAttfRows s;
+    __shared__ int ek[BK], ev[BK];
+    __shared__ unsigned int field[BQ];
+    signed char* kt = reinterpret_cast<signed char*>(lds4);  // [2][DP][64 keys]
+    signed char* u8 = kt + 2 * DP * BK;                       // [2][64 rows][64 keys]
+    const int tid = threadIdx.x, lane = tid % 64, wave = tid / 64, frag = lane % 16, frag_k = KL * (lane / 16);
+    const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const long long t0 = tile.t0, start = tile.start, t_end = tile.t0 + tile.rows;
+    const int rows = tile.rows, h = tile.h, g = tile.g;
+    rlp_attf_row_scalars(s, row_info, row_stats, t0, rows, hq, h);
+    // this lane's A fragments of q and do (row 16 w + lane % 16), every digit and step
+    operand qf[QSTEPS][3], df[QSTEPS][3];
+    {
+        const int r = 16 * wave + frag;
+        const long long item = (t0 + r) * hq + h;
+#pragma unroll
+        for (int st = 0; st < QSTEPS; ++st) {
+            rlp_attf_split<KL, 3>(qf[st], q_int + item * DP + STEP * st + frag_k, r < rows);
+            rlp_attf_split<KL, 3>(df[st], do_int + item * DP + STEP * st + frag_k, r < rows);
+        }
+    }
+    double acc[NBLOCKS][4];
+#pragma unroll
+    for (int nd = 0; nd < NBLOCKS; ++nd)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[nd][r] = 0.0;
+    for (long long j0 = start; j0 < t_end; j0 += BK) {
+        const int keys = (int)(t_end - j0 < (long long)BK ? t_end - j0 : (long long)BK);
+        __syncthreads();  // the previous block's partials have read kt, u8 and field
+        rlp_attf_load_transposed<DP, 2>(kt, k_int, j0 * hkv + g, hkv, keys);
+        for (int c = tid; c < BK; c += RLP_ATTF_THREADS) {
+            ek[c] = c < keys ? k_exponents[(j0 + c) * hkv + g] : 0;
+            ev[c] = c < keys ? v_exponents[(j0 + c) * hkv + g] : 0;
+        }
+        for (int r = tid; r < BQ; r += RLP_ATTF_THREADS) field[r] = 0u;
+        __syncthreads();
+        double u[4][4];
+        unsigned int f[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) {
+            const int c = 16 * nb + frag;  // the key of this lane's B fragments and D column
+            const long long key = (j0 + c) * hkv + g;
+            rlp_attf_i32x4 gs[4], gp[4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) { gs[x] = rlp_attf_i32x4{0, 0, 0, 0}; gp[x] = rlp_attf_i32x4{0, 0, 0, 0}; }
+#pragma unroll
+            for (int st = 0; st < QSTEPS; ++st) {
+                operand kf[2], vf[2];
+                rlp_attf_split<KL, 2>(kf, k_int + key * DP + STEP * st + frag_k, c < keys);
+                rlp_attf_split<KL, 2>(vf, v_int + key * DP + STEP * st + frag_k, c < keys);
+#pragma unroll
+                for (int i = 0; i < 3; ++i)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        gs[i + j] = RlpAttfMfma<KL>::run(qf[st][i], kf[j], gs[i + j]);
+                        gp[i + j] = RlpAttfMfma<KL>::run(df[st][i], vf[j], gp[i + j]);
+                    }
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = 16 * wave + 4 * (lane / 16) + r;
+                u[nb][r] = 0.0;
+                if (row < rows && c < keys && j0 + c <= t0 + row && s.bad[row] == 0) {
+                    double big_p, ds;
+                    rlp_attt_pair((double)rlp_attf_combine(gs, r), (double)rlp_attf_combine(gp, r), s.eq[row], ek[c],
+                                  s.edo[row], ev[c], s.m[row], s.total[row], s.delta[row], scale, &big_p, &ds);
+                    u[nb][r] = ds * rlp_pow2_f64(ek[c]);
+                    f[r] = rlp_max_u32(f[r], rlp_attb_field(u[nb][r]));
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+            if (f[r]) atomicMax(&field[16 * wave + 4 * (lane / 16) + r], f[r]);
+        __syncthreads();
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = 16 * wave + 4 * (lane / 16) + r;
+                rlp_attf_store_u(u8, BQ, row, 16 * nb + frag, rlp_attb_quantize(u[nb][r], rlp_attb_exponent(field[row])));
+            }
+        __syncthreads();
+#pragma unroll
+        for (int nd = 0; nd < NBLOCKS; ++nd) {
+            long long part[4];
+            rlp_attf_partial<DP, KL, 2>(part, u8, BQ, 16 * wave, kt, 16 * nd);
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                acc[nd][r] = rlp_attb_add_block(acc[nd][r], part[r], field[16 * wave + 4 * (lane / 16) + r],
+                                                RLP_ATT_KV_BITS - 2);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int row = 16 * wave + 4 * (lane / 16) + r;
+        if (row >= rows) continue;
+        float* out = dq + ((t0 + row) * hq + h) * (long long)d;
+#pragma unroll
+        for (int nd = 0; nd < NBLOCKS; ++nd) {
+            const int col = 16 * nd + frag;
+            if (col < d) out[col] = s.bad[row] ? rlp_canonical_nan() : rlp_double2float_rn(acc[nd][r]);
+        }
+    }
+}
+
+// dk and dv of a key tile (grid (key tiles, hkv)): per block of 64 queries (from the block holding the
+// tile's keys) and within it per q head of the group in order: S and dP as [key][query] blocks, the
+// coefficients dS 2^eq and P 2^edo in registers, each key's E over the block (shared atomics), U^T's
+// digits into LDS, the block's partials U^T . qq and U^T . qdo, acc = acc + partial 2^(E - 34). A key
+// that a poisoned row reaches gets the canonical NaN.
+template <int DP, int KL>
+__device__ __forceinline__ void rlp_attf_dkv(const int* __restrict__ key_tiles, const long long* __restrict__ cu_seqlens,
+                                             int hq, int hkv, int d, double scale, const int* __restrict__ q_int,
+                                             const int* __restrict__ do_int, const int* __restrict__ k_int,
+                                             const int* __restrict__ v_int, const int* __restrict__ k_exponents,
+                                             const int* __restrict__ v_exponents, const int* __restrict__ row_info,
+                                             const double* __restrict__ row_stats, float* __restrict__ dk,
+                                             float* __restrict__ dv) {
+    typedef typename RlpAttfMfma<KL>::operand operand;
+    constexpr int STEP = 4 * KL, QSTEPS = DP / STEP, BKV = RLP_ATTF_DKV_KEYS, BQ = RLP_ATTF_BLOCK;
+    constexpr int HALF_BLOCKS = DP / 32;  // 16-column output blocks of a wavefront's half of DP
+    __shared__ int4 lds4[(6 * DP * BQ + 4 * BKV * BQ) / 16];
+    __shared__ RlpAttfRows s;
+    __shared__ int ek[BKV], ev[BKV];
+    __shared__ unsigned int field_k[BKV], field_v[BKV], bad_key[BKV];
+    signed char* qt = reinterpret_cast<signed char*>(lds4);  // [3][DP][64 queries]
+    signed char* dot = qt + 3 * DP * BQ;                      // [3][DP][64 queries]
+    signed char* uk8 = dot + 3 * DP * BQ;                     // [2][32 keys][64 queries]
+    signed char* uv8 = uk8 + 2 * BKV * BQ;
+    const int tid = threadIdx.x, lane = tid % 64, wave = tid / 64, frag = lane % 16, frag_k = KL * (lane / 16);
+    const int kw = wave % 2, half = wave / 2;
+    const int seq = key_tiles[2 * blockIdx.x];
+    const long long j0 = key_tiles[2 * blockIdx.x + 1], start = cu_seqlens[seq], end = cu_seqlens[seq + 1];
+    const int keys = (int)(end - j0 < (long long)BKV ? end - j0 : (long long)BKV);
+    const int g = blockIdx.y, group = hq / hkv;
+    for (int c = tid; c < BKV; c += RLP_ATTF_THREADS) {
+        const long long kr = (j0 + c) * hkv + g;
+        ek[c] = c < keys ? k_exponents[kr] : 0;
+        ev[c] = c < keys ? v_exponents[kr] : 0;
+        bad_key[c] = 0u;
+    }
+    // this lane's A fragments of k and v (key 16 kw + lane % 16), every digit and step
+    operand kf[QSTEPS][2], vf[QSTEPS][2];
+    {
+        const int c = 16 * kw + frag;
+        const long long kr = (j0 + c) * hkv + g;
+#pragma unroll
+        for (int st = 0; st < QSTEPS; ++st) {
+            rlp_attf_split<KL, 2>(kf[st], k_int + kr * DP + STEP * st + frag_k, c < keys);
+            rlp_attf_split<KL, 2>(vf[st], v_int + kr * DP + STEP * st + frag_k, c < keys);
+        }
+    }
+    double acc_k[HALF_BLOCKS][4], acc_v[HALF_BLOCKS][4];
+#pragma unroll
+    for (int n = 0; n < HALF_BLOCKS; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) { acc_k[n][r] = 0.0; acc_v[n][r] = 0.0; }
+    for (long long t0 = start + (j0 - start) / BQ * BQ; t0 < end; t0 += BQ)
+        for (int hh = 0; hh < group; ++hh) {
+            const int h = g * group + hh;
+            const int qrows = (int)(end - t0 < (long long)BQ ? end - t0 : (long long)BQ);
+            __syncthreads();  // the previous (block, head)'s partials have read the tiles and fields
+            rlp_attf_load_transposed<DP, 3>(qt, q_int, t0 * hq + h, hq, qrows);
+            rlp_attf_load_transposed<DP, 3>(dot, do_int, t0 * hq + h, hq, qrows);
+            rlp_attf_row_scalars(s, row_info, row_stats, t0, qrows, hq, h);
+            for (int c = tid; c < BKV; c += RLP_ATTF_THREADS) { field_k[c] = 0u; field_v[c] = 0u; }
+            __syncthreads();
+            double uk[2][4], uv[2][4];
+            unsigned int fk[4] = {0u, 0u, 0u, 0u}, fv[4] = {0u, 0u, 0u, 0u}, bad[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb) {
+                const int rq = 32 * half + 16 * nb + frag;  // the query of this lane's B fragments and D column
+                const long long item = (t0 + rq) * hq + h;
+                rlp_attf_i32x4 gs[4], gp[4];
+#pragma unroll
+                for (int x = 0; x < 4; ++x) { gs[x] = rlp_attf_i32x4{0, 0, 0, 0}; gp[x] = rlp_attf_i32x4{0, 0, 0, 0}; }
+#pragma unroll
+                for (int st = 0; st < QSTEPS; ++st) {
+                    operand qf[3], df[3];
+                    rlp_attf_split<KL, 3>(qf, q_int + item * DP + STEP * st + frag_k, rq < qrows);
+                    rlp_attf_split<KL, 3>(df, do_int + item * DP + STEP * st + frag_k, rq < qrows);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+#pragma unroll
+                        for (int j = 0; j < 3; ++j) {
+                            gs[i + j] = RlpAttfMfma<KL>::run(kf[st][i], qf[j], gs[i + j]);
+                            gp[i + j] = RlpAttfMfma<KL>::run(vf[st][i], df[j], gp[i + j]);
+                        }
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int c = 16 * kw + 4 * (lane / 16) + r;  // the key of D's register r
+                    uk[nb][r] = 0.0;
+                    uv[nb][r] = 0.0;
+                    if (rq < qrows && c < keys && j0 + c <= t0 + rq) {
+                        if (s.bad[rq] != 0) {
+                            bad[r] = 1u;
+                        } else {
+                            double big_p, ds;
+                            rlp_attt_pair((double)rlp_attf_combine(gs, r), (double)rlp_attf_combine(gp, r), s.eq[rq],
+                                          ek[c], s.edo[rq], ev[c], s.m[rq], s.total[rq], s.delta[rq], scale, &big_p,
+                                          &ds);
+                            uk[nb][r] = ds * rlp_pow2_f64(s.eq[rq]);
+                            uv[nb][r] = big_p * rlp_pow2_f64(s.edo[rq]);
+                            fk[r] = rlp_max_u32(fk[r], rlp_attb_field(uk[nb][r]));
+                            fv[r] = rlp_max_u32(fv[r], rlp_attb_field(uv[nb][r]));
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int c = 16 * kw + 4 * (lane / 16) + r;
+                if (fk[r]) atomicMax(&field_k[c], fk[r]);
+                if (fv[r]) atomicMax(&field_v[c], fv[r]);
+                if (bad[r]) bad_key[c] = 1u;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int c = 16 * kw + 4 * (lane / 16) + r, rq = 32 * half + 16 * nb + frag;
+                    rlp_attf_store_u(uk8, BKV, c, rq, rlp_attb_quantize(uk[nb][r], rlp_attb_exponent(field_k[c])));
+                    rlp_attf_store_u(uv8, BKV, c, rq, rlp_attb_quantize(uv[nb][r], rlp_attb_exponent(field_v[c])));
+                }
+            __syncthreads();
+#pragma unroll
+            for (int n = 0; n < HALF_BLOCKS; ++n) {
+                long long pk[4], pv[4];
+                const int col0 = half * (DP / 2) + 16 * n;
+                rlp_attf_partial<DP, KL, 3>(pk, uk8, BKV, 16 * kw, qt, col0);
+                rlp_attf_partial<DP, KL, 3>(pv, uv8, BKV, 16 * kw, dot, col0);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int c = 16 * kw + 4 * (lane / 16) + r;
+                    acc_k[n][r] = rlp_attb_add_block(acc_k[n][r], pk[r], field_k[c], RLP_ATTB_ROW_SHIFT);
+                    acc_v[n][r] = rlp_attb_add_block(acc_v[n][r], pv[r], field_v[c], RLP_ATTB_ROW_SHIFT);
+                }
+            }
+        }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int c = 16 * kw + 4 * (lane / 16) + r;
+        if (c >= keys) continue;
+        const long long at = ((j0 + c) * hkv + g) * (long long)d;
+        const bool poisoned = bad_key[c] != 0u;
+#pragma unroll
+        for (int n = 0; n < HALF_BLOCKS; ++n) {
+            const int col = half * (DP / 2) + 16 * n + frag;
+            if (col >= d) continue;
+            dk[at + col] = poisoned ? rlp_canonical_nan() : rlp_double2float_rn(acc_k[n][r]);
+            dv[at + col] = poisoned ? rlp_canonical_nan() : rlp_double2float_rn(acc_v[n][r]);
+        }
+    }
+}
+
+#define RLP_ATTF_BACKWARD_ENTRIES(DP, KL, DQ, DKV)                                                               \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTF_THREADS) DQ(RLP_ATTT_QUERY_ARGS) {                     \
+        rlp_attf_dq<DP, KL>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,    \
+                            v_exponents, row_info, row_stats, dq);                                              \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RLP_ATTF_THREADS) DKV(RLP_ATTT_KEY_ARGS) {                      \
+        rlp_attf_dkv<DP, KL>(key_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents, \
+                             v_exponents, row_info, row_stats, dk, dv);                                         \
+    }
+#if defined(__gfx942__) || defined(RLP_HIP_CPU)
+RLP_ATTF_BACKWARD_ENTRIES(64, 8, attention_backward_mfma_dq_d64_gfx942, attention_backward_mfma_dkv_d64_gfx942)
+RLP_ATTF_BACKWARD_ENTRIES(128, 8, attention_backward_mfma_dq_d128_gfx942, attention_backward_mfma_dkv_d128_gfx942)
+#endif
+#if defined(__gfx90a__) || defined(RLP_HIP_CPU)
+RLP_ATTF_BACKWARD_ENTRIES(64, 4, attention_backward_mfma_dq_d64_gfx90a, attention_backward_mfma_dkv_d64_gfx90a)
+RLP_ATTF_BACKWARD_ENTRIES(128, 4, attention_backward_mfma_dq_d128_gfx90a, attention_backward_mfma_dkv_d128_gfx90a)
+#endif
+
 // The arguments of attention_paged (ops/attention.py launches either with the same list; dp is the
 // kernel's own padded head_dim, checked by the op).
 #define RLP_ATTENTION_MFMA_ENTRY(NAME, DP, KL)                                                                   \

@@ -410,27 +410,27 @@ def _add_grads(tally: Tally, got, expected) -> None:
         tally.add(actual, want)
 
 
-def _backward_from_forward_stats(backend: Backend, q, k, v, do, cu) -> tuple[np.ndarray, ...] | None:
-    """The tiled backward given the forward's o and row statistics (attention_packed(keep_stats=True)),
+def _backward_from_forward_stats(backend: Backend, q, k, v, do, cu, method: str = "tiled") -> tuple[np.ndarray, ...] | None:
+    """The tiled backward (or "mma") given the forward's o and row statistics (attention_packed(keep_stats=True)),
     as the trainer calls it; None where the forward's kernel gives no statistics."""
     b = backend
     dq, dk, dv, ddo = (b.asarray(x) for x in (q, k, v, do))
     o, row_stats = attention_op.attention_packed(b, dq, dk, dv, cu, keep_stats=True)
     if row_stats is None:
         return None
-    grads = attention_op.attention_packed_backward(b, dq, dk, dv, ddo, cu, o=o, method="tiled", row_stats=row_stats)
+    grads = attention_op.attention_packed_backward(b, dq, dk, dv, ddo, cu, o=o, method=method, row_stats=row_stats)
     return tuple(b.to_numpy(g) for g in grads)
 
 
 def _add_all_methods(tally: Tally, backend: Backend, expected, q, k, v, do, cu, rows=slice(None), **options) -> None:
-    """Every backward variant this backend runs for these shapes (rows, and tiled where it exists; the
-    tiled one also from the forward's statistics), each against the expected bits (of the token rows
+    """Every backward variant this backend runs for these shapes (rows, and tiled and mma where they exist;
+    those also from the forward's statistics), each against the expected bits (of the token rows
     `rows` of its gradients)."""
     for method in attention_op.backward_methods(backend, q.shape[2]):
         got = _attention_backward(backend, q, k, v, do, cu, method=method, **options)
         _add_grads(tally, (g[rows] for g in got), expected)
-        if method == "tiled" and not options:
-            got = _backward_from_forward_stats(backend, q, k, v, do, cu)
+        if method in ("tiled", "mma") and not options:
+            got = _backward_from_forward_stats(backend, q, k, v, do, cu, method)
             if got is not None:
                 _add_grads(tally, (g[rows] for g in got), expected)
 

@@ -612,19 +612,26 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 # group's heads in order within each block).
 
 BACKWARD_THREADS = 256
-BACKWARD_METHODS = ("auto", "rows", "tiled")
+BACKWARD_METHODS = ("auto", "rows", "tiled", "mma")
 TILED_THREADS = 256  # the tiled kernels' block size (their tiling assumes it)
 TILED_ROWS_THREADS = 256  # attention_backward_tiled_rows: one 32-lane segment per row
 TILED_HEAD_DIMS = (64, 128, 256)  # the padded head_dim each tiled kernel is built for
+#: keys of a dkv tile of the MFMA backward (RLP_ATTF_DKV_KEYS): q and do transposed fill most of the LDS
+MFMA_BACKWARD_KEYS = 32
 #: shared memory per workgroup the portable (hip) tiled kernels stay within: MI300X's LDS
 PORTABLE_SHARED_LIMIT = 64 * 1024
 
 
 def backward_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
-    """The backward variants this backend runs for this head_dim (cpu: the reference, "rows")."""
-    if not backend.runs_reference and round_up(head_dim, K_ALIGN) <= TILED_HEAD_DIMS[-1]:
-        return ("rows", "tiled")
-    return ("rows",)
+    """The backward variants this backend runs for this head_dim (cpu: the reference, "rows"). "mma": the
+    tiled method with dq and dkv on AMD's MFMA (backends/hip/attention.hip), where the backend has them;
+    on an AMD GPU "tiled" takes them too, on HIP-CPU (which emulates MFMA) only "mma" does. CUDA's
+    "tiled" is its tensor-core kernels already."""
+    if backend.runs_reference or round_up(head_dim, K_ALIGN) > TILED_HEAD_DIMS[-1]:
+        return ("rows",)
+    if mfma_arch(backend) is not None and round_up(head_dim, K_ALIGN) <= MFMA_MAX_HEAD_DIM_PADDED:
+        return ("rows", "tiled", "mma")
+    return ("rows", "tiled")
 
 
 def tiled_head_dim(head_dim: int) -> int:
@@ -637,10 +644,12 @@ def tiled_tiles(dpt: int, vendor: str = "cuda") -> dict[str, int]:
     rows and query rows per step of dkv. cuda: RlpAttd (stats, FP64 mma) and RlpAtt8 (dq and dkv, int8
     mma, a step of one coefficient block) in backends/cuda/attention.cu, up to 227 KiB of shared
     memory; hip: RlpAttp in backends/portable/attention.hip
-    (within PORTABLE_SHARED_LIMIT)."""
+    (within PORTABLE_SHARED_LIMIT); mfma: the MFMA dq and dkv of backends/hip/attention.hip."""
     if vendor == "cuda":
         return {"bq": 64 if dpt <= 128 else 32, "bk": 64 if dpt <= 128 else 32, "bkv": 4096 // dpt,
                 "bq2": reference.BLOCK}
+    if vendor == "mfma":  # backends/hip/attention.hip's dq and dkv: 4 wavefronts, static LDS
+        return {"bq": 64, "bk": reference.BLOCK, "bkv": MFMA_BACKWARD_KEYS, "bq2": reference.BLOCK}
     b = 2048 // dpt  # bkv divides 64: a key tile lies in one block of 64 positions
     return {"bq": b, "bk": 16, "bkv": b, "bq2": 8 if dpt == 64 else 16}
 
@@ -734,10 +743,12 @@ class _DevicePlan(NamedTuple):
 _PLANS: dict[tuple, _DevicePlan] = {}  # the last few packings: a model's layers share one cu_seqlens
 
 
-def _device_plan(backend: Backend, cu: np.ndarray, dpt: int) -> _DevicePlan:
-    key = (id(backend), backend.kernel_vendor, cu.tobytes(), dpt)
+def _device_plan(backend: Backend, cu: np.ndarray, dpt: int, kind: str | None = None) -> _DevicePlan:
+    """tiled_plan for the backend's kernels (kind: "mfma" for the MFMA dq and dkv, else its vendor's)."""
+    kind = kind or backend.kernel_vendor
+    key = (id(backend), kind, cu.tobytes(), dpt)
     if key not in _PLANS:
-        q_tiles, key_tiles = tiled_plan(cu, dpt, backend.kernel_vendor)
+        q_tiles, key_tiles = tiled_plan(cu, dpt, kind)
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = _DevicePlan(backend.asarray(q_tiles), backend.asarray(key_tiles),
@@ -799,8 +810,11 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     if method == "tiled" and "tiled" not in available:
         raise InputError(f"{name}: the tiled kernels exist for GPU kernel sources, padded head_dim <= "
                          f"{TILED_HEAD_DIMS[-1]}; got {backend.label} with head_dim {dim}")
+    if method == "mma" and "mma" not in available:
+        raise InputError(f"{name}: the mma backward (dq and dkv on MFMA) exists for AMD's gfx942 and gfx90a, "
+                         f"padded head_dim <= {MFMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {dim}")
     if method == "auto":
-        method = available[-1]
+        method = "tiled" if "tiled" in available else "rows"
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens, name)
     if backend.runs_reference:
@@ -816,8 +830,9 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     cache = KVCache.allocate(backend, tokens, hkv, dim, block_size=1, zero=False)
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the forward's float64 1/sqrt(D)
-    if method == "tiled":
-        _backward_tiled(backend, q, do, o, cu, cache, scale, dq, dk, dv, row_stats)
+    if method in ("tiled", "mma"):
+        mfma = "mma" in available and (method == "mma" or not backend.on_host)
+        _backward_tiled(backend, q, do, o, cu, cache, scale, dq, dk, dv, row_stats, mfma_arch(backend) if mfma else None)
         return dq, dk, dv
     rows = tokens * hq
     q_int, do_int = backend.empty((rows, dim), np.int32), backend.empty((rows, dim), np.int32)
@@ -838,9 +853,11 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     return dq, dk, dv
 
 
-def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, dq, dk, dv, row_stats=None) -> None:
+def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, dq, dk, dv, row_stats=None,
+                    mfma: str | None = None) -> None:
     """The tiled kernels' launches (method "tiled"), writing dq, dk, dv; row_stats: the forward's m and L
-    (the statistics step is then left out), else None."""
+    (the statistics step is then left out), else None; mfma: the AMD target whose MFMA dq and dkv run
+    (the portable statistics step stays), else None."""
     tokens, hq, dim = q.shape
     hkv, dp = cache.num_kv_heads, cache.head_dim_padded
     dpt = tiled_head_dim(dp)
@@ -862,6 +879,16 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, dq
                 cache.v_exponents, row_info, row_stats)
     vendor = backend.kernel_vendor
     steps = "attention_backward_mma" if vendor == "cuda" else "attention_backward_tiled"
+    if mfma is not None:
+        if "stats" in steps_run:
+            backend.launch("attention", f"{steps}_stats_d{dpt}", (plan.n_tiles, hq), (TILED_THREADS,),
+                           (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared["stats"])
+        plan = _device_plan(backend, cu, dpt, "mfma")
+        backend.launch("attention", f"attention_backward_mfma_dq_d{dpt}_{mfma}", (plan.n_tiles, hq), (TILED_THREADS,),
+                       (plan.q_tiles, plan.cu) + operands + (dq,))
+        backend.launch("attention", f"attention_backward_mfma_dkv_d{dpt}_{mfma}", (plan.n_key_tiles, hkv),
+                       (TILED_THREADS,), (plan.key_tiles, plan.cu) + operands + (dk, dv))
+        return
     for step in steps_run:
         backend.launch("attention", f"{steps}_{step}_d{dpt}", (plan.n_tiles, hq), (tiled_threads(dpt, step, vendor),),
                        (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared[step])

@@ -542,20 +542,6 @@ struct RlpAttdRows {
     unsigned long long sum[BQ];
 };
 
-
-__device__ __forceinline__ RlpAtttTile rlp_attd_query_tile_of(const int* __restrict__ q_tiles,
-                                                              const long long* __restrict__ cu_seqlens, int bq, int hq,
-                                                              int hkv) {
-    const int seq = q_tiles[2 * blockIdx.x];
-    RlpAtttTile tile;
-    tile.t0 = q_tiles[2 * blockIdx.x + 1];
-    tile.start = cu_seqlens[seq];
-    tile.rows = (int)min((long long)bq, cu_seqlens[seq + 1] - tile.t0);
-    tile.h = blockIdx.y;
-    tile.g = tile.h / (hq / hkv);
-    return tile;
-}
-
 // Loads a query tile's scalars: row r of the tile is token t0 + r (rows valid), head h.
 template <int DP>
 __device__ __forceinline__ void rlp_attd_row_scalars(RlpAttdRows<DP>& s, const int* __restrict__ row_info,
@@ -598,7 +584,7 @@ __device__ __forceinline__ void rlp_attd_stats(
     double* ks = qs + BQ * LD;
     RlpAttdRows<DP>& s = *reinterpret_cast<RlpAttdRows<DP>*>(ks + BK * LD);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const RlpAtttTile tile = rlp_attd_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
     const long long t0 = tile.t0, start = tile.start;
     const int rows = tile.rows, h = tile.h, g = tile.g;
     rlp_attd_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
@@ -870,7 +856,7 @@ __device__ __forceinline__ void rlp_attd_dq8(
     signed char* u8 = kt8 + 2 * BK * DP;
     RlpAtt8Rows<BQ, BK>& s = *reinterpret_cast<RlpAtt8Rows<BQ, BK>*>(u8 + 2 * BQ * BK);
     const int warp = threadIdx.x >> 5;
-    const RlpAtttTile tile = rlp_attd_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
+    const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
     const long long t0 = tile.t0, start = tile.start, t_end = tile.t0 + tile.rows;
     const int rows = tile.rows, h = tile.h, g = tile.g;
     rlp_attd_load_digits<DP, BQ, 3, NT>(q8, q_int, t0 * hq + h, hq, rows);

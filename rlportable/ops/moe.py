@@ -4,7 +4,8 @@ Contract: contracts/moe.toml; reference: rlportable/contract/moe.py. The family 
 (the contract's reference_only line says what is missing): every op runs the reference on a backend
 that runs references (cpu) and raises BackendUnavailable on any other, never falling back to the host.
 The experts' products are the gemm family's (weights encoded once, as the dense layers'), so the
-block's bits are the reference's moe_block.
+block's bits are the reference's moe_block. The backward (block_backward) is the reference's
+moe_block_backward on the float32 weights (the trainer's masters).
 """
 
 from __future__ import annotations
@@ -105,3 +106,19 @@ def block(backend, h, weight: MoeWeight, encoded=None):
         y = gemm.gemm(backend, activation.swiglu(backend, gate, up), weight.down[expert])
         outputs[rows, slots] = backend.to_numpy(y)
     return combine(backend, weights, outputs), experts, weights
+
+
+def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out):
+    """The sparse MLP's gradients for the upstream d_out [T, H] (contracts/moe.toml block_backward): a
+    contract.moe.BlockGradients (d_h, d_router, per expert d_gate, d_up, d_down) of float32 arrays.
+    router, gate, up, down: the float32 weights (router [E, H]; per expert [I, H], [I, H], [H, I])."""
+    require_reference(backend, "block_backward")
+    t, hidden = require_matrix("moe block_backward: h", h)
+    experts, router_hidden = require_matrix("moe block_backward: router", router)
+    if router_hidden != hidden or shape_of(d_out) != (t, hidden):
+        raise InputError(f"moe block_backward: h {shape_of(h)}, router {shape_of(router)} and d_out "
+                         f"{shape_of(d_out)} must be [T, H], [E, H] and [T, H]")
+    _check_top_k(experts, top_k)
+    host = backend.to_numpy
+    return reference.moe_block_backward(host(h), host(router), [host(w) for w in gate], [host(w) for w in up],
+                                        [host(w) for w in down], top_k, norm_topk_prob, host(d_out))

@@ -1037,5 +1037,42 @@ def bench_grpo(device, json_path, layers, steps, peer, prompt_len, completion_le
         sys.exit(1)
 
 
+@bench.command("learning")
+@DEVICE_OPTION
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Both sides' reward curves (PNG).")
+@click.option("--task", "task_specs", multiple=True,
+              help="A built-in task spec, repeatable (default: arithmetic:digits=1,ops=+ and "
+                   "countdown:count=2,max_number=3).")
+@click.option("--steps", default=50, show_default=True, type=int)
+@click.option("--seeds", default=3, show_default=True, type=int, help="Seeds per side (0, 1, ...).")
+@click.option("--window", default=20, show_default=True, type=int, help="Last steps the criterion averages.")
+@click.option("--prompts-per-step", default=32, show_default=True, type=int)
+def bench_learning(device, json_path, plot_path, task_specs, steps, seeds, window, prompts_per_step):
+    """GRPO from tiny-sft, ours against TRL's GRPOTrainer: reward curves over seeds, first step on the same completions."""
+    _check_json_path(json_path)
+    from rlportable.bench import learning as learning_bench
+
+    try:
+        settings = learning_bench.Settings(tasks=tuple(task_specs) or learning_bench.TASKS, steps=steps, seeds=seeds,
+                                           window=window, prompts_per_step=prompts_per_step)
+        learning_bench.check_plot_path(plot_path)
+    except RlpError as error:
+        _fail(error)
+    backend = _backend(device)
+    try:
+        result = learning_bench.run(backend, settings, progress=lambda text: click.echo(f"  {text}", err=True))
+        if plot_path:
+            learning_bench.plot(result, plot_path)
+            click.echo(f"wrote {plot_path}", err=True)
+    except RlpError as error:
+        _fail(error)
+    for line in learning_bench.summary_lines(result):
+        click.echo(line)
+    _write_json(json_path, result)
+    if not result["pass"]:
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

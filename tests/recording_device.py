@@ -24,6 +24,7 @@ class RecordingDevice:
     """A backend with device kernels whose launches are recorded, not run (NumPy arrays)."""
 
     label = "fake"
+    on_host = False  # as a GPU: the ops choose their kernels as on one
 
     def __init__(self, vendor: str | None = "cuda"):
         self.kernel_vendor = vendor

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlportable.build import amd_resources
-from test_kernel_sources import in_ci
+from conftest import in_ci
 
 TABLE = Path(__file__).resolve().parent.parent / "conformance" / "results" / "hip_resources_gfx942.md"
 TABLE_MARK = amd_resources.TABLE_MARK

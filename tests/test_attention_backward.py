@@ -472,6 +472,7 @@ class _RecordingDevice(CPU.__class__):
     """A cpu backend that claims to run CUDA (or HIP) sources and records launches instead of running them."""
 
     label = "fake-cuda"  # a plain attribute, shadowing the backend's property, so __init__ can set it
+    on_host = False  # as a GPU: the op's choices are a GPU's
 
     def __init__(self, vendor: str = "cuda"):
         self.kernel_vendor = vendor

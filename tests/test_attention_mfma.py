@@ -10,17 +10,13 @@ HIP-CPU skips those, except in CI.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
+from conftest import hip_cpu_backend
 from rlportable.contract import attention as reference
 from rlportable.errors import InputError
 from rlportable.ops import attention as attention_op
-from rlportable.runtime import hip_cpu
-
-AVAILABLE, REASON = hip_cpu.probe()
 
 
 class StandIn:
@@ -55,11 +51,7 @@ def test_other_backends_keep_their_forward():
 
 @pytest.fixture(scope="module")
 def backend():
-    if not AVAILABLE:
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"{REASON} (CI must run the HIP sources on HIP-CPU; see .ci/run)")
-        pytest.skip(REASON)
-    return hip_cpu.HipCpuBackend()
+    return hip_cpu_backend()
 
 
 # (sequence lengths, hq, hkv, head_dim): sequences that share 64-row tiles and cross them, a group of

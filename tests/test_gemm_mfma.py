@@ -10,11 +10,10 @@ checks them too, over the conform shapes. A machine without HIP-CPU skips those,
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
+from conftest import hip_cpu_backend
 from rlportable.conform.inputs import ROW_KINDS, random_rows
 from rlportable.contract import exact
 from rlportable.errors import InputError
@@ -23,12 +22,6 @@ from rlportable.ops.fixedpoint import encode_rows
 from rlportable.ops.gemm_mfma import MFMA_TILES, launch_mfma, mfma_tiles, pick_mfma_tile
 from rlportable.runtime import hip_cpu
 from rlportable.runtime.hip import HipBackend
-
-AVAILABLE, REASON = hip_cpu.probe()
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 class StandIn:
@@ -91,11 +84,7 @@ def test_other_backends_keep_their_methods():
 
 @pytest.fixture(scope="module")
 def backend():
-    if not AVAILABLE:
-        if in_ci():
-            pytest.fail(f"{REASON} (CI must run the HIP sources on HIP-CPU; see .ci/run)")
-        pytest.skip(REASON)
-    return hip_cpu.HipCpuBackend()
+    return hip_cpu_backend()
 
 
 # (M, K, N): a partial 64 x 64 tile, several tiles with ragged edges, K beyond one 64-byte chunk and

@@ -15,23 +15,14 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import hip_cpu_backend
 from rlportable.errors import BackendUnavailable, InputError
 from rlportable.runtime import hip_cpu
-
-AVAILABLE, REASON = hip_cpu.probe()
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @pytest.fixture(scope="module")
 def backend():
-    if not AVAILABLE:
-        if in_ci():
-            pytest.fail(f"{REASON} (CI must run the HIP sources on HIP-CPU; see .ci/run)")
-        pytest.skip(REASON)
-    return hip_cpu.HipCpuBackend()
+    return hip_cpu_backend()
 
 
 # Segment s of each block shuffles 2 (s + 1) times (a butterfly per round), so the segments part

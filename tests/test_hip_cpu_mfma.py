@@ -16,7 +16,6 @@ A machine without HIP-CPU (RLPORTABLE_HIP_CPU unset) skips these, except in CI.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,15 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlportable.runtime import hip_cpu
-
-AVAILABLE, REASON = hip_cpu.probe()
+from conftest import hip_cpu_backend, in_ci
 WAVE = 64
 FAMILY = "test_mfma"
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -155,11 +148,7 @@ def reference(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def backend():
-    if not AVAILABLE:
-        if in_ci():
-            pytest.fail(f"{REASON} (CI must run the HIP sources on HIP-CPU; see .ci/run)")
-        pytest.skip(REASON)
-    backend = hip_cpu.HipCpuBackend()
+    backend = hip_cpu_backend()
     backend.add_family(FAMILY, KERNELS)
     return backend
 

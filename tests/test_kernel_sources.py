@@ -17,6 +17,7 @@ import re
 
 import pytest
 
+from conftest import in_ci
 from recording_device import KERNEL_ENTRY
 
 from rlportable import resources
@@ -30,10 +31,6 @@ HIP_HEADER = "#ifndef RLP_HIP_ON_CUDA\n#include <hip/hip_runtime.h>\n#endif\n"
 # common.h's reductions over segments of 32 lanes (its one shuffle, SEGMENT_SHUFFLE below).
 _WARP_OR_VENDOR_SPECIFIC = ("__shfl", "__ballot", "__activemask", "__any_sync", "__all_sync", "warpSize",
                             "__builtin_amdgcn_", "asm(", "asm volatile")
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +95,8 @@ def test_vendor_files_add_fast_paths_to_a_portable_family(vendor, path):
 def test_vendor_folders_hold_preludes_and_fast_paths_only():
     backends = resource_dir("backends")
     assert sorted(p.name for p in (backends / "cuda").iterdir() if p.suffix != ".cu") == ["prelude.h"]
-    assert sorted(p.name for p in (backends / "hip").iterdir() if p.suffix != ".hip") == ["cpu_prelude.h"]
+    # hip: the HIP-CPU prelude, and the MFMA wrapper the AMD fast paths share
+    assert sorted(p.name for p in (backends / "hip").iterdir() if p.suffix != ".hip") == ["cpu_prelude.h", "mfma.h"]
 
 
 @pytest.mark.parametrize("family", offline_compile.families())

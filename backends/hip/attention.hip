@@ -28,31 +28,10 @@
 #define RLP_ATTF_THREADS 256
 #define RLP_ATTF_LDW (RLP_ATTF_KEYS + 16)  // LDS stride of a weight row and of a transposed V column
 
-typedef int rlp_attf_i32x4 __attribute__((vector_size(16)));
-
-template <int KL>
-struct RlpAttfMfma;
-#if defined(__gfx942__) || defined(RLP_HIP_CPU)
-template <>
-struct RlpAttfMfma<8> {
-    typedef long operand;
-    static __device__ __forceinline__ rlp_attf_i32x4 run(operand a, operand b, rlp_attf_i32x4 c) {
-        return __builtin_amdgcn_mfma_i32_16x16x32_i8(a, b, c, 0, 0, 0);
-    }
-};
-#endif
-#if defined(__gfx90a__) || defined(RLP_HIP_CPU)
-template <>
-struct RlpAttfMfma<4> {
-    typedef int operand;
-    static __device__ __forceinline__ rlp_attf_i32x4 run(operand a, operand b, rlp_attf_i32x4 c) {
-        return __builtin_amdgcn_mfma_i32_16x16x16i8(a, b, c, 0, 0, 0);
-    }
-};
-#endif
+#include "mfma.h"
 
 // S = sum_d 256^d G_d of register r of a 16 x 16 block's 4 shift groups, exact in int64.
-__device__ __forceinline__ long long rlp_attf_combine(const rlp_attf_i32x4 (&g)[4], int r) {
+__device__ __forceinline__ long long rlp_attf_combine(const rlp_mfma_i32x4 (&g)[4], int r) {
     return (((long long)g[3][r] * 256 + g[2][r]) * 256 + g[1][r]) * 256 + g[0][r];
 }
 
@@ -71,7 +50,7 @@ __device__ __forceinline__ void rlp_attention_mfma(
     int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
     const int* __restrict__ v_exponents, float* __restrict__ out, double* __restrict__ row_stats) {
-    typedef typename RlpAttfMfma<KL>::operand operand;
+    typedef typename RlpMfma<KL>::operand operand;
     constexpr int LDK = DP + 16;             // LDS stride of a K (and staged q) digit row
     constexpr int STEP = 4 * KL;             // reduction bytes of one MFMA
     constexpr int QSTEPS = DP / STEP, VSTEPS = RLP_ATTF_KEYS / STEP, NBLOCKS = DP / 16;
@@ -227,9 +206,9 @@ __device__ __forceinline__ void rlp_attention_mfma(
         auto scores = [&](float (&s)[4][4]) {
 #pragma unroll
             for (int nb = 0; nb < 4; ++nb) {
-                rlp_attf_i32x4 g[4];
+                rlp_mfma_i32x4 g[4];
 #pragma unroll
-                for (int x = 0; x < 4; ++x) g[x] = rlp_attf_i32x4{0, 0, 0, 0};
+                for (int x = 0; x < 4; ++x) g[x] = rlp_mfma_i32x4{0, 0, 0, 0};
 #pragma unroll
                 for (int st = 0; st < QSTEPS; ++st) {
                     operand kf[2];
@@ -239,7 +218,7 @@ __device__ __forceinline__ void rlp_attention_mfma(
 #pragma unroll
                     for (int i = 0; i < 3; ++i)
 #pragma unroll
-                        for (int j = 0; j < 2; ++j) g[i + j] = RlpAttfMfma<KL>::run(qf[i][st], kf[j], g[i + j]);
+                        for (int j = 0; j < 2; ++j) g[i + j] = RlpMfma<KL>::run(qf[i][st], kf[j], g[i + j]);
                 }
 #pragma unroll
                 for (int r = 0; r < 4; ++r) s[nb][r] = rlp_att_score(rlp_attf_combine(g, r), eqr[r], key_ek[16 * nb + frag], scale);
@@ -327,9 +306,9 @@ __device__ __forceinline__ void rlp_attention_mfma(
             if (!in) continue;
 #pragma unroll
             for (int nd = 0; nd < NBLOCKS; ++nd) {
-                rlp_attf_i32x4 g[4];
+                rlp_mfma_i32x4 g[4];
 #pragma unroll
-                for (int x = 0; x < 4; ++x) g[x] = rlp_attf_i32x4{0, 0, 0, 0};
+                for (int x = 0; x < 4; ++x) g[x] = rlp_mfma_i32x4{0, 0, 0, 0};
 #pragma unroll
                 for (int st = 0; st < VSTEPS; ++st) {
                     operand wf[3], vf[2];
@@ -342,7 +321,7 @@ __device__ __forceinline__ void rlp_attention_mfma(
 #pragma unroll
                     for (int i = 0; i < 3; ++i)
 #pragma unroll
-                        for (int j = 0; j < 2; ++j) g[i + j] = RlpAttfMfma<KL>::run(wf[i], vf[j], g[i + j]);
+                        for (int j = 0; j < 2; ++j) g[i + j] = RlpMfma<KL>::run(wf[i], vf[j], g[i + j]);
                 }
 #pragma unroll
                 for (int r = 0; r < 4; ++r) num[nd][r] += rlp_attf_combine(g, r);
@@ -397,7 +376,7 @@ __device__ __forceinline__ void rlp_attention_mfma(
 // An MFMA operand (KL int8, byte e = element e) from KL consecutive int32 of a row, one operand per
 // balanced digit, least significant first (|v| <= 2^22: 3 digits; 2^14: 2 digits); zeros when !in.
 template <int KL, int NDIG>
-__device__ __forceinline__ void rlp_attf_split(typename RlpAttfMfma<KL>::operand (&out)[NDIG],
+__device__ __forceinline__ void rlp_attf_split(typename RlpMfma<KL>::operand (&out)[NDIG],
                                                const int* __restrict__ src, bool in) {
     unsigned long long packed[NDIG];
 #pragma unroll
@@ -413,7 +392,7 @@ __device__ __forceinline__ void rlp_attf_split(typename RlpAttfMfma<KL>::operand
         }
     }
 #pragma unroll
-    for (int k = 0; k < NDIG; ++k) out[k] = (typename RlpAttfMfma<KL>::operand)packed[k];
+    for (int k = 0; k < NDIG; ++k) out[k] = (typename RlpMfma<KL>::operand)packed[k];
 }
 
 // 64 rows (block positions c, row r at src + (first + c step) DP) transposed into NDIG digit planes
@@ -446,11 +425,11 @@ __device__ __forceinline__ void rlp_attf_store_u(signed char* u, int rows, int r
 template <int DP, int KL, int NB>
 __device__ __forceinline__ void rlp_attf_partial(long long (&x)[4], const signed char* a, int a_rows, int a0,
                                                  const signed char* b, int b0) {
-    typedef typename RlpAttfMfma<KL>::operand operand;
+    typedef typename RlpMfma<KL>::operand operand;
     const int lane = threadIdx.x % 64, frag = lane % 16, frag_k = KL * (lane / 16);
-    rlp_attf_i32x4 g[NB + 1];
+    rlp_mfma_i32x4 g[NB + 1];
 #pragma unroll
-    for (int k = 0; k <= NB; ++k) g[k] = rlp_attf_i32x4{0, 0, 0, 0};
+    for (int k = 0; k <= NB; ++k) g[k] = rlp_mfma_i32x4{0, 0, 0, 0};
 #pragma unroll
     for (int st = 0; st < RLP_ATTF_BLOCK / (4 * KL); ++st) {
         operand fa[2], fb[NB];
@@ -463,7 +442,7 @@ __device__ __forceinline__ void rlp_attf_partial(long long (&x)[4], const signed
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int j = 0; j < NB; ++j) g[i + j] = RlpAttfMfma<KL>::run(fa[i], fb[j], g[i + j]);
+            for (int j = 0; j < NB; ++j) g[i + j] = RlpMfma<KL>::run(fa[i], fb[j], g[i + j]);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -506,7 +485,7 @@ __device__ __forceinline__ void rlp_attf_dq(const int* __restrict__ q_tiles, con
                                             const int* __restrict__ v_int, const int* __restrict__ k_exponents,
                                             const int* __restrict__ v_exponents, const int* __restrict__ row_info,
                                             const double* __restrict__ row_stats, float* __restrict__ dq) {
-    typedef typename RlpAttfMfma<KL>::operand operand;
+    typedef typename RlpMfma<KL>::operand operand;
     constexpr int STEP = 4 * KL, QSTEPS = DP / STEP, NBLOCKS = DP / 16, BQ = RLP_ATTF_ROWS, BK = RLP_ATTF_BLOCK;
     __shared__ int4 lds4[(2 * DP * BK + 2 * BQ * BK) / 16];
     __shared__ RlpAttfRows s;
@@ -551,9 +530,9 @@ __device__ __forceinline__ void rlp_attf_dq(const int* __restrict__ q_tiles, con
         for (int nb = 0; nb < 4; ++nb) {
             const int c = 16 * nb + frag;  // the key of this lane's B fragments and D column
             const long long key = (j0 + c) * hkv + g;
-            rlp_attf_i32x4 gs[4], gp[4];
+            rlp_mfma_i32x4 gs[4], gp[4];
 #pragma unroll
-            for (int x = 0; x < 4; ++x) { gs[x] = rlp_attf_i32x4{0, 0, 0, 0}; gp[x] = rlp_attf_i32x4{0, 0, 0, 0}; }
+            for (int x = 0; x < 4; ++x) { gs[x] = rlp_mfma_i32x4{0, 0, 0, 0}; gp[x] = rlp_mfma_i32x4{0, 0, 0, 0}; }
 #pragma unroll
             for (int st = 0; st < QSTEPS; ++st) {
                 operand kf[2], vf[2];
@@ -563,8 +542,8 @@ __device__ __forceinline__ void rlp_attf_dq(const int* __restrict__ q_tiles, con
                 for (int i = 0; i < 3; ++i)
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
-                        gs[i + j] = RlpAttfMfma<KL>::run(qf[st][i], kf[j], gs[i + j]);
-                        gp[i + j] = RlpAttfMfma<KL>::run(df[st][i], vf[j], gp[i + j]);
+                        gs[i + j] = RlpMfma<KL>::run(qf[st][i], kf[j], gs[i + j]);
+                        gp[i + j] = RlpMfma<KL>::run(df[st][i], vf[j], gp[i + j]);
                     }
             }
 #pragma unroll
@@ -628,7 +607,7 @@ __device__ __forceinline__ void rlp_attf_dkv(const int* __restrict__ key_tiles, 
                                              const int* __restrict__ v_exponents, const int* __restrict__ row_info,
                                              const double* __restrict__ row_stats, float* __restrict__ dk,
                                              float* __restrict__ dv) {
-    typedef typename RlpAttfMfma<KL>::operand operand;
+    typedef typename RlpMfma<KL>::operand operand;
     constexpr int STEP = 4 * KL, QSTEPS = DP / STEP, BKV = RLP_ATTF_DKV_KEYS, BQ = RLP_ATTF_BLOCK;
     constexpr int HALF_BLOCKS = DP / 32;  // 16-column output blocks of a wavefront's half of DP
     __shared__ int4 lds4[(6 * DP * BQ + 4 * BKV * BQ) / 16];
@@ -683,9 +662,9 @@ __device__ __forceinline__ void rlp_attf_dkv(const int* __restrict__ key_tiles, 
             for (int nb = 0; nb < 2; ++nb) {
                 const int rq = 32 * half + 16 * nb + frag;  // the query of this lane's B fragments and D column
                 const long long item = (t0 + rq) * hq + h;
-                rlp_attf_i32x4 gs[4], gp[4];
+                rlp_mfma_i32x4 gs[4], gp[4];
 #pragma unroll
-                for (int x = 0; x < 4; ++x) { gs[x] = rlp_attf_i32x4{0, 0, 0, 0}; gp[x] = rlp_attf_i32x4{0, 0, 0, 0}; }
+                for (int x = 0; x < 4; ++x) { gs[x] = rlp_mfma_i32x4{0, 0, 0, 0}; gp[x] = rlp_mfma_i32x4{0, 0, 0, 0}; }
 #pragma unroll
                 for (int st = 0; st < QSTEPS; ++st) {
                     operand qf[3], df[3];
@@ -695,8 +674,8 @@ __device__ __forceinline__ void rlp_attf_dkv(const int* __restrict__ key_tiles, 
                     for (int i = 0; i < 2; ++i)
 #pragma unroll
                         for (int j = 0; j < 3; ++j) {
-                            gs[i + j] = RlpAttfMfma<KL>::run(kf[st][i], qf[j], gs[i + j]);
-                            gp[i + j] = RlpAttfMfma<KL>::run(vf[st][i], df[j], gp[i + j]);
+                            gs[i + j] = RlpMfma<KL>::run(kf[st][i], qf[j], gs[i + j]);
+                            gp[i + j] = RlpMfma<KL>::run(vf[st][i], df[j], gp[i + j]);
                         }
                 }
 #pragma unroll

@@ -30,29 +30,7 @@
 #define RLP_MFMA_LD (RLP_MFMA_KC + 16)       // LDS row stride
 #define RLP_MFMA_PLANES 5                    // 3 activation digit planes, then 2 weight digit planes
 
-typedef int rlp_mfma_i32x4 __attribute__((vector_size(16)));
-
-// One 16 x 16 integer MFMA, its A and B operands KL int8 a lane.
-template <int KL>
-struct RlpMfma;
-#if defined(__gfx942__) || defined(RLP_HIP_CPU)
-template <>
-struct RlpMfma<8> {
-    typedef long operand;
-    static __device__ __forceinline__ rlp_mfma_i32x4 run(operand a, operand b, rlp_mfma_i32x4 c) {
-        return __builtin_amdgcn_mfma_i32_16x16x32_i8(a, b, c, 0, 0, 0);
-    }
-};
-#endif
-#if defined(__gfx90a__) || defined(RLP_HIP_CPU)
-template <>
-struct RlpMfma<4> {
-    typedef int operand;
-    static __device__ __forceinline__ rlp_mfma_i32x4 run(operand a, operand b, rlp_mfma_i32x4 c) {
-        return __builtin_amdgcn_mfma_i32_16x16x16i8(a, b, c, 0, 0, 0);
-    }
-};
-#endif
+#include "mfma.h"
 
 template <int KL>
 __device__ __forceinline__ void rlp_gemm_mfma(const signed char* __restrict__ a_digits,

@@ -1,5 +1,6 @@
 """Qwen3-MoE as a model: config fields, Hugging Face weight names, the forward on the cpu reference against
-transformers, bitwise invariances, the engine's log-probs, and the one-line refusals of what is not built."""
+transformers, bitwise invariances, the engine's log-probs and expert choices, the backward against
+transformers' autograd, and the one-line refusals of what is not built."""
 
 import json
 
@@ -181,6 +182,34 @@ def test_the_engine_records_the_forwards_log_probs(tiny_moe):
             assert np.array_equal(bits(lp[-len(sample.token_ids):]), bits(np.array(sample.logprobs, np.float32)))
 
 
+@pytest.mark.parametrize("settings", [dict(max_num_seqs=1), dict(max_num_seqs=3, cuda_graphs=True),
+                                      dict(max_num_seqs=64, max_num_batched_tokens=5, enable_prefix_caching=True)])
+def test_the_engine_records_the_trainers_expert_choices(tiny_moe, settings):
+    """Each sampled token's recorded expert choices (those of the row that gave its log-prob) equal the
+    trainer's forward's at that row, at max batch 1, 3 (padded decode steps) and 64 with chunked prefill
+    and prefix caching: no routing replay is needed."""
+    from rlportable.engine.llm import LLM
+    from rlportable.engine.sequence import SamplingParams
+    from rlportable.model import backward
+
+    folder, (config, weights, tokenizer) = tiny_moe
+    model = Model(CPU, config, weights, trainable=True)
+    llm = LLM(str(folder), device="cpu", loaded=(model, tokenizer), block_size=4, **settings)
+    prompts = ["w1 w2 w3", "w1 w2 w3 w8", "w4 w5 w6 w9 w10"]
+    outputs = llm.generate(prompts, SamplingParams(n=2, max_tokens=5, temperature=1.0, ignore_eos=True), seed=4)
+    sparse = sum(config.sparse_layer(i) for i in range(config.num_hidden_layers))
+    for output in outputs:
+        for sample in output.outputs:
+            ids = np.array(output.prompt_token_ids + list(sample.token_ids), dtype=np.int32)
+            rows = np.arange(len(output.prompt_token_ids) - 1, ids.size - 1)
+            fwd = backward.forward(model, ids, np.array([0, ids.size]), rows=rows)
+            trainer = np.stack([layer[rows] for layer in fwd.routing], axis=1)  # [tokens, layers, k]
+            recorded = np.stack(sample.routing)
+            assert recorded.shape == (len(sample.token_ids), sparse, config.num_experts_per_tok)
+            assert np.array_equal(recorded, trainer)
+            assert np.array_equal(bits(fwd.logp), bits(np.array(sample.logprobs, np.float32)))
+
+
 def test_save_and_load_round_trip_the_moe_checkpoint(tiny_moe, tmp_path):
     folder, (config, weights, tokenizer) = tiny_moe
     save_model(tmp_path, config, weights, tokenizer, dtype="fp32")
@@ -201,9 +230,68 @@ def test_what_is_not_built_is_refused_in_one_line(tiny_moe):
 
     with pytest.raises(ModelError, match="^Qwen3-MoE runs on the cpu backend only: the cuda backend has no MoE"):
         Model(Device(), config, weights)
-    with pytest.raises(ModelError, match="^Qwen3-MoE cannot be trained yet: the MoE backward"):
-        Model(CPU, config, weights, trainable=True)
+    with pytest.raises(ModelError, match="^Qwen3-MoE runs on the cpu backend only: .* train it with --device cpu$"):
+        Model(Device(), config, weights, trainable=True)
+    assert Model(CPU, config, weights, trainable=True).params.layers[0].router is not None  # trains on cpu
     from rlportable.runtime.collectives import ThreadGroup
 
     with pytest.raises(ModelError, match="^Qwen3-MoE cannot be cut over tensor-parallel ranks"):
         Model(CPU, config, weights, False, ThreadGroup.create(CPU, 2)[0])
+
+
+# ---- training: the backward through the model against transformers' autograd
+# As tests/test_model_backward.py: each weight's relative L2 error against float64 autograd below
+# GRAD_TOLERANCE, and the worst at most 1/10 of bf16 autograd's worst.
+
+
+def _hf_names(grads: dict, config) -> dict:
+    """transformers 5's fused expert tensors (gate_up_proj [E, 2I, H], gate first; down_proj [E, H, I])
+    under the checkpoint's per-expert names, which ours use."""
+    out = {}
+    inner = config.moe_intermediate_size
+    for name, value in grads.items():
+        prefix, _, last = name.rpartition(".experts.")
+        if last == "gate_up_proj":
+            for e in range(value.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = value[e, :inner]
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = value[e, inner:]
+        elif last == "down_proj":
+            for e in range(value.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = value[e]
+        else:
+            out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("overrides", [{}, {"norm_topk_prob": False, "decoder_sparse_step": 2}])
+def test_gradients_match_transformers_autograd(overrides, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from rlportable.model import backward
+    from test_model_backward import GRAD_TOLERANCE, _rel_error, _torch_grads
+
+    hf = _hf_moe(tmp_path, **overrides)
+    config, weights, _ = load_model(str(tmp_path))
+    model = Model(CPU, config, weights, trainable=True)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, config.vocab_size, 40).astype(np.int32)
+    cu = np.array([0, 17, 40])
+    rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])
+    g = rng.normal(size=rows.size).astype(np.float32)
+    fwd = backward.forward(model, tokens, cu, rows=rows)
+    grads = backward.backward(model, fwd, g).named_tensors(config)
+    reference = _hf_names(_torch_grads(hf, tokens, cu, rows, g, torch.float64), config)
+    bf16 = _hf_names(_torch_grads(hf, tokens, cu, rows, g, torch.bfloat16), config)
+    assert set(grads) == set(reference), set(grads) ^ set(reference)
+    worst = worst_bf16 = 0.0
+    for name, ref in reference.items():
+        error = _rel_error(grads[name], ref)
+        assert error < GRAD_TOLERANCE, (name, error, _rel_error(bf16[name], ref))
+        worst, worst_bf16 = max(worst, error), max(worst_bf16, _rel_error(bf16[name], ref))
+    dense = [name for name in reference if ".experts." not in name]  # bf16 may route some tokens elsewhere
+    print(f"worst relative error {worst:.2e}, bf16 autograd {worst_bf16:.2e}; outside the experts "
+          f"{max(_rel_error(grads[n], reference[n]) for n in dense):.2e} against "
+          f"{max(_rel_error(bf16[n], reference[n]) for n in dense):.2e}; routers "
+          f"{max(_rel_error(grads[n], reference[n]) for n in dense if n.endswith('mlp.gate.weight')):.2e} against "
+          f"{max(_rel_error(bf16[n], reference[n]) for n in dense if n.endswith('mlp.gate.weight')):.2e}")
+    assert worst * ERROR_RATIO_TO_BF16 <= worst_bf16, (worst, worst_bf16)

@@ -107,3 +107,95 @@ def test_masked_samples_leave_the_loss_as_trl_masks_them(loss_type):
     every = objectives.grpo_token_loss(logp, old, adv, settings, mini_batch=(3, 10))
     assert np.array_equal(every.grad, objectives.grpo_token_loss(logp, old, adv, settings, mini_batch=(3, 10),
                                                                  active=np.ones(3, bool)).grad)
+
+
+# ---- GSPO: TRL's GRPOTrainer._compute_loss with importance_sampling_level="sequence", re-implemented in
+# torch on padded [samples, longest] tensors with a completion mask (TRL's layout), against ours.
+
+
+def _trl_loss(logp, old, ref, adv, settings, level, num_items_in_batch):
+    """(loss, d loss / d per-token log-prob as our flat list) by TRL's formulas and torch autograd."""
+    import torch
+
+    lengths = [x.size for x in logp]
+    longest = max(lengths)
+
+    def padded(arrays):
+        out = torch.zeros(len(arrays), longest, dtype=torch.float64)
+        for i, a in enumerate(arrays):
+            out[i, :a.size] = torch.tensor(a)
+        return out
+
+    per_token_logps = padded(logp).requires_grad_(True)
+    old_per_token_logps, ref_per_token_logps = padded(old), padded(ref)
+    completion_mask = padded([np.ones(n) for n in lengths])
+    advantages = torch.tensor(adv, dtype=torch.float64)
+    log_ratio = per_token_logps - old_per_token_logps
+    if level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = (log_ratio * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    coef_2 = torch.clamp(coef_1, 1 - settings.epsilon, 1 + settings.high)
+    per_token_loss1 = coef_1 * advantages.unsqueeze(1)
+    per_token_loss2 = coef_2 * advantages.unsqueeze(1)
+    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    if settings.beta != 0.0:
+        per_token_kl = (torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps)
+                        - 1)
+        per_token_loss = per_token_loss + settings.beta * per_token_kl
+    if settings.loss_type == "grpo":
+        loss = ((per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)).mean()
+    elif settings.loss_type == "bnpo":
+        loss = (per_token_loss * completion_mask).sum() / completion_mask.sum().clamp(min=1.0)
+    elif settings.loss_type == "dr_grpo":
+        loss = (per_token_loss * completion_mask).sum() / (per_token_loss.size(0) * settings.max_completion_length)
+    else:  # dapo
+        loss = (per_token_loss * completion_mask).sum() / num_items_in_batch
+    loss.backward()
+    grad = per_token_logps.grad.numpy()
+    return float(loss.detach()), np.concatenate([grad[i, :n] for i, n in enumerate(lengths)])
+
+
+@pytest.mark.parametrize("loss_type", objectives.LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_gspo_and_grpo_follow_trls_compute_loss(loss_type, beta, level):
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    lengths = [3, 5, 1, 4, 6, 2]
+    logp, old, ref = _samples(rng, lengths)
+    old = [x + rng.normal(0, 0.4, x.size) for x in old]  # sequence ratios on both sides of the clip range
+    adv = rng.normal(size=len(lengths))
+    settings = objectives.GRPOSettings(epsilon=0.2, epsilon_high=0.28, beta=beta, loss_type=loss_type,
+                                       max_completion_length=6, importance_sampling_level=level)
+    ours = objectives.grpo_token_loss(logp, old, adv, settings, ref if beta else None)
+    want_loss, want_grad = _trl_loss(logp, old, ref, adv, settings, level, sum(lengths))
+    assert ours.loss == pytest.approx(want_loss, rel=1e-12, abs=1e-14)
+    # the gradient is handed to the backward as float32: one rounding of the float64 value
+    assert np.allclose(ours.grad, want_grad, rtol=2.0**-23, atol=1e-12), (ours.grad, want_grad)
+    if level == "sequence":  # one ratio per sample, the same for all of its tokens
+        ratios = np.exp([np.mean(a - b) for a, b in zip(logp, old)])
+        assert ours.metrics["ratio_min"] == pytest.approx(ratios.min(), rel=1e-14)
+        clipped = (ratios < 0.8) | (ratios > 1.28)
+        assert clipped.any() and not clipped.all()
+
+
+def test_gspo_gradient_matches_finite_differences():
+    rng = np.random.default_rng(1)
+    lengths = [4, 2, 5]
+    logp, old, ref = _samples(rng, lengths)
+    adv = rng.normal(size=3)
+    settings = objectives.GRPOSettings(beta=0.04, loss_type="grpo", importance_sampling_level="sequence")
+    result = objectives.grpo_token_loss(logp, old, adv, settings, ref)
+    flat, splits, h = np.concatenate(logp), np.cumsum(lengths)[:-1], 1e-6
+    for t in range(flat.size):
+        up, down = flat.copy(), flat.copy()
+        up[t] += h
+        down[t] -= h
+        slope = (objectives.grpo_token_loss(np.split(up, splits), old, adv, settings, ref).loss
+                 - objectives.grpo_token_loss(np.split(down, splits), old, adv, settings, ref).loss) / (2 * h)
+        assert abs(slope - result.grad[t]) < 1e-6 * max(1.0, abs(result.grad[t])), t
+    with pytest.raises(InputError, match="importance_sampling_level"):
+        objectives.GRPOSettings(importance_sampling_level="sample")

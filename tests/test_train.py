@@ -304,3 +304,19 @@ def test_mask_truncated_completions_takes_cut_completions_out_of_the_loss(tmp_pa
     unmasked = launch.run_grpo(CPU, _options(tmp_path, "plain", model="tiny-sft"),
                                _grpo_config(steps=1, max_completion_length=1), [], lambda r: None)
     assert unmasked[0]["grad_norm"] > 0.0
+
+
+def test_gspo_trains_with_the_sequence_level_ratio(tmp_path):
+    """importance_sampling_level="sequence" (GSPO): 0 log-prob mismatches, and another run than the
+    token-level one once the weights move (a reward with spread inside every group)."""
+    (tmp_path / "reward.py").write_text("def varied(completion_ids, **columns):\n"
+                                        "    return [float(sum(t % 2 == 0 for t in ids)) for ids in completion_ids]\n")
+    rewards = [(f"{tmp_path / 'reward.py'}:varied", 1.0)]
+    config = _grpo_config(steps=3, importance_sampling_level="sequence", num_iterations=2)
+    records = launch.run_grpo(CPU, _options(tmp_path, "gspo"), config, rewards, lambda r: None)
+    assert all(r["logp_mismatches"] == 0 for r in records) and records[0]["grad_norm"] > 0.0
+    launch.run_grpo(CPU, _options(tmp_path, "grpo"), _grpo_config(steps=3, num_iterations=2), rewards, lambda r: None)
+    gspo, grpo = _final_weights(tmp_path / "gspo"), _final_weights(tmp_path / "grpo")
+    assert any(not np.array_equal(gspo[name], grpo[name]) for name in gspo)
+    with pytest.raises(InputError, match="importance_sampling_level"):
+        _grpo_config(importance_sampling_level="sample")

@@ -37,6 +37,9 @@ class CompletionOutput:
     logprobs: list[float]
     finish_reason: str | None
     top_logprobs: list | None = None
+    # Qwen3-MoE: per token, the expert choices (int32 [sparse layers, k]) of the row that gave its log-prob
+    # (the previous token's); the trainer recomputes them. None for a dense model.
+    routing: list | None = None
 
 
 @dataclass
@@ -203,7 +206,7 @@ class LLM:
         while scheduler.has_unfinished():
             out = self._schedule(scheduler)
             tokens, logprobs, top = self.runner.execute(out)
-            scheduler.postprocess(out, tokens, logprobs, top)
+            scheduler.postprocess(out, tokens, logprobs, top, self.runner.last_routing)
             steps += 1
             done += len(tokens)  # every sample of the step got one token (kept through preemption)
             progress(done)
@@ -229,7 +232,7 @@ class LLM:
                 tokens, logprobs, top = runner.wait(step)
                 in_flight.pop(0)
                 dropped = scheduler.num_discarded
-                scheduler.postprocess(out, tokens, logprobs, top)
+                scheduler.postprocess(out, tokens, logprobs, top, step.routing)
                 steps += 1
                 done += len(tokens) - (scheduler.num_discarded - dropped)
                 progress(done)
@@ -257,8 +260,9 @@ class LLM:
             if stop in text:
                 text = text[: text.index(stop)]
         top = seq.output_top_logprobs if seq.params.logprobs else None
+        routing = list(seq.output_routing) if self.model.config.is_moe else None
         return CompletionOutput(seq.sample_index, list(seq.output_token_ids), text, list(seq.output_logprobs),
-                                seq.finish_reason, top)
+                                seq.finish_reason, top, routing)
 
     def _record(self, groups, steps: int, scheduler: Scheduler, seconds: float) -> None:
         self.stats = GenerationStats(

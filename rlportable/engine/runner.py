@@ -100,6 +100,8 @@ class ModelRunner:
         # steps in flight could wait for them)
         self._token_ids = sampling_op.token_id_table(self.backend, model.config.vocab_size) if self.cuda_graphs \
             else None
+        #: the last waited-for step's expert choices per sample (Qwen3-MoE; LaunchedStep.routing), or None
+        self.last_routing: list | None = None
         #: where the last step's time went: bucket, graph (replayed one), host_s (planning, the
         #: upload and every launch), wait_s (the download: the device finishing the step), finish_s
         #: (with host_sampler_s: the host sampler's share of it)
@@ -197,27 +199,35 @@ class ModelRunner:
             self._apply_copies(views)
             if follows is not None:
                 self._feed_tokens(plan, views, after.drawn, follows)
+            # Qwen3-MoE: each sparse layer's expert choices, recorded beside the sampled tokens (its
+            # model runs eagerly on the cpu reference: no graph, the choices are host arrays)
+            routing = [] if self.model.config.is_moe else None
             if graph:
                 replay[0].replay()
                 logits = replay[1][: len(entries)]
             elif bucket is not None:
-                logits = self._decode_logits(plan, views)[: len(entries)]
+                logits = self._decode_logits(plan, views, routing)[: len(entries)]
             else:
-                logits = self._step_logits(plan, views)
+                logits = self._step_logits(plan, views, routing)
             timing = {"bucket": bucket, "graph": graph, "fed": follows is not None}
             if sampler is None:
                 return LaunchedStep(out, None, None, None, {**timing, "host_s": time.perf_counter() - start})
+            if routing is not None:
+                rows = plan.sample_rows if bucket is None else np.arange(len(entries))
+                routing = list(np.stack([np.asarray(layer)[rows] for layer in routing], axis=1))
             pending = sampler.launch(self.backend, logits, views)
             download = self.backend.start_download(pending)  # the step's results, behind its work
         if after is not None:
             after.followed = True
         drawn = pending[0] if bucket is not None and sampler.draws_all_on_device else None
-        return LaunchedStep(out, sampler, download, drawn, {**timing, "host_s": time.perf_counter() - start})
+        return LaunchedStep(out, sampler, download, drawn, {**timing, "host_s": time.perf_counter() - start},
+                            routing=routing)
 
     def wait(self, step: "LaunchedStep") -> tuple[list[int], list[float], list | None]:
         """A launched step's results, once the device has made them: (token, log-prob, top alternatives
         or None) per out.samples. The step's one wait for the device (not for steps launched after it)."""
         start = time.perf_counter()
+        self.last_routing = step.routing
         if step.sampler is None:
             self.last_step = {**step.timing, "wait_s": 0.0, "finish_s": 0.0}
             result = [], [], None
@@ -284,21 +294,21 @@ class ModelRunner:
             self._device_sampling = DeviceSampling(samples, self.model.config.vocab_size)
         return self._device_sampling.for_step(samples, positions)
 
-    def _step_logits(self, plan: StepPlan, views: dict):
-        """An exact-size step: the forward, then the LM head on each sample's row."""
+    def _step_logits(self, plan: StepPlan, views: dict, routing: list | None = None):
+        """An exact-size step: the forward, then the LM head on each sample's row (routing: Model.step's)."""
         device = StepInputs(*(views[f"step.{name}"] for name in StepInputs._fields))
         hidden = self.model.step(plan.tokens, plan.positions, plan.q_seq, plan.block_tables, plan.slots, self.caches,
-                                 device=device)
+                                 device=device, routing=routing)
         if not plan.sample_rows.size:
             return None
         picked = embedding.gather(self.backend, hidden, views["step.sample_rows"], host_ids=plan.sample_rows)
         return self.model.logits(picked)
 
-    def _decode_logits(self, plan: StepPlan, views: dict):
+    def _decode_logits(self, plan: StepPlan, views: dict, routing: list | None = None):
         """A padded decode step: the forward and the LM head on every row [bucket, V] (a graph's body)."""
         device = StepInputs(*(views[name] for name in StepInputs._fields))
         hidden = self.model.step(plan.tokens, plan.positions, plan.q_seq, plan.block_tables, plan.slots, self.caches,
-                                 device=device)
+                                 device=device, routing=routing)
         return self.model.logits(hidden)
 
     # ---- graphs
@@ -401,6 +411,9 @@ class LaunchedStep:
     timing: dict  # bucket, graph, fed (its tokens came from the step before), host_s (planning, upload, launches)
     followed: bool = False  # another step was launched before this one's results were read
     record: dict | None = None  # its entry of ModelRunner.step_records, where those are kept
+    # Qwen3-MoE: per sample, the expert choices (int32 [sparse layers, k]) of the row whose hidden state
+    # gave its token's log-prob; None for a dense model
+    routing: list | None = None
 
     @property
     def feeds_next(self) -> bool:

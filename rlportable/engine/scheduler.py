@@ -346,14 +346,15 @@ class Scheduler:
     # ---- results
 
     def postprocess(self, output: SchedulerOutput, token_ids: Seq[int], logprobs: Seq[float] | None = None,
-                    top_logprobs: Seq | None = None) -> list[Sequence]:
+                    top_logprobs: Seq | None = None, routing: Seq | None = None) -> list[Sequence]:
         """Record a step: its computed tokens, forks, and one sampled token per sequence of
-        output.samples (token_ids, and optional logprobs / top_logprobs, in that order).
+        output.samples (token_ids, and optional logprobs / top_logprobs / routing, in that order).
         Finishes sequences that hit a stop condition and frees their blocks; returns them.
         In a step planned ahead (output.follows), the rows of sequences that finished after it was
         planned (at the previous postprocess) are dropped: their tokens come after the end."""
         samples = output.samples
-        for name, values in (("token_ids", token_ids), ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
+        for name, values in (("token_ids", token_ids), ("logprobs", logprobs), ("top_logprobs", top_logprobs),
+                             ("routing", routing)):
             if values is not None and len(values) != len(samples):
                 raise InputError(f"Scheduler.postprocess: {name} has {len(values)} entries for {len(samples)} samples")
         mark_computed = self.block_manager.mark_computed
@@ -378,7 +379,8 @@ class Scheduler:
             for s in entry.sample_seqs:
                 token = int(token_ids[k])
                 s.append_token(token, None if logprobs is None else float(logprobs[k]),
-                               None if top_logprobs is None else top_logprobs[k])
+                               None if top_logprobs is None else top_logprobs[k],
+                               None if routing is None else routing[k])
                 k += 1
                 reason = self._stop_reason(s, token)
                 if reason is not None:

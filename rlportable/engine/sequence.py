@@ -168,6 +168,8 @@ class Sequence:
       output_token_ids     list[int], the sampled tokens (a stop token is kept)
       output_logprobs      list[float], the log-prob of each sampled token (as the runner gave it)
       output_top_logprobs  list, the runner's top-`params.logprobs` alternatives per token (or None)
+      output_routing       list, per token the expert choices (Qwen3-MoE) of the row that gave its log-prob
+                           (int32 [sparse layers, k]), or None
       status               SequenceStatus
       finish_reason        None, "stop" (eos, stop token or stop string) or "length" (max_tokens)
       block_table          list[int], the KV blocks of positions 0, block_size, 2 block_size, ...
@@ -179,8 +181,8 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "request_id", "sample_index", "params", "prompt_token_ids", "output_token_ids",
-                 "output_logprobs", "output_top_logprobs", "status", "finish_reason", "block_table",
-                 "num_computed_tokens", "num_cached_tokens", "num_preemptions", "arrival", "block_hashes",
+                 "output_logprobs", "output_top_logprobs", "output_routing", "status", "finish_reason",
+                 "block_table", "num_computed_tokens", "num_cached_tokens", "num_preemptions", "arrival", "block_hashes",
                  "sampler_key", "_tokens")
 
     def __init__(self, request_id: int, prompt_token_ids, params: SamplingParams | None = None,
@@ -211,6 +213,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[Any] = []
+        self.output_routing: list[Any] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
@@ -261,10 +264,12 @@ class Sequence:
         """Sort key: older requests first, then sample index (preemption takes the largest)."""
         return (self.arrival if self.arrival is not None else 1 << 62, self.sample_index, self.seq_id)
 
-    def append_token(self, token_id: int, logprob: float | None = None, top_logprobs: Any = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None, top_logprobs: Any = None,
+                     routing: Any = None) -> None:
         self.output_token_ids.append(int(token_id))
         self.output_logprobs.append(logprob)
         self.output_top_logprobs.append(top_logprobs)
+        self.output_routing.append(routing)
         self._tokens.append(int(token_id))
 
     # ---- KV slots

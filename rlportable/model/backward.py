@@ -11,7 +11,8 @@ How gradients are computed (docs/training.md, "Gradients under the contracts"):
     23 bits and X^T rows at 15 bits; K is cut into fixed chunks of GEMM_K_CHUNK
     whose float32 partial results are added in chunk order (ops.residual.add);
   * each op's backward is its family's backward kernel (norm, rope, attention,
-    activation, logprob, embedding), exact sums inside, under its contract;
+    activation, logprob, embedding; a Qwen3-MoE sparse layer's MLP the moe
+    family's block_backward), exact sums inside, under its contract;
   * several contributions to one gradient are added in a fixed order.
 So the same batch gives the same gradient bits on every backend and vendor,
 and the same run twice gives the same weights.
@@ -35,7 +36,7 @@ from rlportable.errors import InputError
 from rlportable.model import parallel
 from rlportable.model.forward import Model, check_packing, next_token_rows, packed_positions
 from rlportable.model.weights import LayerWeights, ModelWeights
-from rlportable.ops import activation, attention, embedding, gemm, logprob, norm, residual, rope, rowsum
+from rlportable.ops import activation, attention, embedding, gemm, logprob, moe, norm, residual, rope, rowsum
 from rlportable.ops.checks import shape_of
 
 LM_HEAD_ROW_CHUNK = 1024  # next-token rows per LM-head backward pass: the [rows, V] gradient never exists whole
@@ -56,6 +57,7 @@ class TrainingForward:
     picked: object             # device [R, H]: final-norm hidden states of `rows`
     logp: object               # device float32 [R]
     temperature: float
+    routing: list | None = None  # Qwen3-MoE: each sparse layer's expert choices, int32 [T, k] (host)
 
 
 def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=None,
@@ -78,7 +80,8 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
         def attend(q, k, v, index, packed=model.packed_attention(cu_seqlens, keep_stats=True)):
             kept.append(packed(q, k, v, index))  # (o, row_stats): the backward skips its statistics pass
             return kept[-1][0]
-    hidden = model._forward(tokens, positions, attend, saved=checkpoints)
+    routing: list | None = [] if model.config.is_moe else None
+    hidden = model._forward(tokens, positions, attend, saved=checkpoints, routing=routing)
     rows, targets = next_token_rows(tokens, cu_seqlens) if rows is None else _check_rows(rows, cu_seqlens, tokens)
     rows = rows.astype(np.int32)
     picked = embedding.gather(backend, hidden, backend.asarray(rows), host_ids=rows)
@@ -88,7 +91,7 @@ def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=Non
     else:
         logp = logprob.lm_head_logprobs(backend, picked, model.lm_head, backend.asarray(targets), temperature)
     return TrainingForward(tokens, cu_seqlens, positions, rows, targets, checkpoints, kept, picked, logp,
-                           temperature)
+                           temperature, routing)
 
 
 def _check_rows(rows, cu_seqlens: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -264,13 +267,21 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     t = shape_of(x)[0]
     f = SimpleNamespace(**_recompute(model, index, fwd, x))
     grads: dict = {}
-    # MLP: out = x2 + swiglu(h2 Wg^T, h2 Wu^T) Wd^T
-    grads["down"] = weight_grad(backend, d_out, f.mlp)
-    d_gate, d_up = activation.swiglu_backward(backend, f.gate, f.up, input_grad(model, d_out, w.down))
-    h2_operand = weight_grad_operand(backend, f.h2)
-    grads["gate"] = weight_grad(backend, d_gate, f.h2, h2_operand)
-    grads["up"] = weight_grad(backend, d_up, f.h2, h2_operand)
-    d_h2 = residual.add(backend, column_input_grad(model, d_gate, w.gate), column_input_grad(model, d_up, w.up))
+    if w.router is not None:  # a sparse layer: out = x2 + moe_block(h2), its contract's backward
+        moe_grads = moe.block_backward(backend, f.h2, w.router, w.expert_gate, w.expert_up, w.expert_down,
+                                       model.config.num_experts_per_tok, model.config.norm_topk_prob, d_out)
+        put = backend.asarray
+        grads.update(router=put(moe_grads.d_router), expert_gate=[put(a) for a in moe_grads.d_gate],
+                     expert_up=[put(a) for a in moe_grads.d_up], expert_down=[put(a) for a in moe_grads.d_down],
+                     gate=None, up=None, down=None)
+        d_h2 = put(moe_grads.d_h)
+    else:  # MLP: out = x2 + swiglu(h2 Wg^T, h2 Wu^T) Wd^T
+        grads["down"] = weight_grad(backend, d_out, f.mlp)
+        d_gate, d_up = activation.swiglu_backward(backend, f.gate, f.up, input_grad(model, d_out, w.down))
+        h2_operand = weight_grad_operand(backend, f.h2)
+        grads["gate"] = weight_grad(backend, d_gate, f.h2, h2_operand)
+        grads["up"] = weight_grad(backend, d_up, f.h2, h2_operand)
+        d_h2 = residual.add(backend, column_input_grad(model, d_gate, w.gate), column_input_grad(model, d_up, w.up))
     d_x2, grads["mlp_norm"] = norm.rmsnorm_backward(backend, f.x2, w.mlp_norm, cfg.rms_norm_eps, d_h2)
     d_x2 = residual.add(backend, d_out, d_x2)
     # attention: x2 = x + attn(rope(norm(h1 Wq^T)), rope(norm(h1 Wk^T)), h1 Wv^T) Wo^T

@@ -175,7 +175,8 @@ class Model:
         return lambda q, k, v, _index: attention.attention_packed(self.backend, q, k, v, cu_seqlens,
                                                                   keep_stats=keep_stats)
 
-    def step(self, tokens, positions, q_seq, block_tables, slots, caches: list, device: StepInputs | None = None):
+    def step(self, tokens, positions, q_seq, block_tables, slots, caches: list, device: StepInputs | None = None,
+             routing: list | None = None):
         """One engine step over a paged KV cache: final-norm hidden states [T, H].
 
         Token i (id tokens[i], position positions[i]) belongs to row q_seq[i] of
@@ -187,7 +188,8 @@ class Model:
 
         `device`: the same arrays already on the device. Then nothing is copied (the
         host arrays are only checked), so the call can be captured in a graph that
-        reads its inputs from those device buffers.
+        reads its inputs from those device buffers. `routing`, a list, receives each sparse layer's
+        expert choices (int32 [T, k] on the host, layer by layer) for the engine to record.
         """
         backend = self.backend
         positions = np.asarray(positions, dtype=np.int32)
@@ -203,16 +205,17 @@ class Model:
                                             device.block_tables, parts)
 
         return self._forward(tokens, positions, paged, device.positions, device_tokens=device.tokens,
-                             cache_writes=lambda index: (caches[index], device.slots))
+                             cache_writes=lambda index: (caches[index], device.slots), routing=routing)
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, attend, device_positions=None, saved=None,
-                 device_tokens=None, cache_writes=None):
+                 device_tokens=None, cache_writes=None, routing: list | None = None):
         """Embedding, the layers (attention by attend(q, k, v, layer_index)), final norm.
         cache_writes(layer_index) -> (KVCache, slots): each layer writes its k and v there before attend.
 
         tokens and positions are host arrays: their ranges are checked here once, not by
         every op on the device. `saved`, a list, receives each layer's input and the final
-        norm's input (the trainer's activation checkpoints)."""
+        norm's input (the trainer's activation checkpoints); `routing`, a list, each sparse layer's
+        expert choices (int32 [T, k], host)."""
         cfg, backend = self.config, self.backend
         positions = np.asarray(positions, dtype=np.int32)
         cos, sin = self.rope_tables(int(positions.max()) + 1 if positions.size else 1)
@@ -234,7 +237,7 @@ class Model:
                 saved.append(x)
             x2, mlp_out = self._layer(layer, x, (device_positions, positions), cos, sin,
                                       lambda q, k, v, i=index: attend(q, k, v, i), h1=h, h1_encoded=h_encoded,
-                                      cache_write=cache_writes(index) if cache_writes else None)
+                                      cache_write=cache_writes(index) if cache_writes else None, routing=routing)
             if index + 1 < len(self.layers):
                 x, h, h_encoded = norm.add_rmsnorm(backend, x2, mlp_out, next_norm, cfg.rms_norm_eps,
                                                    encode_bits=gemm.DEFAULT_BITS_A)
@@ -297,13 +300,14 @@ class Model:
         return q, k
 
     def _layer(self, layer: DeviceLayer, x, positions, cos, sin, attend, record: dict | None = None, h1=None,
-               h1_encoded=None, cache_write=None):
+               h1_encoded=None, cache_write=None, routing: list | None = None):
         """One decoder layer; positions = (device array, the same on the host). Returns (x2, mlp_out): the
         layer's output is residual.add(x2, mlp_out), left to the caller to run with the next RMSNorm in
         one launch. h1: RMSNorm(x) with attn_norm when the caller made it so; h1_encoded: its encoding
         for the q/k/v gemm when the caller has it (norm.add_rmsnorm's). `record`, a dict, receives
         the intermediate values (the trainer's backward recomputes a layer this way). cache_write =
-        (KVCache, slots): the layer's k and v go into that cache before attend (the engine's steps)."""
+        (KVCache, slots): the layer's k and v go into that cache before attend (the engine's steps).
+        routing, a list: a sparse layer appends its expert choices (int32 [T, k])."""
         cfg, backend = self.shape, self.backend
         t = x.shape[0]
         if h1 is None:
@@ -316,13 +320,17 @@ class Model:
         # h2 comes with its encoding for the gate/up gemm from the same launch (no separate encode)
         x2, h2, h2_encoded = norm.add_rmsnorm(backend, x, attn_out, layer.mlp_norm, cfg.rms_norm_eps,
                                               encode_bits=gemm.DEFAULT_BITS_A)
+        if record is not None:
+            record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2)
         if layer.moe is not None:  # a sparse layer: the router, each token's k experts, one exact combine
-            out, _, _ = moe.block(backend, h2, layer.moe, encoded=h2_encoded)
+            out, experts, _ = moe.block(backend, h2, layer.moe, encoded=h2_encoded)
+            if routing is not None:
+                routing.append(experts)
             return x2, out
         gate, up = self._projections(h2, layer.gate_up, (None, None), h2_encoded)
         mlp, mlp_rows = self._activation(gate, up)
         if record is not None:
-            record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2, gate=gate, up=up, mlp=mlp)
+            record.update(gate=gate, up=up, mlp=mlp)
         return x2, self._row_parallel(mlp, layer.down, encoded=mlp_rows)
 
     def _activation(self, gate, up):
@@ -384,14 +392,12 @@ class Model:
 
 
 def check_moe_supported(backend: Backend, trainable: bool, tp_size: int) -> None:
-    """A Qwen3-MoE model runs its forward on the cpu reference only, for inference: anything else is
+    """A Qwen3-MoE model runs (forward and backward) on the cpu reference only: anything else is
     refused here in one line naming what is missing, never run on a fallback."""
     if not backend.runs_reference:
         raise ModelError(f"Qwen3-MoE runs on the cpu backend only: the {backend.label} backend has no MoE "
-                         "kernels yet (route and combine, contracts/moe.toml)")
-    if trainable:
-        raise ModelError("Qwen3-MoE cannot be trained yet: the MoE backward (router, experts, combine) is not "
-                         "built; its forward runs on the cpu backend")
+                         f"kernels yet (route, combine and their backward, contracts/moe.toml); "
+                         f"{'train' if trainable else 'run'} it with --device cpu")
     if tp_size > 1:
         raise ModelError("Qwen3-MoE cannot be cut over tensor-parallel ranks yet (no expert sharding); "
                          "run it at TP=1 on the cpu backend")
@@ -406,11 +412,13 @@ def to_device(backend: Backend, weights: ModelWeights, projections: bool = True)
         return None if array is None else put(array)
 
     def layer(w: LayerWeights) -> LayerWeights:
-        matrices = {name: (put(getattr(w, name)) if projections else None)
-                    for name in ("q", "k", "v", "o", "gate", "up", "down")}
+        matrices = {name: (optional(getattr(w, name)) if projections else None)
+                    for name in ("q", "k", "v", "o", "gate", "up", "down", "router")}
+        experts = {name: ([put(m) for m in getattr(w, name)] if projections and getattr(w, name) is not None
+                          else None) for name in ("expert_gate", "expert_up", "expert_down")}
         return LayerWeights(attn_norm=put(w.attn_norm), mlp_norm=put(w.mlp_norm), q_bias=optional(w.q_bias),
                             k_bias=optional(w.k_bias), v_bias=optional(w.v_bias), q_norm=optional(w.q_norm),
-                            k_norm=optional(w.k_norm), **matrices)
+                            k_norm=optional(w.k_norm), **matrices, **experts)
 
     embed = put(weights.embed)
     lm_head = embed if weights.tied else (put(weights.lm_head) if projections else None)

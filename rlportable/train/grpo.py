@@ -9,7 +9,10 @@ The old log-probs are the engine's. Before the first optimiser step of a
 rollout the trainer recomputes every completion token's log-prob, and the
 contracts make them bitwise equal: each step logs the mismatch count and the
 max |dlogp| (0 and 0) and the ratio's range on the first pass (1 and 1), and a
-single differing bit stops the run with LogprobMismatchError.
+single differing bit stops the run with LogprobMismatchError. For Qwen3-MoE the engine
+also records each completion token's expert choices and the trainer recomputes them:
+routing_mismatches (0) beside logp_mismatches, and a difference stops the run with
+RoutingMismatchError (the router logits are exact, so there is nothing to replay).
 
 Data order: epoch e visits the dataset in the permutation of PCG64([seed, e]);
 step s takes the next `prompts_per_step` records. The engine's sampling seed of
@@ -40,11 +43,15 @@ from rlportable.train.evaluation import EVAL_REQUEST_BASE, eval_due, evaluate
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.rewards import RewardSet, batch_from_records
-from rlportable.train.trainer import Sample, completion_logprobs, micro_batch_gradients, pack
+from rlportable.train.trainer import Sample, completion_logprobs, completion_routing, micro_batch_gradients, pack
 
 
 class LogprobMismatchError(RlpError):
     """The trainer's recomputed log-probs differ from the engine's: the contract is broken."""
+
+
+class RoutingMismatchError(RlpError):
+    """The trainer's recomputed expert choices (Qwen3-MoE) differ from the engine's: the contract is broken."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class GRPOConfig(OptimiserSettings):
     beta: float = 0.0
     loss_type: str = "dapo"
     scale_rewards: str = "group"
+    importance_sampling_level: str = "token"  # "sequence": GSPO (TRL's option), for dense and MoE models
     num_iterations: int = 1
     mini_batches: int = 1
     block_size: int = 16
@@ -100,6 +108,7 @@ class GRPOConfig(OptimiserSettings):
         if (self.prompts_per_step * self.num_generations) % self.mini_batches:
             raise InputError(f"grpo: {self.prompts_per_step} x {self.num_generations} samples do not split into "
                              f"{self.mini_batches} mini-batches")
+        self.settings()  # the objective's (loss type, clip range, ratio level), checked before any work
 
     def sampling_params(self, **changes) -> SamplingParams:
         """The rollout's SamplingParams (evaluation's with `changes`: n, temperature)."""
@@ -109,7 +118,7 @@ class GRPOConfig(OptimiserSettings):
 
     def settings(self) -> objectives.GRPOSettings:
         return objectives.GRPOSettings(self.epsilon, self.epsilon_high, self.beta, self.loss_type,
-                                       self.max_completion_length)
+                                       self.max_completion_length, self.importance_sampling_level)
 
 
 def epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
@@ -215,7 +224,8 @@ class GRPOTrainer:
         requests = self.replicas.gather_in_order([
             [(Sample(list(request.prompt_token_ids), list(completion.token_ids),
                      np.asarray(completion.logprobs, dtype=np.float32),
-                     extra={"truncated": completion.finish_reason == "length"}), completion.text)
+                     extra={"truncated": completion.finish_reason == "length"},
+                     routing=_routing_record(completion.routing)), completion.text)
              for completion in request.outputs] for request in outputs])
         samples = [sample for request in requests for sample, _ in request]
         texts = [text for request in requests for _, text in request]
@@ -247,7 +257,7 @@ class GRPOTrainer:
                         ratio_max.append(loss["ratio_max"])
                 with clock.phase("optimizer"):
                     infos.append(self.optimizer.step())
-        return {
+        metrics = {
             "loss": float(np.mean(losses)), "kl": float(np.mean(kls)), "clip_fraction": float(np.mean(clips)),
             "logp_mismatches": sum(c["mismatches"] for c in check),
             "logp_compared": sum(c["compared"] for c in check),
@@ -255,6 +265,10 @@ class GRPOTrainer:
             "ratio_min": min(ratio_min), "ratio_max": max(ratio_max),
             "grad_norm": infos[0].norm, "lr": infos[-1].lr,
         }
+        if self.model.config.is_moe:
+            metrics["routing_mismatches"] = sum(c["routing"]["mismatches"] for c in check)
+            metrics["routing_compared"] = sum(c["routing"]["compared"] for c in check)
+        return metrics
 
     def _micro_batch(self, batch, settings, counts: tuple[int, int], check_logp: bool,
                      clock: PhaseClock, on_layer=None) -> tuple[dict, dict]:
@@ -270,8 +284,10 @@ class GRPOTrainer:
                                               np.array([s.advantage for s in batch.samples]), settings, reference,
                                               counts, np.array([self._active(s) for s in batch.samples]))
 
-        loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective, clock, on_layer)
-        check = objectives.logp_mismatch(logp, [s.logp for s in batch.samples]) if check_logp else None
+        routing: list | None = [] if check_logp and self.model.config.is_moe else None
+        loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective, clock, on_layer,
+                                                  routing)
+        check = _check(batch.samples, logp, routing) if check_logp else None
         metrics = {"loss": loss.loss, "check": check, **{key: loss.metrics[key] for key in (
             "kl", "clip_fraction", "ratio_min", "ratio_max")}}
         return metrics, grads.named_tensors(self.model.config)
@@ -289,8 +305,8 @@ class GRPOTrainer:
             batches = pack(mini, self.config.micro_batch_tokens)
             mine = []
             for index in self.replicas.share(len(batches)):
-                _, logp = completion_logprobs(self.model, batches[index], self.config.temperature)
-                mine.append(objectives.logp_mismatch(logp, [s.logp for s in batches[index].samples]))
+                fwd, logp = completion_logprobs(self.model, batches[index], self.config.temperature)
+                mine.append(_check(batches[index].samples, logp, completion_routing(fwd, batches[index])))
             for check in self.replicas.gather_in_order(mine):
                 out.append(check)
                 _raise_on_mismatch(check)
@@ -308,12 +324,32 @@ def _mean_of_values(values: np.ndarray) -> float:
     return float(scored.mean()) if scored.size else float("nan")
 
 
+def _routing_record(routing: list | None) -> np.ndarray | None:
+    """A completion's recorded expert choices as one int32 [tokens, sparse layers, k] array (None: dense)."""
+    return None if routing is None else np.asarray(routing, dtype=np.int32)
+
+
+def _check(samples: list[Sample], logp: list[np.ndarray], routing: list[np.ndarray] | None) -> dict:
+    """The log-prob comparison of a micro-batch with the engine's, and (Qwen3-MoE: routing, the
+    recomputed expert choices) the routing comparison under "routing"."""
+    check = objectives.logp_mismatch(logp, [s.logp for s in samples])
+    check["routing"] = None if routing is None else objectives.routing_mismatch(routing,
+                                                                                [s.routing for s in samples])
+    return check
+
+
 def _raise_on_mismatch(check: dict) -> None:
     if check["mismatches"]:
         raise LogprobMismatchError(
             f"the trainer's log-probs differ from the engine's on {check['mismatches']} of {check['compared']} "
             f"completion tokens (max |dlogp| {check['max_abs_dlogp']:.3g}): the rollout/trainer contract is "
             "broken; please report it with `rlportable conform` output")
+    routing = check.get("routing")
+    if routing is not None and routing["mismatches"]:
+        raise RoutingMismatchError(
+            f"the trainer's expert choices differ from the engine's on {routing['mismatches']} of "
+            f"{routing['compared']} completion tokens: the rollout/trainer contract is broken; please report it "
+            "with `rlportable conform` output")
 
 
 def engine_prompt(tokenizer, prompt):

@@ -167,6 +167,8 @@ def settings_dict(config, options: RunOptions, rewards: list | None = None) -> d
     evaluation's settings: they change none of the run's bits, so a checkpoint is the same with or without
     evaluation, and a run may be resumed with other ones."""
     fields = {key: value for key, value in asdict(config).items() if not key.startswith("eval_")}
+    if fields.get("importance_sampling_level") == "token":  # the default: earlier runs' settings lack it
+        del fields["importance_sampling_level"]
     # the columns only where given: the settings (and checkpoints) of runs with the default columns stay
     # as they were, and resume as before
     columns = {key: value for key, value in (("prompt_column", options.prompt_column),

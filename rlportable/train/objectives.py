@@ -19,6 +19,12 @@ process in several micro-batches; TRL's per-device batch is our micro-batch):
 Gradients: d surrogate / d logp = ratio * A where the unclipped term is the
 minimum (ties and ratios inside the clip range included: clip passes its
 gradient there), else 0; d k3 / d logp = 1 - exp(ref_logp - logp).
+
+GSPO (importance_sampling_level "sequence", TRL's option of that name): every token of
+sample i takes the sequence-level ratio exp(mean over its tokens of logp - old_logp) in
+place of its own, clipped and aggregated as above; a token's gradient is then its
+sample's summed surrogate gradient divided by the sample's token count (the mean's
+derivative), plus its own k3 term.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 from rlportable.errors import InputError
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL adds 1e-4 to the std before dividing
 
@@ -67,10 +74,14 @@ class GRPOSettings:
     beta: float = 0.0
     loss_type: str = "dapo"
     max_completion_length: int = 256
+    importance_sampling_level: str = "token"  # "sequence": GSPO's sequence-level ratio
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
             raise InputError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise InputError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}, "
+                             f"got {self.importance_sampling_level!r}")
         if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise InputError(f"clip range needs 0 <= epsilon < 1 and epsilon_high >= 0, got "
                              f"{self.epsilon}, {self.epsilon_high}")
@@ -105,6 +116,10 @@ def grpo_token_loss(logp: list[np.ndarray], old_logp: list[np.ndarray], advantag
     new, old = _flat(logp), _flat(old_logp)
     adv = np.repeat(np.asarray(advantages, dtype=np.float64), lengths)
     log_ratio = new - old
+    sequence = settings.importance_sampling_level == "sequence"
+    owner = np.repeat(np.arange(lengths.size), lengths)  # each token's sample
+    if sequence:  # GSPO: each sample's mean log-ratio (TRL clamps the token count at 1)
+        log_ratio = (np.bincount(owner, weights=log_ratio, minlength=lengths.size) / np.maximum(lengths, 1))[owner]
     ratio = np.exp(log_ratio)
     low, high = 1.0 - settings.epsilon, 1.0 + settings.high
     clipped = np.clip(ratio, low, high)
@@ -112,15 +127,20 @@ def grpo_token_loss(logp: list[np.ndarray], old_logp: list[np.ndarray], advantag
     surrogate = np.minimum(ratio * adv, clipped * adv)
     d_surrogate = np.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), ratio * adv, 0.0)
     token_loss, d_token = -surrogate, -d_surrogate
-    kl = np.zeros_like(new)
+    kl, d_kl = np.zeros_like(new), np.zeros_like(new)
     if settings.beta > 0:
         if ref_logp is None:
             raise InputError("grpo loss: beta > 0 needs the reference model's log-probs")
         delta = _flat(ref_logp) - new
         kl = np.exp(delta) - delta - 1.0
         token_loss = token_loss + settings.beta * kl
-        d_token = d_token + settings.beta * (1.0 - np.exp(delta))
+        d_kl = settings.beta * (1.0 - np.exp(delta))
     weights = _token_weights(lengths, active, settings, mini_batch or (lengths.size, int(lengths[active].sum())))
+    if sequence:  # through the mean: the sample's summed surrogate gradient, over its token count, to each token
+        grad = (np.bincount(owner, weights=weights * d_token, minlength=lengths.size)
+                / np.maximum(lengths, 1))[owner] + weights * d_kl
+    else:
+        grad = weights * (d_token + d_kl if settings.beta > 0 else d_token)
     region = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
     kept = np.repeat(active, lengths)
     metrics = {
@@ -129,7 +149,7 @@ def grpo_token_loss(logp: list[np.ndarray], old_logp: list[np.ndarray], advantag
         "ratio_min": float(ratio.min()) if ratio.size else 1.0,
         "ratio_max": float(ratio.max()) if ratio.size else 1.0,
     }
-    return TokenLoss(float((weights * token_loss).sum()), (weights * d_token).astype(np.float32), metrics)
+    return TokenLoss(float((weights * token_loss).sum()), grad.astype(np.float32), metrics)
 
 
 def _token_weights(lengths: np.ndarray, active: np.ndarray, settings: GRPOSettings,
@@ -155,6 +175,22 @@ def sft_token_loss(logp: list[np.ndarray], batch_tokens: int | None = None) -> T
 
 def _flat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(a, dtype=np.float64) for a in arrays]) if arrays else np.zeros(0)
+
+
+def routing_mismatch(recomputed: list[np.ndarray], recorded: list[np.ndarray]) -> dict:
+    """The trainer's expert choices against the engine's (Qwen3-MoE), per completion token: how many
+    tokens differ in any sparse layer's choice (the exact router logits make it 0), of how many."""
+    if len(recomputed) != len(recorded):
+        raise InputError(f"routing mismatch check: {len(recomputed)} recomputed against {len(recorded)} recorded "
+                         "samples")
+    mismatches = compared = 0
+    for new, old in zip(recomputed, recorded):
+        new, old = np.asarray(new), np.asarray(old)
+        if new.shape != old.shape:
+            raise InputError(f"routing mismatch check: recomputed {new.shape} against recorded {old.shape}")
+        mismatches += int((new != old).reshape(new.shape[0], -1).any(axis=1).sum())
+        compared += new.shape[0]
+    return {"mismatches": mismatches, "compared": compared}
 
 
 def logp_mismatch(recomputed: list[np.ndarray], recorded: list[np.ndarray]) -> dict:

@@ -4,7 +4,8 @@ files in --out (`tensorboard --logdir OUT`, or the folder above several runs' --
 A record's numbers become scalars at its "step" (steps done, as in the JSONL log), under tags grouped
 the way TensorBoard shows them: evaluation's `eval/...` and the phases' `time/...` as the JSONL names
 them, the log-prob comparison with the engine under verl's `rollout_corr/` (`rollout_corr/logp_mismatches`,
-`rollout_corr/logp_compared`, `rollout_corr/max_abs_dlogp`), and every other number of a step under
+`rollout_corr/logp_compared`, `rollout_corr/max_abs_dlogp`; Qwen3-MoE's `rollout_corr/routing_mismatches`
+and `rollout_corr/routing_compared`), and every other number of a step under
 `train/` (`train/reward_mean`, `train/loss`, `train/kl`, `train/clip_fraction`, ...). Texts ("notes")
 are left out.
 
@@ -28,7 +29,7 @@ from rlportable.errors import InputError
 REPORT_TO = ("none", "tensorboard")
 TENSORBOARD_INSTALL = "pip install 'rlportable[tensorboard]'"
 # the metrics that compare the engine's log-probs with the trainer's: verl's rollout-correction group
-ROLLOUT_CORR = ("logp_mismatches", "logp_compared", "max_abs_dlogp")
+ROLLOUT_CORR = ("logp_mismatches", "logp_compared", "max_abs_dlogp", "routing_mismatches", "routing_compared")
 
 
 def check_report_to(report_to: str | None, out: str | None) -> None:

@@ -28,6 +28,9 @@ class Sample:
     logp: np.ndarray | None = None       # the engine's log-prob of each completion token (GRPO)
     advantage: float = 0.0
     extra: dict = field(default_factory=dict)
+    # Qwen3-MoE (GRPO): the engine's expert choices of each completion token's log-prob row,
+    # int32 [tokens, sparse layers, k]; the trainer recomputes them and counts the differences
+    routing: np.ndarray | None = None
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -78,14 +81,26 @@ def completion_logprobs(model: Model, batch: MicroBatch, temperature: float, for
     return fwd, np.split(model.backend.to_numpy(fwd.logp), batch.splits)
 
 
+def completion_routing(fwd: backward.TrainingForward, batch: MicroBatch) -> list[np.ndarray] | None:
+    """Per sample, the forward's expert choices of its completion tokens' log-prob rows, int32
+    [tokens, sparse layers, k] (the engine's record's layout); None for a dense model."""
+    if fwd.routing is None:
+        return None
+    rows = np.stack([np.asarray(layer)[batch.rows] for layer in fwd.routing], axis=1)
+    return np.split(rows, batch.splits)
+
+
 def micro_batch_gradients(model: Model, batch: MicroBatch, temperature: float,
                           objective: Callable[[list[np.ndarray]], TokenLoss], clock: PhaseClock | None = None,
-                          on_layer=None):
+                          on_layer=None, routing: list | None = None):
     """Forward, the objective on the host, backward: (loss, per-sample log-probs, gradients).
-    clock: times the phases "forward", "loss" and "backward"; on_layer: model.backward's."""
+    clock: times the phases "forward", "loss" and "backward"; on_layer: model.backward's. routing, a
+    list: receives completion_routing's arrays (Qwen3-MoE)."""
     clock = clock or PhaseClock()
     with clock.phase("forward"):
         fwd, logp = completion_logprobs(model, batch, temperature, for_backward=True)
+        if routing is not None:
+            routing.extend(completion_routing(fwd, batch) or [])
     with clock.phase("loss"):
         loss = objective(logp)
     with clock.phase("backward"):

@@ -45,6 +45,16 @@ def test_grpo_logs_zero_mismatch_and_ratio_one_every_step(tmp_path):
     assert [r["step"] for r in logged] == [1, 2, 3]
 
 
+def test_grpo_schedule_spans_every_optimizer_step(tmp_path):
+    """Each GRPO step takes num_iterations x mini_batches optimizer steps; the learning-rate schedule
+    spans all of them (as TRL's max_steps), so it reaches its end at the last step, not before."""
+    config = _grpo_config(steps=2, num_iterations=2, mini_batches=2, warmup_steps=0)
+    records = launch.run_grpo(CPU, _options(tmp_path), config, [], lambda r: None)
+    schedule = config.schedule(2 * 2 * 2)
+    assert [r["lr"] for r in records] == [schedule.lr(4), schedule.lr(8)]
+    assert records[0]["lr"] > 0.0
+
+
 def test_grpo_resume_after_a_crash_continues_bitwise(tmp_path):
     config = _grpo_config()
     launch.run_grpo(CPU, _options(tmp_path, "straight"), config, [], lambda r: None)

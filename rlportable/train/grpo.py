@@ -154,7 +154,10 @@ class GRPOTrainer:
         self.replicas = Replicas.of(self.dp_group)
         if cfg.beta > 0 and self.reference is None:
             raise InputError("grpo: beta > 0 needs a reference model")
-        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps), self.replicas.dp_group)
+        # the schedule spans the run's optimizer steps (TRL's max_steps counts those too): each GRPO step
+        # takes num_iterations x mini_batches of them
+        self.optimizer = Optimizer(self.model, cfg.hyper(), cfg.schedule(cfg.steps * cfg.num_iterations * cfg.mini_batches),
+                                   self.replicas.dp_group)
         longest_prompt = check_prompt_lengths(self.tokenizer, self.dataset, cfg, self.model.config.max_position_embeddings)
         if self.eval_dataset:  # the engine is sized for the held-out prompts too (the same tokens at any size)
             longest_prompt = max(longest_prompt, check_prompt_lengths(

@@ -86,12 +86,16 @@ def device_lib_dir(root: Path) -> Path:
 
 def dynamic_lds() -> dict[str, int]:
     """kernel -> the largest dynamic shared memory (bytes) the ops launch it with on hip, over every
-    shape they allow, as each op module declares it (HIP_DYNAMIC_LDS; kernels not listed take none)."""
-    from rlportable.ops import activation, attention, norm
+    shape they allow, as each family's op module declares it (hip_dynamic_lds(); a module without one
+    launches none)."""
+    import importlib
+
+    from rlportable.contract.spec import kernel_families
 
     sizes: dict[str, int] = {}
-    for module in (norm, activation, attention):
-        sizes.update(module.hip_dynamic_lds())
+    for family in kernel_families():
+        declared = getattr(importlib.import_module(f"rlportable.ops.{family}"), "hip_dynamic_lds", None)
+        sizes.update(declared() if declared else {})
     return sizes
 
 

@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlportable.resources import resource_dir
 
 ELF_MAGIC = b"\x7fELF"
 _HIPRTC_LOCK = threading.Lock()  # one in-process hiprtc compile at a time
@@ -69,8 +68,10 @@ class Result:
 
 
 def families() -> list[str]:
-    """The kernel families: backends/portable/*.hip (every family has one portable source)."""
-    return sorted(path.stem for path in (resource_dir("backends") / "portable").glob("*.hip"))
+    """The kernel families: the contracts' list (contract/spec.py), less the reference_only ones."""
+    from rlportable.contract.spec import kernel_families
+
+    return kernel_families()
 
 
 def runtime_source_and_options(target: Target, family: str) -> tuple[str, tuple[str, ...]]:

@@ -1,9 +1,9 @@
 """The suite behind `rlportable conform`: every contract's kernels against the NumPy reference, bitwise.
 
 Each check returns how many elements it compared and how many differ in their raw bits (NaN payloads and
-signed zeros included). One module per contract family (fixedpoint, gemm, rowsum, residual, elementwise,
-norm, rope, activation, embedding, logprob, attention, sampling, adamw) holds its forward, backward and
-sharded checks and its golden cases; then the model and engine checks, the golden digests and end to end.
+signed zeros included). One module per contract family (conform/families.py, in the contracts' order)
+holds its forward, backward and sharded checks and its golden cases; then the model and engine checks,
+the golden digests and end to end.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Decode-step rows for the profiling scripts (scripts/profile_decode.py, scripts/probe_two_streams.py)."""
+"""Decode-step rows for the profiling scripts (scripts/profile_decode.py)."""
 
 import numpy as np
 

@@ -17,9 +17,10 @@ RESULTS_READMES = ("bench/results/README.md", "conformance/results/README.md")
 
 def _texts():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "bench").glob("**/README.md")),
-                 *sorted((ROOT / "conformance").glob("**/README.md"))]:
+                 *sorted((ROOT / "conformance").glob("**/README.md")), ROOT / "scripts" / "README.md"]:
         yield path, path.read_text()
-    for path in sorted((ROOT / "rlportable").glob("**/*.py")) + sorted((ROOT / "scripts").glob("*.py")):
+    for path in (sorted((ROOT / "rlportable").glob("**/*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+                 + sorted((ROOT / "tests").glob("**/*.py")) + sorted((ROOT / "contracts").glob("*.toml"))):
         yield path, path.read_text()
 
 

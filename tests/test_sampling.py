@@ -17,8 +17,8 @@ from rlportable.contract import logprob, sampling
 from rlportable.contract.elementwise import exp_f32
 from rlportable.errors import InputError
 
-# Known-answer vectors of Philox4x32-10 from Random123's tests/kat_vectors
-# (https://github.com/DEShawResearch/random123, tests/kat_vectors, the three "philox4x32 10" lines;
+# Known-answer vectors of Philox4x32-10 from Random123's known-answer file
+# (https://github.com/DEShawResearch/random123, kat_vectors in its tests folder, the three "philox4x32 10" lines;
 # columns: counter (4 words), key (2 words), expected output (4 words)). The last counter and key
 # are the first hex digits of pi.
 PHILOX_KAT = [

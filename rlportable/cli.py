@@ -45,22 +45,28 @@ EMULATE_OPTION = click.option("--emulate", is_flag=True,
 
 
 def tp_options(f):
-    """--tp / --emulate: tensor parallelism (rlportable/runtime/world.py run_ranks)."""
+    """--tp / --emulate: tensor parallelism (rlportable/launch.py)."""
     return TP_OPTION(EMULATE_OPTION(f))
 
 
-def _run_ranks(device: str, world_size: int, emulate: bool, work, kernel_source: str = "native"):
-    """(reports, result) of work(backend, world_group) on this rank; a bad option or device is a one-line
-    error."""
+def _launched(run, device: str, *args):
+    """(reports, result) of rlportable.launch's run_ranks or run_layout on this rank; a bad option or device
+    is a one-line error."""
     from rlportable.runtime import resolve_device
-    from rlportable.runtime.world import run_ranks
 
     try:
         if device == "auto":
             click.echo(f"device auto -> {resolve_device('auto')}", err=True)
-        return run_ranks(device, world_size, emulate, work, kernel_source)
+        return run(device, *args)
     except RlpError as error:
         _fail(error)
+
+
+def _run_ranks(device: str, world_size: int, emulate: bool, work, kernel_source: str = "native"):
+    """(reports, result) of work(backend, world_group) on this rank of `world_size`."""
+    from rlportable.launch import run_ranks
+
+    return _launched(run_ranks, device, world_size, emulate, work, kernel_source)
 
 
 def _fail(error: RlpError):
@@ -517,19 +523,15 @@ def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str,
                        out: str | None = None, plot: str | None = None):
     """run(backend, on_step, dp_group, tp_group) on every rank of tp x dp (one without --tp and --dp);
     rank 0 prints."""
-    from rlportable.runtime.world import layout_groups
+    from rlportable.launch import run_layout
 
-    def work(backend, world_group):
-        try:
-            tp_group, dp_group = layout_groups(world_group, tp)
-        except RlpError as error:
-            _fail(error)
-        if world_group.rank == 0:
+    def work(backend, tp_group, dp_group):
+        if tp_group.rank == 0 and dp_group.rank == 0:
             _train(kind, lambda on_step: run(backend, on_step, dp_group, tp_group), keys, steps, out, plot)
         else:
             run(backend, lambda record: None, dp_group, tp_group)
 
-    _run_ranks(device, tp * dp, emulate, work)
+    _launched(run_layout, device, tp, dp, emulate, work)
 
 
 def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, plot: str | None = None):

@@ -14,12 +14,13 @@ from rlportable.model.synthetic import qwen3_06b_config, random_weights
 from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.errors import InputError
+from rlportable.launch import run_ranks
 from rlportable.model.forward import Model
 from rlportable.model.load import load_model
 from rlportable.model.parallel import TensorParallel, shard_weights
 from rlportable.runtime import get_backend
 from rlportable.runtime.collectives import SingleGroup, ThreadGroup, run_threads
-from rlportable.runtime.world import run_ranks, world_from_env
+from rlportable.runtime.world import world_from_env
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 Two ways to start N ranks, one per GPU:
   * `rlportable <command> --tp T [--dp R] ...` starts N = T x R copies of the same command
-    (spawn_ranks), one per GPU, with the environment variables below;
+    (rlportable/launch.py, which starts every multi-rank run), one per GPU, with the environment
+    variables below;
   * an external launcher (`torchrun --nproc-per-node N -m rlportable <command> ...`, or any that
     sets the same variables) starts them itself.
 Either way a rank reads RANK, WORLD_SIZE, LOCAL_RANK (its GPU), MASTER_ADDR and MASTER_PORT.
@@ -16,15 +17,12 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
-from typing import Any, Callable
 
 from rlportable.errors import InputError
-from rlportable.runtime.collectives import Group, SingleGroup, device_group_class, run_threads
+from rlportable.runtime.collectives import Group, device_group_class
 
 RENDEZVOUS_TIMEOUT_S = 300.0
 
@@ -106,20 +104,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def spawn_ranks(size: int, argv: list[str]) -> int:
-    """Run `python -m rlportable *argv` as `size` ranks (rank r on GPU r); the worst exit code.
-    Rank 0 keeps stdout; the other ranks' stdout is dropped (they compute the same results)."""
-    port, rendezvous = free_port(), free_port()
-    running = []
-    for rank in range(size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), RLPORTABLE_RENDEZVOUS_PORT=str(rendezvous))
-        stdout = None if rank == 0 else subprocess.DEVNULL
-        running.append(subprocess.Popen([sys.executable, "-m", "rlportable", *argv], env=env, stdout=stdout))
-    codes = [process.wait() for process in running]
-    return max(codes, key=abs)
-
-
 def layout_groups(world_group: Group, tp: int) -> tuple[Group, Group]:
     """(tp_group, dp_group) of this rank in a world of tp x dp ranks:
     consecutive ranks share a model (tensor parallelism, the fast links within a node); ranks with
@@ -129,39 +113,3 @@ def layout_groups(world_group: Group, tp: int) -> tuple[Group, Group]:
     tp_group = world_group.split(world_group.rank // tp, world_group.rank)
     dp_group = world_group.split(world_group.rank % tp, world_group.rank)
     return tp_group, dp_group
-
-
-def run_ranks(device: str, world_size: int, emulate: bool, work: Callable,
-              kernel_source: str = "native") -> tuple[bool, Any]:
-    """(reports, work(backend, world_group)) for this process's rank of a run of `world_size` ranks
-    (--tp, or --tp x --dp; layout_groups cuts world_group into tp_group and dp_group).
-
-    reports: whether this process prints the results (rank 0; the others computed the same).
-      * launched as a rank (WORLD_SIZE > 1 in the environment): this GPU's rank of the NCCL/RCCL group;
-      * world_size == 1: one device, a group of one;
-      * emulate (--emulate), or device cpu: world_size threads of this process on one backend
-        (returns rank 0's result);
-      * otherwise: starts world_size ranks of this same command, one per GPU, waits for them and
-        exits with their worst exit code (SystemExit).
-    """
-    from rlportable.runtime import get_backend, resolve_device
-
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InputError(f"the number of ranks (--tp, --dp) must be an integer >= 1, got {world_size!r}")
-    world = world_from_env()
-    if world is not None:
-        if world_size not in (1, world.size):
-            raise InputError(f"{world_size} ranks asked for, but the launcher set WORLD_SIZE={world.size}")
-        backend = get_backend(device, kernel_source, device_index=world.local_rank)
-        world_group = connect(backend, world)
-        try:
-            return world.rank == 0, work(backend, world_group)
-        finally:
-            backend.synchronize()
-            world_group.close()
-    if world_size == 1:
-        return True, work(get_backend(device, kernel_source), SingleGroup())
-    if emulate or resolve_device(device) == "cpu":
-        backend = get_backend(device, kernel_source)
-        return True, run_threads(backend, world_size, lambda world_group: work(backend, world_group))[0]
-    raise SystemExit(spawn_ranks(world_size, sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""Between the command line and the work: where a command runs and as how many ranks.
+
+Every command that can run on several ranks (generate, conform, bench decode with --tp; sft and grpo
+with --tp x --dp) comes through here. The backend is made once per rank (device and kernel source),
+the ranks are formed once, and the work gets its groups under one name each: `tp_group` and, for
+training, `dp_group` (runtime/world.py `layout_groups`: consecutive ranks share a model).
+
+How the ranks run:
+  * launched as a rank (WORLD_SIZE > 1 in the environment, by this module or torchrun): this GPU's
+    rank of the NCCL/RCCL group (runtime/world.py);
+  * one rank: one device, a group of one;
+  * emulated (--emulate), or on cpu: threads of this process on one backend;
+  * otherwise: this same command started once per GPU (spawn_ranks), which waits for them and exits
+    with their worst exit code.
+The cli parses, calls one of these and prints; rank 0 alone reports.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Callable
+
+from rlportable.errors import InputError
+from rlportable.runtime.collectives import SingleGroup, run_threads
+from rlportable.runtime.world import connect, free_port, layout_groups, world_from_env
+
+
+def spawn_ranks(size: int, argv: list[str]) -> int:
+    """Run `python -m rlportable *argv` as `size` ranks (rank r on GPU r); the worst exit code.
+    Rank 0 keeps stdout; the other ranks' stdout is dropped (they compute the same results)."""
+    port, rendezvous = free_port(), free_port()
+    running = []
+    for rank in range(size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), RLPORTABLE_RENDEZVOUS_PORT=str(rendezvous))
+        stdout = None if rank == 0 else subprocess.DEVNULL
+        running.append(subprocess.Popen([sys.executable, "-m", "rlportable", *argv], env=env, stdout=stdout))
+    codes = [process.wait() for process in running]
+    return max(codes, key=abs)
+
+
+def run_ranks(device: str, world_size: int, emulate: bool, work: Callable,
+              kernel_source: str = "native") -> tuple[bool, Any]:
+    """(reports, work(backend, world_group)) for this process's rank of a run of `world_size` ranks;
+    reports: whether this process prints the results (rank 0; the others computed the same). Started
+    ranks exit through SystemExit with their worst exit code (see the module's docstring)."""
+    from rlportable.runtime import get_backend, resolve_device
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"the number of ranks (--tp, --dp) must be an integer >= 1, got {world_size!r}")
+    world = world_from_env()
+    if world is not None:
+        if world_size not in (1, world.size):
+            raise InputError(f"{world_size} ranks asked for, but the launcher set WORLD_SIZE={world.size}")
+        backend = get_backend(device, kernel_source, device_index=world.local_rank)
+        world_group = connect(backend, world)
+        try:
+            return world.rank == 0, work(backend, world_group)
+        finally:
+            backend.synchronize()
+            world_group.close()
+    if world_size == 1:
+        return True, work(get_backend(device, kernel_source), SingleGroup())
+    if emulate or resolve_device(device) == "cpu":
+        backend = get_backend(device, kernel_source)
+        return True, run_threads(backend, world_size, lambda world_group: work(backend, world_group))[0]
+    raise SystemExit(spawn_ranks(world_size, sys.argv[1:]))
+
+
+def run_layout(device: str, tp: int, dp: int, emulate: bool, work: Callable,
+               kernel_source: str = "native") -> tuple[bool, Any]:
+    """(reports, work(backend, tp_group, dp_group)) for this rank of tp x dp ranks: each model cut over
+    `tp` ranks, `dp` replicas of it."""
+    for flag, value in (("--tp", tp), ("--dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{flag} must be an integer >= 1, got {value!r}")
+    return run_ranks(device, tp * dp, emulate,
+                     lambda backend, world_group: work(backend, *layout_groups(world_group, tp)), kernel_source)

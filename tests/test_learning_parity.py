@@ -130,7 +130,7 @@ def trl_formula(ours):
 
 def trl_own(ours):
     """TRL's own GRPOTrainer code on our completions: (loss, {name: gradient})."""
-    pytest.importorskip("trl")
+    pytest.importorskip("trl", exc_type=ImportError)  # missing, or failing to import against these versions
     import tempfile
     from collections import defaultdict, deque
 
@@ -182,3 +182,35 @@ def test_first_step_matches_trl_own_code(ours):
     assert abs(formula_loss - loss) <= SAME_CODE_RTOL * max(abs(loss), 1e-3)
     for name, g in grads.items():
         assert np.linalg.norm(formula_grads[name] - g) <= SAME_CODE_RTOL * np.linalg.norm(g), name
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--steps", "0"], "--steps"),
+    (["--seeds", "1"], "--seeds"),
+    (["--steps", "10", "--window", "20"], "--window"),
+    (["--steps", "5"], "--steps"),  # no steps left after the 5 warm-up steps
+    (["--prompts-per-step", "-1"], "--prompts-per-step"),
+    (["--task", "arithmetic:digits=0"], "--task"),
+    (["--task", "nope"], "--task"),
+])
+def test_bench_learning_inputs_are_one_line_naming_the_flag(args, flag):
+    from click.testing import CliRunner
+
+    from rlportable.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "learning", "--device", "cpu", *args])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and flag in errors[0], result.output
+
+
+def test_bench_learning_without_trl_names_the_extra(monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from rlportable.cli import main
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
+    result = CliRunner().invoke(main, ["bench", "learning", "--device", "cpu"])
+    assert result.exit_code != 0 and "rlportable[trl]" in result.output and "Traceback" not in result.output

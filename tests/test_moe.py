@@ -70,7 +70,7 @@ def test_any_grouping_of_tokens_by_expert_gives_the_same_bits(block):
     assert same(moe.combine(weights[:, slots], grouped[:, slots]), moe.combine(weights, grouped))
 
 
-def test_the_ops_block_is_the_reference_and_refuses_devices(block):
+def test_the_ops_block_is_the_reference_and_the_backward_refuses_devices(block):
     h, router, gate, up, down = block
     weight = moe_op.encode(CPU, router, gate, up, down, 2, True)
     got = moe_op.block(CPU, h, weight)
@@ -80,8 +80,9 @@ def test_the_ops_block_is_the_reference_and_refuses_devices(block):
     class Device:
         runs_reference, label = False, "cuda"
 
-    with pytest.raises(BackendUnavailable, match="moe.route: no kernel on the cuda backend"):
-        moe_op.route(Device(), np.zeros((1, 4), np.float32), 2, True)
+    # route and combine have kernels (conform checks them on devices); the backward has none yet
+    with pytest.raises(BackendUnavailable, match="moe.block_backward: no kernel on the cuda backend"):
+        moe_op.block_backward(Device(), h, router, gate, up, down, 2, True, np.zeros_like(h))
 
 
 def test_ties_go_to_the_lower_expert_index():

@@ -2,8 +2,8 @@
 reference, and the contract's invariances (a token alone and in a batch, any token order, any order of
 the k experts, any grouping of tokens by expert), bitwise.
 
-The family is reference only (no kernels yet), so on a device backend every check compares nothing and
-says so in its message rather than running the host reference in the device's place."""
+On a device the invariances are checked on the device's own results (route and combine run the family's
+kernels, the block the gemm kernels between them)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Callable
 import numpy as np
 
 from rlportable.conform.golden_case import Cases
+from rlportable.conform.golden_digest import host
+from rlportable.conform.golden_stream import STREAM_ROW_KINDS
 from rlportable.conform.inputs import ROW_KINDS, random_rows
 from rlportable.conform.tally import Tally
 from rlportable.contract import moe as moe_ref
@@ -21,14 +23,6 @@ from rlportable.runtime.base import Backend
 ROUTE_SHAPES = [(1, 1, 1), (7, 8, 2), (33, 128, 8), (5, 60, 60)]  # (tokens, experts, k)
 
 
-def _not_run(backend: Backend) -> Tally | None:
-    if backend.runs_reference:
-        return None
-    tally = Tally()
-    tally.message = f"moe: not run on {backend.label}: the family has no kernels yet (contracts/moe.toml)"
-    return tally
-
-
 def _same_rows_alone(tally: Tally, function, rows: np.ndarray, whole: tuple) -> None:
     """Each row's outputs of function(rows[t:t+1]) against its row of the whole batch's outputs."""
     for t in range(rows.shape[0]):
@@ -36,10 +30,11 @@ def _same_rows_alone(tally: Tally, function, rows: np.ndarray, whole: tuple) -> 
             tally.add(got[0], want[t])
 
 
+def _route(backend: Backend, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    return tuple(backend.to_numpy(x) for x in moe_op.route(backend, backend.asarray(logits), k, norm))
+
+
 def check_moe_route(backend: Backend, rng, quick: bool) -> Tally:
-    tally = _not_run(backend)
-    if tally is not None:
-        return tally
     tally = Tally()
     for tokens, experts, k in ROUTE_SHAPES:
         for kind in ROW_KINDS:
@@ -48,20 +43,21 @@ def check_moe_route(backend: Backend, rng, quick: bool) -> Tally:
                 logits[:, 1::3] = logits[:, :1]
                 logits[0, :2] = (0.0, -0.0)
             for norm in (False, True):
-                got = moe_op.route(backend, backend.asarray(logits), k, norm)
                 want = moe_ref.route(logits, k, norm)
-                tally.add_outputs(backend, got, want)
-                _same_rows_alone(tally, lambda rows: moe_ref.route(rows, k, norm), logits, want)
+                for got_part, want_part in zip(_route(backend, logits, k, norm), want):
+                    tally.add(got_part, want_part)
+                _same_rows_alone(tally, lambda rows: _route(backend, rows, k, norm), logits, want)
                 order = rng.permutation(tokens)
-                for got_part, want_part in zip(moe_ref.route(logits[order], k, norm), want):
+                for got_part, want_part in zip(_route(backend, np.ascontiguousarray(logits[order]), k, norm), want):
                     tally.add(got_part, want_part[order])
     return tally
 
 
+def _combine(backend: Backend, weights: np.ndarray, outputs: np.ndarray) -> np.ndarray:
+    return backend.to_numpy(moe_op.combine(backend, backend.asarray(weights), backend.asarray(outputs)))
+
+
 def check_moe_combine(backend: Backend, rng, quick: bool) -> Tally:
-    tally = _not_run(backend)
-    if tally is not None:
-        return tally
     tally = Tally()
     for tokens, k, hidden in ((1, 1, 1), (7, 2, 13), (33, 8, 64)):
         for kind in ROW_KINDS:
@@ -69,11 +65,11 @@ def check_moe_combine(backend: Backend, rng, quick: bool) -> Tally:
             weights = rng.random((tokens, k)).astype(np.float32)
             weights[rng.random((tokens, k)) < 0.1] = 0.0  # underflowed experts contribute nothing
             want = moe_ref.combine(weights, outputs)
-            tally.add(backend.to_numpy(moe_op.combine(backend, backend.asarray(weights), backend.asarray(outputs))),
-                      want)
+            tally.add(_combine(backend, weights, outputs), want)
             slots = rng.permutation(k)  # the order of a token's experts
-            tally.add(moe_ref.combine(weights[:, slots], outputs[:, slots]), want)
-            _same_rows_alone(tally, lambda rows, o=outputs, w=weights: (moe_ref.combine(w[rows], o[rows]),),
+            tally.add(_combine(backend, np.ascontiguousarray(weights[:, slots]),
+                               np.ascontiguousarray(outputs[:, slots])), want)
+            _same_rows_alone(tally, lambda rows, o=outputs, w=weights: (_combine(backend, w[rows], o[rows]),),
                              np.arange(tokens), (want,))
     return tally
 
@@ -88,20 +84,23 @@ def random_block(rng, hidden: int = 24, inner: int = 16, experts: int = 6, scale
 
 
 def check_moe_block(backend: Backend, rng, quick: bool) -> Tally:
-    tally = _not_run(backend)
-    if tally is not None:
-        return tally
     tally = Tally()
     router, gate, up, down = random_block(rng)
+    device = [[backend.asarray(w) for w in ws] for ws in (gate, up, down)]
     for tokens, k, norm in ((1, 1, False), (9, 2, True), (40, 3, False)):
         h = rng.standard_normal((tokens, router.shape[1])).astype(np.float32)
-        weight = moe_op.encode(backend, backend.asarray(router), gate, up, down, k, norm)
+        weight = moe_op.encode(backend, backend.asarray(router), *device, k, norm)
+
+        def block(rows, weight=weight):
+            return tuple(backend.to_numpy(x) for x in moe_op.block(backend, backend.asarray(rows), weight))
+
         want = moe_ref.moe_block(h, router, gate, up, down, k, norm)
-        tally.add_outputs(backend, moe_op.block(backend, backend.asarray(h), weight), want)
+        for got_part, want_part in zip(block(h), want):
+            tally.add(got_part, want_part)
         order = rng.permutation(tokens)
-        for got_part, want_part in zip(moe_ref.moe_block(h[order], router, gate, up, down, k, norm), want):
+        for got_part, want_part in zip(block(np.ascontiguousarray(h[order])), want):
             tally.add(got_part, want_part[order])
-        _same_rows_alone(tally, lambda rows: moe_ref.moe_block(rows, router, gate, up, down, k, norm), h, want)
+        _same_rows_alone(tally, block, h, want)
         # any grouping of the (token, expert) pairs into products gives the expert outputs' bits
         experts = want[1]
         grouped = moe_ref.expert_outputs(h, experts, gate, up, down)
@@ -117,5 +116,29 @@ CHECKS: list[tuple[str, Callable]] = [
     ("moe.block", check_moe_block),
 ]
 
-# No golden digests yet: a device has no MoE kernels to reproduce them with.
 GOLDEN_CASES = Cases("moe")
+
+
+@GOLDEN_CASES.case("route", seed=60, shapes=[[1, 1], [7, 8], [33, 128], [5, 60]], top_k=[1, 2, 8, 60],
+                   kinds=STREAM_ROW_KINDS)
+def _golden_route(backend, s, r):
+    out = []
+    for i, (shape, k) in enumerate(zip(r["shapes"], r["top_k"])):
+        for kind in r["kinds"]:
+            z = backend.asarray(s.floats(shape, kind))
+            for norm in (False, True):
+                experts, weights = moe_op.route(backend, z, k, norm)
+                out += [(f"{i}.{kind}.{int(norm)}.experts", host(backend, experts)),
+                        (f"{i}.{kind}.{int(norm)}.weights", host(backend, weights))]
+    return out
+
+
+@GOLDEN_CASES.case("combine", seed=61, shapes=[[1, 1, 1], [7, 2, 13], [33, 8, 64]], kinds=STREAM_ROW_KINDS)
+def _golden_combine(backend, s, r):
+    out = []
+    for i, (tokens, k, hidden) in enumerate(r["shapes"]):
+        for kind in r["kinds"]:
+            weights = backend.asarray(np.abs(s.floats([tokens, k], "uniform")))
+            outputs = backend.asarray(s.floats([tokens * k, hidden], kind).reshape(tokens, k, hidden))
+            out.append((f"{i}.{kind}", host(backend, moe_op.combine(backend, weights, outputs))))
+    return out

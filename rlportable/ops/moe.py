@@ -1,10 +1,11 @@
 """Op family "moe": route, combine and the whole sparse MLP block of a Qwen3-MoE layer.
 
-Contract: contracts/moe.toml; reference: rlportable/contract/moe.py. The family has no kernels yet
-(the contract's reference_only line says what is missing): every op runs the reference on a backend
-that runs references (cpu) and raises BackendUnavailable on any other, never falling back to the host.
-The experts' products are the gemm family's (weights encoded once, as the dense layers'), so the
-block's bits are the reference's moe_block. The backward (block_backward) is the reference's
+Contract: contracts/moe.toml; reference: rlportable/contract/moe.py. route and combine run the kernels of
+backends/portable/moe.hip on a device (both vendors, HIP-CPU) and the reference on cpu; the experts'
+products are the gemm family's (weights encoded once, as the dense layers'), so the block's bits are
+the reference's moe_block. The block groups tokens by expert on the host (the expert ids come back to
+it; a device gather is not written yet). The backward has no kernels: block_backward runs on cpu only
+and raises BackendUnavailable elsewhere, never falling back to the host. The backward (block_backward) is the reference's
 moe_block_backward on the float32 weights (the trainer's masters).
 """
 
@@ -17,7 +18,11 @@ import numpy as np
 from rlportable.contract import moe as reference
 from rlportable.errors import BackendUnavailable, InputError
 from rlportable.ops import activation, gemm
-from rlportable.ops.checks import require_matrix, shape_of
+from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
+
+ROUTE_THREADS = 256  # moe_route: one block per row, a multiple of 32 (common.h's block reductions)
+COMBINE_THREADS = 256
+GRID_LIMIT = 65535  # both kernels walk their rows grid-stride beyond this
 
 
 @dataclass
@@ -51,7 +56,6 @@ def _check_top_k(num_experts: int, top_k: int) -> None:
 
 def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool) -> MoeWeight:
     """Encode a sparse layer's weights once (router [E, H]; per expert gate, up [I, H] and down [H, I])."""
-    require_reference(backend, "encode")
     experts, hidden = require_matrix("moe router", router)
     if not len(gate) == len(up) == len(down) == experts:
         raise InputError(f"moe: the router has {experts} experts but gate, up, down hold "
@@ -70,27 +74,40 @@ def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_t
 
 def route(backend, logits, top_k: int, norm_topk_prob: bool):
     """(experts int32 [T, k], weights float32 [T, k]) of router logits [T, E] (contracts/moe.toml route)."""
-    require_reference(backend, "route")
-    _, experts = require_matrix("moe route: logits", logits)
+    rows, experts = require_matrix("moe route: logits", logits, np.float32)
     _check_top_k(experts, top_k)
-    return reference.route(backend.to_numpy(logits), top_k, norm_topk_prob)
+    if backend.runs_reference:
+        return reference.route(backend.to_numpy(logits), top_k, norm_topk_prob)
+    chosen, weights = backend.empty((rows, top_k), np.int32), backend.empty((rows, top_k), np.float32)
+    if rows:
+        backend.launch("moe", "moe_route", (min(rows, GRID_LIMIT),), (ROUTE_THREADS,),
+                       (logits, np.int64(rows), np.int32(experts), np.int32(top_k), np.int32(bool(norm_topk_prob)),
+                        chosen, weights))
+    return chosen, weights
 
 
 def combine(backend, weights, outputs):
     """out [T, H] float32 = sum_j weights[t, j] outputs[t, j] (contracts/moe.toml combine)."""
-    require_reference(backend, "combine")
-    t, k = require_matrix("moe combine: weights", weights)
+    t, k = require_matrix("moe combine: weights", weights, np.float32)
     if len(shape_of(outputs)) != 3 or shape_of(outputs)[:2] != (t, k) or np.dtype(outputs.dtype) != np.float32:
         raise InputError(f"moe combine: outputs must be float32 [{t}, {k}, H], got "
                          f"{np.dtype(outputs.dtype).name} {shape_of(outputs)}")
-    return reference.combine(backend.to_numpy(weights), backend.to_numpy(outputs))
+    if backend.runs_reference:
+        return reference.combine(backend.to_numpy(weights), backend.to_numpy(outputs))
+    require_contiguous("moe combine: outputs", outputs)
+    hidden = shape_of(outputs)[2]
+    out = backend.empty((t, hidden), np.float32)
+    if t and hidden:
+        blocks = min(-(-t * hidden // COMBINE_THREADS), GRID_LIMIT)
+        backend.launch("moe", "moe_combine", (blocks,), (COMBINE_THREADS,),
+                       (weights, outputs, np.int64(t), np.int32(k), np.int32(hidden), out))
+    return out
 
 
 def block(backend, h, weight: MoeWeight, encoded=None):
     """(out [T, H], experts int32 [T, k], weights float32 [T, k]): the sparse MLP of hidden rows h [T, H]
     (contracts/moe.toml block). encoded: h's encoding at the gemm's activation bits when its producer
     made it (the router's product reads it; an expert's rows are encoded by its own product)."""
-    require_reference(backend, "block")
     t, hidden = require_matrix("moe block: h", h)
     if hidden != weight.router.k:
         raise InputError(f"moe block: h has {hidden} columns but the router takes {weight.router.k}")
@@ -98,14 +115,14 @@ def block(backend, h, weight: MoeWeight, encoded=None):
     experts, weights = route(backend, logits, weight.top_k, weight.norm_topk_prob)
     host = backend.to_numpy(h)
     outputs = np.zeros((t, weight.top_k, hidden), dtype=np.float32)
-    flat = experts.reshape(-1)
+    flat = backend.to_numpy(experts).reshape(-1)
     for expert in np.unique(flat):  # tokens grouped by expert: one product per expert
         pairs = np.flatnonzero(flat == expert)
         rows, slots = pairs // weight.top_k, pairs % weight.top_k
         gate, up = gemm.gemm_columns(backend, backend.asarray(host[rows]), weight.gate_up[expert])
         y = gemm.gemm(backend, activation.swiglu(backend, gate, up), weight.down[expert])
         outputs[rows, slots] = backend.to_numpy(y)
-    return combine(backend, weights, outputs), experts, weights
+    return combine(backend, weights, backend.asarray(outputs)), experts, weights
 
 
 def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out):

@@ -13,13 +13,17 @@ import json
 import sys
 
 from rlportable.bench.grpo import Settings, bench_prompts, measure_ours
+from rlportable.errors import RlpError
 from rlportable.model.synthetic import qwen3_config, random_weights
 from rlportable.runtime import get_backend
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-1.7b"
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else None
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-backend = get_backend("cuda")
+try:
+    backend = get_backend("cuda")
+except RlpError as error:
+    sys.exit(f"check_memory_release: {error}")
 cupy = backend.cupy
 GIB = float(1 << 30)
 

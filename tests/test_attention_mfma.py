@@ -112,3 +112,23 @@ def test_mfma_backward_gives_the_reference_bits(backend, arch, monkeypatch):
             grads = attention_op.attention_packed_backward(backend, *inputs, cu, method="mma", **extra)
             for got, want in zip(grads, expected):
                 assert np.asarray(got).view(np.uint32).tobytes() == want.view(np.uint32).tobytes(), (arch, lengths)
+
+
+def test_an_amd_gpu_trains_with_the_mfma_backward_and_forward():
+    """What the model's calls (method "auto") launch on an AMD GPU with MFMA kernels: the MFMA forward
+    and the MFMA dq and dkv; "tiled" stays the portable tiled kernels (so conform checks both there)."""
+    from recording_device import RecordingDevice
+
+    device = RecordingDevice("hip")
+    device.mfma_archs = ("gfx942",)
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((70, heads, 128)).astype(np.float32) for heads in (4, 2, 2, 4))
+    cu = np.array([0, 70])
+    attention_op.attention_packed(device, q, k, v, cu, keep_stats=True)
+    assert "attention_paged_mfma_d128_gfx942" in [launch.kernel for launch in device.launches]
+    for method, prefix in (("auto", "attention_backward_mfma_"), ("tiled", "attention_backward_tiled_")):
+        device.launches.clear()
+        attention_op.attention_packed_backward(device, q, k, v, do, cu, o=q, method=method)
+        kernels = [launch.kernel for launch in device.launches]
+        assert any(name.startswith(prefix + "dq") for name in kernels), (method, kernels)
+        assert any(name.startswith(prefix + "dkv") for name in kernels), (method, kernels)

@@ -172,6 +172,14 @@ def test_bad_chat_messages_are_one_line_naming_file_and_line(tmp_path, messages,
         datafiles.load_prompt_records(path)
 
 
+def test_a_file_mixing_text_and_chat_prompts_is_refused_naming_the_line(tmp_path):
+    """The reward functions get one completion format for a run (strings, or TRL's message lists), so a
+    file's prompts are all texts or all chat messages."""
+    path = _jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": CHAT[0]["messages"], "answer": "2"}])
+    with pytest.raises(InputError, match=r"mixed\.jsonl:2: .*chat messages where the first record's is a text"):
+        datafiles.load_prompt_records(path)
+
+
 def test_chat_completions_reach_rewards_as_trl_passes_them():
     records = [{"prompt": CHAT[0]["messages"], "answer": "5"}] * 2
     batch = batch_from_records(records, ["\\boxed{5}", "4"])

@@ -106,18 +106,24 @@ def test_mfma_kernels_give_the_reference_bits(backend, tile):
 
 
 def test_mfma_kernels_at_the_longest_k(backend):
-    """K at the contract's limit (65,535 for 23 x 15 bits: 1,024 chunks of 64 summed in the int32 shift
-    groups, each digit spread over the whole int8 range): the sums come back exact."""
+    """K at the contract's limit (65,535 for 23 x 15 bits: 1,024 chunks of 64 in the int32 shift groups).
+    Row 0 of x and of w holds 1.0 (setting the row exponent) and then -128 units of the last place, so
+    the least significant digit of every other element is -128 on both sides: shift group 0 sums
+    65,534 products of 2^14, about 2^30, the largest an encoding can put there. Row 1 of each is
+    random over the whole range. The sums must come back exact."""
     k = exact.gemm_max_k(gemm_op.DEFAULT_BITS_A, gemm_op.DEFAULT_BITS_W)
     rng = np.random.default_rng(11)
-    x = rng.uniform(-1, 1, (3, k)).astype(np.float32)
-    w = rng.uniform(-1, 1, (5, k)).astype(np.float32)
-    x[1], w[1] = np.abs(x[1]), np.abs(w[1])  # one row and column of one sign: the largest sums
+    x = rng.uniform(-1, 1, (2, k)).astype(np.float32)
+    w = rng.uniform(-1, 1, (2, k)).astype(np.float32)
+    x[0], w[0] = np.float32(-128 * 2.0 ** -(gemm_op.DEFAULT_BITS_A - 2)), np.float32(-128 * 2.0 ** -(gemm_op.DEFAULT_BITS_W - 2))
+    x[0, 0] = w[0, 0] = 1.0
+    encoded = encode_rows(backend, backend.asarray(x), gemm_op.DEFAULT_BITS_A)
+    digits = np.asarray(encoded.digits).reshape(2, 3, -1)
+    assert (digits[0, 0, 1:k] == -128).all()  # the extreme least significant digit, as intended
     expected = exact.gemm(x, w, gemm_op.DEFAULT_BITS_A, gemm_op.DEFAULT_BITS_W)
     weight = gemm_op.encode_weight(backend, backend.asarray(w))
-    encoded = encode_rows(backend, backend.asarray(x), gemm_op.DEFAULT_BITS_A)
     for tile in MFMA_TILES:
-        y = backend.empty((3, 5), np.float32)
+        y = backend.empty((2, 2), np.float32)
         launch_mfma(backend, tile, encoded, weight, y, -(gemm_op.DEFAULT_BITS_A - 2) - (gemm_op.DEFAULT_BITS_W - 2))
         assert np.asarray(y).view(np.uint32).tobytes() == expected.view(np.uint32).tobytes(), tile
 

@@ -39,6 +39,7 @@ from rlportable.ops import segments
 from rlportable.ops.checks import NULL_POINTER, round_up, shape_of
 from rlportable.ops.fixedpoint import K_ALIGN, encode_rows_reference
 from rlportable.runtime.base import Backend
+from rlportable.runtime.hip import MFMA_ARCHS
 
 Q_BITS = reference.Q_BITS  # 23: 3 int8 digits
 KV_BITS = reference.K_BITS  # 15: 2 int8 digits, as weights
@@ -257,7 +258,7 @@ def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, meth
     available = available_methods(backend, head_dim)
     if method == "mma" and "mma" not in available:
         raise InputError(f"attention: the mma kernel exists for CUDA sources with padded head_dim <= "
-                         f"{MMA_MAX_HEAD_DIM_PADDED} and for AMD's gfx942 and gfx90a (MFMA) with padded head_dim <= "
+                         f"{MMA_MAX_HEAD_DIM_PADDED} and for AMD's {', '.join(MFMA_ARCHS)} (MFMA) with padded head_dim <= "
                          f"{MFMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {head_dim}")
     if method == "split" and "split" not in available:
         raise InputError(f"attention: the split kernels exist for CUDA and HIP sources; got {backend.label}")
@@ -597,7 +598,8 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 
 # ---- backward (contracts/attention.toml, op "attention_backward")
 #
-# Two variants, the same bits (method "rows" or "tiled"; "auto" takes "tiled" where it exists):
+# Three variants, the same bits (method "rows", "tiled" or "mma"; "auto" takes "mma" on an AMD GPU with
+# MFMA kernels, else "tiled" where it exists):
 # "rows", three portable kernels, none of them holding a [T, T] matrix:
 #   attention_backward_rows  one block per (token, q head): encodes the q and do rows (23 bits, int32
 #                            rows in q_int / do_int), m and L of the forward (two passes over the keys),
@@ -610,6 +612,8 @@ def attention_packed(backend: Backend, q, k, v, cu_seqlens, threads: int = THREA
 # int32, padded to the kernels' head_dim), _stats (m, L, poisoned; left out when the forward gave m and
 # L), _dq (per query tile, key blocks ascending) and _dkv (per key tile, query blocks ascending, the
 # group's heads in order within each block).
+# "mma", AMD's gfx942 and gfx90a (and HIP-CPU, emulated), padded head_dim <= 128: "tiled" with dq and dkv
+# on MFMA (backends/hip/attention.hip), the portable _rows, _keys and _stats around them.
 
 BACKWARD_THREADS = 256
 BACKWARD_METHODS = ("auto", "rows", "tiled", "mma")
@@ -624,9 +628,9 @@ PORTABLE_SHARED_LIMIT = 64 * 1024
 
 def backward_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
     """The backward variants this backend runs for this head_dim (cpu: the reference, "rows"). "mma": the
-    tiled method with dq and dkv on AMD's MFMA (backends/hip/attention.hip), where the backend has them;
-    on an AMD GPU "tiled" takes them too, on HIP-CPU (which emulates MFMA) only "mma" does. CUDA's
-    "tiled" is its tensor-core kernels already."""
+    tiled method with dq and dkv on AMD's MFMA (backends/hip/attention.hip), where the backend has them
+    ("auto" takes it on an AMD GPU; on HIP-CPU, which emulates MFMA, it runs when asked); "tiled" there
+    is the portable tiled kernels. CUDA's "tiled" is its tensor-core kernels already."""
     if backend.runs_reference or round_up(head_dim, K_ALIGN) > TILED_HEAD_DIMS[-1]:
         return ("rows",)
     if mfma_arch(backend) is not None and round_up(head_dim, K_ALIGN) <= MFMA_MAX_HEAD_DIM_PADDED:
@@ -787,7 +791,7 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     o: the forward's output attention_packed(q, k, v, cu_seqlens) if the caller kept it (the contract's
     delta = do . o reads it; passing it saves one forward), else None and it is recomputed here.
     threads: the rows kernels' block size (any value in [1, MAX_THREADS] gives the same bits).
-    method: "auto", "rows" or "tiled" (BACKWARD_METHODS; the same bits). row_stats: the statistics attention_packed(q, k, v, cu_seqlens, keep_stats=True)
+    method: "auto", "rows", "tiled" or "mma" (BACKWARD_METHODS; the same bits). row_stats: the statistics attention_packed(q, k, v, cu_seqlens, keep_stats=True)
     returned beside o (with o, or None): the tiled kernels then skip their statistics pass (the same
     bits) and write delta into its third column; the other methods compute their own."""
     name = "attention_packed_backward"
@@ -811,10 +815,11 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
         raise InputError(f"{name}: the tiled kernels exist for GPU kernel sources, padded head_dim <= "
                          f"{TILED_HEAD_DIMS[-1]}; got {backend.label} with head_dim {dim}")
     if method == "mma" and "mma" not in available:
-        raise InputError(f"{name}: the mma backward (dq and dkv on MFMA) exists for AMD's gfx942 and gfx90a, "
+        raise InputError(f"{name}: the mma backward (dq and dkv on MFMA) exists for AMD's {', '.join(MFMA_ARCHS)}, "
                          f"padded head_dim <= {MFMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {dim}")
     if method == "auto":
-        method = "tiled" if "tiled" in available else "rows"
+        mma = "mma" in available and not backend.on_host
+        method = "mma" if mma else ("tiled" if "tiled" in available else "rows")
     cu = _check_cu_seqlens(backend.to_numpy(cu_seqlens) if not isinstance(cu_seqlens, (list, tuple)) else cu_seqlens,
                            tokens, name)
     if backend.runs_reference:
@@ -831,8 +836,8 @@ def attention_packed_backward(backend: Backend, q, k, v, do, cu_seqlens, o=None,
     write_kv(backend, cache, k, v, np.arange(tokens, dtype=np.int32))
     scale = np.float64(1.0 / np.sqrt(np.float64(dim)))  # the forward's float64 1/sqrt(D)
     if method in ("tiled", "mma"):
-        mfma = "mma" in available and (method == "mma" or not backend.on_host)
-        _backward_tiled(backend, q, do, o, cu, cache, scale, dq, dk, dv, row_stats, mfma_arch(backend) if mfma else None)
+        _backward_tiled(backend, q, do, o, cu, cache, scale, dq, dk, dv, row_stats,
+                        mfma_arch(backend) if method == "mma" else None)
         return dq, dk, dv
     rows = tokens * hq
     q_int, do_int = backend.empty((rows, dim), np.int32), backend.empty((rows, dim), np.int32)

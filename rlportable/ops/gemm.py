@@ -93,12 +93,17 @@ def gemm(backend: Backend, x, weight: GemmWeight, bits_a: int = DEFAULT_BITS_A, 
 
     encoded: x already encoded at bits_a (encode_rows), shared by several products of the same
     activations (q, k and v; gate and up): the encoding is a function of x alone, so the bits are
-    the same."""
+    the same. tile: a fused kernel's tile (ops/gemm_fused.py, ops/gemm_mfma.py): it implies the fused
+    method, and is refused with "blas"."""
     m, k = require_matrix("x", x)
     bits_a = require_bits("bits_a", bits_a)
     check_gemm_shapes((m, k), weight, bits_a)
     if method not in METHODS:
         raise InputError(f"gemm: unknown method {method!r}; choose one of {METHODS}")
+    if tile is not None:
+        if method == "blas":
+            raise InputError(f"gemm: tile {tile!r} is a fused kernel's; method 'blas' takes none")
+        method = "fused"
     _check_shared_encoding("gemm", encoded, m, k, bits_a)
     if backend.runs_reference:
         return _gemm_reference(backend.to_numpy(x), weight, bits_a, encoded)

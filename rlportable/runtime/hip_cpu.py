@@ -32,6 +32,7 @@ from rlportable.errors import BackendUnavailable, InputError, KernelCompileError
 from rlportable.runtime import cache
 from rlportable.resources import assemble_text
 from rlportable.runtime.base import Backend, assemble_source
+from rlportable.runtime.hip import MFMA_ARCHS
 
 ENVIRONMENT = "RLPORTABLE_HIP_CPU"
 PRELUDE = "hip/cpu_prelude.h"  # under backends/
@@ -201,8 +202,8 @@ class HipCpuBackend(Backend):
     name = "hip-cpu"
     kernel_vendor = "hip"
     on_host = True
-    #: the AMD targets whose MFMA kernels it runs: both, the instructions emulated (cpu_prelude.h)
-    mfma_archs = ("gfx942", "gfx90a")
+    #: the AMD targets whose MFMA kernels it runs: every one, the instructions emulated (cpu_prelude.h)
+    mfma_archs = MFMA_ARCHS
 
     def __init__(self):
         available, reason = probe()

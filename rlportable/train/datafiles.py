@@ -80,7 +80,8 @@ def load_prompt_records(path: str | os.PathLike, prompt_column: str | None = Non
                         answer_column: str | None = None) -> list[dict[str, Any]]:
     """GRPO's records of a JSONL or Parquet file, each with "prompt" (a text or chat messages) and, with
     answer_column, "answer"; every other column as it is (they reach the reward functions). Every record
-    must carry the same columns as the first."""
+    must carry the same columns as the first, and every prompt be of the first's kind (text or chat: the
+    reward functions get one completion format for the whole run)."""
     records: list[dict[str, Any]] = []
     keys: set[str] | None = None
     column = prompt_column
@@ -92,6 +93,10 @@ def load_prompt_records(path: str | os.PathLike, prompt_column: str | None = Non
         elif set(record) != keys:
             raise InputError(f"{where}: columns {sorted(record)} differ from the first record's {sorted(keys)}")
         records.append(_prompt_record(where, record, column, answer_column))
+        if is_chat(records[-1]["prompt"]) != is_chat(records[0]["prompt"]):
+            kinds = ("chat messages", "a text") if is_chat(records[0]["prompt"]) else ("a text", "chat messages")
+            raise InputError(f"{where}: the \"{column}\" column is {kinds[1]} where the first record's is {kinds[0]}; "
+                             "a file's prompts are all texts or all chat messages")
     if not records:
         raise InputError(f"{os.fspath(path)}: no records")
     return records

@@ -10,8 +10,9 @@ and `rollout_corr/routing_compared`), and every other number of a step under
 are left out.
 
 The writer is the tensorboard package's own event-file writer (the `tensorboard` extra, which is what
-shows the files anyway): it imports no ML framework (numpy, protobuf), where tensorboardX imports torch
-whenever torch is installed, and rlportable never imports torch. The scalars are written as plain
+shows the files anyway): it needs numpy and protobuf, and TensorFlow only where TensorFlow is installed
+(tensorboard's compat layer then imports it), where tensorboardX imports torch whenever torch is
+installed, and rlportable never imports torch. The scalars are written as plain
 `simple_value` summaries, which every TensorBoard reads. A resumed run writes a new event file that
 starts with TensorBoard's purge marker (a SessionLog START at the first resumed step), so the points an
 interrupted run logged after its last checkpoint are replaced rather than drawn twice, as the JSONL log

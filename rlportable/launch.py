@@ -10,8 +10,9 @@ How the ranks run:
     rank of the NCCL/RCCL group (runtime/world.py);
   * one rank: one device, a group of one;
   * emulated (--emulate), or on cpu: threads of this process on one backend;
-  * otherwise: this same command started once per GPU (spawn_ranks), which waits for them and exits
-    with their worst exit code.
+  * otherwise: this same command started once per GPU (spawn_ranks), which waits for them; when one
+    fails the others are stopped (they would wait in a collective for it forever), and the command
+    exits with the first failure's code.
 The cli parses, calls one of these and prints; rank 0 alone reports.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any, Callable
 
 from rlportable.errors import InputError
@@ -27,9 +29,10 @@ from rlportable.runtime.collectives import SingleGroup, run_threads
 from rlportable.runtime.world import connect, free_port, layout_groups, world_from_env
 
 
-def spawn_ranks(size: int, argv: list[str]) -> int:
-    """Run `python -m rlportable *argv` as `size` ranks (rank r on GPU r); the worst exit code.
-    Rank 0 keeps stdout; the other ranks' stdout is dropped (they compute the same results)."""
+def spawn_ranks(size: int, argv: list[str], poll_s: float = 0.1) -> int:
+    """Run `python -m rlportable *argv` as `size` ranks (rank r on GPU r); 0, or the exit code of the first
+    rank that failed (the others are then terminated). Rank 0 keeps stdout; the other ranks' stdout is
+    dropped (they compute the same results)."""
     port, rendezvous = free_port(), free_port()
     running = []
     for rank in range(size):
@@ -37,8 +40,16 @@ def spawn_ranks(size: int, argv: list[str]) -> int:
                    MASTER_PORT=str(port), RLPORTABLE_RENDEZVOUS_PORT=str(rendezvous))
         stdout = None if rank == 0 else subprocess.DEVNULL
         running.append(subprocess.Popen([sys.executable, "-m", "rlportable", *argv], env=env, stdout=stdout))
-    codes = [process.wait() for process in running]
-    return max(codes, key=abs)
+    failure = 0
+    while [process.poll() for process in running].count(None):  # every rank polled each round
+        if not failure:
+            failure = next((p.returncode for p in running if p.returncode not in (None, 0)), 0)
+            if failure:  # a rank failed: the others would wait for it in a collective
+                for process in running:
+                    if process.poll() is None:
+                        process.terminate()
+        time.sleep(poll_s)
+    return failure or next((p.returncode for p in running if p.returncode), 0)
 
 
 def run_ranks(device: str, world_size: int, emulate: bool, work: Callable,
@@ -76,5 +87,8 @@ def run_layout(device: str, tp: int, dp: int, emulate: bool, work: Callable,
     for flag, value in (("--tp", tp), ("--dp", dp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{flag} must be an integer >= 1, got {value!r}")
+    world = world_from_env()
+    if world is not None and dp == 1 and world.size % tp == 0:
+        dp = world.size // tp  # a launcher's ranks beyond the model cut are replicas, whatever --tp is
     return run_ranks(device, tp * dp, emulate,
                      lambda backend, world_group: work(backend, *layout_groups(world_group, tp)), kernel_source)

@@ -22,3 +22,9 @@ def hip_cpu_backend():
             pytest.fail(f"{reason} (CI must run the HIP sources on HIP-CPU; see .ci/run)")
         pytest.skip(reason)
     return hip_cpu.HipCpuBackend()
+
+
+def clean_exit(result) -> bool:
+    """A CliRunner result that ended by the command's own exit (an "error: ..." line and a status), not by an
+    uncaught exception: CliRunner keeps a traceback out of result.output, so the output cannot tell."""
+    return result.exception is None or isinstance(result.exception, SystemExit)

@@ -4,6 +4,7 @@ resolved options written to OUT/run_config.toml, which reruns or resumes the run
 import pytest
 from click.testing import CliRunner
 
+from conftest import clean_exit
 from rlportable.cli import main
 
 
@@ -33,7 +34,7 @@ def test_a_bad_config_is_one_line_naming_the_file(text, problem, tmp_path):
     path.write_text(text)
     result = _invoke("grpo", "--config", str(path))
     assert result.exit_code == 2 and problem in result.output and str(path) in result.output
-    assert "Traceback" not in result.output
+    assert clean_exit(result)
 
 
 def test_a_run_writes_its_config_and_the_file_resumes_it(tmp_path):

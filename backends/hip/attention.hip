@@ -154,20 +154,10 @@ __device__ __forceinline__ void rlp_attention_mfma(
         auto stage = [&](int kb, bool values) {
             __syncthreads();  // the previous tile's readers are done
             if (tid < RLP_ATTF_KEYS) {
-                const int j = kb + tid;
-                long long row = -1;
-                int f = 0, ek = 0, ev = 0;
-                if (j <= last) {
-                    const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, j);
-                    if (slot < 0) {
-                        f = RLP_ATT_BAD_INDEX;
-                    } else {
-                        row = slot * hkv + gkv;
-                        ek = k_exponents[row];
-                        ev = v_exponents[row];
-                        if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) { f = RLP_ATT_BAD_KV; ek = 0; ev = 0; }
-                    }
-                }
+                long long row;
+                int f, ek, ev;
+                rlp_att_tile_key(block_tables, max_blocks, block_size, num_slots, seq, kb + tid, last, hkv, gkv,
+                                 k_exponents, v_exponents, row, ek, ev, f);
                 key_row[tid] = row;
                 key_ek[tid] = ek;
                 key_ev[tid] = ev;

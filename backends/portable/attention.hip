@@ -91,6 +91,31 @@ __device__ __forceinline__ float rlp_att_from_order_key(unsigned int key) {
     return __int_as_float((int)((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key));
 }
 
+// Key j of a tile of the tensor-core forwards (backends/cuda's mma, backends/hip's MFMA): its cache row
+// (slot * hkv + g; -1 past `last` or for a missing slot), exponents (0 for a flagged key) and flag
+// (RLP_ATT_BAD_INDEX: a slot outside the tables; RLP_ATT_BAD_KV: a non-finite K or V row).
+__device__ __forceinline__ void rlp_att_tile_key(const int* __restrict__ block_tables, int max_blocks, int block_size,
+                                                 long long num_slots, int seq, int j, int last, int hkv, int g,
+                                                 const int* __restrict__ k_exponents,
+                                                 const int* __restrict__ v_exponents, long long& row, int& ek,
+                                                 int& ev, int& flag) {
+    row = -1;
+    flag = 0;
+    ek = 0;
+    ev = 0;
+    if (j <= last) {
+        const long long slot = rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, j);
+        if (slot < 0) {
+            flag = RLP_ATT_BAD_INDEX;
+        } else {
+            row = slot * hkv + g;
+            ek = k_exponents[row];
+            ev = v_exponents[row];
+            if (ek == RLP_NONFINITE_EXPONENT || ev == RLP_NONFINITE_EXPONENT) { flag = RLP_ATT_BAD_KV; ek = 0; ev = 0; }
+        }
+    }
+}
+
 // A poisoned row's statistics: 0 and 0 (the backward marks the row from its NaN o, as the mma forward).
 __device__ __forceinline__ void rlp_att_zero_stats(double* row_stats, long long item) {
     if (row_stats != nullptr && threadIdx.x == 0) {

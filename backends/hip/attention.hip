@@ -443,6 +443,33 @@ __device__ __forceinline__ void rlp_attf_partial(long long (&x)[4], const signed
     }
 }
 
+// The 16 x 16 blocks S (a . b) and dP (c . e) of one wavefront over DP: a and c are the wavefront's own
+// rows as A fragments in registers (NA digits, every step), b and e one B row each, split into NB
+// digits per step from the int32 rows at b_row and e_row (zeros when !in); shift groups i + j in int32.
+template <int DP, int KL, int NA, int NB>
+__device__ __forceinline__ void rlp_attf_score_blocks(rlp_mfma_i32x4 (&gs)[4], rlp_mfma_i32x4 (&gp)[4],
+                                                      const typename RlpMfma<KL>::operand (&a)[DP / (4 * KL)][NA],
+                                                      const typename RlpMfma<KL>::operand (&c)[DP / (4 * KL)][NA],
+                                                      const int* b_row, const int* e_row, bool in) {
+    typedef typename RlpMfma<KL>::operand operand;
+    const int frag_k = KL * ((threadIdx.x % 64) / 16);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) { gs[x] = rlp_mfma_i32x4{0, 0, 0, 0}; gp[x] = rlp_mfma_i32x4{0, 0, 0, 0}; }
+#pragma unroll
+    for (int st = 0; st < DP / (4 * KL); ++st) {
+        operand bf[NB], ef[NB];
+        rlp_attf_split<KL, NB>(bf, b_row + 4 * KL * st + frag_k, in);
+        rlp_attf_split<KL, NB>(ef, e_row + 4 * KL * st + frag_k, in);
+#pragma unroll
+        for (int i = 0; i < NA; ++i)
+#pragma unroll
+            for (int j = 0; j < NB; ++j) {
+                gs[i + j] = RlpMfma<KL>::run(a[st][i], bf[j], gs[i + j]);
+                gp[i + j] = RlpMfma<KL>::run(c[st][i], ef[j], gp[i + j]);
+            }
+    }
+}
+
 // The scalars of the query rows a tile or block serves (rows beyond count: poisoned, no terms).
 struct RlpAttfRows {
     double total[RLP_ATTF_BLOCK], delta[RLP_ATTF_BLOCK];
@@ -521,21 +548,7 @@ __device__ __forceinline__ void rlp_attf_dq(const int* __restrict__ q_tiles, con
             const int c = 16 * nb + frag;  // the key of this lane's B fragments and D column
             const long long key = (j0 + c) * hkv + g;
             rlp_mfma_i32x4 gs[4], gp[4];
-#pragma unroll
-            for (int x = 0; x < 4; ++x) { gs[x] = rlp_mfma_i32x4{0, 0, 0, 0}; gp[x] = rlp_mfma_i32x4{0, 0, 0, 0}; }
-#pragma unroll
-            for (int st = 0; st < QSTEPS; ++st) {
-                operand kf[2], vf[2];
-                rlp_attf_split<KL, 2>(kf, k_int + key * DP + STEP * st + frag_k, c < keys);
-                rlp_attf_split<KL, 2>(vf, v_int + key * DP + STEP * st + frag_k, c < keys);
-#pragma unroll
-                for (int i = 0; i < 3; ++i)
-#pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        gs[i + j] = RlpMfma<KL>::run(qf[st][i], kf[j], gs[i + j]);
-                        gp[i + j] = RlpMfma<KL>::run(df[st][i], vf[j], gp[i + j]);
-                    }
-            }
+            rlp_attf_score_blocks<DP, KL, 3, 2>(gs, gp, qf, df, k_int + key * DP, v_int + key * DP, c < keys);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int row = 16 * wave + 4 * (lane / 16) + r;
@@ -653,21 +666,7 @@ __device__ __forceinline__ void rlp_attf_dkv(const int* __restrict__ key_tiles, 
                 const int rq = 32 * half + 16 * nb + frag;  // the query of this lane's B fragments and D column
                 const long long item = (t0 + rq) * hq + h;
                 rlp_mfma_i32x4 gs[4], gp[4];
-#pragma unroll
-                for (int x = 0; x < 4; ++x) { gs[x] = rlp_mfma_i32x4{0, 0, 0, 0}; gp[x] = rlp_mfma_i32x4{0, 0, 0, 0}; }
-#pragma unroll
-                for (int st = 0; st < QSTEPS; ++st) {
-                    operand qf[3], df[3];
-                    rlp_attf_split<KL, 3>(qf, q_int + item * DP + STEP * st + frag_k, rq < qrows);
-                    rlp_attf_split<KL, 3>(df, do_int + item * DP + STEP * st + frag_k, rq < qrows);
-#pragma unroll
-                    for (int i = 0; i < 2; ++i)
-#pragma unroll
-                        for (int j = 0; j < 3; ++j) {
-                            gs[i + j] = RlpMfma<KL>::run(kf[st][i], qf[j], gs[i + j]);
-                            gp[i + j] = RlpMfma<KL>::run(vf[st][i], df[j], gp[i + j]);
-                        }
-                }
+                rlp_attf_score_blocks<DP, KL, 2, 3>(gs, gp, kf, vf, q_int + item * DP, do_int + item * DP, rq < qrows);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const int c = 16 * kw + 4 * (lane / 16) + r;  // the key of D's register r

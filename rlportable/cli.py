@@ -639,6 +639,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
               help="Advantage scaling." + CONFIG_DEFAULT)
 @click.option("--mask-truncated-completions", is_flag=True, default=None,
               help="DAPO: completions cut at --max-completion-length leave the loss (TRL's option).")
+@click.option("--importance-sampling-level", default=None, type=click.Choice(["token", "sequence"]),
+              help="The ratio's level: per token (GRPO), or per sequence (GSPO, TRL's option)." + CONFIG_DEFAULT)
 @click.option("--num-iterations", default=None, type=click.IntRange(min=1), help="Passes over each rollout." + CONFIG_DEFAULT)
 @click.option("--mini-batches", default=None, type=click.IntRange(min=1), help="Optimiser steps per pass." + CONFIG_DEFAULT)
 @click.option("--eval-data", type=click.Path(dir_okay=False), default=None,
@@ -663,8 +665,8 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
          weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
          rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
-         epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, num_iterations,
-         mini_batches, eval_data, eval_task, eval_every, eval_samples, eval_pass_threshold, prompt_column,
+         epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, importance_sampling_level,
+         num_iterations, mini_batches, eval_data, eval_task, eval_every, eval_samples, eval_pass_threshold, prompt_column,
          answer_column, report_to):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
     from rlportable.train import launch
@@ -680,7 +682,8 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, learning_rate=lr,
             warmup_steps=warmup_steps, weight_decay=weight_decay, max_grad_norm=max_grad_norm, epsilon=epsilon,
             epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
-            mask_truncated_completions=mask_truncated_completions or None, num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
+            mask_truncated_completions=mask_truncated_completions or None,
+            importance_sampling_level=importance_sampling_level, num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
             seed=seed))
         resolved = {"model_spec": model_spec, "task": task if task or data else launch.DEFAULT_TASK}
         if print_config:

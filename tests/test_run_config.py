@@ -48,3 +48,14 @@ def test_a_run_writes_its_config_and_the_file_resumes_it(tmp_path):
     resumed = _invoke("sft", "--config", str(out / "run_config.toml"), "--out", str(out), "--resume", "--device", "cpu")
     assert resumed.exit_code == 0, resumed.output
     assert "resuming" in resumed.output and "sft: 2 steps" in resumed.output
+
+
+def test_gspo_is_a_flag_and_a_config_key(tmp_path):
+    """--importance-sampling-level (GRPOConfig's, TRL's name) reaches the config and its file."""
+    printed = _invoke("grpo", "--print-config", "--importance-sampling-level", "sequence").output
+    assert 'importance-sampling-level = "sequence"' in printed
+    path = tmp_path / "run.toml"
+    path.write_text(printed)
+    assert 'importance-sampling-level = "sequence"' in _invoke("grpo", "--config", str(path), "--print-config").output
+    result = CliRunner().invoke(main, ["grpo", "--importance-sampling-level", "tokens"])
+    assert result.exit_code == 2 and "--importance-sampling-level" in result.output

@@ -295,3 +295,19 @@ def test_gradients_match_transformers_autograd(overrides, tmp_path):
           f"{max(_rel_error(grads[n], reference[n]) for n in dense if n.endswith('mlp.gate.weight')):.2e} against "
           f"{max(_rel_error(bf16[n], reference[n]) for n in dense if n.endswith('mlp.gate.weight')):.2e}")
     assert worst * ERROR_RATIO_TO_BF16 <= worst_bf16, (worst, worst_bf16)
+
+
+def test_the_synthetic_qwen3_30b_a3b_shape_has_its_published_size():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card), every layer sparse; the tensors
+    counted from the config alone (a full random-weight model is 122 GB of float32)."""
+    from rlportable.model.synthetic import qwen3_moe_config
+    from rlportable.model.weights import expected_tensors
+
+    config = qwen3_moe_config()
+    shapes = expected_tensors(config)
+    total = sum(int(np.prod(shape)) for shape in shapes.values())
+    experts = sum(int(np.prod(shape)) for name, shape in shapes.items() if ".experts." in name)
+    active = total - experts + experts * config.num_experts_per_tok // config.num_experts
+    assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9
+    assert all(config.sparse_layer(i) for i in range(config.num_hidden_layers)) and config.num_hidden_layers == 48
+    assert qwen3_moe_config(layers=2).num_hidden_layers == 2

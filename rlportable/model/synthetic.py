@@ -38,6 +38,27 @@ def qwen3_config(shape: str, layers: int | None = None) -> ModelConfig:
                        **fields)
 
 
+#: Qwen3-30B-A3B's shape: every layer sparse, 128 experts of width 768, 8 active, renormalised
+QWEN3_MOE_SHAPES = {
+    "qwen3-30b-a3b": dict(QWEN3_06B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          decoder_sparse_step=1, router_aux_loss_coef=0.001),
+}
+
+
+def qwen3_moe_config(shape: str = "qwen3-30b-a3b", layers: int | None = None) -> ModelConfig:
+    """A Qwen3-MoE shape of QWEN3_MOE_SHAPES (all its layers, or the first `layers`: one GPU holds a few of
+    Qwen3-30B-A3B's 48)."""
+    if shape not in QWEN3_MOE_SHAPES:
+        raise InputError(f"unknown MoE model shape {shape!r}; known: {', '.join(QWEN3_MOE_SHAPES)}")
+    fields = dict(QWEN3_MOE_SHAPES[shape])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    return ModelConfig(architecture="Qwen3MoeForCausalLM", rope_scaling=None, qkv_bias=False, qk_norm=True,
+                       **fields)
+
+
 def qwen3_06b_config(layers: int | None = None) -> ModelConfig:
     """Qwen3-0.6B's shape (all 28 layers, or the first `layers`)."""
     return qwen3_config("qwen3-0.6b", layers)

@@ -30,11 +30,6 @@
 
 #include "mfma.h"
 
-// S = sum_d 256^d G_d of register r of a 16 x 16 block's 4 shift groups, exact in int64.
-__device__ __forceinline__ long long rlp_attf_combine(const rlp_mfma_i32x4 (&g)[4], int r) {
-    return (((long long)g[3][r] * 256 + g[2][r]) * 256 + g[1][r]) * 256 + g[0][r];
-}
-
 // Byte c of each of 4 words as one word: byte i of the result is byte c of word i.
 __device__ __forceinline__ int rlp_attf_byte_column(const int (&w)[4], int c) {
     unsigned int out = 0u;
@@ -211,7 +206,7 @@ __device__ __forceinline__ void rlp_attention_mfma(
                         for (int j = 0; j < 2; ++j) g[i + j] = RlpMfma<KL>::run(qf[i][st], kf[j], g[i + j]);
                 }
 #pragma unroll
-                for (int r = 0; r < 4; ++r) s[nb][r] = rlp_att_score(rlp_attf_combine(g, r), eqr[r], key_ek[16 * nb + frag], scale);
+                for (int r = 0; r < 4; ++r) s[nb][r] = rlp_att_score(rlp_mfma_combine<4>(g, r), eqr[r], key_ek[16 * nb + frag], scale);
             }
         };
 
@@ -314,7 +309,7 @@ __device__ __forceinline__ void rlp_attention_mfma(
                         for (int j = 0; j < 2; ++j) g[i + j] = RlpMfma<KL>::run(wf[i], vf[j], g[i + j]);
                 }
 #pragma unroll
-                for (int r = 0; r < 4; ++r) num[nd][r] += rlp_attf_combine(g, r);
+                for (int r = 0; r < 4; ++r) num[nd][r] += rlp_mfma_combine<4>(g, r);
             }
         }
 #pragma unroll
@@ -435,12 +430,7 @@ __device__ __forceinline__ void rlp_attf_partial(long long (&x)[4], const signed
             for (int j = 0; j < NB; ++j) g[i + j] = RlpMfma<KL>::run(fa[i], fb[j], g[i + j]);
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        long long v = g[NB][r];
-#pragma unroll
-        for (int k = NB - 1; k >= 0; --k) v = v * 256 + g[k][r];
-        x[r] = v;
-    }
+    for (int r = 0; r < 4; ++r) x[r] = rlp_mfma_combine<NB + 1>(g, r);
 }
 
 // The 16 x 16 blocks S (a . b) and dP (c . e) of one wavefront over DP: a and c are the wavefront's own
@@ -555,7 +545,7 @@ __device__ __forceinline__ void rlp_attf_dq(const int* __restrict__ q_tiles, con
                 u[nb][r] = 0.0;
                 if (row < rows && c < keys && j0 + c <= t0 + row && s.bad[row] == 0) {
                     double big_p, ds;
-                    rlp_attt_pair((double)rlp_attf_combine(gs, r), (double)rlp_attf_combine(gp, r), s.eq[row], ek[c],
+                    rlp_attt_pair((double)rlp_mfma_combine<4>(gs, r), (double)rlp_mfma_combine<4>(gp, r), s.eq[row], ek[c],
                                   s.edo[row], ev[c], s.m[row], s.total[row], s.delta[row], scale, &big_p, &ds);
                     u[nb][r] = ds * rlp_pow2_f64(ek[c]);
                     f[r] = rlp_max_u32(f[r], rlp_attb_field(u[nb][r]));
@@ -677,7 +667,7 @@ __device__ __forceinline__ void rlp_attf_dkv(const int* __restrict__ key_tiles, 
                             bad[r] = 1u;
                         } else {
                             double big_p, ds;
-                            rlp_attt_pair((double)rlp_attf_combine(gs, r), (double)rlp_attf_combine(gp, r), s.eq[rq],
+                            rlp_attt_pair((double)rlp_mfma_combine<4>(gs, r), (double)rlp_mfma_combine<4>(gp, r), s.eq[rq],
                                           ek[c], s.edo[rq], ev[c], s.m[rq], s.total[rq], s.delta[rq], scale, &big_p,
                                           &ds);
                             uk[nb][r] = ds * rlp_pow2_f64(s.eq[rq]);

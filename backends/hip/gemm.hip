@@ -116,10 +116,8 @@ __device__ __forceinline__ void rlp_gemm_mfma(const signed char* __restrict__ a_
             for (int r = 0; r < 4; ++r) {
                 const long long row = row0 + wave_rows + 16 * rb + 4 * (lane / 16) + r;
                 if (row >= m) continue;
-                long long s = 0;
-#pragma unroll
-                for (int g = 3; g >= 0; --g) s = s * 256 + (long long)acc[rb][cb][g][r];
-                y[row * n + col] = rlp_gemm_output(s, a_exponents[row], ew, scale_offset);
+                y[row * n + col] = rlp_gemm_output(rlp_mfma_combine<4>(acc[rb][cb], r), a_exponents[row], ew,
+                                                   scale_offset);
             }
         }
 }

@@ -30,4 +30,14 @@ struct RlpMfma<4> {
 };
 #endif
 
+// S = sum_d 256^d G_d of register r of a 16 x 16 block's G shift groups, exact in int64 (most significant
+// group first).
+template <int G>
+__device__ __forceinline__ long long rlp_mfma_combine(const rlp_mfma_i32x4 (&groups)[G], int r) {
+    long long s = groups[G - 1][r];
+#pragma unroll
+    for (int d = G - 2; d >= 0; --d) s = s * 256 + groups[d][r];
+    return s;
+}
+
 #endif

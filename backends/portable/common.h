@@ -98,6 +98,15 @@ __device__ __forceinline__ float rlp_round_scaled(long long s, int e) {
     return rlp_double2float_rn(rlp_round_to_odd_f64(s) * rlp_pow2_f64(e));
 }
 
+// ilogb of a float64 magnitude from its bits (subnormals included), 0 for zero: the e of
+// logprob.quantize_f64_rows and of every grid sum below a float64 row's largest term.
+__device__ __forceinline__ int rlp_exponent_f64(unsigned long long magnitude_bits) {
+    if (magnitude_bits == 0ull) return 0;
+    const int field = (int)(magnitude_bits >> 52);
+    if (field != 0) return field - 1023;
+    return (63 - __clzll((long long)magnitude_bits)) - 1074;  // subnormal: m * 2^-1074
+}
+
 // fixedpoint.row_exponents for one row, from the largest magnitude's bits.
 __device__ __forceinline__ int rlp_row_exponent(unsigned int largest_magnitude_bits) {
     if (largest_magnitude_bits == 0u) return RLP_ZERO_ROW_EXPONENT;

@@ -40,14 +40,6 @@ __device__ __forceinline__ double rlp_logprob_term(float p, float d) {
     return p == 0.0f ? 0.0 : (double)p * (double)d;
 }
 
-// logprob.quantize_f64_rows's e: ilogb of the largest |w| (from its bits), 0 for a zero row.
-__device__ __forceinline__ int rlp_logprob_exponent_f64(unsigned long long magnitude_bits) {
-    if (magnitude_bits == 0ull) return 0;
-    int field = (int)(magnitude_bits >> 52);
-    if (field != 0) return field - 1023;
-    return (63 - __clzll((long long)magnitude_bits)) - 1074;  // subnormal: m * 2^-1074
-}
-
 // One block per row (grid-stride over rows); every row-wide result (max, NaN flag, the
 // exact int64 sums, the largest |w|) is combined by common's rlp_block_* (segments of 32 lanes,
 // then one shared-memory atomic per segment): exact and order-free, whatever the block size
@@ -110,7 +102,7 @@ extern "C" __global__ void logprob_rows(const float* __restrict__ logits, const 
                 logp[row] = rlp_logprob_value(d_target, ls);
             }
             if (mode & RLP_LOGPROB_WANT_ENTROPY) {
-                const int e = rlp_logprob_exponent_f64(largest_w);
+                const int e = rlp_exponent_f64(largest_w);
                 const int shift = (RLP_LOGPROB_SUM_BITS - 2) - e;
                 const int half = shift >> 1;  // floor(shift / 2): a power of two beyond range in two exact steps
                 const double scale_hi = rlp_pow2_f64(half);

@@ -97,14 +97,6 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, long long
     }
 }
 
-// ilogb of a nonzero float64 magnitude from its bits (subnormals included), 0 for zero.
-__device__ __forceinline__ int rlp_moe_exponent_f64(unsigned long long magnitude_bits) {
-    if (magnitude_bits == 0ull) return 0;
-    const int field = (int)(magnitude_bits >> 52);
-    if (field != 0) return field - 1023;
-    return (63 - __clzll((long long)magnitude_bits)) - 1074;
-}
-
 // out[t, h] = the exact sum of P_j = float64(w[t, j]) float64(y[t, j, h]) (0 where w = 0), one element
 // a thread (grid-stride over rows x hidden): e = ilogb(max |P_j|), q_j = RNE(P_j 2^(36 - e)) in two exact
 // power-of-two steps (as quantize_f64_rows), S = sum q_j, out = round_scaled(S, e - 36); a NaN term or
@@ -129,7 +121,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ weights, const 
         }
         if (nan || (pos && neg)) { out[i] = rlp_canonical_nan(); continue; }
         if (pos || neg) { out[i] = __int_as_float(pos ? 0x7f800000 : (int)0xff800000u); continue; }
-        const int e = rlp_moe_exponent_f64(largest);
+        const int e = rlp_exponent_f64(largest);
         const int shift = RLP_MOE_COMBINE_SHIFT - e;
         const int half = shift >= 0 ? shift / 2 : -((1 - shift) / 2);  // floor(shift / 2)
         const double hi = rlp_pow2_f64(half), lo = rlp_pow2_f64(shift - half);

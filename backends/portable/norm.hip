@@ -234,14 +234,6 @@ __device__ __forceinline__ unsigned long long rlp_norm_magnitude_f64(double v) {
     return (unsigned long long)__double_as_longlong(v) & 0x7fffffffffffffffull;
 }
 
-// logprob.quantize_f64_rows's e: ilogb of the largest |term| (from its bits), 0 when all are 0.
-__device__ __forceinline__ int rlp_norm_exponent_f64(unsigned long long magnitude_bits) {
-    if (magnitude_bits == 0ull) return 0;
-    int field = (int)(magnitude_bits >> 52);
-    if (field != 0) return field - 1023;
-    return (63 - __clzll((long long)magnitude_bits)) - 1074;  // subnormal: m * 2^-1074 (never for our terms)
-}
-
 // q = RNE((term * 2^half) * 2^(shift - half)), shift = bits - 2 - e, half = floor(shift / 2):
 // quantize_f64_rows's two exact power-of-two steps.
 __device__ __forceinline__ long long rlp_norm_quantize_f64(double term, double scale_hi, double scale_lo) {
@@ -290,7 +282,7 @@ extern "C" __global__ void norm_rmsnorm_backward(const float* __restrict__ x, co
             if (largest_t >= RLP_NORM_F64_NONFINITE) {
                 for (int i = threadIdx.x; i < h; i += blockDim.x) dx[offset + i] = rlp_canonical_nan();
             } else {
-                const int et = rlp_norm_exponent_f64(largest_t);
+                const int et = rlp_exponent_f64(largest_t);
                 const int shift = (RLP_NORM_GRAD_SUM_BITS - 2) - et;
                 const int half = shift >> 1;  // floor(shift / 2)
                 const double scale_hi = rlp_pow2_f64(half);
@@ -350,7 +342,7 @@ extern "C" __global__ void norm_rmsnorm_dweight_sum(const float* __restrict__ dy
     for (long long column = (long long)blockIdx.x * blockDim.x + threadIdx.x; column < h;
          column += (long long)gridDim.x * blockDim.x) {
         if (largest[column] >= RLP_NORM_F64_NONFINITE) continue;
-        const int e = rlp_norm_exponent_f64(largest[column]);
+        const int e = rlp_exponent_f64(largest[column]);
         const int shift = (RLP_NORM_WEIGHT_GRAD_BITS - 2) - e;
         const int half = shift >> 1;  // floor(shift / 2)
         const double scale_hi = rlp_pow2_f64(half);
@@ -376,7 +368,7 @@ extern "C" __global__ void norm_rmsnorm_dweight_round(const unsigned long long* 
         if (largest[column] >= RLP_NORM_F64_NONFINITE) {
             dweight[column] = rlp_canonical_nan();
         } else {
-            const int e = rlp_norm_exponent_f64(largest[column]);
+            const int e = rlp_exponent_f64(largest[column]);
             float v = rlp_round_scaled((long long)total[column], e - (RLP_NORM_WEIGHT_GRAD_BITS - 2));
             dweight[column] = (v != v) ? rlp_canonical_nan() : v;
         }

@@ -118,6 +118,20 @@ def combine(weights: np.ndarray, outputs: np.ndarray) -> np.ndarray:
     return out.reshape(t, h)
 
 
+def expert_groups(experts: np.ndarray, order: np.ndarray | None = None, group_rows: int | None = None):
+    """The (token, slot) pairs of experts [T, k] as flat indices t * k + j, grouped by expert: (expert,
+    pairs) per product. order: a permutation of the pairs applied before grouping; group_rows: cut each
+    group into products of at most that many rows (the tests vary both; no bit changes)."""
+    t, k = experts.shape
+    pairs = np.arange(t * k) if order is None else np.asarray(order)
+    flat = experts.reshape(-1)[pairs]
+    for expert in np.unique(flat):
+        chosen = pairs[flat == expert]
+        step = group_rows or max(chosen.size, 1)
+        for start in range(0, chosen.size, step):
+            yield expert, chosen[start:start + step]
+
+
 def expert_outputs(h: np.ndarray, experts: np.ndarray, gate: list, up: list, down: list,
                    order: np.ndarray | None = None, group_rows: int | None = None) -> np.ndarray:
     """float32 [T, k, H]: y[t, j] = expert experts[t, j]'s SwiGLU MLP of h[t] (three exact gemms).
@@ -129,17 +143,11 @@ def expert_outputs(h: np.ndarray, experts: np.ndarray, gate: list, up: list, dow
     experts = np.asarray(experts)
     t, k = experts.shape
     out = np.zeros((t, k, h.shape[1]), dtype=np.float32)
-    pairs = np.arange(t * k) if order is None else np.asarray(order)
-    flat = experts.reshape(-1)[pairs]
-    for expert in np.unique(flat):
-        chosen = pairs[flat == expert]
-        step = group_rows or max(chosen.size, 1)
-        for start in range(0, chosen.size, step):
-            part = chosen[start:start + step]
-            x = h[part // k]
-            g = exact.gemm(x, gate[expert], BITS_A, BITS_W)
-            u = exact.gemm(x, up[expert], BITS_A, BITS_W)
-            out[part // k, part % k] = exact.gemm(activation.swiglu(g, u), down[expert], BITS_A, BITS_W)
+    for expert, part in expert_groups(experts, order, group_rows):
+        x = h[part // k]
+        g = exact.gemm(x, gate[expert], BITS_A, BITS_W)
+        u = exact.gemm(x, up[expert], BITS_A, BITS_W)
+        out[part // k, part % k] = exact.gemm(activation.swiglu(g, u), down[expert], BITS_A, BITS_W)
     return out
 
 
@@ -339,22 +347,16 @@ def moe_block_backward(h: np.ndarray, router: np.ndarray, gate: list, up: list, 
     d_u = np.zeros((t, k, inner), np.float32)
     dx = np.zeros((t, 2 * k + 1, hidden), np.float32)
     dx[:, 2 * k] = input_grad(d_logits, router) if t else 0.0
-    pairs = np.arange(t * k) if order is None else np.asarray(order)
-    flat = experts.reshape(-1)[pairs]
-    for expert in np.unique(flat):
-        chosen = pairs[flat == expert]
-        step = group_rows or max(chosen.size, 1)
-        for start in range(0, chosen.size, step):
-            part = chosen[start:start + step]
-            rows, slots = part // k, part % k
-            x = h[rows]
-            g = exact.gemm(x, gate[expert], BITS_A, BITS_W)
-            u = exact.gemm(x, up[expert], BITS_A, BITS_W)
-            act[rows, slots] = activation.swiglu(g, u)
-            d_a = input_grad(d_y[rows, slots], down[expert])
-            d_g[rows, slots], d_u[rows, slots] = activation.swiglu_backward(g, u, d_a)
-            dx[rows, 2 * slots] = input_grad(d_g[rows, slots], gate[expert])
-            dx[rows, 2 * slots + 1] = input_grad(d_u[rows, slots], up[expert])
+    for expert, part in expert_groups(experts, order, group_rows):
+        rows, slots = part // k, part % k
+        x = h[rows]
+        g = exact.gemm(x, gate[expert], BITS_A, BITS_W)
+        u = exact.gemm(x, up[expert], BITS_A, BITS_W)
+        act[rows, slots] = activation.swiglu(g, u)
+        d_a = input_grad(d_y[rows, slots], down[expert])
+        d_g[rows, slots], d_u[rows, slots] = activation.swiglu_backward(g, u, d_a)
+        dx[rows, 2 * slots] = input_grad(d_g[rows, slots], gate[expert])
+        dx[rows, 2 * slots + 1] = input_grad(d_u[rows, slots], up[expert])
     d_gate, d_up, d_down = [], [], []
     every = experts.reshape(-1)
     for expert in range(len(gate)):

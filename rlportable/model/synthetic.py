@@ -27,15 +27,18 @@ QWEN3_SHAPES = {
 }
 
 
-def qwen3_config(shape: str, layers: int | None = None) -> ModelConfig:
-    """A Qwen3 shape of QWEN3_SHAPES (all its layers, or the first `layers`)."""
-    if shape not in QWEN3_SHAPES:
-        raise InputError(f"unknown model shape {shape!r}; known: {', '.join(QWEN3_SHAPES)}")
-    fields = dict(QWEN3_SHAPES[shape])
+def _shape_config(shapes: dict, architecture: str, kind: str, shape: str, layers: int | None) -> ModelConfig:
+    if shape not in shapes:
+        raise InputError(f"unknown {kind}shape {shape!r}; known: {', '.join(shapes)}")
+    fields = dict(shapes[shape])
     if layers is not None:
         fields["num_hidden_layers"] = layers
-    return ModelConfig(architecture="Qwen3ForCausalLM", rope_scaling=None, qkv_bias=False, qk_norm=True,
-                       **fields)
+    return ModelConfig(architecture=architecture, rope_scaling=None, qkv_bias=False, qk_norm=True, **fields)
+
+
+def qwen3_config(shape: str, layers: int | None = None) -> ModelConfig:
+    """A Qwen3 shape of QWEN3_SHAPES (all its layers, or the first `layers`)."""
+    return _shape_config(QWEN3_SHAPES, "Qwen3ForCausalLM", "model ", shape, layers)
 
 
 #: Qwen3-30B-A3B's shape: every layer sparse, 128 experts of width 768, 8 active, renormalised
@@ -50,13 +53,7 @@ QWEN3_MOE_SHAPES = {
 def qwen3_moe_config(shape: str = "qwen3-30b-a3b", layers: int | None = None) -> ModelConfig:
     """A Qwen3-MoE shape of QWEN3_MOE_SHAPES (all its layers, or the first `layers`: one GPU holds a few of
     Qwen3-30B-A3B's 48)."""
-    if shape not in QWEN3_MOE_SHAPES:
-        raise InputError(f"unknown MoE model shape {shape!r}; known: {', '.join(QWEN3_MOE_SHAPES)}")
-    fields = dict(QWEN3_MOE_SHAPES[shape])
-    if layers is not None:
-        fields["num_hidden_layers"] = layers
-    return ModelConfig(architecture="Qwen3MoeForCausalLM", rope_scaling=None, qkv_bias=False, qk_norm=True,
-                       **fields)
+    return _shape_config(QWEN3_MOE_SHAPES, "Qwen3MoeForCausalLM", "MoE model ", shape, layers)
 
 
 def qwen3_06b_config(layers: int | None = None) -> ModelConfig:

@@ -884,18 +884,15 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, dq
                 cache.v_exponents, row_info, row_stats)
     vendor = backend.kernel_vendor
     steps = "attention_backward_mma" if vendor == "cuda" else "attention_backward_tiled"
-    if mfma is not None:
-        if "stats" in steps_run:
-            backend.launch("attention", f"{steps}_stats_d{dpt}", (plan.n_tiles, hq), (TILED_THREADS,),
-                           (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared["stats"])
+    if "stats" in steps_run:
+        backend.launch("attention", f"{steps}_stats_d{dpt}", (plan.n_tiles, hq), (tiled_threads(dpt, "stats", vendor),),
+                       (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared["stats"])
+    kernels = {step: f"{steps}_{step}_d{dpt}" for step in ("dq", "dkv")}
+    if mfma is not None:  # AMD's MFMA dq and dkv: tiles of their own, static LDS, TILED_THREADS
         plan = _device_plan(backend, cu, dpt, "mfma")
-        backend.launch("attention", f"attention_backward_mfma_dq_d{dpt}_{mfma}", (plan.n_tiles, hq), (TILED_THREADS,),
-                       (plan.q_tiles, plan.cu) + operands + (dq,))
-        backend.launch("attention", f"attention_backward_mfma_dkv_d{dpt}_{mfma}", (plan.n_key_tiles, hkv),
-                       (TILED_THREADS,), (plan.key_tiles, plan.cu) + operands + (dk, dv))
-        return
-    for step in steps_run:
-        backend.launch("attention", f"{steps}_{step}_d{dpt}", (plan.n_tiles, hq), (tiled_threads(dpt, step, vendor),),
-                       (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared[step])
-    backend.launch("attention", f"{steps}_dkv_d{dpt}", (plan.n_key_tiles, hkv), (tiled_threads(dpt, "dkv", vendor),),
+        kernels = {step: f"attention_backward_mfma_{step}_d{dpt}_{mfma}" for step in ("dq", "dkv")}
+        vendor, shared = "mfma", {"dq": 0, "dkv": 0}
+    backend.launch("attention", kernels["dq"], (plan.n_tiles, hq), (tiled_threads(dpt, "dq", vendor),),
+                   (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared["dq"])
+    backend.launch("attention", kernels["dkv"], (plan.n_key_tiles, hkv), (tiled_threads(dpt, "dkv", vendor),),
                    (plan.key_tiles, plan.cu) + operands + (dk, dv), shared_mem=shared["dkv"])

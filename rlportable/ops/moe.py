@@ -115,9 +115,7 @@ def block(backend, h, weight: MoeWeight, encoded=None):
     experts, weights = route(backend, logits, weight.top_k, weight.norm_topk_prob)
     host = backend.to_numpy(h)
     outputs = np.zeros((t, weight.top_k, hidden), dtype=np.float32)
-    flat = backend.to_numpy(experts).reshape(-1)
-    for expert in np.unique(flat):  # tokens grouped by expert: one product per expert
-        pairs = np.flatnonzero(flat == expert)
+    for expert, pairs in reference.expert_groups(backend.to_numpy(experts)):  # one product per expert
         rows, slots = pairs // weight.top_k, pairs % weight.top_k
         gate, up = gemm.gemm_columns(backend, backend.asarray(host[rows]), weight.gate_up[expert])
         y = gemm.gemm(backend, activation.swiglu(backend, gate, up), weight.down[expert])

@@ -30,8 +30,7 @@ def gemm_methods(backend: Backend) -> list[tuple[str, str | None]]:
     if backend.runs_reference:
         return [("auto", None)]
     methods = [("blas", None)]
-    if backend.kernel_vendor == "cuda":
-        methods += [("fused", tile) for tile in available_tiles(backend)]
+    methods += [("fused", tile) for tile in available_tiles(backend)]
     methods += [("fused", tile) for tile in mfma_tiles(backend)]
     return methods
 

@@ -110,7 +110,10 @@ def has_wgmma(backend) -> bool:
 
 
 def available_tiles(backend) -> list[str]:
-    """The tiles this CUDA device can run: the wgmma ones on compute capability 9.0 only."""
+    """The tiles this backend can run: none unless it builds the CUDA sources; the wgmma ones on
+    compute capability 9.0 only."""
+    if backend.kernel_vendor != "cuda":
+        return []
     return [name for name, spec in FUSED_TILES.items() if spec.kind != "wgmma" or has_wgmma(backend)]
 
 

@@ -366,7 +366,7 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
 
 
 #: the option defaults of sft and grpo have one home, the config dataclass (train/sft.py, train/grpo.py),
-#: with the embedded default run's few changes for the built-in models (train/launch.py EMBEDDED_*)
+#: with the embedded default run's few changes for the built-in models (train/prepare.py EMBEDDED_*)
 CONFIG_DEFAULT = " (default: the run config's; `--model tiny`/`tiny-sft`: the embedded run's; docs/training.md)"
 
 
@@ -506,9 +506,9 @@ def _run_options(f):
 
 def _finished_or_resuming(kind: str, options, steps: int) -> bool:
     """Before any work: say where a --resume starts; True (and say so) when the run is already complete."""
-    from rlportable.train import launch
+    from rlportable.train import prepare
 
-    point = launch.resume_point(options)
+    point = prepare.resume_point(options)
     if point is None:
         return False
     if point.next_step >= steps:
@@ -586,30 +586,30 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
         weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
         batch_size, max_length, report_to):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
-    from rlportable.train import launch
+    from rlportable.train import prepare
 
     try:
-        model_spec = model_spec or launch.DEFAULT_SFT_MODEL
-        config = launch.sft_config(model_spec, **_given(
+        model_spec = model_spec or prepare.DEFAULT_SFT_MODEL
+        config = prepare.sft_config(model_spec, **_given(
             steps=steps, batch_size=batch_size, learning_rate=lr, warmup_steps=warmup_steps,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm, micro_batch_tokens=micro_batch_tokens,
             max_length=max_length, seed=seed))
-        resolved = {"model_spec": model_spec, "task": task if task or data else launch.DEFAULT_TASK}
+        resolved = {"model_spec": model_spec, "task": task if task or data else prepare.DEFAULT_TASK}
         if print_config:
             click.echo(_run_config_text(config, **resolved), nl=False)
             return
-        options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
-                                    task if task or data else launch.DEFAULT_TASK, data, report_to=report_to)
-        launch.check_paths(options)
-        launch.check_data(options, "sft")
+        options = prepare.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
+                                    task if task or data else prepare.DEFAULT_TASK, data, report_to=report_to)
+        prepare.check_paths(options)
+        prepare.check_data(options, "sft")
         if _finished_or_resuming("sft", options, config.steps):
             return
-        launch.write_run_config(options, _run_config_text(config, **resolved))
+        prepare.write_run_config(options, _run_config_text(config, **resolved))
         click.echo(f"sft: {config.steps} steps of {config.batch_size} examples, lr {config.learning_rate:g}, "
                    f"warmup {config.warmup_steps}, max length {config.max_length}", err=True)
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("sft", lambda backend, on_step, dp_group, tp_group: launch.run_sft(
+    _train_on_replicas("sft", lambda backend, on_step, dp_group, tp_group: prepare.run_sft(
                            backend, options, config, on_step, dp_group, tp_group),
                        ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, emulate, out, plot)
 
@@ -669,13 +669,13 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
          num_iterations, mini_batches, eval_data, eval_task, eval_every, eval_samples, eval_pass_threshold, prompt_column,
          answer_column, report_to):
     """GRPO: the engine samples, rewards rank each group, the trainer follows the clipped surrogate."""
-    from rlportable.train import launch
+    from rlportable.train import prepare
 
     try:
         if reward_weights and len(reward_weights) != len(rewards):
             raise RlpError(f"{len(reward_weights)} --reward-weight values for {len(rewards)} --reward functions")
-        model_spec = model_spec or launch.DEFAULT_GRPO_MODEL
-        config = launch.grpo_config(model_spec, held_out=eval_data is not None or eval_task is not None, **_given(
+        model_spec = model_spec or prepare.DEFAULT_GRPO_MODEL
+        config = prepare.grpo_config(model_spec, held_out=eval_data is not None or eval_task is not None, **_given(
             eval_every=eval_every, eval_samples=eval_samples, eval_pass_threshold=eval_pass_threshold,
             steps=steps, prompts_per_step=prompts_per_step, num_generations=num_generations,
             max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
@@ -685,20 +685,20 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
             mask_truncated_completions=mask_truncated_completions or None,
             importance_sampling_level=importance_sampling_level, num_iterations=num_iterations, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
             seed=seed))
-        resolved = {"model_spec": model_spec, "task": task if task or data else launch.DEFAULT_TASK}
+        resolved = {"model_spec": model_spec, "task": task if task or data else prepare.DEFAULT_TASK}
         if print_config:
             click.echo(_run_config_text(config, **resolved), nl=False)
             return
-        options = launch.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
-                                    task if task or data else launch.DEFAULT_TASK, data, eval_task, eval_data,
+        options = prepare.RunOptions(model_spec, out, resume, save_every, log_jsonl, plot,
+                                    task if task or data else prepare.DEFAULT_TASK, data, eval_task, eval_data,
                                     prompt_column, answer_column, report_to)
-        launch.check_paths(options)
-        launch.check_data(options, "grpo")
-        held_out = launch.held_out_records(options, config)  # checked before any work
+        prepare.check_paths(options)
+        prepare.check_data(options, "grpo")
+        held_out = prepare.held_out_records(options, config)  # checked before any work
         specs = list(zip(rewards, reward_weights or [1.0] * len(rewards)))
         if _finished_or_resuming("grpo", options, config.steps):
             return
-        launch.write_run_config(options, _run_config_text(config, **resolved))
+        prepare.write_run_config(options, _run_config_text(config, **resolved))
         click.echo(f"grpo: {config.steps} steps of {config.prompts_per_step} prompts x {config.num_generations} "
                    f"samples, completions up to {config.max_completion_length} tokens, lr {config.learning_rate:g}, "
                    f"warmup {config.warmup_steps}, loss {config.loss_type}", err=True)
@@ -709,7 +709,7 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
                        "last", err=True)
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("grpo", lambda backend, on_step, dp_group, tp_group: launch.run_grpo(
+    _train_on_replicas("grpo", lambda backend, on_step, dp_group, tp_group: prepare.run_grpo(
                            backend, options, config, specs, on_step, dp_group, tp_group),
                        ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches",
                         "max_abs_dlogp", "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"],

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from conftest import clean_exit
 from rlportable.cli import main
 from rlportable.runtime import get_backend
-from rlportable.train import launch
+from rlportable.train import prepare
 from rlportable.train.evaluation import EVAL_REQUEST_BASE, eval_due, eval_metrics, is_eval, pass_at_k
 
 CPU = get_backend("cpu")
@@ -48,12 +48,12 @@ def test_evaluations_come_before_the_first_step_every_n_and_after_the_last():
 
 def _config(**kw):
     # the embedded default run (tiny-sft, one-digit additions), three steps
-    return launch.grpo_config("tiny-sft", steps=3, **kw)
+    return prepare.grpo_config("tiny-sft", steps=3, **kw)
 
 
 def _options(tmp_path, name, **kw):
-    return launch.RunOptions(model="tiny-sft", out=str(tmp_path / name), resume=False, save_every=1,
-                             log_jsonl=str(tmp_path / f"{name}.jsonl"), plot=None, task=launch.DEFAULT_TASK, data=None,
+    return prepare.RunOptions(model="tiny-sft", out=str(tmp_path / name), resume=False, save_every=1,
+                             log_jsonl=str(tmp_path / f"{name}.jsonl"), plot=None, task=prepare.DEFAULT_TASK, data=None,
                              **kw)
 
 
@@ -77,8 +77,8 @@ def test_evaluating_changes_none_of_the_runs_bits(tmp_path, monkeypatch):
 
     from rlportable.engine.llm import LLM
 
-    monkeypatch.setattr(launch, "EVAL_TASK_SIZE", 12)
-    plain = launch.run_grpo(CPU, _options(tmp_path, "plain"), _config(), [], lambda r: None)
+    monkeypatch.setattr(prepare, "EVAL_TASK_SIZE", 12)
+    plain = prepare.run_grpo(CPU, _options(tmp_path, "plain"), _config(), [], lambda r: None)
     assert any(r["reward_std"] > 0 for r in plain)  # the weights move
     evaluating = _config(eval_every=1, eval_samples=3)
     seen, keys = [], []
@@ -89,7 +89,7 @@ def test_evaluating_changes_none_of_the_runs_bits(tmp_path, monkeypatch):
         return generate(self, prompts, params, progress, request_ids, seed)
 
     monkeypatch.setattr(LLM, "generate", recording)
-    evaluated = launch.run_grpo(CPU, _options(tmp_path, "evaluated", eval_task="arithmetic:digits=2,ops=+"),
+    evaluated = prepare.run_grpo(CPU, _options(tmp_path, "evaluated", eval_task="arithmetic:digits=2,ops=+"),
                                 evaluating, [], seen.append)
     monkeypatch.setattr(LLM, "generate", generate)
     # calls: evaluation, then each step's rollout and evaluation; no (key, request) of both
@@ -102,7 +102,7 @@ def test_evaluating_changes_none_of_the_runs_bits(tmp_path, monkeypatch):
     for step in ("step-000001", "step-000002", "step-000003"):
         assert _checkpoint_files(tmp_path / "plain" / step) == _checkpoint_files(tmp_path / "evaluated" / step), step
 
-    replicated = run_threads(CPU, 2, lambda dp_group: launch.run_grpo(
+    replicated = run_threads(CPU, 2, lambda dp_group: prepare.run_grpo(
         CPU, _options(tmp_path, "replicated", eval_task="arithmetic:digits=2,ops=+"), evaluating, [],
         lambda r: None, dp_group))
     assert _training_lines(tmp_path / "replicated.jsonl") == _training_lines(tmp_path / "plain.jsonl")
@@ -126,7 +126,7 @@ def test_evaluation_requests_have_ids_of_their_own():
 
 
 def test_cli_eval_every_prints_and_logs_eval_metrics(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "EVAL_TASK_SIZE", 6)
+    monkeypatch.setattr(prepare, "EVAL_TASK_SIZE", 6)
     log, plot = tmp_path / "m.jsonl", tmp_path / "reward.png"
     args = ["grpo", "--steps", "3", "--prompts-per-step", "2", "-G", "2", "--device", "cpu", "--log-jsonl", str(log),
             "--eval-task", "arithmetic:digits=1,ops=+", "--eval-every", "2", "--eval-samples", "3"]
@@ -149,7 +149,7 @@ def test_cli_eval_every_prints_and_logs_eval_metrics(tmp_path, monkeypatch):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the resolved options say it, and rerun it
     printed = CliRunner().invoke(main, ["grpo", "--print-config", "--eval-task", "countdown"])
-    assert "eval-task = \"countdown\"" in printed.output and f"eval-every = {launch.EVAL_EVERY}" in printed.output
+    assert "eval-task = \"countdown\"" in printed.output and f"eval-every = {prepare.EVAL_EVERY}" in printed.output
 
 
 def _has_matplotlib() -> bool:

@@ -58,7 +58,7 @@ def test_a_failed_save_is_one_line_saying_what_survives(tmp_path, monkeypatch):
     import errno
 
     from rlportable.runtime import get_backend
-    from rlportable.train import checkpoint, launch, run
+    from rlportable.train import checkpoint, prepare, run
     from rlportable.train.sft import SFTConfig
 
     real = checkpoint.save_checkpoint
@@ -71,11 +71,11 @@ def test_a_failed_save_is_one_line_saying_what_survives(tmp_path, monkeypatch):
         return real(directory, step, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", full_disk)
-    options = launch.RunOptions(model="tiny", out=str(tmp_path / "run"), resume=False, save_every=1,
+    options = prepare.RunOptions(model="tiny", out=str(tmp_path / "run"), resume=False, save_every=1,
                                 log_jsonl=str(tmp_path / "run.jsonl"), plot=None, task="arithmetic:digits=1,ops=+",
                                 data=None)
     with pytest.raises(checkpoint.CheckpointError) as caught:
-        launch.run_sft(get_backend("cpu"), options, SFTConfig(steps=3, batch_size=4), lambda r: None)
+        prepare.run_sft(get_backend("cpu"), options, SFTConfig(steps=3, batch_size=4), lambda r: None)
     message = str(caught.value)
     assert "\n" not in message and "saving step 2" in message and "No space left on device" in message
     assert "step-000001 is intact" in message and "--resume" in message and "run.jsonl" in message
@@ -123,9 +123,9 @@ def test_resume_says_where_it_starts_and_a_finished_run_says_so(tmp_path):
 
 
 def test_an_interrupt_says_which_checkpoint_survived(tmp_path, monkeypatch):
-    from rlportable.train import launch
+    from rlportable.train import prepare
 
-    real = launch.run_steps
+    real = prepare.run_steps
 
     def interrupted(trainer, kind, settings, tokenizer, start, steps, out_dir, save_every, log, on_step, **kw):
         def stop_after_two(record):
@@ -135,7 +135,7 @@ def test_an_interrupt_says_which_checkpoint_survived(tmp_path, monkeypatch):
 
         return real(trainer, kind, settings, tokenizer, start, steps, out_dir, save_every, log, stop_after_two, **kw)
 
-    monkeypatch.setattr(launch, "run_steps", interrupted)
+    monkeypatch.setattr(prepare, "run_steps", interrupted)
     result = _sft(tmp_path)
     assert result.exit_code == 130
     assert f"interrupted after step 2; the latest checkpoint is {tmp_path / 'run' / 'step-000001'}" in result.output
@@ -207,14 +207,14 @@ def test_each_default_has_one_home(kind, tmp_path, monkeypatch):
     from pathlib import Path
 
     import rlportable.cli as cli
-    from rlportable.train import launch
+    from rlportable.train import prepare
     from rlportable.train.sft import SFTConfig
 
     made = []
-    build = getattr(launch, f"{kind}_config")
-    monkeypatch.setattr(launch, f"{kind}_config", lambda *a, **k: made.append(build(*a, **k)) or made[-1])
+    build = getattr(prepare, f"{kind}_config")
+    monkeypatch.setattr(prepare, f"{kind}_config", lambda *a, **k: made.append(build(*a, **k)) or made[-1])
     monkeypatch.setattr(cli, "_train_on_replicas", lambda *a, **k: None)
-    cls, embedded = (SFTConfig, launch.EMBEDDED_SFT) if kind == "sft" else (GRPOConfig, launch.EMBEDDED_GRPO)
+    cls, embedded = (SFTConfig, prepare.EMBEDDED_SFT) if kind == "sft" else (GRPOConfig, prepare.EMBEDDED_GRPO)
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     for model, want in ((None, cls(**embedded)), ("tiny", cls(**embedded)), (str(model_dir), cls())):
@@ -231,25 +231,25 @@ def test_each_default_has_one_home(kind, tmp_path, monkeypatch):
         assert (run is None and name not in embedded) or run == repr(embedded.get(name)), (kind, name, stated)
 
 
-def test_the_embedded_run_is_stated_as_train_launch_defines_it():
+def test_the_embedded_run_is_stated_as_train_prepare_defines_it():
     """README's quick start, docs/training.md and the --model help state the embedded default run's
-    numbers, task and models: change train/launch.py (or the config's defaults) and this fails until
+    numbers, task and models: change train/prepare.py (or the config's defaults) and this fails until
     they say the same."""
     from pathlib import Path
 
-    from rlportable.train import launch
+    from rlportable.train import prepare
 
     root = Path(__file__).resolve().parent.parent
-    grpo = launch.grpo_config(launch.DEFAULT_GRPO_MODEL)
+    grpo = prepare.grpo_config(prepare.DEFAULT_GRPO_MODEL)
     readme = " ".join((root / "README.md").read_text().split())
-    assert (f"built-in tiny model (`{launch.DEFAULT_GRPO_MODEL}`) on one-digit additions, {grpo.steps} steps of "
+    assert (f"built-in tiny model (`{prepare.DEFAULT_GRPO_MODEL}`) on one-digit additions, {grpo.steps} steps of "
             f"{grpo.prompts_per_step} prompts x {grpo.num_generations} samples") in readme
-    assert launch.DEFAULT_TASK == "arithmetic:digits=1,ops=+"  # README's "one-digit additions"
+    assert prepare.DEFAULT_TASK == "arithmetic:digits=1,ops=+"  # README's "one-digit additions"
     training = " ".join((root / "docs" / "training.md").read_text().split())
-    assert (f"`rlportable sft` fine-tunes the {launch.DEFAULT_SFT_MODEL} built-in model on the answers of the "
-            f"built-in task `{launch.DEFAULT_TASK}`; `rlportable grpo` starts from `{launch.DEFAULT_GRPO_MODEL}`"
+    assert (f"`rlportable sft` fine-tunes the {prepare.DEFAULT_SFT_MODEL} built-in model on the answers of the "
+            f"built-in task `{prepare.DEFAULT_TASK}`; `rlportable grpo` starts from `{prepare.DEFAULT_GRPO_MODEL}`"
             ) in training
     helps = {name: next(p.help for p in main.commands[name].params if p.name == "model_spec") for name in ("sft", "grpo")}
-    assert f"(default: {launch.DEFAULT_SFT_MODEL};" in helps["sft"]
-    assert f"(default: {launch.DEFAULT_GRPO_MODEL})" in helps["grpo"]
-    assert set(launch.BUILT_IN_MODELS) == {launch.DEFAULT_SFT_MODEL, launch.DEFAULT_GRPO_MODEL}
+    assert f"(default: {prepare.DEFAULT_SFT_MODEL};" in helps["sft"]
+    assert f"(default: {prepare.DEFAULT_GRPO_MODEL})" in helps["grpo"]
+    assert set(prepare.BUILT_IN_MODELS) == {prepare.DEFAULT_SFT_MODEL, prepare.DEFAULT_GRPO_MODEL}

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from rlportable.cli import main
 from rlportable.errors import InputError
 from rlportable.runtime import get_backend
-from rlportable.train import launch, report
+from rlportable.train import prepare, report
 from rlportable.train.grpo import GRPOConfig
 
 CPU = get_backend("cpu")
@@ -18,7 +18,7 @@ TASK = "arithmetic:digits=1,ops=+"
 
 
 def _options(tmp_path, name, resume=False):
-    return launch.RunOptions(model="tiny-sft", out=str(tmp_path / name), resume=resume, save_every=1,
+    return prepare.RunOptions(model="tiny-sft", out=str(tmp_path / name), resume=resume, save_every=1,
                              log_jsonl=str(tmp_path / f"{name}.jsonl"), plot=None, task=TASK, data=None,
                              eval_task=TASK, report_to="tensorboard")
 
@@ -49,7 +49,7 @@ def test_tags_group_the_metrics_as_tensorboard_shows_them():
 
 def test_a_grpo_run_writes_scalars_tensorboard_reads_back(tmp_path):
     pytest.importorskip("tensorboard")
-    records = launch.run_grpo(CPU, _options(tmp_path, "run"), _config(), [], lambda r: None)
+    records = prepare.run_grpo(CPU, _options(tmp_path, "run"), _config(), [], lambda r: None)
     assert list((tmp_path / "run").glob("events.out.tfevents.*"))
     scalars = _scalars(tmp_path / "run")
     for key, tag in (("reward_mean", "train/reward_mean"), ("loss", "train/loss"), ("kl", "train/kl"),
@@ -66,15 +66,15 @@ def test_a_grpo_run_writes_scalars_tensorboard_reads_back(tmp_path):
 
 def test_a_resumed_run_replaces_the_points_logged_after_its_checkpoint(tmp_path):
     pytest.importorskip("tensorboard")
-    straight = launch.run_grpo(CPU, _options(tmp_path, "straight"), _config(), [], lambda r: None)
+    straight = prepare.run_grpo(CPU, _options(tmp_path, "straight"), _config(), [], lambda r: None)
 
     def crash_after_three(record):
         if record.get("step") == 3 and "reward_mean" in record:
             raise KeyboardInterrupt  # step 3 logged (to TensorBoard too), its checkpoint not written
 
     with pytest.raises(KeyboardInterrupt):
-        launch.run_grpo(CPU, _options(tmp_path, "crashed"), _config(), [], crash_after_three)
-    launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _config(), [], lambda r: None)
+        prepare.run_grpo(CPU, _options(tmp_path, "crashed"), _config(), [], crash_after_three)
+    prepare.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _config(), [], lambda r: None)
     assert len(list((tmp_path / "crashed").glob("events.out.tfevents.*"))) == 2
     scalars = _scalars(tmp_path / "crashed")
     assert scalars["train/reward_mean"] == [(r["step"], float(np.float32(r["reward_mean"]))) for r in straight]

@@ -141,7 +141,7 @@ def _task(spec: str):
 
 
 def _dataset(spec: str, seed: int) -> list[dict]:
-    from rlportable.train.launch import DATASET_SIZE
+    from rlportable.train.prepare import DATASET_SIZE
 
     return _task(spec).dataset(seed, DATASET_SIZE)  # as `rlportable grpo --task` makes it
 

@@ -163,7 +163,7 @@ def _tiny_train_updated(backend, s, r):
 # digests proves the whole loop on a device (sampling, rewards, log-probs, gradients, optimiser), not
 # only its parts. The metrics that are functions of the bits (not of time) are recorded too.
 
-TRAJECTORY_TASK = "arithmetic:digits=1,ops=+"  # train/launch.py DEFAULT_TASK
+TRAJECTORY_TASK = "arithmetic:digits=1,ops=+"  # train/prepare.py DEFAULT_TASK
 SFT_RUN = dict(seed=120, model="tiny", task=TRAJECTORY_TASK,
                config=dict(steps=3, batch_size=8, learning_rate=3e-3, warmup_steps=1, seed=0),
                run="SFTTrainer(model, tokenizer, task_sft_records(task dataset), SFTConfig(**config)).step(i), "
@@ -189,7 +189,7 @@ def _run_setup(backend, r, seed: int, tp_group=None):
     """(model, tokenizer, task records, task) of a trajectory recipe: the embedded model, trainable."""
     from rlportable.model.forward import Model
     from rlportable.model.load import load_model
-    from rlportable.train.launch import task_records
+    from rlportable.train.prepare import task_records
 
     model_config, weights, tokenizer = load_model(r["model"])
     records, task = task_records(r["task"], None, seed)

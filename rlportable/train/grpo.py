@@ -80,7 +80,7 @@ class GRPOConfig(OptimiserSettings):
     max_prompt_length: int | None = None  # longer prompts keep their last tokens (TRL's left truncation)
     mask_truncated_completions: bool = False  # DAPO: completions cut at max_completion_length leave the loss
     # evaluation on held-out prompts (train/evaluation.py); not part of what a run computes, so left out
-    # of the settings a --resume compares and a checkpoint keeps (train/launch.py settings_dict)
+    # of the settings a --resume compares and a checkpoint keeps (train/prepare.py settings_dict)
     eval_every: int | None = None     # steps between evaluations; None: launch.EVAL_EVERY with held-out prompts
     eval_samples: int = 8             # K: samples a held-out prompt at the training temperature (pass@K)
     eval_pass_threshold: float = 1.0  # a completion passes (pass@k) when its reward is at least this

@@ -9,7 +9,7 @@ import pytest
 
 from rlportable.model.load import load_model
 from rlportable.runtime import get_backend
-from rlportable.train import checkpoint, launch
+from rlportable.train import checkpoint, prepare
 from rlportable.train.grpo import GRPOConfig, RoutingMismatchError
 from rlportable.train.sft import SFTConfig
 
@@ -33,7 +33,7 @@ def moe_folder(tmp_path_factory):
 
 
 def _options(tmp_path, model, name="run", resume=False):
-    return launch.RunOptions(model=str(model), out=str(tmp_path / name), resume=resume, save_every=1,
+    return prepare.RunOptions(model=str(model), out=str(tmp_path / name), resume=resume, save_every=1,
                              log_jsonl=str(tmp_path / f"{name}.jsonl"), plot=None, task=TASK, data=None)
 
 
@@ -46,7 +46,7 @@ def _grpo(tmp_path, moe_folder, name="run", resume=False, steps=2, on_step=lambd
     (tmp_path / "reward.py").write_text(REWARD)
     config = GRPOConfig(steps=steps, prompts_per_step=2, num_generations=3, max_completion_length=4,
                         learning_rate=3e-3, seed=5, mini_batches=2, micro_batch_tokens=40)
-    return launch.run_grpo(CPU, _options(tmp_path, moe_folder, name, resume), config,
+    return prepare.run_grpo(CPU, _options(tmp_path, moe_folder, name, resume), config,
                            [(f"{tmp_path / 'reward.py'}:varied", 1.0)], on_step)
 
 
@@ -100,7 +100,7 @@ def test_a_changed_expert_choice_stops_the_run(tmp_path, moe_folder, monkeypatch
 
 def test_sft_on_moe_lowers_the_loss(tmp_path, moe_folder):
     config = SFTConfig(steps=4, batch_size=4, learning_rate=3e-3, seed=1)
-    records = launch.run_sft(CPU, _options(tmp_path, moe_folder), config, lambda r: None)
+    records = prepare.run_sft(CPU, _options(tmp_path, moe_folder), config, lambda r: None)
     assert records[-1]["loss"] < records[0]["loss"]
     final = _weights(tmp_path / "run")
     assert any(name.endswith("mlp.gate.weight") for name in final)

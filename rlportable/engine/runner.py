@@ -200,7 +200,7 @@ class ModelRunner:
             if follows is not None:
                 self._feed_tokens(plan, views, after.drawn, follows)
             # Qwen3-MoE: each sparse layer's expert choices, recorded beside the sampled tokens (its
-            # model runs eagerly on the cpu reference: no graph, the choices are host arrays)
+            # steps run eagerly, never as graphs: _graphs_on; the choices are host arrays)
             routing = [] if self.model.config.is_moe else None
             if graph:
                 replay[0].replay()
@@ -283,7 +283,9 @@ class ModelRunner:
         return next(size for size in self.buckets if size >= len(entries))
 
     def _graphs_on(self, bucket: int) -> bool:
-        return self.backend.supports_graphs and bucket < GRAPH_MAX_ROWS
+        # a Qwen3-MoE sparse layer brings its expert ids to the host inside the step (each expert's group
+        # size sets its products' shapes), which no graph captures: its padded decode steps run eagerly
+        return self.backend.supports_graphs and bucket < GRAPH_MAX_ROWS and not self.model.config.is_moe
 
     def _sampling(self, samples: list[Sequence], positions: np.ndarray | None = None):
         """The step's sampler; `positions`: where each sample's token goes (default: num_tokens)."""

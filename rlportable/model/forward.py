@@ -325,7 +325,7 @@ class Model:
         if layer.moe is not None:  # a sparse layer: the router, each token's k experts, one exact combine
             out, experts, _ = moe.block(backend, h2, layer.moe, encoded=h2_encoded)
             if routing is not None:
-                routing.append(experts)
+                routing.append(backend.to_numpy(experts))  # the block brought them to the host already
             return x2, out
         gate, up = self._projections(h2, layer.gate_up, (None, None), h2_encoded)
         mlp, mlp_rows = self._activation(gate, up)
@@ -392,15 +392,16 @@ class Model:
 
 
 def check_moe_supported(backend: Backend, trainable: bool, tp_size: int) -> None:
-    """A Qwen3-MoE model runs (forward and backward) on the cpu reference only: anything else is
-    refused here in one line naming what is missing, never run on a fallback."""
-    if not backend.runs_reference:
-        raise ModelError(f"Qwen3-MoE runs on the cpu backend only: the {backend.label} backend has no MoE "
-                         f"kernels yet (route, combine and their backward, contracts/moe.toml); "
-                         f"{'train' if trainable else 'run'} it with --device cpu")
+    """A Qwen3-MoE model's forward (generate, log-probs) runs on every backend; its backward (a trainable
+    model) on the cpu reference only, and no MoE model at TP > 1: what is not built is refused here, in
+    one line naming it, before any weight is encoded, never run on a fallback."""
+    if trainable and not backend.runs_reference:
+        raise ModelError(f"Qwen3-MoE on the {backend.label} backend runs the forward only (generate, "
+                         f"log-probs): its backward has no kernels there (contracts/moe.toml); "
+                         f"train it with --device cpu")
     if tp_size > 1:
         raise ModelError("Qwen3-MoE cannot be cut over tensor-parallel ranks yet (no expert sharding); "
-                         "run it at TP=1 on the cpu backend")
+                         "run it at TP=1")
 
 
 def to_device(backend: Backend, weights: ModelWeights, projections: bool = True) -> ModelWeights:

@@ -3,10 +3,14 @@
 Contract: contracts/moe.toml; reference: rlportable/contract/moe.py. route and combine run the kernels of
 backends/portable/moe.hip on a device (both vendors, HIP-CPU) and the reference on cpu; the experts'
 products are the gemm family's (weights encoded once, as the dense layers'), so the block's bits are
-the reference's moe_block. The block groups tokens by expert on the host (the expert ids come back to
-it; a device gather is not written yet). The backward has no kernels: block_backward runs on cpu only
-and raises BackendUnavailable elsewhere, never falling back to the host. The backward (block_backward) is the reference's
-moe_block_backward on the float32 weights (the trainer's masters).
+the reference's moe_block. The block's forward runs on every backend: the expert ids come back to the
+host (the group sizes set the products' shapes); on a device each token's row is gathered once per
+chosen expert (the embedding family's row gather, a bit copy), each expert runs its gate/up, SwiGLU
+and down products over its run of rows, and a second gather puts the outputs back in (token, slot)
+order for the combine; on cpu the host groups the rows as the reference does. The backward has no
+kernels: block_backward (the reference's moe_block_backward on the float32 weights, the trainer's
+masters) runs on cpu only and raises BackendUnavailable elsewhere, never falling back to the host;
+model/forward.py refuses a trainable MoE model off cpu before any work.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 
 from rlportable.contract import moe as reference
 from rlportable.errors import BackendUnavailable, InputError
-from rlportable.ops import activation, gemm
+from rlportable.ops import activation, embedding, gemm
 from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 ROUTE_THREADS = 256  # moe_route: one block per row, a multiple of 32 (common.h's block reductions)
@@ -66,9 +70,12 @@ def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_t
                 or shape_of(down[e]) != (hidden, shape_of(gate[e])[0]):
             raise InputError(f"moe: expert {e} has gate {shape_of(gate[e])}, up {shape_of(up[e])}, down "
                              f"{shape_of(down[e])}; expected [I, {hidden}], [I, {hidden}], [{hidden}, I]")
-    return MoeWeight(router=gemm.encode_weight(backend, router),
-                     gate_up=[gemm.encode_stacked_weight(backend, [gate[e], up[e]]) for e in range(experts)],
-                     down=[gemm.encode_weight(backend, down[e]) for e in range(experts)],
+    def put(array):  # host experts go to the device one at a time (only their encodings stay)
+        return backend.asarray(array) if isinstance(array, np.ndarray) else array
+
+    return MoeWeight(router=gemm.encode_weight(backend, put(router)),
+                     gate_up=[gemm.encode_stacked_weight(backend, [put(gate[e]), put(up[e])]) for e in range(experts)],
+                     down=[gemm.encode_weight(backend, put(down[e])) for e in range(experts)],
                      top_k=int(top_k), norm_topk_prob=bool(norm_topk_prob))
 
 
@@ -106,21 +113,58 @@ def combine(backend, weights, outputs):
 
 def block(backend, h, weight: MoeWeight, encoded=None):
     """(out [T, H], experts int32 [T, k], weights float32 [T, k]): the sparse MLP of hidden rows h [T, H]
-    (contracts/moe.toml block). encoded: h's encoding at the gemm's activation bits when its producer
-    made it (the router's product reads it; an expert's rows are encoded by its own product)."""
+    (contracts/moe.toml block), on any backend. encoded: h's encoding at the gemm's activation bits when
+    its producer made it (the router's product reads it; an expert's rows are encoded by its own product)."""
     t, hidden = require_matrix("moe block: h", h)
     if hidden != weight.router.k:
         raise InputError(f"moe block: h has {hidden} columns but the router takes {weight.router.k}")
     logits = gemm.gemm(backend, h, weight.router, encoded=encoded)
     experts, weights = route(backend, logits, weight.top_k, weight.norm_topk_prob)
-    host = backend.to_numpy(h)
-    outputs = np.zeros((t, weight.top_k, hidden), dtype=np.float32)
-    for expert, pairs in reference.expert_groups(backend.to_numpy(experts)):  # one product per expert
-        rows, slots = pairs // weight.top_k, pairs % weight.top_k
-        gate, up = gemm.gemm_columns(backend, backend.asarray(host[rows]), weight.gate_up[expert])
-        y = gemm.gemm(backend, activation.swiglu(backend, gate, up), weight.down[expert])
-        outputs[rows, slots] = backend.to_numpy(y)
-    return combine(backend, weights, backend.asarray(outputs)), experts, weights
+    outputs = expert_outputs(backend, h, weight, backend.to_numpy(experts))
+    return combine(backend, weights, outputs), experts, weights
+
+
+def expert_outputs(backend, h, weight: MoeWeight, host_experts: np.ndarray):
+    """y float32 [T, k, H] (contiguous, on the backend): y[t, j] = expert host_experts[t, j]'s SwiGLU MLP of
+    h[t] (the reference's expert_outputs), one gate/up product, SwiGLU and one down product per expert
+    over the tokens that chose it (reference.expert_groups: experts ascending, tokens ascending within).
+
+    On cpu the groups are indexed out of h and written back on the host, as the reference does. On a
+    device the T k (token, slot) pairs' rows of h are gathered into that grouped order by one row gather
+    (embedding.gather, a bit copy), each expert's products read its contiguous run of rows and write its
+    run of the grouped outputs, and a second gather puts them back in (token, slot) order.
+
+    Every row of the exact gemm is independent of the others (its encoding is the row's own, its sums
+    exact, rounded once), and the gathers copy whole rows bit for bit, so gathering rows, grouping them
+    by expert and the size of each group change no bit: y[t, j] is that row's product alone."""
+    t, k = host_experts.shape
+    pairs, hidden = t * k, weight.router.k
+    groups = list(reference.expert_groups(host_experts))  # one product per expert that some token chose
+    if backend.runs_reference:
+        host = backend.to_numpy(h)
+        outputs = np.zeros((t, k, hidden), dtype=np.float32)
+        for expert, chosen in groups:
+            rows, slots = chosen // k, chosen % k
+            gate, up = gemm.gemm_columns(backend, host[rows], weight.gate_up[expert])
+            outputs[rows, slots] = gemm.gemm(backend, activation.swiglu(backend, gate, up), weight.down[expert])
+        return outputs
+    if pairs == 0 or hidden == 0:
+        return backend.zeros((t, k, hidden), np.float32)
+    order = np.concatenate([chosen for _, chosen in groups])  # pair indices, grouped by expert
+    rows = (order // k).astype(np.int32)
+    x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)  # [pairs, H], a row per pair
+    y = backend.empty((pairs, hidden), np.float32)
+    start = 0
+    for expert, chosen in groups:
+        stop = start + chosen.size
+        gate, up = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
+        # one launch gives the activation and its encoding for the down product (the gemm's own bits)
+        act, act_encoded = activation.swiglu_encode(backend, gate, up, gemm.DEFAULT_BITS_A)
+        backend.copy_into(y[start:stop], gemm.gemm(backend, act, weight.down[expert], encoded=act_encoded))
+        start = stop
+    slot_of = np.empty(pairs, np.int32)
+    slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in y
+    return embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
 
 
 def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out):

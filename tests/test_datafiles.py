@@ -14,7 +14,7 @@ from rlportable.errors import InputError
 from rlportable.model.tiny import EOS_TOKEN, tiny_tokenizer_json
 from rlportable.model.tokenizer import Tokenizer
 from rlportable.runtime import get_backend
-from rlportable.train import datafiles, launch
+from rlportable.train import datafiles, prepare
 from rlportable.train.grpo import GRPOConfig, check_prompt_lengths, engine_prompt, truncated_prompt
 from rlportable.train.math_rewards import boxed_format, math_answer
 from rlportable.train.rewards import batch_from_records
@@ -48,14 +48,14 @@ def _parquet(path, records):
 
 
 def _options(data, **kw):
-    return launch.RunOptions(model="tiny-sft", out=None, resume=False, save_every=1, log_jsonl=None, plot=None,
+    return prepare.RunOptions(model="tiny-sft", out=None, resume=False, save_every=1, log_jsonl=None, plot=None,
                              task=None, data=str(data), **kw)
 
 
 def _grpo(data, **kw):
     config = GRPOConfig(steps=2, prompts_per_step=2, num_generations=3, max_completion_length=4,
                         learning_rate=3e-3, seed=5)
-    records = launch.run_grpo(CPU, _options(data, **kw), config, [(MATH, 1.0)], lambda r: None)
+    records = prepare.run_grpo(CPU, _options(data, **kw), config, [(MATH, 1.0)], lambda r: None)
     return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("time/")} for r in records]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from rlportable.errors import InputError
 from rlportable.runtime import get_backend
-from rlportable.train import checkpoint, launch
+from rlportable.train import checkpoint, prepare
 from rlportable.train.grpo import GRPOConfig, LogprobMismatchError
 from rlportable.train.sft import SFTConfig
 
@@ -17,7 +17,7 @@ TASK = "arithmetic:digits=1,ops=+"
 
 
 def _options(tmp_path, name="run", resume=False, **kw):
-    return launch.RunOptions(model=kw.get("model", "tiny"), out=str(tmp_path / name), resume=resume, save_every=1,
+    return prepare.RunOptions(model=kw.get("model", "tiny"), out=str(tmp_path / name), resume=resume, save_every=1,
                              log_jsonl=str(tmp_path / f"{name}.jsonl"), plot=kw.get("plot"), task=TASK, data=None)
 
 
@@ -35,7 +35,7 @@ def _final_weights(folder) -> dict:
 
 def test_grpo_logs_zero_mismatch_and_ratio_one_every_step(tmp_path):
     config = _grpo_config(beta=0.04, num_iterations=2, mini_batches=2, loss_type="grpo")
-    records = launch.run_grpo(CPU, _options(tmp_path), config, [], lambda r: None)
+    records = prepare.run_grpo(CPU, _options(tmp_path), config, [], lambda r: None)
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["logp_mismatches"] == 0 and r["max_abs_dlogp"] == 0.0
@@ -49,7 +49,7 @@ def test_grpo_schedule_spans_every_optimizer_step(tmp_path):
     """Each GRPO step takes num_iterations x mini_batches optimizer steps; the learning-rate schedule
     spans all of them (as TRL's max_steps), so it reaches its end at the last step, not before."""
     config = _grpo_config(steps=2, num_iterations=2, mini_batches=2, warmup_steps=0)
-    records = launch.run_grpo(CPU, _options(tmp_path), config, [], lambda r: None)
+    records = prepare.run_grpo(CPU, _options(tmp_path), config, [], lambda r: None)
     schedule = config.schedule(2 * 2 * 2)
     assert [r["lr"] for r in records] == [schedule.lr(4), schedule.lr(8)]
     assert records[0]["lr"] > 0.0
@@ -57,27 +57,27 @@ def test_grpo_schedule_spans_every_optimizer_step(tmp_path):
 
 def test_grpo_resume_after_a_crash_continues_bitwise(tmp_path):
     config = _grpo_config()
-    launch.run_grpo(CPU, _options(tmp_path, "straight"), config, [], lambda r: None)
+    prepare.run_grpo(CPU, _options(tmp_path, "straight"), config, [], lambda r: None)
 
     def crash_after_two(record):
         if record["step"] == 2:
             raise KeyboardInterrupt  # before step 2's checkpoint is written
 
     with pytest.raises(KeyboardInterrupt):
-        launch.run_grpo(CPU, _options(tmp_path, "crashed"), config, [], crash_after_two)
+        prepare.run_grpo(CPU, _options(tmp_path, "crashed"), config, [], crash_after_two)
     # the crash hit before step 2's checkpoint: the latest is step 1, and resume redoes step 2
     assert checkpoint.list_checkpoints(tmp_path / "crashed") == [1]
-    records = launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), config, [], lambda r: None)
+    records = prepare.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), config, [], lambda r: None)
     assert [r["step"] for r in records] == [1, 2, 3]
     straight, resumed = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "crashed")
     for name in straight:
         assert np.array_equal(straight[name], resumed[name]), name
     with pytest.raises(InputError, match="different settings"):
-        launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _grpo_config(learning_rate=1e-3), [],
+        prepare.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _grpo_config(learning_rate=1e-3), [],
                         lambda r: None)
     # another --steps changes the schedule of every step: refused, naming both values and the way on
     with pytest.raises(InputError, match=r"--steps 5, but the run was started with --steps 3.*--model"):
-        launch.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _grpo_config(steps=5), [],
+        prepare.run_grpo(CPU, _options(tmp_path, "crashed", resume=True), _grpo_config(steps=5), [],
                         lambda r: None)
 
 
@@ -94,7 +94,7 @@ def test_a_broken_rollout_logprob_stops_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(grpo.GRPOTrainer, "_rollout", perturbed)
     with pytest.raises(LogprobMismatchError, match="1 of"):
-        launch.run_grpo(CPU, _options(tmp_path), _grpo_config(steps=1), [], lambda r: None)
+        prepare.run_grpo(CPU, _options(tmp_path), _grpo_config(steps=1), [], lambda r: None)
 
 
 def test_sft_learns_and_its_checkpoint_loads_as_a_model(tmp_path):
@@ -102,7 +102,7 @@ def test_sft_learns_and_its_checkpoint_loads_as_a_model(tmp_path):
 
     config = SFTConfig(steps=8, batch_size=16, learning_rate=3e-3)
     plot = tmp_path / "loss.png"
-    records = launch.run_sft(CPU, _options(tmp_path, "sft", plot=str(plot)), config, lambda r: None)
+    records = prepare.run_sft(CPU, _options(tmp_path, "sft", plot=str(plot)), config, lambda r: None)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] * 0.8, losses
@@ -118,9 +118,9 @@ def test_data_parallel_grpo_is_bitwise_the_single_device_run(tmp_path, replicas)
 
     # small micro-batches, two mini-batches, two passes, a KL term: every path of the loop, uneven rounds
     config = _grpo_config(steps=2, micro_batch_tokens=12, mini_batches=2, num_iterations=2, beta=0.04)
-    single = launch.run_grpo(CPU, _options(tmp_path, "single", model="tiny-sft"), config, [], lambda r: None)
+    single = prepare.run_grpo(CPU, _options(tmp_path, "single", model="tiny-sft"), config, [], lambda r: None)
     assert any(r["reward_std"] > 0 for r in single)  # non-zero advantages: the gradients are not all zero
-    replicated = run_threads(CPU, replicas, lambda dp_group: launch.run_grpo(
+    replicated = run_threads(CPU, replicas, lambda dp_group: prepare.run_grpo(
         CPU, _options(tmp_path, "replicated", model="tiny-sft"), config, [], lambda r: None, dp_group))
     timing = ("rollout_s", "train_s", "step_s", "rollout_tokens_per_s", "tokens_per_s")
     for records in replicated:
@@ -136,8 +136,8 @@ def test_data_parallel_sft_is_bitwise_the_single_device_run(tmp_path):
     from rlportable.runtime.collectives import run_threads
 
     config = SFTConfig(steps=2, batch_size=8, learning_rate=3e-3, micro_batch_tokens=20, seed=2)
-    single = launch.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
-    replicated = run_threads(CPU, 2, lambda dp_group: launch.run_sft(CPU, _options(tmp_path, "replicated"), config,
+    single = prepare.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
+    replicated = run_threads(CPU, 2, lambda dp_group: prepare.run_sft(CPU, _options(tmp_path, "replicated"), config,
                                                                      lambda r: None, dp_group))
     for records in replicated:
         assert [r["loss"] for r in records] == [r["loss"] for r in single]
@@ -174,7 +174,7 @@ def test_sharded_checkpoint_resumes_bitwise_at_another_replica_count(tmp_path):
     from rlportable.runtime.collectives import run_threads
 
     config = SFTConfig(steps=3, batch_size=8, learning_rate=3e-3, micro_batch_tokens=20, seed=2)
-    single = launch.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
+    single = prepare.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
 
     def stop_after_two(record):
         if record["step"] == 2:
@@ -183,14 +183,14 @@ def test_sharded_checkpoint_resumes_bitwise_at_another_replica_count(tmp_path):
     for replicas in (2, 1):
         name = f"from3to{replicas}"
         with pytest.raises(KeyboardInterrupt):
-            run_threads(CPU, 3, lambda dp_group: launch.run_sft(CPU, _options(tmp_path, name), config,
+            run_threads(CPU, 3, lambda dp_group: prepare.run_sft(CPU, _options(tmp_path, name), config,
                                                                 lambda r: None if dp_group.rank else stop_after_two(r),
                                                                 dp_group))
         step1 = checkpoint.latest_checkpoint(tmp_path / name)
         assert step1.endswith("step-000001")
         assert sorted(f for f in os.listdir(step1) if f.startswith("optimizer")) == [
             f"optimizer-0000{r}-of-00003.safetensors" for r in range(3)]
-        resumed = run_threads(CPU, replicas, lambda dp_group: launch.run_sft(
+        resumed = run_threads(CPU, replicas, lambda dp_group: prepare.run_sft(
             CPU, _options(tmp_path, name, resume=True), config, lambda r: None, dp_group))[0]
         assert [r["loss"] for r in resumed] == [r["loss"] for r in single]  # the log holds steps 1-2 too
         assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in single]
@@ -207,7 +207,7 @@ def _layout_run(kind, tmp_path, name, config, tp, dp, resume=False, on_step=None
     from rlportable.runtime.collectives import run_threads
     from rlportable.runtime.world import layout_groups
 
-    run = launch.run_sft if kind == "sft" else launch.run_grpo
+    run = prepare.run_sft if kind == "sft" else prepare.run_grpo
 
     def rank(world):
         tensor, data = layout_groups(world, tp)
@@ -225,11 +225,11 @@ def test_tensor_and_data_parallel_runs_resume_across_layouts_bitwise(tmp_path, k
     ends with the single-device weights and moments, bitwise."""
     if kind == "sft":
         config = SFTConfig(steps=3, batch_size=8, learning_rate=3e-3, micro_batch_tokens=20, seed=2)
-        single = launch.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
+        single = prepare.run_sft(CPU, _options(tmp_path, "single"), config, lambda r: None)
         extra = {}
     else:
         config = _grpo_config(steps=3, micro_batch_tokens=12, mini_batches=2, beta=0.04)
-        single = launch.run_grpo(CPU, _options(tmp_path, "single", model="tiny-sft"), config, [], lambda r: None)
+        single = prepare.run_grpo(CPU, _options(tmp_path, "single", model="tiny-sft"), config, [], lambda r: None)
         extra = {"model": "tiny-sft"}
     timing = ("rollout_s", "train_s", "step_s", "rollout_tokens_per_s", "tokens_per_s")
 
@@ -309,9 +309,9 @@ def test_mask_truncated_completions_takes_cut_completions_out_of_the_loss(tmp_pa
     end-of-sequence token), so under mask_truncated_completions nothing trains: loss 0, weights unchanged."""
     config = _grpo_config(steps=1, max_completion_length=1, mask_truncated_completions=True)
     options = _options(tmp_path, model="tiny-sft")
-    records = launch.run_grpo(CPU, options, config, [], lambda r: None)
+    records = prepare.run_grpo(CPU, options, config, [], lambda r: None)
     assert records[0]["loss"] == 0.0 and records[0]["grad_norm"] == 0.0
-    unmasked = launch.run_grpo(CPU, _options(tmp_path, "plain", model="tiny-sft"),
+    unmasked = prepare.run_grpo(CPU, _options(tmp_path, "plain", model="tiny-sft"),
                                _grpo_config(steps=1, max_completion_length=1), [], lambda r: None)
     assert unmasked[0]["grad_norm"] > 0.0
 
@@ -323,9 +323,9 @@ def test_gspo_trains_with_the_sequence_level_ratio(tmp_path):
                                         "    return [float(sum(t % 2 == 0 for t in ids)) for ids in completion_ids]\n")
     rewards = [(f"{tmp_path / 'reward.py'}:varied", 1.0)]
     config = _grpo_config(steps=3, importance_sampling_level="sequence", num_iterations=2)
-    records = launch.run_grpo(CPU, _options(tmp_path, "gspo"), config, rewards, lambda r: None)
+    records = prepare.run_grpo(CPU, _options(tmp_path, "gspo"), config, rewards, lambda r: None)
     assert all(r["logp_mismatches"] == 0 for r in records) and records[0]["grad_norm"] > 0.0
-    launch.run_grpo(CPU, _options(tmp_path, "grpo"), _grpo_config(steps=3, num_iterations=2), rewards, lambda r: None)
+    prepare.run_grpo(CPU, _options(tmp_path, "grpo"), _grpo_config(steps=3, num_iterations=2), rewards, lambda r: None)
     gspo, grpo = _final_weights(tmp_path / "gspo"), _final_weights(tmp_path / "grpo")
     assert any(not np.array_equal(gspo[name], grpo[name]) for name in gspo)
     with pytest.raises(InputError, match="importance_sampling_level"):

@@ -94,7 +94,8 @@ def test_vendor_files_add_fast_paths_to_a_portable_family(vendor, path):
 
 def test_vendor_folders_hold_preludes_and_fast_paths_only():
     backends = resource_dir("backends")
-    assert sorted(p.name for p in (backends / "cuda").iterdir() if p.suffix != ".cu") == ["prelude.h"]
+    # cuda: the HIP-on-CUDA prelude, and the tensor-core and cp.async pieces gemm and attention share
+    assert sorted(p.name for p in (backends / "cuda").iterdir() if p.suffix != ".cu") == ["pipeline.h", "prelude.h"]
     # hip: the HIP-CPU prelude, and the MFMA wrapper the AMD fast paths share
     assert sorted(p.name for p in (backends / "hip").iterdir() if p.suffix != ".hip") == ["cpu_prelude.h", "mfma.h"]
 

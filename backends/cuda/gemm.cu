@@ -10,6 +10,7 @@
 //     S = sum_d 256^d * G_d,   G_d = sum_{i+j=d} X_i . W_j   (int32, exact)
 // and Y = RNE_f32(S * 2^(ea + ew - (Ba-2) - (Bw-2))), one rounding.
 #include "gemm.hip"
+#include "pipeline.h"
 
 // rlp_gemm_output for |s| < 2^53, which the gemm contract's K limit guarantees for a whole
 // (unsharded) gemm: s converts to float64 exactly and the power-of-two scaling is exact (the
@@ -35,19 +36,8 @@ __device__ __forceinline__ float rlp_gemm_output_small(long long s, int e_a, int
 #define RLP_W_DIGITS 2
 #define RLP_GROUPS (RLP_A_DIGITS + RLP_W_DIGITS - 1)
 
-__device__ __forceinline__ void rlp_mma_s8(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ int4 rlp_load16(const signed char* base, bool valid) {
     return valid ? __ldg(reinterpret_cast<const int4*>(base)) : make_int4(0, 0, 0, 0);
-}
-
-__device__ __forceinline__ int rlp_word(const int4& v, int i) {
-    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
 // Accumulate one 64-wide chunk: digits a[i][mi][h] (rows g, g+8 of m16 tile mi)
@@ -182,17 +172,6 @@ RLP_GEMM_DIRECT_ENTRY(gemm_fused_a3w2_32x16k4, 2, 2, 4)
 // BN-row slab of weight digits, laid out [digit][chunk][row][64] (a warp's
 // 16-byte reads of 8 rows then cover 512 contiguous bytes: no bank conflicts).
 // cp.async fills STAGES stages ahead; warps split the tile, not K.
-__device__ __forceinline__ void rlp_cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned int address = (unsigned int)__cvta_generic_to_shared(smem);
-    const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(bytes));
-}
-
-__device__ __forceinline__ void rlp_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int PENDING>
-__device__ __forceinline__ void rlp_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
-
 template <int WM, int WN, int WARPS_M, int WARPS_N, int CH, int STAGES>
 __device__ __forceinline__ void rlp_gemm_tiled(
     const signed char* __restrict__ xd, const signed char* __restrict__ wd,

@@ -406,7 +406,7 @@ def test_methods_dispatch_and_reject():
     assert op.resolve_method(cuda, 16, 16, 128, "auto") == "split"  # decode
     assert op.resolve_method(cuda, 16, 16, 128, "mma") == "mma"
     assert op.resolve_method(cuda, 16, 16, 128, "portable") == "portable"
-    assert op.mma_shared_bytes(128) == 13 * 64 * 128
+    assert op.mma_shared_bytes(128) == 7 * 64 * 128 + 3 * 64 * 64
 
 
 def test_mma_kernels_are_declared_cuda_only():

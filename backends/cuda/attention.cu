@@ -56,29 +56,6 @@ __device__ __forceinline__ unsigned int rlp_attm_umax_rows(unsigned int v) {
     return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Conversions run at a quarter of the FP64 rate (16 a clock per multiprocessor), and pass 2 made seven
-// per score. Two of them are exact float64 adds instead: for an integer |S| < 2^51 the bits of
-// 1.5 * 2^52 + S are those of 1.5 * 2^52 plus S, and for |x| < 2^31, x + 1.5 * 2^52 rounds x to the
-// nearest integer, ties to even (IEEE 754, as __double2int_rn), into the low bits.
-#define RLP_ATTM_MAGIC 6755399441055744.0  /* 1.5 * 2^52 */
-__device__ __forceinline__ double rlp_attm_exact_double(long long s) {  // |s| < 2^51
-    return __longlong_as_double(s + 0x4338000000000000LL) - RLP_ATTM_MAGIC;
-}
-__device__ __forceinline__ int rlp_attm_round_int(double x) {  // RNE(x), |x| < 2^31
-    return __double2loint(x + RLP_ATTM_MAGIC);
-}
-// rlp_att_score's bits (|S| < 2^44: 3 q digits x 2 k digits x head_dim <= 256).
-__device__ __forceinline__ float rlp_attm_score(long long s, int eq, int ek, double scale) {
-    return rlp_double2float_rn((rlp_attm_exact_double(s) * rlp_pow2_f64(eq + ek - RLP_ATT_SCORE_SHIFT)) * scale);
-}
-
-// Byte offset of weight digit `digit` of row r, key `key` in the [3][64][64] weight tile: the 16-byte
-// pieces of a row are XOR-swizzled by (r / 2) % 4, so a warp's 16-bit stores (8 rows, 4 pairs of keys)
-// and its 16-byte fragment loads meet no bank conflict.
-__device__ __forceinline__ int rlp_attm_weight_at(int digit, int r, int key) {
-    return (digit * RLP_ATTM_BQ + r) * RLP_ATTM_BK + 16 * ((key / 16) ^ ((r >> 1) & 3)) + key % 16;
-}
-
 template <int DPMAX>
 __device__ __forceinline__ void rlp_attention_mma(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
@@ -90,20 +67,15 @@ __device__ __forceinline__ void rlp_attention_mma(
     __shared__ int row_seq[RLP_ATTM_BQ], row_pos[RLP_ATTM_BQ], row_eq[RLP_ATTM_BQ], row_done[RLP_ATTM_BQ];
     __shared__ unsigned int row_mkey[RLP_ATTM_BQ], row_ev[RLP_ATTM_BQ], row_flags[RLP_ATTM_BQ];
     __shared__ unsigned long long row_total[RLP_ATTM_BQ];
-    __shared__ long long key_row[2][RLP_ATTM_BK];  // two tiles: the one computed, the one staged
-    __shared__ int key_ek[2][RLP_ATTM_BK], key_ev[2][RLP_ATTM_BK], key_flag[2][RLP_ATTM_BK];
+    __shared__ long long key_row[RLP_ATTM_BK];
+    __shared__ int key_ek[RLP_ATTM_BK], key_ev[RLP_ATTM_BK], key_flag[RLP_ATTM_BK];
     __shared__ int cur_seq, last_pos, pair_max[RLP_ATTM_BQ / 16];
 
     const int chunks = dp / 64;
     signed char* qs = smem;                          // [3][chunks][64 rows][64]
-    signed char* ks = qs + 3 * RLP_ATTM_BQ * dp;     // 2 buffers of [2][chunks][64 keys][64]
-    signed char* vn = ks + 4 * RLP_ATTM_BK * dp;     // 2 buffers of [2][64 keys][dp] (pieces swizzled)
-    signed char* vt = vn + 4 * RLP_ATTM_BK * dp;     // [2][dp][64 keys] (pieces swizzled)
-    // The weight digits [3][64 rows][64 keys] (rlp_attm_weight_at): over the q digits once they are in
-    // registers, else over the V buffer of the tile, which the transpose has read.
-    signed char* ws = qs;
-    const signed char* kt = ks;  // the current tile's K digits and key scalars
-    const int *kek = key_ek[0], *kev = key_ev[0], *kfl = key_flag[0];
+    signed char* ks = qs + 3 * RLP_ATTM_BQ * dp;     // [2][chunks][64 keys][64]
+    signed char* vt = ks + 2 * RLP_ATTM_BK * dp;     // [2][dp][64 keys]
+    signed char* ws = vt + 2 * RLP_ATTM_BK * dp;     // [3][64 rows][64 keys]
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int gq = lane / 4, tq4 = lane % 4, pair = warp / 2, half = warp % 2;
@@ -143,22 +115,6 @@ __device__ __forceinline__ void rlp_attention_mma(
         }
     }
 
-    // This warp's q fragments (rows 16 pair + gq, + 8), in registers for every key tile where they fit
-    // (head_dim <= 128: 48 registers); wider heads read them from shared memory.
-    constexpr int CHMAX = DPMAX / 64;
-    constexpr bool QREG = DPMAX <= 128;
-    __syncthreads();
-    int4 qa[QREG ? CHMAX : 1][3][2];
-#pragma unroll
-    for (int c = 0; c < (QREG ? CHMAX : 0); ++c)
-#pragma unroll
-        for (int i = 0; i < 3; ++i)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                qa[c][i][r] = c < chunks ? *reinterpret_cast<const int4*>(
-                                               qs + ((i * chunks + c) * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * 64 + 16 * tq4)
-                                         : make_int4(0, 0, 0, 0);
-
     for (;;) {  // one round per sequence among the tile's rows
         if (tid == 0) { cur_seq = 0x7fffffff; last_pos = -1; }
         if (tid < RLP_ATTM_BQ / 16) pair_max[tid] = -1;
@@ -185,93 +141,52 @@ __device__ __forceinline__ void rlp_attention_mma(
             eqr[k] = act[k] ? row_eq[r] : 0;
         }
 
-        // Key tiles are staged one ahead: while tile it computes, cp.async brings tile it + 1's K digits
-        // (and, in pass 2, its V digits) into the other buffer, and threads tid < 64 hold tile it + 2's
-        // slot rows and exponents in registers (keys_load), so no tile waits on a load it could have
-        // issued earlier. V arrives row-major ([digit][key][dp], 16-byte pieces XOR-swizzled by key / 4)
-        // and is transposed in shared memory into vt ([digit][dp][key], pieces swizzled by column / 4):
-        // both sides of the transpose and the value products' fragment loads are free of 4-way or
-        // worse bank conflicts.
-        const int ntile = last / RLP_ATTM_BK + 1, per = dp / 16;  // per: 16-byte pieces of a digit row
-        long long pf_row = -1;
-        int pf_ek = 0, pf_ev = 0, pf_f = 0;
-        auto keys_load = [&](int it) {
-            pf_row = -1;
-            pf_ek = pf_ev = pf_f = 0;
-            if (tid < RLP_ATTM_BK && it < ntile)
-                rlp_att_tile_key(block_tables, max_blocks, block_size, num_slots, seq, it * RLP_ATTM_BK + tid, last,
-                                 hkv, gkv, k_exponents, v_exponents, pf_row, pf_ek, pf_ev, pf_f);
-        };
-        auto keys_store = [&](int buf) {
+        // Stage one key tile: per-key slot rows and exponents, K digits, and (pass 2) V transposed.
+        auto stage = [&](int kb, bool values) {
+            __syncthreads();  // the previous tile's readers are done
             if (tid < RLP_ATTM_BK) {
-                key_row[buf][tid] = pf_row;
-                key_ek[buf][tid] = pf_ek;
-                key_ev[buf][tid] = pf_ev;
-                key_flag[buf][tid] = pf_f;
+                long long row;
+                int f, ek, ev;
+                rlp_att_tile_key(block_tables, max_blocks, block_size, num_slots, seq, kb + tid, last, hkv, gkv,
+                                 k_exponents, v_exponents, row, ek, ev, f);
+                key_row[tid] = row;
+                key_ek[tid] = ek;
+                key_ev[tid] = ev;
+                key_flag[tid] = f;
             }
-        };
-        auto issue = [&](int buf, bool values) {  // the tile whose keys are in key_row[buf]
-            signed char* kd = ks + buf * (2 * RLP_ATTM_BK * dp);
-            signed char* vd = vn + buf * (2 * RLP_ATTM_BK * dp);
+            __syncthreads();
+            const int per = dp / 16;  // 16-byte pieces per digit row
             for (int p = tid; p < RLP_ATTM_BK * 2 * per; p += RLP_ATTM_THREADS) {
                 const int piece = p % per, digit = (p / per) % 2, key = p / (2 * per);
-                const long long row = key_row[buf][key];
-                const long long src = row >= 0 ? row * (2LL * dp) + (long long)digit * dp + 16 * piece : 0;
-                rlp_cp_async16(kd + ((digit * chunks + piece / 4) * RLP_ATTM_BK + key) * 64 + 16 * (piece % 4),
-                               k_digits + src, row >= 0);
-                if (values)
-                    rlp_cp_async16(vd + (digit * RLP_ATTM_BK + key) * dp + 16 * (piece ^ ((key >> 2) & 3)),
-                                   v_digits + src, row >= 0);
+                const long long row = key_row[key];
+                const int4 v = row >= 0 ? __ldg(reinterpret_cast<const int4*>(k_digits + row * (2LL * dp) +
+                                                                             (long long)digit * dp + 16 * piece))
+                                        : make_int4(0, 0, 0, 0);
+                *reinterpret_cast<int4*>(ks + ((digit * chunks + piece / 4) * RLP_ATTM_BK + key) * 64 + 16 * (piece % 4)) = v;
             }
-            rlp_cp_async_commit();
-        };
-        auto transpose = [&](int buf) {  // vn[buf] -> vt; p: word w of piece P, key group kg, digit
-            const signed char* vs = vn + buf * (2 * RLP_ATTM_BK * dp);
-            for (int p = tid; p < 2 * (RLP_ATTM_BK / 4) * (dp / 4); p += RLP_ATTM_THREADS) {
-                const int w = p % 4, kg = (p / 4) % (RLP_ATTM_BK / 4), piece = (p / RLP_ATTM_BK) % per;
-                const int digit = p / (RLP_ATTM_BK * per);
-                int r[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    r[i] = *reinterpret_cast<const int*>(vs + (digit * RLP_ATTM_BK + 4 * kg + i) * dp +
-                                                         16 * (piece ^ (kg & 3)) + 4 * w);
-                // 4 keys x 4 columns of bytes -> 4 columns x 4 keys
-                const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
-                const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
-                const int col = 16 * piece + 4 * w;  // columns col .. col + 3: (col / 4) & 3 == w
-                signed char* base = vt + ((long long)digit * dp + col) * RLP_ATTM_BK + 16 * ((kg / 4) ^ w) + 4 * (kg % 4);
-                *reinterpret_cast<int*>(base + 0 * RLP_ATTM_BK) = (int)__byte_perm(t0, t2, 0x5410);
-                *reinterpret_cast<int*>(base + 1 * RLP_ATTM_BK) = (int)__byte_perm(t0, t2, 0x7632);
-                *reinterpret_cast<int*>(base + 2 * RLP_ATTM_BK) = (int)__byte_perm(t1, t3, 0x5410);
-                *reinterpret_cast<int*>(base + 3 * RLP_ATTM_BK) = (int)__byte_perm(t1, t3, 0x7632);
-            }
-        };
-        auto begin_pass = [&](bool values) {
-            __syncthreads();  // the last pass's readers are done with both buffers
-            keys_load(0);
-            keys_store(0);
-            __syncthreads();
-            issue(0, values);
-            keys_load(1);
-        };
-        // Tile it's buffers are ready after this (both passes call it for every tile: block-uniform).
-        auto begin_tile = [&](int it, bool values) {
-            const int buf = it & 1;
-            __syncthreads();  // tile it - 1's readers are done with buffer buf ^ 1, vt and the weights
-            keys_store(buf ^ 1);
-            rlp_cp_async_wait<0>();
-            __syncthreads();
-            if (it + 1 < ntile) issue(buf ^ 1, values);
-            keys_load(it + 2);
             if (values) {
-                transpose(buf);
-                __syncthreads();
+                const int dgroups = dp / 4;
+                for (int p = tid; p < 2 * (RLP_ATTM_BK / 4) * dgroups; p += RLP_ATTM_THREADS) {
+                    const int dg = p % dgroups, kg = (p / dgroups) % (RLP_ATTM_BK / 4), digit = p / (dgroups * (RLP_ATTM_BK / 4));
+                    int r[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const long long row = key_row[4 * kg + i];
+                        r[i] = row >= 0 ? __ldg(reinterpret_cast<const int*>(v_digits + row * (2LL * dp) +
+                                                                            (long long)digit * dp + 4 * dg))
+                                        : 0;
+                    }
+                    // 4 keys x 4 columns of bytes -> 4 columns x 4 keys
+                    const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
+                    const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
+                    int* base = reinterpret_cast<int*>(vt + ((long long)digit * dp + 4 * dg) * RLP_ATTM_BK + 4 * kg);
+                    base[0 * RLP_ATTM_BK / 4] = (int)__byte_perm(t0, t2, 0x5410);
+                    base[1 * RLP_ATTM_BK / 4] = (int)__byte_perm(t0, t2, 0x7632);
+                    base[2 * RLP_ATTM_BK / 4] = (int)__byte_perm(t1, t3, 0x5410);
+                    base[3 * RLP_ATTM_BK / 4] = (int)__byte_perm(t1, t3, 0x7632);
+                }
             }
-            kt = ks + buf * (2 * RLP_ATTM_BK * dp);
-            kek = key_ek[buf];
-            kev = key_ev[buf];
-            kfl = key_flag[buf];
-            ws = QREG ? qs : vn + buf * (2 * RLP_ATTM_BK * dp);
+            __syncthreads();
         };
 
         // Scores of this warp's 16 rows x 32 keys (32 half .. 32 half + 31 of the tile):
@@ -285,36 +200,30 @@ __device__ __forceinline__ void rlp_attention_mma(
 #pragma unroll
                     for (int c = 0; c < 4; ++c) acc[i][c] = 0;
                 const int key = 32 * half + 8 * nt + gq;
+                for (int c = 0; c < chunks; ++c) {
+                    int4 a[3][2], b[2];
 #pragma unroll
-                for (int c = 0; c < CHMAX; ++c) {
-                    if (c < chunks) {
-                        int4 b[2];
+                    for (int i = 0; i < 3; ++i)
 #pragma unroll
-                        for (int j = 0; j < 2; ++j)
-                            b[j] = *reinterpret_cast<const int4*>(kt + ((j * chunks + c) * RLP_ATTM_BK + key) * 64 + 16 * tq4);
-                        int4 a[3][2];
+                        for (int r = 0; r < 2; ++r)
+                            a[i][r] = *reinterpret_cast<const int4*>(
+                                qs + ((i * chunks + c) * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * 64 + 16 * tq4);
 #pragma unroll
-                        for (int i = 0; i < 3; ++i)
-#pragma unroll
-                            for (int r = 0; r < 2; ++r)
-                                a[i][r] = QREG ? qa[QREG ? c : 0][i][r] : *reinterpret_cast<const int4*>(
-                                    qs + ((i * chunks + c) * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * 64 + 16 * tq4);
-                        rlp_attm_chunk(acc, a, b);
-                    }
+                    for (int j = 0; j < 2; ++j)
+                        b[j] = *reinterpret_cast<const int4*>(ks + ((j * chunks + c) * RLP_ATTM_BK + key) * 64 + 16 * tq4);
+                    rlp_attm_chunk(acc, a, b);
                 }
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
-                    s[nt][c] = rlp_attm_score(rlp_attm_combine(acc, c), eqr[c / 2],
-                                             kek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
+                    s[nt][c] = rlp_att_score(rlp_attm_combine(acc, c), eqr[c / 2],
+                                             key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
             }
         };
 
         // ---- pass 1: m, E, flags
         unsigned int mkey[2] = {0u, 0u}, evk[2] = {0u, 0u}, flg[2] = {0u, 0u};
-        begin_pass(false);
-        for (int it = 0; it < ntile; ++it) {
-            const int kb = it * RLP_ATTM_BK;
-            begin_tile(it, false);
+        for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
+            stage(kb, false);
             if (kb + 32 * half <= my_max) {  // warp-uniform
                 float s[4][4];
                 scores(s);
@@ -324,11 +233,11 @@ __device__ __forceinline__ void rlp_attention_mma(
                     for (int c = 0; c < 4; ++c) {
                         const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
                         if (act[k] && kb + jl <= pos[k]) {
-                            if (kfl[jl]) {
-                                flg[k] |= (unsigned int)kfl[jl];
+                            if (key_flag[jl]) {
+                                flg[k] |= (unsigned int)key_flag[jl];
                             } else {
                                 mkey[k] = max(mkey[k], rlp_att_order_key(s[nt][c]));
-                                evk[k] = max(evk[k], (unsigned int)(kev[jl] + RLP_ATT_EV_OFFSET));
+                                evk[k] = max(evk[k], (unsigned int)(key_ev[jl] + RLP_ATT_EV_OFFSET));
                             }
                         }
                     }
@@ -368,46 +277,36 @@ __device__ __forceinline__ void rlp_attention_mma(
 #pragma unroll
             for (int c = 0; c < 4; ++c) num[n][c] = 0;
         const int ntiles = dp / 16;  // this warp's 8-column tiles
-        begin_pass(true);
-        for (int it = 0; it < ntile; ++it) {
-            const int kb = it * RLP_ATTM_BK;
-            begin_tile(it, true);
+        for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
+            stage(kb, true);
             const bool pair_in = kb <= my_max;  // warp-uniform, equal for both warps of the pair
             if (pair_in) {
                 if (kb + 32 * half <= my_max) {
                     float s[4][4];
                     scores(s);
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) {
-                        int w[4];  // 0 <= w <= 2^21 (p <= 1, ev <= E): int32 arithmetic
+                    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                         for (int c = 0; c < 4; ++c) {
                             const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
-                            w[c] = 0;
+                            long long w = 0;
                             if (ok[k] && kb + jl <= pos[k]) {
                                 const double p = (double)rlp_exp_f32(s[nt][c] - m[k]);
-                                total[k] += rlp_attm_round_int(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
-                                w[c] = rlp_attm_round_int(p * rlp_pow2_f64(kev[jl] - e_max[k] + RLP_ATT_P_SHIFT));
+                                total[k] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                                w = __double2ll_rn(p * rlp_pow2_f64(key_ev[jl] - e_max[k] + RLP_ATT_P_SHIFT));
                             }
-                        }
-                        // keys jl, jl + 1 of one row as one 16-bit store per digit
-#pragma unroll
-                        for (int k = 0; k < 2; ++k) {
-                            const int r = 16 * pair + gq + 8 * k, jl = 32 * half + 8 * nt + 2 * tq4;
+                            const int r = 16 * pair + gq + 8 * k;
 #pragma unroll
                             for (int digit = 0; digit < 3; ++digit) {
-                                const int low0 = ((w[2 * k] + 128) & 255) - 128, low1 = ((w[2 * k + 1] + 128) & 255) - 128;
-                                w[2 * k] = (w[2 * k] - low0) >> 8;
-                                w[2 * k + 1] = (w[2 * k + 1] - low1) >> 8;
-                                *reinterpret_cast<unsigned short*>(ws + rlp_attm_weight_at(digit, r, jl)) =
-                                    (unsigned short)((low0 & 255) | ((low1 & 255) << 8));
+                                long long low = ((w + 128) & 255) - 128;
+                                w = (w - low) >> 8;
+                                ws[(digit * RLP_ATTM_BQ + r) * RLP_ATTM_BK + jl] = (signed char)low;
                             }
                         }
-                    }
                 } else {  // keys beyond every row of the pair: zero weights
                     for (int p = lane; p < 3 * 16 * 2; p += 32) {
                         const int digit = p / 32, r = 16 * pair + (p / 2) % 16, part = p % 2;
-                        *reinterpret_cast<int4*>(ws + rlp_attm_weight_at(digit, r, 32 * half + 16 * part)) =
+                        *reinterpret_cast<int4*>(ws + (digit * RLP_ATTM_BQ + r) * RLP_ATTM_BK + 32 * half + 16 * part) =
                             make_int4(0, 0, 0, 0);
                     }
                 }
@@ -419,7 +318,7 @@ __device__ __forceinline__ void rlp_attention_mma(
                 for (int i = 0; i < 3; ++i)
 #pragma unroll
                     for (int r = 0; r < 2; ++r)
-                        a[i][r] = *reinterpret_cast<const int4*>(ws + rlp_attm_weight_at(i, 16 * pair + gq + 8 * r, 16 * tq4));
+                        a[i][r] = *reinterpret_cast<const int4*>(ws + (i * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * RLP_ATTM_BK + 16 * tq4);
 #pragma unroll
                 for (int n = 0; n < NTMAX; ++n) {
                     if (n < ntiles) {
@@ -427,8 +326,7 @@ __device__ __forceinline__ void rlp_attention_mma(
                         int4 b[2];
 #pragma unroll
                         for (int j = 0; j < 2; ++j)
-                            b[j] = *reinterpret_cast<const int4*>(vt + ((long long)j * dp + col) * RLP_ATTM_BK +
-                                                                  16 * (tq4 ^ ((col >> 2) & 3)));
+                            b[j] = *reinterpret_cast<const int4*>(vt + ((long long)j * dp + col) * RLP_ATTM_BK + 16 * tq4);
                         int acc[4][4];
 #pragma unroll
                         for (int i = 0; i < 4; ++i)
@@ -477,7 +375,7 @@ __device__ __forceinline__ void rlp_attention_mma(
     }
 }
 
-// Shared memory: 832 dp bytes (dynamic); ops/attention.py passes it.
+// Shared memory: 448 dp + 12288 bytes (dynamic); ops/attention.py passes it.
 #define RLP_ATTENTION_MMA_ENTRY(NAME, DPMAX, MIN_BLOCKS)                                                          \
     extern "C" __global__ void __launch_bounds__(RLP_ATTM_THREADS, MIN_BLOCKS) NAME(                             \
         const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, \
@@ -492,7 +390,7 @@ __device__ __forceinline__ void rlp_attention_mma(
     }
 
 // head_dim padded to 64 or 128, and to 192 or 256
-RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d128, 128, 1)
+RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d128, 128, 2)
 RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
 
 // ---------------------------------------------------------------------------

@@ -295,10 +295,9 @@ def _check_keys_per_split(keys_per_split) -> None:
 
 
 def mma_shared_bytes(head_dim_padded: int) -> int:
-    """Dynamic shared memory of attention_paged_mma_*: q digits 3*64*dp, two buffers each of K digits
-    2*64*dp and of V digits as loaded 2*64*dp, V transposed 2*64*dp (the weight digits, 3*64*64, reuse
-    the q digits' or a V buffer's bytes)."""
-    return 13 * MMA_ROWS * head_dim_padded
+    """Dynamic shared memory of attention_paged_mma_*: q digits 3*64*dp, K digits 2*64*dp,
+    V digits (transposed) 2*64*dp, weight digits 3*64*64."""
+    return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
 
 
 def split_values_kernel(group: int) -> str:

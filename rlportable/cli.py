@@ -194,14 +194,8 @@ def conform(device, json_path, quick, kernel_source, only, seed, exhaustive, pee
             if part.get("reproducer"):
                 click.echo(f"{r.name} ({model}): reproducer {' '.join(part['reproducer'])}", err=True)
     payload = suite.report(backend.label, backend.info(), results)
-    golden_failures = {r.name: r.message for r in results if r.message and r.name.startswith("golden.")}
-    for message in golden_failures.values():
+    for message in payload.get("golden_failures", {}).values():
         click.echo(message, err=True)
-    if golden_failures:
-        payload["golden_failures"] = golden_failures
-    exhaustive_reports = [r.details["exhaustive"] for r in results if r.details and "exhaustive" in r.details]
-    if exhaustive_reports:
-        payload["exhaustive"] = exhaustive_reports
     if peer == "hf":
         from rlportable.conform import peer_hf
 

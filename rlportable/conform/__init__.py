@@ -52,9 +52,11 @@ def run(backend: Backend, quick: bool = False, seed: int = 0, only: str | None =
 
 
 def report(device: str, backend_info: dict, results: list[CheckResult]) -> dict:
+    """A run's JSON: every check, the totals, and (when there are any) the golden cases' failure messages
+    and the exhaustive exp/log reports."""
     from rlportable.provenance import provenance
 
-    return {
+    payload = {
         "device": device,
         "provenance": provenance(),
         "backend": backend_info,
@@ -63,3 +65,10 @@ def report(device: str, backend_info: dict, results: list[CheckResult]) -> dict:
         "mismatches": sum(r.mismatches for r in results),
         "passed": all(r.passed for r in results),
     }
+    golden_failures = {r.name: r.message for r in results if r.message and r.name.startswith("golden.")}
+    if golden_failures:
+        payload["golden_failures"] = golden_failures
+    exhaustive = [r.details["exhaustive"] for r in results if r.details and "exhaustive" in r.details]
+    if exhaustive:
+        payload["exhaustive"] = exhaustive
+    return payload

@@ -1,9 +1,11 @@
-"""Conformance of the moe family (contracts/moe.toml): route, combine and the whole block against the
-reference, and the contract's invariances (a token alone and in a batch, any token order, any order of
+"""Conformance of the moe family (contracts/moe.toml): route, combine and the whole block, and their
+backward ops (route_backward, combine_backward, block_backward), against the reference, and the
+contract's invariances (a token alone and in a batch, any token order, any order of
 the k experts, any grouping of tokens by expert), bitwise.
 
-On a device the invariances are checked on the device's own results (route and combine run the family's
-kernels, the block the gemm kernels between them)."""
+On a device the invariances are checked on the device's own results (route and combine and their
+backward run the family's kernels, the block and its backward the gemm, activation and embedding
+kernels between them)."""
 
 from __future__ import annotations
 
@@ -110,10 +112,112 @@ def check_moe_block(backend: Backend, rng, quick: bool) -> Tally:
     return tally
 
 
+def _route_backward(backend: Backend, logits, experts, weights, d_weights, norm: bool) -> np.ndarray:
+    put = backend.asarray
+    return backend.to_numpy(moe_op.route_backward(backend, put(logits), put(experts), put(weights), put(d_weights),
+                                                  norm))
+
+
+def check_moe_route_backward(backend: Backend, rng, quick: bool) -> Tally:
+    """route_backward from route's own outputs on every row kind (undefined rows included), upstream rows
+    of every kind, some all zero (a token not trained on) and some non-finite; each row alone, the rows
+    permuted, a row's k slots permuted."""
+    tally = Tally()
+    for tokens, experts, k in ROUTE_SHAPES:
+        for kind in ROW_KINDS:
+            logits = random_rows(rng, tokens, experts, kind)
+            if kind == "normal" and experts > 1:  # ties
+                logits[:, 1::3] = logits[:, :1]
+            for norm in (False, True):
+                chosen, weights = moe_ref.route(logits, k, norm)
+                d_weights = random_rows(rng, tokens, k, "normal" if kind != "special" else "nonfinite")
+                d_weights[rng.random(tokens) < 0.2] = 0.0
+                want = moe_ref.route_backward(logits, chosen, weights, d_weights, norm)
+                tally.add(_route_backward(backend, logits, chosen, weights, d_weights, norm), want)
+                _same_rows_alone(tally, lambda rows: (_route_backward(backend, logits[rows], chosen[rows],
+                                                                      weights[rows], d_weights[rows], norm),),
+                                 np.arange(tokens), (want,))
+                order, slots = rng.permutation(tokens), rng.permutation(k)
+                tally.add(_route_backward(backend, *(np.ascontiguousarray(a[order][:, slots]) if a is not logits
+                                                     else np.ascontiguousarray(a[order])
+                                                     for a in (logits, chosen, weights, d_weights)), norm),
+                          want[order])
+    return tally
+
+
+def _combine_backward(backend: Backend, d_out, weights, outputs) -> tuple:
+    put = backend.asarray
+    return tuple(backend.to_numpy(x) for x in moe_op.combine_backward(backend, put(d_out), put(weights),
+                                                                      put(outputs)))
+
+
+def check_moe_combine_backward(backend: Backend, rng, quick: bool) -> Tally:
+    """combine_backward on outputs and upstream rows of every kind, some weights 0 (removed slots);
+    each row alone and a row's k slots permuted."""
+    tally = Tally()
+    for tokens, k, hidden in ((1, 1, 1), (7, 2, 13), (33, 8, 64), (3, 2, 300)):
+        for kind in ROW_KINDS:
+            outputs = random_rows(rng, tokens * k, hidden, kind).reshape(tokens, k, hidden)
+            d_out = random_rows(rng, tokens, hidden, kind if kind != "special" else "normal")
+            weights = rng.random((tokens, k)).astype(np.float32)
+            weights[rng.random((tokens, k)) < 0.1] = 0.0
+            want = moe_ref.combine_backward(d_out, weights, outputs)
+            for got_part, want_part in zip(_combine_backward(backend, d_out, weights, outputs), want):
+                tally.add(got_part, want_part)
+            slots = rng.permutation(k)
+            got = _combine_backward(backend, d_out, np.ascontiguousarray(weights[:, slots]),
+                                    np.ascontiguousarray(outputs[:, slots]))
+            tally.add(got[0], want[0][:, slots])
+            tally.add(got[1], want[1][:, slots])
+            _same_rows_alone(tally, lambda rows: _combine_backward(backend, d_out[rows], weights[rows], outputs[rows]),
+                             np.arange(tokens), want)
+    return tally
+
+
+def _block_backward(backend: Backend, h, d_out, weights: tuple, k: int, norm: bool) -> list:
+    """[d_h, d_router, d_logits, d_weights, d_gate..., d_up..., d_down...] as host arrays."""
+    router, gate, up, down = weights
+    put = backend.asarray
+    got = moe_op.block_backward(backend, put(h), put(router), [put(w) for w in gate], [put(w) for w in up],
+                                [put(w) for w in down], k, norm, put(d_out))
+    return [backend.to_numpy(x) for x in (got.d_h, got.d_router, got.d_logits, got.d_weights,
+                                          *got.d_gate, *got.d_up, *got.d_down)]
+
+
+def check_moe_block_backward(backend: Backend, rng, quick: bool) -> Tally:
+    """block_backward against the reference: k = 1, 2, 3 (and k = E), norm_topk_prob both ways, no token,
+    one token, experts without a token, a non-finite h row and an upstream row of zeros; the tokens
+    permuted (d_h, d_logits and d_weights permute, the weight gradients keep their bits)."""
+    tally = Tally()
+    weights = random_block(rng, scale=1.0)
+    experts = weights[0].shape[0]
+    for tokens, k, norm in ((0, 2, True), (1, 1, False), (3, 1, True), (9, 2, True), (12, 3, False),
+                            (5, experts, True)):
+        h = rng.standard_normal((tokens, weights[0].shape[1])).astype(np.float32)
+        d_out = rng.standard_normal(h.shape).astype(np.float32)
+        if tokens > 4:
+            h[2, 3] = np.nan
+            d_out[4] = 0.0
+        want = moe_ref.moe_block_backward(h, *weights, k, norm, d_out)
+        want = [want.d_h, want.d_router, want.d_logits, want.d_weights, *want.d_gate, *want.d_up, *want.d_down]
+        for got_part, want_part in zip(_block_backward(backend, h, d_out, weights, k, norm), want):
+            tally.add(got_part, want_part)
+        if tokens > 1 and not np.isnan(h).any():
+            order = rng.permutation(tokens)
+            got = _block_backward(backend, np.ascontiguousarray(h[order]), np.ascontiguousarray(d_out[order]),
+                                  weights, k, norm)
+            for index, (got_part, want_part) in enumerate(zip(got, want)):
+                tally.add(got_part, want_part[order] if index in (0, 2, 3) else want_part)
+    return tally
+
+
 CHECKS: list[tuple[str, Callable]] = [
     ("moe.route", check_moe_route),
     ("moe.combine", check_moe_combine),
     ("moe.block", check_moe_block),
+    ("moe.route_backward", check_moe_route_backward),
+    ("moe.combine_backward", check_moe_combine_backward),
+    ("moe.block_backward", check_moe_block_backward),
 ]
 
 GOLDEN_CASES = Cases("moe")

@@ -269,8 +269,12 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
     grads: dict = {}
     if w.router is not None:  # a sparse layer: out = x2 + moe_block(h2), its contract's backward
         moe_grads = moe.block_backward(backend, f.h2, w.router, w.expert_gate, w.expert_up, w.expert_down,
-                                       model.config.num_experts_per_tok, model.config.norm_topk_prob, d_out)
-        put = backend.asarray
+                                       model.config.num_experts_per_tok, model.config.norm_topk_prob, d_out,
+                                       weight=model.layers[index].moe, transposed=model.transposed_weight)
+
+        def put(array):  # the cpu reference gives host arrays, a device the backend's own
+            return backend.asarray(array) if isinstance(array, np.ndarray) else array
+
         grads.update(router=put(moe_grads.d_router), expert_gate=[put(a) for a in moe_grads.d_gate],
                      expert_up=[put(a) for a in moe_grads.d_up], expert_down=[put(a) for a in moe_grads.d_down],
                      gate=None, up=None, down=None)

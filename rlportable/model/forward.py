@@ -93,7 +93,7 @@ class Model:
         self.tp_group = tp_group or SingleGroup()
         self.tp = parallel.TensorParallel.of(self.tp_group)
         if config.is_moe:
-            check_moe_supported(backend, trainable, self.tp.size)
+            check_moe_supported(self.tp.size)
         #: the shapes this rank computes with (config itself without tensor parallelism)
         self.shape = config
         if self.tp.size > 1:
@@ -391,14 +391,10 @@ class Model:
         return per_sequence
 
 
-def check_moe_supported(backend: Backend, trainable: bool, tp_size: int) -> None:
-    """A Qwen3-MoE model's forward (generate, log-probs) runs on every backend; its backward (a trainable
-    model) on the cpu reference only, and no MoE model at TP > 1: what is not built is refused here, in
-    one line naming it, before any weight is encoded, never run on a fallback."""
-    if trainable and not backend.runs_reference:
-        raise ModelError(f"Qwen3-MoE on the {backend.label} backend runs the forward only (generate, "
-                         f"log-probs): its backward has no kernels there (contracts/moe.toml); "
-                         f"train it with --device cpu")
+def check_moe_supported(tp_size: int) -> None:
+    """A Qwen3-MoE model runs forward and backward on every backend (the backward's device path:
+    ops/moe.py block_backward), but at TP = 1 only: no expert sharding, refused here in one line before
+    any weight is encoded, never run on a fallback."""
     if tp_size > 1:
         raise ModelError("Qwen3-MoE cannot be cut over tensor-parallel ranks yet (no expert sharding); "
                          "run it at TP=1")

@@ -7,10 +7,13 @@ the reference's moe_block. The block's forward runs on every backend: the expert
 host (the group sizes set the products' shapes); on a device each token's row is gathered once per
 chosen expert (the embedding family's row gather, a bit copy), each expert runs its gate/up, SwiGLU
 and down products over its run of rows, and a second gather puts the outputs back in (token, slot)
-order for the combine; on cpu the host groups the rows as the reference does. The backward has no
-kernels: block_backward (the reference's moe_block_backward on the float32 weights, the trainer's
-masters) runs on cpu only and raises BackendUnavailable elsewhere, never falling back to the host;
-model/forward.py refuses a trainable MoE model off cpu before any work.
+order for the combine; on cpu the host groups the rows as the reference does. The backward runs on
+every backend too: on cpu the reference's moe_block_backward; on a device the forward recomputed as
+above, moe_combine_backward and moe_route_backward (this family's kernels), the experts' products by
+the dense backward's rules (dX = dY W against the transposed weight, dW = dY^T X at 23 x 15 bits, the
+summed axis cut at GEMM_K_CHUNK) and the activation family's swiglu_backward over the same grouped
+rows, and d h as moe_combine with weights 1 over the 2k + 1 rows of each token (the reference's one
+exact sum), gathered into place by one row gather.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlportable.contract import moe as reference
-from rlportable.errors import BackendUnavailable, InputError
-from rlportable.ops import activation, embedding, gemm
+from rlportable.contract.exact import GEMM_K_CHUNK
+from rlportable.errors import InputError
+from rlportable.ops import activation, embedding, gemm, residual
 from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 ROUTE_THREADS = 256  # moe_route: one block per row, a multiple of 32 (common.h's block reductions)
 COMBINE_THREADS = 256
+BACKWARD_THREADS = 256  # moe_route_backward and moe_combine_backward: one block per row (slot)
 GRID_LIMIT = 65535  # both kernels walk their rows grid-stride beyond this
 
 
@@ -43,12 +48,6 @@ class MoeWeight:
     @property
     def num_experts(self) -> int:
         return self.router.n
-
-
-def require_reference(backend, op: str) -> None:
-    if not backend.runs_reference:
-        raise BackendUnavailable(f"moe.{op}: no kernel on the {backend.label} backend yet; the MoE family "
-                                 "runs on the cpu reference only (contracts/moe.toml)")
 
 
 def _check_top_k(num_experts: int, top_k: int) -> None:
@@ -167,17 +166,188 @@ def expert_outputs(backend, h, weight: MoeWeight, host_experts: np.ndarray):
     return embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
 
 
-def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out):
+def route_backward(backend, logits, experts, weights, d_weights, norm_topk_prob: bool):
+    """d_logits float32 [T, E] of sum_j d_weights[t, j] weights[t, j] through route's softmax, the experts
+    held fixed (contracts/moe.toml route_backward); experts and weights: route's of these logits."""
+    rows, num_experts = require_matrix("moe route_backward: logits", logits, np.float32)
+    t, k = require_matrix("moe route_backward: experts", experts, np.int32)
+    for name, array in (("weights", weights), ("d_weights", d_weights)):
+        if shape_of(array) != (rows, k) or np.dtype(array.dtype) != np.float32:
+            raise InputError(f"moe route_backward: {name} must be float32 [{rows}, {k}], got "
+                             f"{np.dtype(array.dtype).name} {shape_of(array)}")
+    if t != rows:
+        raise InputError(f"moe route_backward: experts has {t} rows, the logits {rows}")
+    _check_top_k(num_experts, k)
+    if backend.runs_reference:
+        host = backend.to_numpy
+        return reference.route_backward(host(logits), host(experts), host(weights), host(d_weights), norm_topk_prob)
+    out = backend.empty((rows, num_experts), np.float32)
+    if rows:
+        backend.launch("moe", "moe_route_backward", (min(rows, GRID_LIMIT),), (BACKWARD_THREADS,),
+                       (logits, experts, weights, d_weights, np.int64(rows), np.int32(num_experts), np.int32(k),
+                        np.int32(bool(norm_topk_prob)), out))
+    return out
+
+
+def combine_backward(backend, d_out, weights, outputs):
+    """(d_weights float32 [T, k], d_outputs float32 [T, k, H]) of out = combine(weights, outputs) for the
+    upstream d_out [T, H] (contracts/moe.toml combine_backward)."""
+    t, k = require_matrix("moe combine_backward: weights", weights, np.float32)
+    if len(shape_of(outputs)) != 3 or shape_of(outputs)[:2] != (t, k) or np.dtype(outputs.dtype) != np.float32:
+        raise InputError(f"moe combine_backward: outputs must be float32 [{t}, {k}, H], got "
+                         f"{np.dtype(outputs.dtype).name} {shape_of(outputs)}")
+    hidden = shape_of(outputs)[2]
+    if shape_of(d_out) != (t, hidden) or np.dtype(d_out.dtype) != np.float32:
+        raise InputError(f"moe combine_backward: d_out must be float32 [{t}, {hidden}], got "
+                         f"{np.dtype(d_out.dtype).name} {shape_of(d_out)}")
+    if backend.runs_reference:
+        host = backend.to_numpy
+        return reference.combine_backward(host(d_out), host(weights), host(outputs))
+    require_contiguous("moe combine_backward: outputs", outputs)
+    require_contiguous("moe combine_backward: d_out", d_out)
+    if t * k == 0 or hidden == 0:
+        return backend.zeros((t, k), np.float32), backend.zeros((t, k, hidden), np.float32)
+    d_weights, d_outputs = backend.empty((t, k), np.float32), backend.empty((t, k, hidden), np.float32)
+    backend.launch("moe", "moe_combine_backward", (min(t * k, GRID_LIMIT),), (BACKWARD_THREADS,),
+                   (d_out, weights, outputs, np.int64(t), np.int32(k), np.int32(hidden), d_weights, d_outputs))
+    return d_weights, d_outputs
+
+
+def encode_transposed(backend, w, start: int, stop: int) -> gemm.GemmWeight:
+    """(w[start:stop]).T encoded as a gemm weight (the dX product's), as Model.transposed_weight."""
+    return gemm.encode_weight(backend, residual.transpose(backend, w[start:stop]))
+
+
+def input_grad(backend, dy, w, transposed=encode_transposed):
+    """dX = dY W for y = x W^T (W [N, K]): dY's rows against W^T's, N cut into GEMM_K_CHUNK columns whose
+    products are added in order (model/backward.py input_grad; the reference's input_grad).
+    transposed(w, start, stop): the encoded (w[start:stop]).T, cached by a caller that has a cache."""
+    n = shape_of(dy)[1]
+    if n <= GEMM_K_CHUNK:
+        return gemm.gemm(backend, dy, transposed(w, 0, n))
+    dy_t = residual.transpose(backend, dy)
+    total = None
+    for start in range(0, n, GEMM_K_CHUNK):
+        stop = min(start + GEMM_K_CHUNK, n)
+        part = gemm.gemm(backend, residual.transpose(backend, dy_t[start:stop]), transposed(w, start, stop))
+        total = part if total is None else residual.add(backend, total, part)
+    return total
+
+
+def weight_grad(backend, dy, x):
+    """dW = dY^T X [N, K] over M rows: dY^T's rows at 23 bits against X^T's at WEIGHT_GRAD_BITS, the rows
+    cut into GEMM_K_CHUNK chunks in order whose products are added in order (model/backward.py's)."""
+    (m, n), k = shape_of(dy), shape_of(x)[1]
+    if m == 0:
+        return backend.zeros((n, k), np.float32)
+    total = None
+    for start in range(0, m, GEMM_K_CHUNK):
+        stop = min(start + GEMM_K_CHUNK, m)
+        x_t = gemm.encode_weight(backend, residual.transpose(backend, x[start:stop]), bits=reference.WEIGHT_GRAD_BITS)
+        part = gemm.gemm(backend, residual.transpose(backend, dy[start:stop]), x_t)
+        total = part if total is None else residual.add(backend, total, part)
+    return total
+
+
+def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out,
+                   weight: MoeWeight | None = None, transposed=None):
     """The sparse MLP's gradients for the upstream d_out [T, H] (contracts/moe.toml block_backward): a
-    contract.moe.BlockGradients (d_h, d_router, per expert d_gate, d_up, d_down) of float32 arrays.
-    router, gate, up, down: the float32 weights (router [E, H]; per expert [I, H], [I, H], [H, I])."""
-    require_reference(backend, "block_backward")
+    contract.moe.BlockGradients (d_h, d_router, per expert d_gate, d_up, d_down, d_logits, d_weights as
+    backend arrays; experts on the host). router, gate, up, down: the float32 weights (router [E, H]; per
+    expert [I, H], [I, H], [H, I]). weight: their encoding for the forward's products (encode's), when
+    the caller has it; transposed(w, start, stop): the encoded (w[start:stop]).T for dX (a cache, as
+    Model.transposed_weight), else encode_transposed.
+
+    On cpu: the reference's moe_block_backward. On a device (block_backward_device): the same steps over
+    the forward's grouping of the (token, slot) pairs by expert, the same bits."""
     t, hidden = require_matrix("moe block_backward: h", h)
     experts, router_hidden = require_matrix("moe block_backward: router", router)
     if router_hidden != hidden or shape_of(d_out) != (t, hidden):
         raise InputError(f"moe block_backward: h {shape_of(h)}, router {shape_of(router)} and d_out "
                          f"{shape_of(d_out)} must be [T, H], [E, H] and [T, H]")
     _check_top_k(experts, top_k)
-    host = backend.to_numpy
-    return reference.moe_block_backward(host(h), host(router), [host(w) for w in gate], [host(w) for w in up],
-                                        [host(w) for w in down], top_k, norm_topk_prob, host(d_out))
+    if backend.runs_reference:
+        host = backend.to_numpy
+        return reference.moe_block_backward(host(h), host(router), [host(w) for w in gate], [host(w) for w in up],
+                                            [host(w) for w in down], top_k, norm_topk_prob, host(d_out))
+    if weight is None:
+        weight = encode(backend, router, gate, up, down, top_k, norm_topk_prob)
+    return _block_backward_device(backend, h, router, gate, up, down, weight, d_out, transposed or
+                                  (lambda w, start, stop: encode_transposed(backend, w, start, stop)))
+
+
+def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight, d_out, transposed):
+    """The reference's moe_block_backward composed from device ops (its steps, named as there):
+      forward: z = the router's gemm, route (moe_route), x = h's rows gathered into the pairs' grouped
+        order (expert_groups: experts ascending, tokens ascending within; embedding.gather), per expert
+        its g, u (gate/up gemm), a = swiglu(g, u) and y (down gemm), gathered back to [T, k, H];
+      d_weights, d_y = moe_combine_backward;  d_z = moe_route_backward;
+      d_router = dW(d_z, h) (every token in order), d_z W_r = dX(d_z, W_r);
+      d_y's rows gathered into the grouped order; per expert over its run of rows: d_a = dX(d_y, D_e),
+        d_g, d_u = swiglu_backward(g, u, d_a), dX(d_g, G_e), dX(d_u, U_e), and d_D_e = dW(d_y, a),
+        d_G_e = dW(d_g, x), d_U_e = dW(d_u, x): the expert's pairs in ascending pair index, which is the
+        reference's ascending token order;
+      d_h = moe_combine(1, the 2k + 1 rows of each token): one row gather puts dX(d_g), dX(d_u) of every
+        slot and d_z W_r in [T, 2k + 1, H]; with weights 1 every term is the row itself (exact), so it
+        is the reference's exact_sum_f32 of those rows.
+    Each product is row-independent (gemm contract) and the gathers copy rows, so the grouping is free."""
+    t, hidden = shape_of(h)
+    k = weight.top_k
+    num_experts, inner = weight.num_experts, shape_of(gate[0])[0]
+    zeros = backend.zeros
+    logits = gemm.gemm(backend, h, weight.router)
+    experts, weights = route(backend, logits, k, weight.norm_topk_prob)
+    host_experts = backend.to_numpy(experts)
+    pairs = t * k
+    groups = list(reference.expert_groups(host_experts))
+    d_gate = [None] * num_experts
+    d_up = [None] * num_experts
+    d_down = [None] * num_experts
+    if pairs:
+        order = np.concatenate([chosen for _, chosen in groups])  # pair indices grouped by expert
+        rows = (order // k).astype(np.int32)
+        slot_of = np.empty(pairs, np.int32)
+        slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in the grouped order
+        x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)
+        y = backend.empty((pairs, hidden), np.float32)
+        saved = []
+        start = 0
+        for expert, chosen in groups:
+            stop = start + chosen.size
+            g, u = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
+            act = activation.swiglu(backend, g, u)
+            backend.copy_into(y[start:stop], gemm.gemm(backend, act, weight.down[expert]))
+            saved.append((expert, start, stop, g, u, act))
+            start = stop
+        outputs = embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
+        d_weights, d_y = combine_backward(backend, d_out, weights, outputs)
+        d_logits = route_backward(backend, logits, experts, weights, d_weights, weight.norm_topk_prob)
+        d_y = embedding.gather(backend, d_y.reshape(pairs, hidden), backend.asarray(order.astype(np.int32)),
+                               host_ids=order.astype(np.int32))
+        dx = backend.empty((2 * pairs + t, hidden), np.float32)  # d g rows, d u rows (grouped), router rows
+        for expert, start, stop, g, u, act in saved:
+            dy = d_y[start:stop]
+            d_g, d_u = activation.swiglu_backward(backend, g, u, input_grad(backend, dy, down[expert], transposed))
+            backend.copy_into(dx[start:stop], input_grad(backend, d_g, gate[expert], transposed))
+            backend.copy_into(dx[pairs + start:pairs + stop], input_grad(backend, d_u, up[expert], transposed))
+            d_down[expert] = weight_grad(backend, dy, act)
+            d_gate[expert] = weight_grad(backend, d_g, x[start:stop])
+            d_up[expert] = weight_grad(backend, d_u, x[start:stop])
+        backend.copy_into(dx[2 * pairs:], input_grad(backend, d_logits, router, transposed))
+        index = np.empty((t, 2 * k + 1), np.int32)
+        index[:, 0:2 * k:2] = slot_of.reshape(t, k)
+        index[:, 1:2 * k:2] = pairs + slot_of.reshape(t, k)
+        index[:, 2 * k] = 2 * pairs + np.arange(t, dtype=np.int32)
+        index = index.reshape(-1)
+        terms = embedding.gather(backend, dx, backend.asarray(index), host_ids=index).reshape(t, 2 * k + 1, hidden)
+        ones = backend.asarray(np.ones((t, 2 * k + 1), np.float32))
+        d_h = combine(backend, ones, terms)
+        d_router = weight_grad(backend, d_logits, h)
+    else:
+        d_h, d_router = zeros((0, hidden), np.float32), zeros((num_experts, hidden), np.float32)
+        d_logits, d_weights = zeros((0, num_experts), np.float32), zeros((0, k), np.float32)
+    for expert in range(num_experts):  # an expert no token chose: zero gradients
+        if d_gate[expert] is None:
+            d_gate[expert], d_up[expert] = zeros((inner, hidden), np.float32), zeros((inner, hidden), np.float32)
+            d_down[expert] = zeros((hidden, inner), np.float32)
+    return reference.BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, host_experts)

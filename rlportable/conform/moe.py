@@ -246,3 +246,31 @@ def _golden_combine(backend, s, r):
             outputs = backend.asarray(s.floats([tokens * k, hidden], kind).reshape(tokens, k, hidden))
             out.append((f"{i}.{kind}", host(backend, moe_op.combine(backend, weights, outputs))))
     return out
+
+
+@GOLDEN_CASES.case("route_backward", seed=62, shapes=[[1, 1], [7, 8], [33, 128]], top_k=[1, 2, 8],
+                   kinds=STREAM_ROW_KINDS)
+def _golden_route_backward(backend, s, r):
+    out = []
+    for i, (shape, k) in enumerate(zip(r["shapes"], r["top_k"])):
+        for kind in r["kinds"]:
+            z = backend.asarray(s.floats(shape, kind))
+            d_weights = backend.asarray(s.floats([shape[0], k], "uniform"))
+            for norm in (False, True):
+                experts, weights = moe_op.route(backend, z, k, norm)
+                d_logits = moe_op.route_backward(backend, z, experts, weights, d_weights, norm)
+                out.append((f"{i}.{kind}.{int(norm)}", host(backend, d_logits)))
+    return out
+
+
+@GOLDEN_CASES.case("combine_backward", seed=63, shapes=[[1, 1, 1], [7, 2, 13], [33, 8, 64]], kinds=STREAM_ROW_KINDS)
+def _golden_combine_backward(backend, s, r):
+    out = []
+    for i, (tokens, k, hidden) in enumerate(r["shapes"]):
+        for kind in r["kinds"]:
+            weights = backend.asarray(np.abs(s.floats([tokens, k], "uniform")))
+            outputs = backend.asarray(s.floats([tokens * k, hidden], kind).reshape(tokens, k, hidden))
+            d_out = backend.asarray(s.floats([tokens, hidden], "uniform"))
+            d_weights, d_outputs = moe_op.combine_backward(backend, d_out, weights, outputs)
+            out += [(f"{i}.{kind}.d_outputs", host(backend, d_outputs)), (f"{i}.{kind}.d_weights", host(backend, d_weights))]
+    return out

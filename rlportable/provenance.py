@@ -22,3 +22,13 @@ def commit() -> str:
 
 def provenance() -> dict:
     return {"commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def host() -> dict:
+    """The machine a CPU measurement ran on: architecture, cores, NumPy's version."""
+    import multiprocessing
+    import platform
+
+    import numpy
+
+    return {"machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores", "numpy": numpy.__version__}

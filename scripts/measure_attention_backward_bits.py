@@ -39,7 +39,7 @@ from rlportable.contract import fixedpoint as fp  # noqa: E402
 from rlportable.model import backward  # noqa: E402
 from rlportable.model.forward import Model  # noqa: E402
 from rlportable.runtime import get_backend  # noqa: E402
-from test_model_backward import _rel_error, _torch_grads  # noqa: E402
+from test_model_backward import _rel_error, _torch_grads, gradient_case  # noqa: E402
 from test_model_forward import hf_model_and_ours  # noqa: E402
 
 CONTRACT_BITS = reference.COEF_BITS  # read before any measurement changes it
@@ -60,11 +60,7 @@ def model_errors(bits_list):
     for arch in ("qwen3", "qwen2", "llama"):
         with tempfile.TemporaryDirectory() as tmp:
             hf, (rl_config, weights, _) = hf_model_and_ours(arch, Path(tmp))
-            rng = np.random.default_rng(3)
-            tokens = rng.integers(0, hf.config.vocab_size, 40).astype(np.int32)
-            cu = np.array([0, 17, 40])
-            rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])
-            g = rng.normal(size=rows.size).astype(np.float32)
+            tokens, cu, rows, g = gradient_case(hf.config.vocab_size)
             exact = _torch_grads(hf, tokens, cu, rows, g, torch.float64)
             bf16 = _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16)
             row = {"bf16": max(_rel_error(bf16[n], r) for n, r in exact.items())}

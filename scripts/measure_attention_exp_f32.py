@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import multiprocessing
-import platform
 import sys
 import tempfile
 import time
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from rlportable.contract import attention as reference  # noqa: E402
 from rlportable.contract.elementwise import exp_f32  # noqa: E402
-from rlportable.provenance import provenance  # noqa: E402
+from rlportable.provenance import host, provenance  # noqa: E402
 
 F32 = np.float32
 CANONICAL_NAN = np.array(0x7FC00000, dtype=np.uint32).view(F32)[()]
@@ -387,17 +386,13 @@ def model_gradients(arch, fns):
     from rlportable.model import backward
     from rlportable.model.forward import Model
     from rlportable.runtime import get_backend
-    from test_model_backward import _rel_error, _torch_grads
+    from test_model_backward import _rel_error, _torch_grads, gradient_case
     from test_model_forward import hf_model_and_ours
 
     cpu = get_backend("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         hf, (rl_config, weights, _) = hf_model_and_ours(arch, Path(tmp))
-        rng = np.random.default_rng(3)
-        tokens = rng.integers(0, hf.config.vocab_size, 40).astype(np.int32)
-        cu = np.array([0, 17, 40])
-        rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])
-        g = rng.normal(size=rows.size).astype(np.float32)
+        tokens, cu, rows, g = gradient_case(hf.config.vocab_size)
         exact = _torch_grads(hf, tokens, cu, rows, g, torch.float64)
         bf16 = _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16)
         row = {"bf16": max(_rel_error(bf16[n], r) for n, r in exact.items())}
@@ -472,8 +467,7 @@ def hex32(value):
 def machine():
     import torch
 
-    return {"machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores", "numpy": np.__version__,
-            "torch": torch.__version__}
+    return {**host(), "torch": torch.__version__}
 
 
 def main():

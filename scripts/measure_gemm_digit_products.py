@@ -41,8 +41,6 @@ Prints JSON.
 import argparse
 import contextlib
 import json
-import multiprocessing
-import platform
 import sys
 import tempfile
 import time
@@ -55,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from rlportable.contract import exact  # noqa: E402
 from rlportable.contract import fixedpoint as fp  # noqa: E402
 from rlportable.conform.inputs import random_rows  # noqa: E402
-from rlportable.provenance import provenance  # noqa: E402
+from rlportable.provenance import host, provenance  # noqa: E402
 
 CONTRACT_GEMM_FROM_ENCODED = exact.gemm_from_encoded  # read before any swap
 #: (a digit, w digit) pairs left out, digit 0 least significant
@@ -229,22 +227,20 @@ def model_gradients(arch):
     from rlportable.model import backward
     from rlportable.model.forward import Model
     from rlportable.runtime import get_backend
-    from test_model_backward import _rel_error, _torch_grads
+    from test_model_backward import _rel_error, _torch_grads, gradient_case
 
     cpu = get_backend("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         hf, (rl_config, weights, _) = hf_and_ours(arch, Path(tmp))
-        rng = np.random.default_rng(3)
         if arch in ARCHS:
-            tokens = rng.integers(0, hf.config.vocab_size, 40).astype(np.int32)
-            cu = np.array([0, 17, 40])
-            rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])
+            tokens, cu, rows, g = gradient_case(hf.config.vocab_size)
         else:
+            rng = np.random.default_rng(3)
             tokens = rng.integers(0, hf.config.vocab_size, 128).astype(np.int32)
             cu = np.array([0, 60, 128])
             rows = np.arange(1, 127, 3)
             rows = rows[rows != 59]  # a sequence's last token predicts nothing
-        g = rng.normal(size=rows.size).astype(np.float32)
+            g = rng.normal(size=rows.size).astype(np.float32)
         reference = _torch_grads(hf, tokens, cu, rows, g, torch.float64)
         bf16 = {n: _rel_error(t, reference[n]) for n, t in _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16).items()}
         del hf
@@ -268,8 +264,7 @@ def model_gradients(arch):
 def machine():
     import torch
 
-    return {"machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores", "numpy": np.__version__,
-            "torch": torch.__version__}
+    return {**host(), "torch": torch.__version__}
 
 
 def main():

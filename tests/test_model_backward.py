@@ -42,6 +42,15 @@ def _rel_error(ours: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(ours.astype(np.float64) - reference) / max(np.linalg.norm(reference), 1e-30))
 
 
+def gradient_case(vocab_size: int):
+    """(tokens, cu, rows, g): two packed sequences of 17 and 23 tokens, some rows of each (as completions
+    are) and their upstream gradients; the case of the gradient tests and of scripts/measure_*.py."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, vocab_size, 40).astype(np.int32)
+    rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])
+    return tokens, np.array([0, 17, 40]), rows, rng.normal(size=rows.size).astype(np.float32)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_gradients_match_torch_autograd(arch, tmp_path):
     torch = pytest.importorskip("torch")
@@ -49,11 +58,7 @@ def test_gradients_match_torch_autograd(arch, tmp_path):
     hf, (rl_config, weights, _) = hf_model_and_ours(arch, tmp_path)
     config = hf.config
     model = Model(CPU, rl_config, weights, trainable=True)
-    rng = np.random.default_rng(3)
-    tokens = rng.integers(0, config.vocab_size, 40).astype(np.int32)
-    cu = np.array([0, 17, 40])
-    rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])  # some rows of each sequence, as completions are
-    g = rng.normal(size=rows.size).astype(np.float32)
+    tokens, cu, rows, g = gradient_case(config.vocab_size)
     fwd = backward.forward(model, tokens, cu, rows=rows)
     grads = backward.backward(model, fwd, g).named_tensors(rl_config)
     reference = _torch_grads(hf, tokens, cu, rows, g, torch.float64)

@@ -19,6 +19,9 @@ from rlportable.contract import fixedpoint as fp
 #: chunks of this many columns, a fixed power of two below gemm_max_k(23, 15) = 65535, so the chunking
 #: never depends on data
 GEMM_K_CHUNK = 32768
+#: the bits of X^T, the second operand of a weight gradient dW = dY^T X (dY^T's rows take the activation
+#: default, 23)
+WEIGHT_GRAD_BITS = 15
 
 
 def gemm_max_k(bits_a: int, bits_w: int) -> int:

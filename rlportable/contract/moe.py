@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlportable.contract import activation, exact, fixedpoint as fp, residual
-from rlportable.contract.exact import GEMM_K_CHUNK
+from rlportable.contract.exact import GEMM_K_CHUNK, WEIGHT_GRAD_BITS
 from rlportable.contract.elementwise import exp_f32
 from rlportable.contract.logprob import quantize_f64_rows
 
@@ -40,7 +40,6 @@ SUM_BITS = 38  # probability sums: logprob's grid, so S here is logprob's S of t
 COMBINE_BITS = 38  # each output element's terms: rowsum's grid, 2^-36 of the largest term
 MAX_EXPERTS = 2**16  # S < 2^53: odd(S) is exact, as in logprob (E terms of at most 2^36)
 BITS_A, BITS_W = fp.ACTIVATION_BITS, 15  # the gemm contract's default operand bits (ops/gemm.py)
-WEIGHT_GRAD_BITS = 15  # the activations' side of a weight gradient, as model/backward.py's
 
 
 def check_top_k(num_experts: int, top_k: int) -> None:

@@ -31,16 +31,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.errors import InputError
 from rlportable.model import parallel
 from rlportable.model.forward import Model, check_packing, next_token_rows, packed_positions
 from rlportable.model.weights import LayerWeights, ModelWeights
 from rlportable.ops import activation, attention, embedding, gemm, logprob, moe, norm, residual, rope, rowsum
 from rlportable.ops.checks import shape_of
+from rlportable.ops.gemm import weight_grad, weight_grad_operand
 
 LM_HEAD_ROW_CHUNK = 1024  # next-token rows per LM-head backward pass: the [rows, V] gradient never exists whole
-WEIGHT_GRAD_BITS = 15
 
 
 @dataclass
@@ -188,19 +187,8 @@ def _accumulate(backend, total, part):
 
 
 def input_grad(model: Model, dy, w):
-    """dX = dY W for y = x W^T: dY [M, N] against W^T's rows, K = N cut into GEMM_K_CHUNK columns."""
-    backend = model.backend
-    n = shape_of(dy)[1]
-    if n <= GEMM_K_CHUNK:
-        return gemm.gemm(backend, dy, model.transposed_weight(w, 0, n))
-    dy_t = residual.transpose(backend, dy)
-    total = None
-    for start in range(0, n, GEMM_K_CHUNK):
-        stop = min(start + GEMM_K_CHUNK, n)
-        part = gemm.gemm(backend, residual.transpose(backend, dy_t[start:stop]),
-                         model.transposed_weight(w, start, stop))
-        total = _accumulate(backend, total, part)
-    return total
+    """dX = dY W for y = x W^T (ops/gemm.py input_grad), W^T's encodings from the model's cache."""
+    return gemm.input_grad(model.backend, dy, w, model.transposed_weight)
 
 
 def column_input_grad(model: Model, dy, w):
@@ -210,29 +198,6 @@ def column_input_grad(model: Model, dy, w):
         return input_grad(model, dy, w)
     # one exact product, not K chunks: TensorParallel.check keeps the outputs within GEMM_K_CHUNK
     return parallel.row_parallel_gemm(model.backend, model.tp_group, dy, model.transposed_column_shard(w))
-
-
-def weight_grad_operand(backend, x) -> list:
-    """X^T [K, M] encoded at WEIGHT_GRAD_BITS as the weight-gradient GEMM's second operand, one
-    encoding per GEMM_K_CHUNK tokens: made once for every gradient that multiplies the same X."""
-    m = shape_of(x)[0]
-    return [gemm.encode_weight(backend, residual.transpose(backend, x[start:min(start + GEMM_K_CHUNK, m)]),
-                               bits=WEIGHT_GRAD_BITS) for start in range(0, m, GEMM_K_CHUNK)]
-
-
-def weight_grad(backend, dy, x, x_operand: list | None = None):
-    """dW = dY^T X [N, K] for y = x W^T over M tokens: dY^T rows at 23 bits, X^T rows at 15 bits,
-    the token axis cut into GEMM_K_CHUNK chunks whose products are added in order. x_operand:
-    weight_grad_operand(x), when the caller shares it between gradients."""
-    (m, n), k = shape_of(dy), shape_of(x)[1]
-    if m == 0:
-        return backend.zeros((n, k), np.float32)
-    chunks = weight_grad_operand(backend, x) if x_operand is None else x_operand
-    total = None
-    for index, start in enumerate(range(0, m, GEMM_K_CHUNK)):
-        dy_t = residual.transpose(backend, dy[start:min(start + GEMM_K_CHUNK, m)])
-        total = _accumulate(backend, total, gemm.gemm(backend, dy_t, chunks[index]))
-    return total
 
 
 def bias_grad(backend, dy):

@@ -36,6 +36,7 @@ from rlportable.ops.checks import require_bits, require_contiguous, require_matr
 from rlportable.ops.fixedpoint import EncodedRows, empty_encoding, encode_rows, encode_rows_into, joined_integers
 from rlportable.ops.gemm_fused import has_wgmma, launch_fused, pick_tile, tile_spec
 from rlportable.ops.gemm_mfma import MFMA_TILES, launch_mfma, pick_mfma_tile
+from rlportable.ops import residual
 from rlportable.runtime.base import Backend
 
 #: Chosen by measurement (docs/numerics.md, "Operand bits: 23-bit activations, 15-bit weights";
@@ -249,6 +250,55 @@ def round_sums(backend: Backend, sums, exponents_a, bits_a: int, weight: GemmWei
         )
     return y
 
+
+
+# ---- the trainer's products: dX = dY W and dW = dY^T X, K cut at GEMM_K_CHUNK (contract: exact.GEMM_K_CHUNK)
+
+def encode_transposed(backend: Backend, w, start: int, stop: int) -> GemmWeight:
+    """(w[start:stop]).T encoded as a gemm weight: dX's second operand (Model.transposed_weight caches it)."""
+    return encode_weight(backend, residual.transpose(backend, w[start:stop]))
+
+
+def input_grad(backend: Backend, dy, w, transposed=None):
+    """dX = dY W for y = x W^T (W [N, K]): dY's rows against W^T's, N cut into GEMM_K_CHUNK columns whose
+    products are added in order. transposed(w, start, stop): the encoded (w[start:stop]).T, from a
+    caller's cache; else encode_transposed."""
+    if transposed is None:
+        def transposed(w, start, stop):
+            return encode_transposed(backend, w, start, stop)
+    n = shape_of(dy)[1]
+    if n <= exact.GEMM_K_CHUNK:
+        return gemm(backend, dy, transposed(w, 0, n))
+    dy_t = residual.transpose(backend, dy)
+    total = None
+    for start in range(0, n, exact.GEMM_K_CHUNK):
+        stop = min(start + exact.GEMM_K_CHUNK, n)
+        part = gemm(backend, residual.transpose(backend, dy_t[start:stop]), transposed(w, start, stop))
+        total = part if total is None else residual.add(backend, total, part)
+    return total
+
+
+def weight_grad_operand(backend: Backend, x) -> list:
+    """X^T [K, M] encoded at WEIGHT_GRAD_BITS as the weight gradient's second operand, one encoding per
+    GEMM_K_CHUNK tokens: made once for every gradient that multiplies the same X."""
+    m = shape_of(x)[0]
+    return [encode_weight(backend, residual.transpose(backend, x[start:min(start + exact.GEMM_K_CHUNK, m)]),
+                          bits=exact.WEIGHT_GRAD_BITS) for start in range(0, m, exact.GEMM_K_CHUNK)]
+
+
+def weight_grad(backend: Backend, dy, x, x_operand: list | None = None):
+    """dW = dY^T X [N, K] for y = x W^T over M tokens: dY^T's rows at the default 23 bits, X^T's at
+    WEIGHT_GRAD_BITS, the token axis cut into GEMM_K_CHUNK chunks whose products are added in order.
+    x_operand: weight_grad_operand(x), when the caller shares it between gradients."""
+    (m, n), k = shape_of(dy), shape_of(x)[1]
+    if m == 0:
+        return backend.zeros((n, k), np.float32)
+    chunks = weight_grad_operand(backend, x) if x_operand is None else x_operand
+    total = None
+    for index, start in enumerate(range(0, m, exact.GEMM_K_CHUNK)):
+        part = gemm(backend, residual.transpose(backend, dy[start:min(start + exact.GEMM_K_CHUNK, m)]), chunks[index])
+        total = part if total is None else residual.add(backend, total, part)
+    return total
 
 def _check_encoded_operands(a: EncodedRows, weight: GemmWeight) -> None:
     if a.descending or not weight.encoded.descending:

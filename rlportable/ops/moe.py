@@ -9,8 +9,8 @@ chosen expert (the embedding family's row gather, a bit copy), each expert runs 
 and down products over its run of rows, and a second gather puts the outputs back in (token, slot)
 order for the combine; on cpu the host groups the rows as the reference does. The backward runs on
 every backend too: on cpu the reference's moe_block_backward; on a device the forward recomputed as
-above, moe_combine_backward and moe_route_backward (this family's kernels), the experts' products by
-the dense backward's rules (dX = dY W against the transposed weight, dW = dY^T X at 23 x 15 bits, the
+above, moe_combine_backward and moe_route_backward (this family's kernels), the experts' products as
+the dense backward's (gemm.input_grad and gemm.weight_grad: dX = dY W, dW = dY^T X at 23 x 15 bits, the
 summed axis cut at GEMM_K_CHUNK) and the activation family's swiglu_backward over the same grouped
 rows, and d h as moe_combine with weights 1 over the 2k + 1 rows of each token (the reference's one
 exact sum), gathered into place by one row gather.
@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlportable.contract import moe as reference
-from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.errors import InputError
-from rlportable.ops import activation, embedding, gemm, residual
+from rlportable.ops import activation, embedding, gemm
 from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 ROUTE_THREADS = 256  # moe_route: one block per row, a multiple of 32 (common.h's block reductions)
@@ -149,10 +148,20 @@ def expert_outputs(backend, h, weight: MoeWeight, host_experts: np.ndarray):
         return outputs
     if pairs == 0 or hidden == 0:
         return backend.zeros((t, k, hidden), np.float32)
+    return _grouped_experts(backend, h, weight, groups, t)[0]
+
+
+def _grouped_experts(backend, h, weight: MoeWeight, groups: list, t: int, keep: bool = False):
+    """The device side of expert_outputs for T > 0 tokens: (outputs [T, k, H], order, slot_of, x, saved).
+    order: the (token, slot) pair indices grouped by expert; slot_of[p]: pair p's row in that order; x:
+    h's rows in that order; saved: (expert, start, stop, g, u, act) per expert when keep (the backward's)."""
+    k, hidden = weight.top_k, weight.router.k
+    pairs = t * k
     order = np.concatenate([chosen for _, chosen in groups])  # pair indices, grouped by expert
     rows = (order // k).astype(np.int32)
     x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)  # [pairs, H], a row per pair
     y = backend.empty((pairs, hidden), np.float32)
+    saved = []
     start = 0
     for expert, chosen in groups:
         stop = start + chosen.size
@@ -160,10 +169,13 @@ def expert_outputs(backend, h, weight: MoeWeight, host_experts: np.ndarray):
         # one launch gives the activation and its encoding for the down product (the gemm's own bits)
         act, act_encoded = activation.swiglu_encode(backend, gate, up, gemm.DEFAULT_BITS_A)
         backend.copy_into(y[start:stop], gemm.gemm(backend, act, weight.down[expert], encoded=act_encoded))
+        if keep:
+            saved.append((expert, start, stop, gate, up, act))
         start = stop
     slot_of = np.empty(pairs, np.int32)
     slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in y
-    return embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
+    outputs = embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
+    return outputs, order, slot_of, x, saved
 
 
 def route_backward(backend, logits, experts, weights, d_weights, norm_topk_prob: bool):
@@ -213,42 +225,6 @@ def combine_backward(backend, d_out, weights, outputs):
     return d_weights, d_outputs
 
 
-def encode_transposed(backend, w, start: int, stop: int) -> gemm.GemmWeight:
-    """(w[start:stop]).T encoded as a gemm weight (the dX product's), as Model.transposed_weight."""
-    return gemm.encode_weight(backend, residual.transpose(backend, w[start:stop]))
-
-
-def input_grad(backend, dy, w, transposed=encode_transposed):
-    """dX = dY W for y = x W^T (W [N, K]): dY's rows against W^T's, N cut into GEMM_K_CHUNK columns whose
-    products are added in order (model/backward.py input_grad; the reference's input_grad).
-    transposed(w, start, stop): the encoded (w[start:stop]).T, cached by a caller that has a cache."""
-    n = shape_of(dy)[1]
-    if n <= GEMM_K_CHUNK:
-        return gemm.gemm(backend, dy, transposed(w, 0, n))
-    dy_t = residual.transpose(backend, dy)
-    total = None
-    for start in range(0, n, GEMM_K_CHUNK):
-        stop = min(start + GEMM_K_CHUNK, n)
-        part = gemm.gemm(backend, residual.transpose(backend, dy_t[start:stop]), transposed(w, start, stop))
-        total = part if total is None else residual.add(backend, total, part)
-    return total
-
-
-def weight_grad(backend, dy, x):
-    """dW = dY^T X [N, K] over M rows: dY^T's rows at 23 bits against X^T's at WEIGHT_GRAD_BITS, the rows
-    cut into GEMM_K_CHUNK chunks in order whose products are added in order (model/backward.py's)."""
-    (m, n), k = shape_of(dy), shape_of(x)[1]
-    if m == 0:
-        return backend.zeros((n, k), np.float32)
-    total = None
-    for start in range(0, m, GEMM_K_CHUNK):
-        stop = min(start + GEMM_K_CHUNK, m)
-        x_t = gemm.encode_weight(backend, residual.transpose(backend, x[start:stop]), bits=reference.WEIGHT_GRAD_BITS)
-        part = gemm.gemm(backend, residual.transpose(backend, dy[start:stop]), x_t)
-        total = part if total is None else residual.add(backend, total, part)
-    return total
-
-
 def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out,
                    weight: MoeWeight | None = None, transposed=None):
     """The sparse MLP's gradients for the upstream d_out [T, H] (contracts/moe.toml block_backward): a
@@ -256,7 +232,7 @@ def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: 
     backend arrays; experts on the host). router, gate, up, down: the float32 weights (router [E, H]; per
     expert [I, H], [I, H], [H, I]). weight: their encoding for the forward's products (encode's), when
     the caller has it; transposed(w, start, stop): the encoded (w[start:stop]).T for dX (a cache, as
-    Model.transposed_weight), else encode_transposed.
+    Model.transposed_weight), else gemm.encode_transposed.
 
     On cpu: the reference's moe_block_backward. On a device (block_backward_device): the same steps over
     the forward's grouping of the (token, slot) pairs by expert, the same bits."""
@@ -272,8 +248,7 @@ def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: 
                                             [host(w) for w in down], top_k, norm_topk_prob, host(d_out))
     if weight is None:
         weight = encode(backend, router, gate, up, down, top_k, norm_topk_prob)
-    return _block_backward_device(backend, h, router, gate, up, down, weight, d_out, transposed or
-                                  (lambda w, start, stop: encode_transposed(backend, w, start, stop)))
+    return _block_backward_device(backend, h, router, gate, up, down, weight, d_out, transposed)
 
 
 def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight, d_out, transposed):
@@ -304,22 +279,7 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
     d_up = [None] * num_experts
     d_down = [None] * num_experts
     if pairs:
-        order = np.concatenate([chosen for _, chosen in groups])  # pair indices grouped by expert
-        rows = (order // k).astype(np.int32)
-        slot_of = np.empty(pairs, np.int32)
-        slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in the grouped order
-        x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)
-        y = backend.empty((pairs, hidden), np.float32)
-        saved = []
-        start = 0
-        for expert, chosen in groups:
-            stop = start + chosen.size
-            g, u = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
-            act = activation.swiglu(backend, g, u)
-            backend.copy_into(y[start:stop], gemm.gemm(backend, act, weight.down[expert]))
-            saved.append((expert, start, stop, g, u, act))
-            start = stop
-        outputs = embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
+        outputs, order, slot_of, x, saved = _grouped_experts(backend, h, weight, groups, t, keep=True)
         d_weights, d_y = combine_backward(backend, d_out, weights, outputs)
         d_logits = route_backward(backend, logits, experts, weights, d_weights, weight.norm_topk_prob)
         d_y = embedding.gather(backend, d_y.reshape(pairs, hidden), backend.asarray(order.astype(np.int32)),
@@ -327,13 +287,13 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
         dx = backend.empty((2 * pairs + t, hidden), np.float32)  # d g rows, d u rows (grouped), router rows
         for expert, start, stop, g, u, act in saved:
             dy = d_y[start:stop]
-            d_g, d_u = activation.swiglu_backward(backend, g, u, input_grad(backend, dy, down[expert], transposed))
-            backend.copy_into(dx[start:stop], input_grad(backend, d_g, gate[expert], transposed))
-            backend.copy_into(dx[pairs + start:pairs + stop], input_grad(backend, d_u, up[expert], transposed))
-            d_down[expert] = weight_grad(backend, dy, act)
-            d_gate[expert] = weight_grad(backend, d_g, x[start:stop])
-            d_up[expert] = weight_grad(backend, d_u, x[start:stop])
-        backend.copy_into(dx[2 * pairs:], input_grad(backend, d_logits, router, transposed))
+            d_g, d_u = activation.swiglu_backward(backend, g, u, gemm.input_grad(backend, dy, down[expert], transposed))
+            backend.copy_into(dx[start:stop], gemm.input_grad(backend, d_g, gate[expert], transposed))
+            backend.copy_into(dx[pairs + start:pairs + stop], gemm.input_grad(backend, d_u, up[expert], transposed))
+            d_down[expert] = gemm.weight_grad(backend, dy, act)
+            d_gate[expert] = gemm.weight_grad(backend, d_g, x[start:stop])
+            d_up[expert] = gemm.weight_grad(backend, d_u, x[start:stop])
+        backend.copy_into(dx[2 * pairs:], gemm.input_grad(backend, d_logits, router, transposed))
         index = np.empty((t, 2 * k + 1), np.int32)
         index[:, 0:2 * k:2] = slot_of.reshape(t, k)
         index[:, 1:2 * k:2] = pairs + slot_of.reshape(t, k)
@@ -342,7 +302,7 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
         terms = embedding.gather(backend, dx, backend.asarray(index), host_ids=index).reshape(t, 2 * k + 1, hidden)
         ones = backend.asarray(np.ones((t, 2 * k + 1), np.float32))
         d_h = combine(backend, ones, terms)
-        d_router = weight_grad(backend, d_logits, h)
+        d_router = gemm.weight_grad(backend, d_logits, h)
     else:
         d_h, d_router = zeros((0, hidden), np.float32), zeros((num_experts, hidden), np.float32)
         d_logits, d_weights = zeros((0, num_experts), np.float32), zeros((0, k), np.float32)

@@ -5,7 +5,8 @@ and for the backward (moe_combine_backward, moe_route_backward, the experts' dX 
 swiglu_backward, d h as moe_combine of 2k + 1 rows): the block's gradients, and SFT and GRPO steps'
 trained weights.
 
-A machine without HIP-CPU (RLPORTABLE_HIP_CPU unset) skips the hip-cpu tests, except in CI. The shapes
+The same tests run the CUDA sources where a CUDA GPU answers (skipped elsewhere). A machine without
+HIP-CPU (RLPORTABLE_HIP_CPU unset) skips the hip-cpu tests, except in CI. The shapes
 are tiny: the kernels compile once (cached), each forward takes a fraction of a second."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rlportable.model.config import ModelConfig
 from rlportable.model.forward import Model
 from rlportable.model.synthetic import IdsOnlyTokenizer, random_weights
 from rlportable.ops import moe as moe_op
-from rlportable.runtime import get_backend
+from rlportable.runtime import get_backend, probe
 
 CPU = get_backend("cpu")
 EXPERTS = 8
@@ -61,9 +62,16 @@ def scaled_weights(config: ModelConfig, seed: int):
     return weights
 
 
-@pytest.fixture(scope="module")
-def hip_cpu():
-    return hip_cpu_backend()
+@pytest.fixture(scope="module", params=["hip-cpu", "cuda"])
+def device(request):
+    """The HIP sources on HIP-CPU (everywhere; CI fails without it) and the CUDA sources where a GPU
+    answers (skipped elsewhere: CI has none)."""
+    if request.param == "hip-cpu":
+        return hip_cpu_backend()
+    available, reason = probe("cuda")
+    if not available:
+        pytest.skip(reason)
+    return get_backend("cuda")
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +95,10 @@ def _forward(model: Model, tokens, cu):
     {"num_experts_per_tok": 2, "norm_topk_prob": True},
     {"num_experts_per_tok": 3, "norm_topk_prob": False, "decoder_sparse_step": 2, "num_hidden_layers": 3},
 ])
-def test_the_forward_on_hip_cpu_has_the_cpu_references_bits(hip_cpu, tokens, overrides):
+def test_the_forward_on_a_device_has_the_cpu_references_bits(device, tokens, overrides):
     config = moe_config(**overrides)
     weights = scaled_weights(config, seed=len(json.dumps(overrides)))
-    on_cpu, on_device = Model(CPU, config, weights), Model(hip_cpu, config, weights)
+    on_cpu, on_device = Model(CPU, config, weights), Model(device, config, weights)
     sparse = [i for i in range(config.num_hidden_layers) if config.sparse_layer(i)]
     k = config.num_experts_per_tok
     for ids, cu in tokens:
@@ -106,28 +114,28 @@ def test_the_forward_on_hip_cpu_has_the_cpu_references_bits(hip_cpu, tokens, ove
             assert max(used) <= 3 * k < EXPERTS
 
 
-def test_the_block_op_on_hip_cpu_is_the_reference(hip_cpu):
-    """ops.moe.block on hip-cpu against contract.moe.moe_block: no token, one token, a non-finite row
+def test_the_block_op_on_a_device_is_the_reference(device):
+    """ops.moe.block on the device against contract.moe.moe_block: no token, one token, a non-finite row
     (experts 0..k-1 and NaN weights: a NaN output row), k = E, and the expert ids on the host."""
     rng = np.random.default_rng(5)
     router, gate, up, down = random_block(rng, hidden=24, inner=16, experts=6, scale=1.0)
-    device = [[hip_cpu.asarray(w) for w in ws] for ws in (gate, up, down)]
+    experts = [[device.asarray(w) for w in ws] for ws in (gate, up, down)]
     for t, k, norm in ((0, 2, True), (1, 1, False), (7, 2, True), (9, 6, False)):
         h = rng.standard_normal((t, 24)).astype(np.float32)
         if t == 7:
             h[3, 5] = np.nan
-        weight = moe_op.encode(hip_cpu, hip_cpu.asarray(router), *device, k, norm)
-        got = [hip_cpu.to_numpy(x) for x in moe_op.block(hip_cpu, hip_cpu.asarray(h), weight)]
+        weight = moe_op.encode(device, device.asarray(router), *experts, k, norm)
+        got = [device.to_numpy(x) for x in moe_op.block(device, device.asarray(h), weight)]
         want = moe_ref.moe_block(h, router, gate, up, down, k, norm)
         assert all(same(g, w) for g, w in zip(got, want)), (t, k, norm)
         # the last token alone: its own bits (a batch of one, every group of one row)
         if t:
-            one = [hip_cpu.to_numpy(x) for x in moe_op.block(hip_cpu, hip_cpu.asarray(h[t - 1:t]), weight)]
+            one = [device.to_numpy(x) for x in moe_op.block(device, device.asarray(h[t - 1:t]), weight)]
             assert all(same(g[0], w[-1]) for g, w in zip(one, want))
 
 
-def test_the_engine_on_hip_cpu_samples_the_cpu_engines_tokens_and_bits(hip_cpu):
-    """LLM.generate on hip-cpu (decode steps padded to buckets, run eagerly) draws the cpu engine's
+def test_the_engine_on_a_device_samples_the_cpu_engines_tokens_and_bits(device):
+    """LLM.generate on the device (decode steps padded to buckets, run eagerly) draws the cpu engine's
     tokens with its log-prob bits and expert choices, and those are the trainer forward's."""
     from rlportable.engine.llm import LLM
     from rlportable.engine.sequence import SamplingParams
@@ -137,7 +145,7 @@ def test_the_engine_on_hip_cpu_samples_the_cpu_engines_tokens_and_bits(hip_cpu):
     prompts = [[5, 9, 2], [7, 7, 1, 30, 4]]
     params = SamplingParams(n=2, max_tokens=4, temperature=1.0, ignore_eos=True)
     runs = []
-    for backend in (CPU, hip_cpu):
+    for backend in (CPU, device):
         model = Model(backend, config, weights)
         llm = LLM(device=backend, loaded=(model, IdsOnlyTokenizer()), max_num_seqs=3, block_size=4,
                   cuda_graphs=True)
@@ -160,8 +168,8 @@ def _gradients(result) -> list:
 
 @pytest.mark.parametrize("t,k,norm", [(0, 2, True), (1, 1, True), (1, 1, False), (2, 2, True), (9, 2, False),
                                       (12, 3, True), (12, 3, False), (5, 6, True)])
-def test_the_block_backward_on_hip_cpu_is_the_reference(hip_cpu, t, k, norm):
-    """ops.moe.block_backward on hip-cpu against contract.moe.moe_block_backward on raw bits: every
+def test_the_block_backward_on_a_device_is_the_reference(device, t, k, norm):
+    """ops.moe.block_backward on the device against contract.moe.moe_block_backward on raw bits: every
     gradient (d h, the router's, each expert's gate, up and down, d logits, d weights); k = 1 (with
     norm_topk_prob its weight is 1 and the router gets +0), 2, 3 and k = E; no token, one token, 2 tokens
     (experts without a token: +0 gradients), a NaN in an h row (route's undefined row) and an upstream
@@ -175,10 +183,10 @@ def test_the_block_backward_on_hip_cpu_is_the_reference(hip_cpu, t, k, norm):
         h[2, 7] = np.nan
         d_out[5] = 0.0
     want = moe_ref.moe_block_backward(h, router, gate, up, down, k, norm, d_out)
-    put = hip_cpu.asarray
-    got = moe_op.block_backward(hip_cpu, put(h), put(router), [put(w) for w in gate], [put(w) for w in up],
+    put = device.asarray
+    got = moe_op.block_backward(device, put(h), put(router), [put(w) for w in gate], [put(w) for w in up],
                                 [put(w) for w in down], k, norm, put(d_out))
-    assert all(same(hip_cpu.to_numpy(g), w) for g, w in zip(_gradients(got), _gradients(want)))
+    assert all(same(device.to_numpy(g), w) for g, w in zip(_gradients(got), _gradients(want)))
     assert np.array_equal(got.experts, want.experts)
     if t == 2:
         assert np.unique(want.experts).size < 6  # some expert got no token
@@ -186,23 +194,23 @@ def test_the_block_backward_on_hip_cpu_is_the_reference(hip_cpu, t, k, norm):
         assert np.isnan(want.d_h[2]).all() and (bits(want.d_logits[5]) == 0).all()
 
 
-def test_the_backward_ops_on_hip_cpu_are_the_reference(hip_cpu):
+def test_the_backward_ops_on_a_device_are_the_reference(device):
     """route_backward and combine_backward (the family's kernels) on their edge rows: ties, -inf logits,
     an undefined row, upstream all zero (+0 even on the undefined row), a non-finite upstream, zero
     weights with inf and NaN outputs."""
-    put, host = hip_cpu.asarray, hip_cpu.to_numpy
+    put, host = device.asarray, device.to_numpy
     logits = np.array([[1.0, 3.0, 3.0, -np.inf, 0.5], [0.0, -0.0, 2.0, 2.0, 1.0], [np.nan, 1.0, 0.0, 0.0, 0.0],
                        [np.nan, 1.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0, 5.0]], dtype=np.float32)
     g = np.array([[0.5, -1.5], [2.0, 0.25], [0.0, -0.0], [1.0, 1.0], [np.inf, 1.0]], dtype=np.float32)
     for norm in (False, True):
         chosen, w = moe_ref.route(logits, 2, norm)
         want = moe_ref.route_backward(logits, chosen, w, g, norm)
-        assert same(host(moe_op.route_backward(hip_cpu, put(logits), put(chosen), put(w), put(g), norm)), want)
+        assert same(host(moe_op.route_backward(device, put(logits), put(chosen), put(w), put(g), norm)), want)
     d_out = np.array([[1.0, -2.0, 3.0], [0.5, np.inf, 1.0]], dtype=np.float32)
     outputs = np.array([[[1.0, 2.0, 3.0], [np.inf, np.nan, 1.0]], [[1.0, -1.0, 2.0], [3.0, 0.0, -0.0]]],
                        dtype=np.float32)
     w = np.array([[0.75, 0.0], [0.5, 0.5]], dtype=np.float32)
-    got = moe_op.combine_backward(hip_cpu, put(d_out), put(w), put(outputs))
+    got = moe_op.combine_backward(device, put(d_out), put(w), put(outputs))
     assert all(same(host(a), b) for a, b in zip(got, moe_ref.combine_backward(d_out, w, outputs)))
 
 
@@ -225,14 +233,14 @@ def _trained(folder) -> dict:
     return {name: np.array(v).view(np.uint32) for name, v in ckpt.weights.named_tensors(ckpt.config).items()}
 
 
-def test_a_trainable_moe_model_builds_on_hip_cpu(hip_cpu):
+def test_a_trainable_moe_model_builds_on_a_device(device):
     config = moe_config()
-    model = Model(hip_cpu, config, random_weights(config, 0), trainable=True)
+    model = Model(device, config, random_weights(config, 0), trainable=True)
     assert model.params.layers[0].router is not None and len(model.params.layers[0].expert_gate) == EXPERTS
 
 
-def test_sft_and_grpo_on_hip_cpu_train_the_cpu_runs_bits(hip_cpu, tmp_path):
-    """`rlportable sft` and `grpo --device hip-cpu` on a tiny Qwen3-MoE (2 sparse layers, 8 experts, 2
+def test_sft_and_grpo_on_a_device_train_the_cpu_runs_bits(device, tmp_path):
+    """`rlportable sft` and `grpo --device hip-cpu|cuda` on a tiny Qwen3-MoE (2 sparse layers, 8 experts, 2
     active) against the same commands on cpu: after 2 steps every trained weight has the cpu run's raw
     bits, the routers and experts moved, and GRPO saw 0 log-prob and 0 routing mismatches."""
     pytest.importorskip("tokenizers")
@@ -246,23 +254,23 @@ def test_sft_and_grpo_on_hip_cpu_train_the_cpu_runs_bits(hip_cpu, tmp_path):
         "    return [float(sum(1 for t in ids if t % 2 == 0)) for ids in completion_ids]\n")
     runner = CliRunner()
     runs = {}
-    for device in ("cpu", "hip-cpu"):
-        sft = ["sft", "--model", str(folder), "--device", device, "--steps", "2", "--batch-size", "2",
-               "--out", str(tmp_path / f"sft-{device}")]
-        grpo = ["grpo", "--model", str(folder), "--device", device, "--steps", "2", "--prompts-per-step", "2",
+    for where in ("cpu", device.name):
+        sft = ["sft", "--model", str(folder), "--device", where, "--steps", "2", "--batch-size", "2",
+               "--out", str(tmp_path / f"sft-{where}")]
+        grpo = ["grpo", "--model", str(folder), "--device", where, "--steps", "2", "--prompts-per-step", "2",
                 "-G", "3", "--max-completion-length", "4", "--lr", "3e-3",
-                "--reward", f"{tmp_path / 'reward.py'}:varied", "--out", str(tmp_path / f"grpo-{device}"),
-                "--log-jsonl", str(tmp_path / f"grpo-{device}.jsonl")]
+                "--reward", f"{tmp_path / 'reward.py'}:varied", "--out", str(tmp_path / f"grpo-{where}"),
+                "--log-jsonl", str(tmp_path / f"grpo-{where}.jsonl")]
         for name, args in (("sft", sft), ("grpo", grpo)):
             result = runner.invoke(main, args)
             assert result.exit_code == 0, result.output
-            runs[name, device] = _trained(tmp_path / f"{name}-{device}")
-        records = [json.loads(line) for line in (tmp_path / f"grpo-{device}.jsonl").read_text().splitlines()]
+            runs[name, where] = _trained(tmp_path / f"{name}-{where}")
+        records = [json.loads(line) for line in (tmp_path / f"grpo-{where}.jsonl").read_text().splitlines()]
         steps = [r for r in records if "logp_mismatches" in r]
         assert len(steps) == 2 and all(r["logp_mismatches"] == 0 and r["routing_mismatches"] == 0 for r in steps)
     start = scaled_weights(moe_config(), 0).named_tensors(moe_config())
     for name in ("sft", "grpo"):
-        want, got = runs[name, "cpu"], runs[name, "hip-cpu"]
+        want, got = runs[name, "cpu"], runs[name, device.name]
         assert want.keys() == got.keys() and all(np.array_equal(want[key], got[key]) for key in want), name
         moved = [key for key in want if not np.array_equal(want[key], start[key].view(np.uint32))]
         assert any(key.endswith("mlp.gate.weight") for key in moved), name

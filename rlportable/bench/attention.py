@@ -130,10 +130,9 @@ def run(backend, lengths=LENGTHS, layouts=LAYOUTS, tokens: int = TOKENS, repeats
                         "decode_bound_fraction_at_least": TARGET_DECODE_BOUND}}
 
 
-def _decode(backend, attention, events, length: int, hq: int, hkv: int, sequences: int, repeats: int,
-            bandwidth: float, rng) -> dict:
-    """One decode step's attention: `sequences` queries, each at position length - 1 over a paged
-    cache (blocks of 16) of `length` keys; the bytes are the cache rows the step must read."""
+def decode_inputs(backend, attention, length: int, hq: int, hkv: int, sequences: int, rng) -> dict:
+    """A decode step's inputs: `sequences` queries, each at position length - 1 over a paged cache
+    (blocks of 16) of `length` random keys, and the bytes of the cache rows the step must read."""
     block = 16
     blocks = -(-length // block)
     cache = attention.KVCache.allocate(backend, sequences * blocks * block, hkv, HEAD_DIM, block_size=block)
@@ -146,12 +145,19 @@ def _decode(backend, attention, events, length: int, hq: int, hkv: int, sequence
         v = backend.asarray(rng.standard_normal((count, hkv, HEAD_DIM)).astype(np.float32))
         attention.write_kv(backend, cache, k, v, slots[first:first + count].astype(np.int32))
     tables = backend.asarray((np.arange(sequences)[:, None] * blocks + np.arange(blocks)[None, :]).astype(np.int32))
-    q = backend.asarray(rng.standard_normal((sequences, hq, HEAD_DIM)).astype(np.float32))
-    q_seq = backend.asarray(np.arange(sequences, dtype=np.int32))
-    q_pos = backend.asarray(np.full(sequences, length - 1, dtype=np.int32))
-    seconds = _median_seconds(events, lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables),
-                              backend.synchronize, repeats)
     row_bytes = 2 * (2 * cache.head_dim_padded + 4)  # K and V: two int8 digits a channel, an int32 exponent
-    nbytes = keys * hkv * row_bytes
-    return {"decode_sequences": sequences, "decode_s": seconds, "decode_bytes": nbytes,
-            "decode_bound_fraction": nbytes / seconds / bandwidth}
+    return {"q": backend.asarray(rng.standard_normal((sequences, hq, HEAD_DIM)).astype(np.float32)),
+            "q_seq": backend.asarray(np.arange(sequences, dtype=np.int32)),
+            "q_pos": backend.asarray(np.full(sequences, length - 1, dtype=np.int32)),
+            "cache": cache, "tables": tables, "bytes": keys * hkv * row_bytes}
+
+
+def _decode(backend, attention, events, length: int, hq: int, hkv: int, sequences: int, repeats: int,
+            bandwidth: float, rng) -> dict:
+    """One decode step's attention (decode_inputs) against the copy bandwidth."""
+    x = decode_inputs(backend, attention, length, hq, hkv, sequences, rng)
+    seconds = _median_seconds(
+        events, lambda: attention.attention_paged(backend, x["q"], x["q_seq"], x["q_pos"], x["cache"], x["tables"]),
+        backend.synchronize, repeats)
+    return {"decode_sequences": sequences, "decode_s": seconds, "decode_bytes": x["bytes"],
+            "decode_bound_fraction": x["bytes"] / seconds / bandwidth}

@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python3 scripts/probe_attention.py [path.json]
 
 The Qwen3-0.6B layer shape (16 q heads, 8 KV heads, head_dim 128, KV blocks of 16): 256 query rows,
-one per sequence, each attending to KV_LENGTH keys of a cache of random encoded rows. Variants are
+one per sequence, each attending to KV_LENGTH keys of a cache of random encoded rows
+(RLP_PROBE_SEQUENCES=<rows>, RLP_PROBE_HQ=16,32 for other shapes). Variants are
 textual edits of backends/cuda/attention.cu (keys in flight, the value kernel's blocks per
 multiprocessor) compiled with the runtime's options; each runs ops/attention.attention_paged
 (method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
@@ -26,18 +27,20 @@ from rlportable.resources import _inline_includes, kernel_source_path
 
 from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_variants.py
 
-SEQUENCES, HQ, HKV, HEAD_DIM, BLOCK = 256, 16, 8, 128, 16
+SEQUENCES = int(os.environ.get("RLP_PROBE_SEQUENCES", "256"))
+HQS = tuple(int(n) for n in os.environ.get("RLP_PROBE_HQ", "16").split(","))  # q heads (over 8 KV heads)
+HKV, HEAD_DIM, BLOCK = 8, 128, 16
 KV_LENGTHS = tuple(int(n) for n in os.environ.get("RLP_PROBE_KV_LENGTHS", "384,1024").split(","))
-MAX_BLOCKS = 2048 // BLOCK  # the graph tables' width: a 2048-token max_model_len
+MAX_BLOCKS = max(2048, *KV_LENGTHS) // BLOCK  # the graph tables' width: a 2048-token max_model_len (or the longest)
 KEYS_PER_SPLIT = (512, 256, 128)
 # RLP_PROBE_EXPONENTS: "spread" (K/V row exponents in [-4, 4): scores over a range so wide that most
 # weights underflow, the exp's shortcut; the probes before 2026-11-30 23:10 ran so) or "flat" (all 0:
 # q.k / sqrt(D) within a few units, every weight through the whole exp, as in a model)
 EXPONENTS = os.environ.get("RLP_PROBE_EXPONENTS", "spread")  # the kernels as built, with the keys cut into more splits than split_plan's
 SCORE_PIECES = "#define RLP_ATTS_SCORE_PIECES 4 "
-VALUE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 6) attention_split_values"
-SCORE_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_scores"
-VALUE_H2_BOUNDS = "__launch_bounds__(RLP_ATTS_THREADS, 8) attention_split_values_h2("
+VALUE_BOUNDS = "RLP_LAUNCH_BOUNDS(RLP_ATTS_THREADS, 6) attention_split_values"
+SCORE_BOUNDS = "RLP_LAUNCH_BOUNDS(RLP_ATTS_THREADS, 8) attention_split_scores"
+VALUE_H2_BOUNDS = "RLP_LAUNCH_BOUNDS(RLP_ATTS_THREADS, 8) attention_split_values_h2("
 
 
 def _pieces(count: int):
@@ -51,8 +54,8 @@ def _bounds(anchor: str, blocks: int):
 
 WEIGHT_ROW = "const long long info = first ? first_info : key_rows[rowg * keys + j];"
 WEIGHT_SCORE = "if (hi < nb) s[u][hi] = first ? first_s[hi] : scores[(rowg * keys + j) * group + h0 + hi];"
-V_LOW = "low[u] = __ldg(reinterpret_cast<const int*>(row));"
-V_HIGH = "high[u] = __ldg(reinterpret_cast<const int*>(row + dp));"
+V_LOW = "low[u] = *reinterpret_cast<const int*>(row);"
+V_HIGH = "high[u] = *reinterpret_cast<const int*>(row + dp);"
 
 
 def _define(name: str, value: int):
@@ -102,7 +105,7 @@ def _no_v_loads(s):  # timing only (other bits): the value phase without its V l
 
 
 SCORE_SLOT = "j < end ? rlp_att_slot(block_tables, max_blocks, block_size, num_slots, seq, (int)j) : -1;"
-SCORE_Q_MAX = "local = max(local, rlp_magnitude_bits(q[(qrow0 + hi) * d + i]));"
+SCORE_Q_MAX = "local = rlp_max_u32(local, rlp_magnitude_bits(q[(qrow0 + hi) * d + i]));"
 SCORE_Q_DIGITS = "? rlp_quantize(q[(qrow0 + hi) * d + i], RLP_ATT_Q_BITS, eq) : 0;"
 
 
@@ -137,7 +140,7 @@ STAMPS = [
     (0, 3, "        if (threadIdx.x == 0) split_info[rowg * splits + split] = (flags << 16) | max_ev;\n        __syncthreads();\n", False),
     (1, 0, "        const long long first_qrow = token * hq + (long long)g * group;", True),
     (1, 1, "        const bool row_ok = !bad_row && flags == 0u;  // block-uniform\n", False),
-    (1, 2, "                const int span = (int)min(end - base, (long long)RLP_ATTS_TILE);", True),
+    (1, 2, "                const int span = (int)rlp_atts_min_ll(end - base, (long long)RLP_ATTS_TILE);", True),
     (1, 3, "                __syncthreads();  // the next tile overwrites the weights and offsets\n", False),
     (1, 4, "            __syncthreads();  // the next round resets the sums\n", False),
 ]
@@ -287,25 +290,29 @@ def main():
     source, options = backend.source("attention"), backend.compile_options()
     results, reference = [], {}
     shared_bytes = attention.split_values_shared_bytes
+    inputs = {}
     for kv_length in KV_LENGTHS:
         cache, tables = random_cache(backend, kv_length)
-        q = cp.asarray(np.random.default_rng(1).standard_normal((SEQUENCES, HQ, HEAD_DIM), np.float32))
-        q_seq = cp.arange(SEQUENCES, dtype=np.int32)
-        q_pos = cp.full(SEQUENCES, kv_length - 1, np.int32)
-        for variant, (text, shared, keys) in variants(source).items():
-            module = load(text, "attention", options)
-            attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
-            attention.SPLIT_THREADS = THREAD_COUNTS.get(variant.removeprefix("stamps:"), 128)
-            backend._modules["attention"], backend._functions = module, {}
+        for hq in HQS:
+            q = cp.asarray(np.random.default_rng(1).standard_normal((SEQUENCES, hq, HEAD_DIM), np.float32))
+            inputs[kv_length, hq] = (q, cp.arange(SEQUENCES, dtype=np.int32), cp.full(SEQUENCES, kv_length - 1, np.int32),
+                                     cache, tables)
+    for variant, (text, shared, keys) in variants(source).items():
+        module = load(text, "attention", options)  # once per variant, for every shape
+        attention.split_values_shared_bytes = (lambda group, dp: shared) if shared else shared_bytes
+        attention.SPLIT_THREADS = THREAD_COUNTS.get(variant.removeprefix("stamps:"), 128)
+        backend._modules["attention"], backend._functions = module, {}
+        for (kv_length, hq), (q, q_seq, q_pos, cache, tables) in inputs.items():
             run = lambda: attention.attention_paged(backend, q, q_seq, q_pos, cache, tables, method="split",
                                                     keys_per_split=keys)
             out = run()
             bits = cp.asnumpy(out).view(np.uint32)
-            same = bool(np.array_equal(reference.setdefault(kv_length, bits), bits))
+            same = bool(np.array_equal(reference.setdefault((kv_length, hq), bits), bits))
             us = mean_us(run)
             kv_bytes = SEQUENCES * kv_length * HKV * 2 * (2 * cache.head_dim_padded + 4)
-            row = dict(variant=variant, kv_length=kv_length, us=round(us, 1), same_bits=same,
-                       kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1), kernels_us=kernel_times(backend, run))
+            row = dict(variant=variant, sequences=SEQUENCES, hq=hq, kv_length=kv_length, us=round(us, 1),
+                       same_bits=same, kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1),
+                       kernels_us=kernel_times(backend, run))
             if variant.startswith("stamps"):
                 run()
                 cp.cuda.Device().synchronize()

@@ -136,6 +136,32 @@ def test_route_backward_is_the_softmax_gradient():
             assert np.all(bits(got[unchosen]) == 0)
 
 
+def test_load_balancing_backward_is_the_softmax_gradient_of_the_loss():
+    """load_balancing_backward (route_backward with all E experts chosen) against the float64 gradient of
+    sum_e g_e softmax(z)_e, p (g - p.g), with g load_balancing_coefficients' E c_e / N^2 of two layers'
+    choices; a token's row is its own alone, and its bits do not depend on the rows around it."""
+    rng = np.random.default_rng(8)
+    logits = [(rng.standard_normal((50, 16)) * 3).astype(np.float32) for _ in range(2)]
+    experts = [moe.route(z, 4, False)[0] for z in logits]
+    g = moe.load_balancing_coefficients(experts, 16, 0.25)
+    counts = np.bincount(np.concatenate([e.reshape(-1) for e in experts]), minlength=16)
+    assert np.array_equal(g, (0.25 * 16 * counts / 100.0**2).astype(np.float32)) and counts.sum() == 400
+    got = moe.load_balancing_backward(logits[0], g)
+    z = logits[0].astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    want = p * (g.astype(np.float64) - (p * g).sum(axis=1, keepdims=True))
+    # route_backward's bound (the test above): q errs by ~2^-18 relative, c uses the float32 weights
+    assert np.abs(got - want).max() <= (p.max(axis=1) * np.abs(g).sum() * 2.0**-16).max()
+    assert np.abs(want).max() > 1e-3 * np.abs(g).max()  # not a vanishing gradient
+    assert same(moe.load_balancing_backward(logits[0][7:8], g), got[7:8])
+    # the ops' cpu path is the reference; the value is transformers' E sum_e f_e P_e
+    assert same(moe_op.load_balancing_backward(CPU, logits[0], g), got)
+    sums = sum(moe.router_probability_sums(z) for z in logits)
+    value = moe.load_balancing_loss(experts, sums)
+    assert value == pytest.approx(16 * np.sum(counts / 100 * sums / 100), rel=1e-12) and value > 1.0
+
+
 # ---- invariances on raw bits
 
 

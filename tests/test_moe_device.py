@@ -214,6 +214,37 @@ def test_the_backward_ops_on_a_device_are_the_reference(device):
     assert all(same(host(a), b) for a, b in zip(got, moe_ref.combine_backward(d_out, w, outputs)))
 
 
+@pytest.mark.parametrize("t,k,norm", [(0, 2, True), (1, 1, True), (9, 2, False), (12, 3, True), (5, 6, False)])
+def test_the_block_backward_with_the_load_balancing_loss_on_a_device_is_the_reference(device, t, k, norm):
+    """block_backward with aux (the loss's per-expert coefficients) on the device against the reference on
+    raw bits, every gradient; the loss reaches d logits (k = 1 renormalised: d logits is the loss's alone),
+    a NaN h row stays NaN, and load_balancing_backward alone on edge rows (ties, -inf, an undefined row)."""
+    rng = np.random.default_rng(20 * t + k + norm)
+    router, gate, up, down = random_block(rng, hidden=24, inner=16, experts=6, scale=1.0)
+    h = rng.standard_normal((t, 24)).astype(np.float32)
+    d_out = rng.standard_normal((t, 24)).astype(np.float32)
+    if t >= 9:
+        h[2, 7] = np.nan
+        d_out[5] = 0.0
+    aux = moe_ref.load_balancing_coefficients([moe_ref.route(moe_ref.router_logits(h, router), k, norm)[0]], 6, 0.3)
+    want = moe_ref.moe_block_backward(h, router, gate, up, down, k, norm, d_out, aux=aux)
+    put = device.asarray
+    got = moe_op.block_backward(device, put(h), put(router), [put(w) for w in gate], [put(w) for w in up],
+                                [put(w) for w in down], k, norm, put(d_out), aux=aux)
+    assert all(same(device.to_numpy(g), w) for g, w in zip(_gradients(got), _gradients(want)))
+    assert same(device.to_numpy(got.logits), want.logits)
+    plain = moe_ref.moe_block_backward(h, router, gate, up, down, k, norm, d_out)
+    if t and k < 6:  # at k = E every count is T: the loss is the constant k, its gradient rounding noise
+        assert not same(want.d_logits, plain.d_logits) and not same(want.d_h, plain.d_h)
+    if t >= 9:
+        assert np.isnan(want.d_logits[2]).all() and not np.isnan(want.d_logits[5]).any()
+    logits = np.array([[1.0, 3.0, 3.0, -np.inf, 0.5, 0.0], [0.0, -0.0, 2.0, 2.0, 1.0, 1.0],
+                       [np.nan, 1.0, 0.0, 0.0, 0.0, 0.0], [80.0, -80.0, 0.0, 1.0, 2.0, 3.0]], dtype=np.float32)
+    for coefficients in (aux, np.zeros(6, np.float32)):
+        assert same(device.to_numpy(moe_op.load_balancing_backward(device, put(logits), coefficients)),
+                    moe_ref.load_balancing_backward(logits, coefficients))
+
+
 def _moe_folder(folder, config, seed: int = 0):
     """A Qwen3-MoE checkpoint directory (config, fp32 weights, a test tokenizer)."""
     from rlportable.model.weights import save_safetensors
@@ -239,16 +270,20 @@ def test_a_trainable_moe_model_builds_on_a_device(device):
     assert model.params.layers[0].router is not None and len(model.params.layers[0].expert_gate) == EXPERTS
 
 
-def test_sft_and_grpo_on_a_device_train_the_cpu_runs_bits(device, tmp_path):
+@pytest.mark.parametrize("aux", [False, True])
+def test_sft_and_grpo_on_a_device_train_the_cpu_runs_bits(device, tmp_path, aux):
     """`rlportable sft` and `grpo --device hip-cpu|cuda` on a tiny Qwen3-MoE (2 sparse layers, 8 experts, 2
     active) against the same commands on cpu: after 2 steps every trained weight has the cpu run's raw
-    bits, the routers and experts moved, and GRPO saw 0 log-prob and 0 routing mismatches."""
+    bits, the routers and experts moved, and GRPO saw 0 log-prob and 0 routing mismatches. aux: the
+    load-balancing loss on (output_router_logits, coefficient 0.5): both trainers log its value, the
+    same on both backends."""
     pytest.importorskip("tokenizers")
     from click.testing import CliRunner
 
     from rlportable.cli import main
 
-    folder = _moe_folder(tmp_path / "model", moe_config())
+    switches = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if aux else {}
+    folder = _moe_folder(tmp_path / "model", moe_config(**switches))
     (tmp_path / "reward.py").write_text(
         "def varied(completions, completion_ids, **columns):\n"
         "    return [float(sum(1 for t in ids if t % 2 == 0)) for ids in completion_ids]\n")
@@ -256,7 +291,7 @@ def test_sft_and_grpo_on_a_device_train_the_cpu_runs_bits(device, tmp_path):
     runs = {}
     for where in ("cpu", device.name):
         sft = ["sft", "--model", str(folder), "--device", where, "--steps", "2", "--batch-size", "2",
-               "--out", str(tmp_path / f"sft-{where}")]
+               "--out", str(tmp_path / f"sft-{where}"), "--log-jsonl", str(tmp_path / f"sft-{where}.jsonl")]
         grpo = ["grpo", "--model", str(folder), "--device", where, "--steps", "2", "--prompts-per-step", "2",
                 "-G", "3", "--max-completion-length", "4", "--lr", "3e-3",
                 "--reward", f"{tmp_path / 'reward.py'}:varied", "--out", str(tmp_path / f"grpo-{where}"),
@@ -268,9 +303,14 @@ def test_sft_and_grpo_on_a_device_train_the_cpu_runs_bits(device, tmp_path):
         records = [json.loads(line) for line in (tmp_path / f"grpo-{where}.jsonl").read_text().splitlines()]
         steps = [r for r in records if "logp_mismatches" in r]
         assert len(steps) == 2 and all(r["logp_mismatches"] == 0 and r["routing_mismatches"] == 0 for r in steps)
-    start = scaled_weights(moe_config(), 0).named_tensors(moe_config())
+        for name in ("sft", "grpo"):
+            logged = [json.loads(line) for line in (tmp_path / f"{name}-{where}.jsonl").read_text().splitlines()]
+            runs[name, where, "aux"] = [r["aux_loss"] for r in logged if "aux_loss" in r]
+            assert len(runs[name, where, "aux"]) == (2 if aux else 0), name
+    start = scaled_weights(moe_config(), 0).named_tensors(moe_config())  # the switches change no weight
     for name in ("sft", "grpo"):
         want, got = runs[name, "cpu"], runs[name, device.name]
+        assert runs[name, "cpu", "aux"] == runs[name, device.name, "aux"], name
         assert want.keys() == got.keys() and all(np.array_equal(want[key], got[key]) for key in want), name
         moved = [key for key in want if not np.array_equal(want[key], start[key].view(np.uint32))]
         assert any(key.endswith("mlp.gate.weight") for key in moved), name

@@ -52,6 +52,22 @@ def test_moe_config_fields_and_sparse_layers():
     assert ModelConfig.from_dict(dataclasses.replace(config, raw={}).to_hf_dict()) == config
 
 
+def test_the_load_balancing_loss_is_on_by_transformers_rule():
+    """output_router_logits (default false, as transformers) and a nonzero router_aux_loss_coef turn it on;
+    either alone leaves it off; both are written back."""
+    import dataclasses
+
+    assert _config().output_router_logits is False and _config().load_balancing is False
+    on = _config(output_router_logits=True, router_aux_loss_coef=0.01)
+    assert on.load_balancing and on.router_aux_loss_coef == 0.01
+    assert not _config(output_router_logits=True, router_aux_loss_coef=0).load_balancing
+    assert not _config(output_router_logits=False, router_aux_loss_coef=0.5).load_balancing
+    assert not _config(output_router_logits=True, num_experts=0).load_balancing  # no sparse layer
+    assert ModelConfig.from_dict(dataclasses.replace(on, raw={}).to_hf_dict()) == on
+    with pytest.raises(ModelError, match="output_router_logits must be true or false"):
+        _config(output_router_logits="yes")
+
+
 def test_moe_weights_take_hugging_face_names():
     config = _config(mlp_only_layers=[1])
     names = expected_tensors(config)
@@ -288,6 +304,121 @@ def test_gradients_match_transformers_autograd(overrides, tmp_path):
           f"{max(_rel_error(grads[n], reference[n]) for n in dense if n.endswith('mlp.gate.weight')):.2e} against "
           f"{max(_rel_error(bf16[n], reference[n]) for n in dense if n.endswith('mlp.gate.weight')):.2e}")
     assert worst * ERROR_RATIO_TO_BF16 <= worst_bf16, (worst, worst_bf16)
+
+
+def _torch_grads_with_aux(hf, tokens, cu, rows, g, coef: float, dtype) -> tuple[dict, float]:
+    """_torch_grads' sum_r g_r logp_r plus coef x transformers' load_balancing_loss_func over the router
+    logits of both sequences (one forward's rows, as one padded batch with its attention mask: no padding
+    row counts), and the loss's value."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = hf.to(dtype)
+    model.zero_grad()
+    total, layers = 0, []
+    for start, stop in zip(cu[:-1], cu[1:]):
+        ids = torch.tensor(tokens[start:stop][None].astype(np.int64))
+        out = model(ids, output_router_logits=True)
+        logp = torch.log_softmax(out.logits[0].double(), dim=-1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
+        picked = (rows >= start) & (rows < stop - 1)
+        total = total + (logp[torch.tensor(rows[picked] - start)] * torch.tensor(g[picked].astype(np.float64))).sum()
+        layers.append(out.router_logits)
+    aux = load_balancing_loss_func(tuple(torch.cat(per_layer) for per_layer in zip(*layers)),
+                                   model.config.num_experts, model.config.num_experts_per_tok)
+    (total + coef * aux).backward()
+    return {name: p.grad.double().numpy() for name, p in model.named_parameters() if p.grad is not None}, aux.item()
+
+
+# With the loss on, the same rule as above: every gradient within GRAD_TOLERANCE of float64 autograd and
+# the worst 10x below bf16 autograd's, the routers' too (the loss reaches the model through them); the
+# loss's value 10x closer to float64's than bf16's. Measured: routers 1.8e-4 to 3.6e-4 against bf16's 9.1e-2
+# to 0.16; the value 4.8e-7 and 1.6e-5 relative against bf16's 1.4e-3 and 4.6e-3.
+# upstream scales the log-probs' gradient: 0.05 puts both terms on the routers at one size
+@pytest.mark.parametrize("overrides,upstream", [({}, 0.05), ({"norm_topk_prob": False, "decoder_sparse_step": 2}, 0.05),
+                                                ({}, 0.0)])
+def test_load_balancing_gradients_match_transformers_autograd(overrides, upstream, tmp_path):
+    """router_aux_loss_coef x aux on (output_router_logits true): beside the log-probs' gradient, and alone
+    (upstream 0: every gradient is the loss's, through the routers into the layers below)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from rlportable.model import backward
+    from rlportable.train.trainer import load_balancing_scale
+    from test_model_backward import GRAD_TOLERANCE, _rel_error
+
+    hf = _hf_moe(tmp_path, output_router_logits=True, router_aux_loss_coef=0.5, **overrides)
+    config, weights, _ = load_model(str(tmp_path))
+    assert config.load_balancing and config.router_aux_loss_coef == 0.5
+    model = Model(CPU, config, weights, trainable=True)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, config.vocab_size, 40).astype(np.int32)
+    cu = np.array([0, 17, 40])
+    rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])
+    g = (upstream * rng.normal(size=rows.size)).astype(np.float32)
+    fwd = backward.forward(model, tokens, cu, rows=rows)
+    grads = backward.backward(model, fwd, g, aux_scale=load_balancing_scale(config, 1)).named_tensors(config)
+    reference, value = _torch_grads_with_aux(hf, tokens, cu, rows, g, 0.5, torch.float64)
+    bf16, bf16_value = _torch_grads_with_aux(hf, tokens, cu, rows, g, 0.5, torch.bfloat16)
+    reference, bf16 = _hf_names(reference, config), _hf_names(bf16, config)
+    assert set(grads) == set(reference)
+    errors = {name: (_rel_error(grads[name], ref), _rel_error(bf16[name], ref)) for name, ref in reference.items()}
+    assert all(ours < GRAD_TOLERANCE for ours, _ in errors.values()), errors
+    routers = [name for name in reference if name.endswith("mlp.gate.weight")]
+    for name in routers:
+        ours, theirs = errors[name]
+        assert ours * ERROR_RATIO_TO_BF16 <= theirs, (name, ours, theirs)
+    worst, worst_bf16 = max(e for e, _ in errors.values()), max(b for _, b in errors.values())
+    assert worst * ERROR_RATIO_TO_BF16 <= worst_bf16, (worst, worst_bf16)
+    assert abs(fwd.aux_loss - value) * ERROR_RATIO_TO_BF16 <= abs(bf16_value - value), (fwd.aux_loss, value, bf16_value)
+    # the loss moved the routers' gradients by far more than our error (for upstream 0 it is all of them)
+    plain = backward.backward(model, backward.forward(model, tokens, cu, rows=rows), g).named_tensors(config)
+    for name in routers:
+        assert _rel_error(plain[name], reference[name]) > 100 * errors[name][0], name
+    print("routers (ours, bf16):", {n: tuple(f"{e:.1e}" for e in errors[n]) for n in routers},
+          f"worst {worst:.1e} bf16 {worst_bf16:.1e}; aux {fwd.aux_loss:.7f} float64 {value:.7f} bf16 {bf16_value:.7f}")
+
+
+# Without the loss (output_router_logits false, or a zero coefficient) the gradients are the bits the code
+# gave before the loss existed: these digests were computed at dde0689 (the commit before it).
+BEFORE_THE_LOSS = {
+    "norm": "3b66bc90d6a192332dfe1775a47d30790cd1eaab8ed5a79991844f4088215d15",
+    "step2": "3482ac4e9b44ee4af3688bc22b40799a10797db0b1088adbea4d1722373f4725",
+}
+
+
+def _gradient_digest(config, aux_scale: float) -> str:
+    """SHA-256 of every gradient's raw bits (names sorted) of one backward on a seeded random-weight model."""
+    import hashlib
+
+    from rlportable.model import backward
+    from rlportable.model.synthetic import random_weights
+
+    weights = random_weights(config, 4)
+    for layer in weights.layers:
+        if layer.router is not None:
+            layer.router = (layer.router * 50).astype(np.float32)  # spread logits: tokens pick different experts
+    model = Model(CPU, config, weights, trainable=True)
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, 64, 30).astype(np.int32)
+    fwd = backward.forward(model, tokens, np.array([0, 12, 30]), rows=np.array([2, 3, 8, 20, 25, 28]))
+    grads = backward.backward(model, fwd, rng.normal(size=6).astype(np.float32), aux_scale=aux_scale)
+    digest = hashlib.sha256()
+    for name, value in sorted(grads.named_tensors(config).items()):
+        digest.update(np.ascontiguousarray(value, dtype=np.float32).view(np.uint32).tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("case,overrides", [("norm", {"norm_topk_prob": True, "mlp_only_layers": [0]}),
+                                            ("step2", {"decoder_sparse_step": 2})])
+def test_without_the_load_balancing_loss_the_gradients_keep_their_bits(case, overrides):
+    from rlportable.train.trainer import load_balancing_scale
+
+    for switches in ({}, {"output_router_logits": True, "router_aux_loss_coef": 0.0},
+                     {"output_router_logits": False, "router_aux_loss_coef": 0.5}):
+        config = _config(**overrides, **switches)
+        assert not config.load_balancing and load_balancing_scale(config, 2) == 0.0
+        assert _gradient_digest(config, load_balancing_scale(config, 2)) == BEFORE_THE_LOSS[case], switches
+    on = _config(**overrides, output_router_logits=True, router_aux_loss_coef=0.5)
+    assert load_balancing_scale(on, 2) == 0.25 and _gradient_digest(on, 0.25) != BEFORE_THE_LOSS[case]
 
 
 def test_the_synthetic_qwen3_30b_a3b_shape_has_its_published_size():

@@ -22,7 +22,8 @@ The backward (route_backward, combine_backward, moe_block_backward) holds the ex
 top-k choice is piecewise constant: no gradient through it): the softmax's gradient from the forward's
 own p_e and D with one exact sum, the combine's with exact sums over the hidden axis, the experts'
 through the gemm and SwiGLU backward rules of the dense layers, and d h as one exact sum of the 2k + 1
-rows that reach it, rounded once.
+rows that reach it, rounded once. The load-balancing loss (transformers' aux loss, below) adds its router
+logit gradient to route_backward's by one float32 addition; it is route_backward again, every expert chosen.
 """
 
 from __future__ import annotations
@@ -310,14 +311,17 @@ class BlockGradients:
     d_logits: np.ndarray
     d_weights: np.ndarray
     experts: np.ndarray
+    logits: np.ndarray | None = None  # the recomputed router logits z [T, E] (the load-balancing loss's value)
 
 
 def moe_block_backward(h: np.ndarray, router: np.ndarray, gate: list, up: list, down: list, top_k: int,
                        norm_topk_prob: bool, d_out: np.ndarray, order: np.ndarray | None = None,
-                       group_rows: int | None = None) -> BlockGradients:
+                       group_rows: int | None = None, aux: np.ndarray | None = None) -> BlockGradients:
     """The block's backward for the upstream d_out [T, H], from the forward recomputed (the same bits):
       d_weights, d_y = combine_backward(d_out, weights, y)
       d_logits       = route_backward(z, experts, weights, d_weights)
+                       with aux (the load-balancing loss's coefficients, float32 [E]): one float32 addition
+                       of load_balancing_backward(z, aux) to it (residual.add), before anything reads d_logits
       d_router       = weight_grad(d_logits, h)                   every token, in token order
       per pair (t, j), e = experts[t, j]:  a = swiglu(g, u) with g, u the forward's gemms of h_t,
         d_a = input_grad(d_y[t, j], D_e);  d_g, d_u = swiglu_backward(g, u, d_a)
@@ -338,6 +342,8 @@ def moe_block_backward(h: np.ndarray, router: np.ndarray, gate: list, up: list, 
     y = expert_outputs(h, experts, gate, up, down, order=order, group_rows=group_rows)
     d_weights, d_y = combine_backward(d_out, weights, y)
     d_logits = route_backward(z, experts, weights, d_weights, norm_topk_prob)
+    if aux is not None:
+        d_logits = residual.add(d_logits, load_balancing_backward(z, aux))
     d_router = weight_grad(d_logits, h)
     k = top_k
     inner = np.asarray(gate[0]).shape[0]
@@ -366,4 +372,60 @@ def moe_block_backward(h: np.ndarray, router: np.ndarray, gate: list, up: list, 
         d_up.append(weight_grad(d_u[rows, slots], h[rows]))
     terms = np.ascontiguousarray(dx.transpose(0, 2, 1)).reshape(t * hidden, 2 * k + 1)
     d_h = exact_sum_f32(terms).reshape(t, hidden) if t else np.zeros((0, hidden), np.float32)
-    return BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, experts)
+    return BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, experts, z)
+
+
+# ---- the load-balancing loss (transformers' load_balancing_loss_func, Switch Transformer's)
+# Over one forward's N = T x (sparse layers) router rows: aux = E sum_e f_e P_e, f_e = c_e / N with c_e the
+# (row, slot) selections of expert e, P_e = sum_rows p_{row,e} / N with p the softmax over all E. The counts
+# are constants (no gradient through the choice), so d aux / d p_{row,e} = E c_e / N^2, one value per expert
+# for every row: a softmax backward with a constant upstream per expert, which is route_backward with all
+# E experts chosen (norm_topk_prob off). No new rule: the existing op's exact sums give every backend's bits.
+
+
+def load_balancing_coefficients(experts: list, num_experts: int, scale: float) -> np.ndarray:
+    """float32 [E]: g_e = RNE_f32(scale E c_e / N^2) in float64, d (scale aux) / d p_{row,e} for every row.
+    experts: each sparse layer's choices int32 [T, k] of one forward (N = T x layers); scale: the loss's
+    weight of aux (router_aux_loss_coef over the step's micro-batches)."""
+    counts = np.zeros(num_experts, dtype=np.int64)
+    rows = 0
+    for layer in experts:
+        layer = np.asarray(layer)
+        counts += np.bincount(layer.reshape(-1).astype(np.int64), minlength=num_experts)
+        rows += layer.shape[0]
+    if rows == 0:
+        return np.zeros(num_experts, dtype=np.float32)
+    return (float(scale) * num_experts * counts.astype(np.float64) / (float(rows) * float(rows))).astype(np.float32)
+
+
+def load_balancing_backward(logits: np.ndarray, coefficients: np.ndarray) -> np.ndarray:
+    """float32 [T, E]: d/dz of sum_e coefficients[e] softmax(z)_e per row, as route_backward with every expert
+    chosen: (experts, w) = route(z, E, false), g_j = coefficients[experts[j]], so dz_e = RNE_f32(q_e (g_e - c))
+    with c = sum_e g_e w_e one exact sum (the slots' order cannot change a bit)."""
+    z = np.asarray(logits, dtype=np.float32)
+    experts, weights = route(z, z.shape[1], False)
+    d_weights = np.asarray(coefficients, dtype=np.float32)[experts]
+    return route_backward(z, experts, weights, d_weights, False)
+
+
+@np.errstate(all="ignore")
+def router_probability_sums(logits: np.ndarray) -> np.ndarray:
+    """float64 [E]: sum over rows of the float64 softmax of each row of z [T, E] (for the loss's value only)."""
+    z = np.asarray(logits, dtype=np.float64)
+    if z.shape[0] == 0:
+        return np.zeros(z.shape[1])
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
+
+
+def load_balancing_loss(experts: list, probability_sums: np.ndarray) -> float:
+    """aux = E sum_e (c_e / N) (P_e / N) in float64, from each sparse layer's choices and the sum over layers
+    of router_probability_sums."""
+    sums = np.asarray(probability_sums, dtype=np.float64)
+    counts = np.zeros(sums.size)
+    rows = 0
+    for layer in experts:
+        layer = np.asarray(layer)
+        counts += np.bincount(layer.reshape(-1).astype(np.int64), minlength=sums.size)
+        rows += layer.shape[0]
+    return float(sums.size * np.sum(counts / rows * (sums / rows))) if rows else 0.0

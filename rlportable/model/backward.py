@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from rlportable.contract import moe as moe_reference
 from rlportable.errors import InputError
 from rlportable.model import parallel
 from rlportable.model.forward import Model, check_packing, next_token_rows, packed_positions
@@ -57,6 +58,7 @@ class TrainingForward:
     logp: object               # device float32 [R]
     temperature: float
     routing: list | None = None  # Qwen3-MoE: each sparse layer's expert choices, int32 [T, k] (host)
+    aux_loss: float | None = None  # the load-balancing loss's value (host float64), set by a backward that adds it
 
 
 def forward(model: Model, tokens, cu_seqlens, temperature: float = 1.0, rows=None,
@@ -103,11 +105,14 @@ def _check_rows(rows, cu_seqlens: np.ndarray, tokens: np.ndarray) -> tuple[np.nd
     return rows, tokens[rows + 1].astype(np.int32)
 
 
-def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray, on_layer=None) -> ModelWeights:
+def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray, on_layer=None,
+             aux_scale: float = 0.0) -> ModelWeights:
     """Gradients of sum_r grad_logp[r] * logp[r] with respect to every weight (device float32,
     shaped like model.params; a tied lm_head's gradient is the embedding's, summed). on_layer(index,
     LayerWeights): takes each layer's gradients as soon as they exist (last layer first), which the
-    result then leaves out (its layers list is empty)."""
+    result then leaves out (its layers list is empty). aux_scale (Qwen3-MoE): nonzero adds aux_scale
+    times the load-balancing loss of this forward's router rows (contract.moe.load_balancing_coefficients;
+    its gradient enters each sparse layer's router logits), and sets fwd.aux_loss to the loss's value."""
     if not model.trainable:
         raise InputError("backward: build the Model with trainable=True (the trainer needs its float32 weights)")
     grad_logp = np.asarray(grad_logp, dtype=np.float32)
@@ -119,14 +124,22 @@ def backward(model: Model, fwd: TrainingForward, grad_logp: np.ndarray, on_layer
     x_final = fwd.checkpoints[-1]
     dx, d_final_norm = norm.rmsnorm_backward(backend, x_final, params.final_norm, cfg.rms_norm_eps, d_picked_full)
     layer_grads: list[LayerWeights] = [None] * len(model.layers)  # type: ignore[list-item]
+    aux = None
+    if aux_scale and fwd.routing:  # the counts of every sparse layer's choices before any layer's backward
+        aux = moe_reference.load_balancing_coefficients(fwd.routing, cfg.num_experts, aux_scale)
+        probability_sums = np.zeros(cfg.num_experts)
     for index in reversed(range(len(model.layers))):
-        dx, grads = _layer_backward(model, index, fwd, dx)
+        dx, grads, logits = _layer_backward(model, index, fwd, dx, aux)
+        if aux is not None and logits is not None:
+            probability_sums += moe_reference.router_probability_sums(backend.to_numpy(logits))
         if on_layer is None:
             layer_grads[index] = grads
         else:
             on_layer(index, grads)
     if on_layer is not None:
         layer_grads = []
+    if aux is not None:
+        fwd.aux_loss = moe_reference.load_balancing_loss(fwd.routing, probability_sums)
     d_embed = _embedding_backward(model, fwd.tokens, dx)
     if params.tied:
         d_embed = residual.add(backend, d_embed, d_lm_head)
@@ -224,18 +237,20 @@ def _recompute(model: Model, index: int, fwd: TrainingForward, x) -> dict:
     return record
 
 
-def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
-    """(d layer input, the layer's weight gradients) from d layer output."""
+def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out, aux=None):
+    """(d layer input, the layer's weight gradients, a sparse layer's router logits or None) from d layer
+    output; aux: the load-balancing loss's coefficients for a sparse layer's block_backward."""
     cfg, backend = model.shape, model.backend  # this rank's heads and columns under tensor parallelism
     w = model.params.layers[index]
     x = fwd.checkpoints[index]
     t = shape_of(x)[0]
     f = SimpleNamespace(**_recompute(model, index, fwd, x))
     grads: dict = {}
+    logits = None
     if w.router is not None:  # a sparse layer: out = x2 + moe_block(h2), its contract's backward
         moe_grads = moe.block_backward(backend, f.h2, w.router, w.expert_gate, w.expert_up, w.expert_down,
                                        model.config.num_experts_per_tok, model.config.norm_topk_prob, d_out,
-                                       weight=model.layers[index].moe, transposed=model.transposed_weight)
+                                       weight=model.layers[index].moe, transposed=model.transposed_weight, aux=aux)
 
         def put(array):  # the cpu reference gives host arrays, a device the backend's own
             return backend.asarray(array) if isinstance(array, np.ndarray) else array
@@ -244,6 +259,7 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
                      expert_up=[put(a) for a in moe_grads.d_up], expert_down=[put(a) for a in moe_grads.d_down],
                      gate=None, up=None, down=None)
         d_h2 = put(moe_grads.d_h)
+        logits = moe_grads.logits
     else:  # MLP: out = x2 + swiglu(h2 Wg^T, h2 Wu^T) Wd^T
         grads["down"] = weight_grad(backend, d_out, f.mlp)
         d_gate, d_up = activation.swiglu_backward(backend, f.gate, f.up, input_grad(model, d_out, w.down))
@@ -270,7 +286,7 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out):
             grads[f"{name}_bias"] = bias_grad(backend, d_lin)
         d_h1 = _accumulate(backend, d_h1, column_input_grad(model, d_lin, getattr(w, name)))
     d_x, grads["attn_norm"] = norm.rmsnorm_backward(backend, x, w.attn_norm, cfg.rms_norm_eps, d_h1)
-    return residual.add(backend, d_x2, d_x), LayerWeights(**grads)
+    return residual.add(backend, d_x2, d_x), LayerWeights(**grads), logits
 
 
 def _head_backward(model: Model, lin, head_norm, d_rotated, fwd: TrainingForward, grads: dict, norm_name: str):

@@ -98,7 +98,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.0  # parsed and kept; the load-balancing loss is not built yet
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False  # with a nonzero coefficient: the load-balancing loss (transformers' rule)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -109,6 +110,12 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether any layer is sparse (a Qwen3-MoE config with experts)."""
         return any(self.sparse_layer(index) for index in range(self.num_hidden_layers))
+
+    @property
+    def load_balancing(self) -> bool:
+        """Whether training adds router_aux_loss_coef x the load-balancing loss: transformers' Qwen3-MoE adds it
+        when output_router_logits is true (coef 0 adds 0); docs/moe.md, "The load-balancing loss"."""
+        return self.is_moe and self.output_router_logits and self.router_aux_loss_coef != 0.0
 
     def sparse_layer(self, index: int) -> bool:
         """Whether layer `index` is a mixture of experts, by transformers' Qwen3MoeDecoderLayer rule."""
@@ -183,7 +190,8 @@ class ModelConfig:
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                        decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
-                       router_aux_loss_coef=self.router_aux_loss_coef)
+                       router_aux_loss_coef=self.router_aux_loss_coef,
+                       output_router_logits=self.output_router_logits)
         if self.model_type == "llama":
             out["mlp_bias"] = False
         out["bos_token_id"] = self.bos_token_id
@@ -325,7 +333,8 @@ def _moe(data: dict, fail, integer, number, flag) -> dict:
     experts = integer("num_experts", get("num_experts", "num_local_experts"), minimum=0)
     out = {"num_experts": experts, "norm_topk_prob": flag("norm_topk_prob", False),
            "decoder_sparse_step": integer("decoder_sparse_step", get("decoder_sparse_step")),
-           "router_aux_loss_coef": number("router_aux_loss_coef", get("router_aux_loss_coef"), positive=False)}
+           "router_aux_loss_coef": number("router_aux_loss_coef", get("router_aux_loss_coef"), positive=False),
+           "output_router_logits": flag("output_router_logits", False)}
     if experts:
         out["num_experts_per_tok"] = integer("num_experts_per_tok", get("num_experts_per_tok"))
         if out["num_experts_per_tok"] > experts:

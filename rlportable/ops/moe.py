@@ -24,7 +24,7 @@ import numpy as np
 
 from rlportable.contract import moe as reference
 from rlportable.errors import InputError
-from rlportable.ops import activation, embedding, gemm
+from rlportable.ops import activation, embedding, gemm, residual
 from rlportable.ops.checks import require_contiguous, require_matrix, shape_of
 
 ROUTE_THREADS = 256  # moe_route: one block per row, a multiple of 32 (common.h's block reductions)
@@ -201,6 +201,22 @@ def route_backward(backend, logits, experts, weights, d_weights, norm_topk_prob:
     return out
 
 
+def load_balancing_backward(backend, logits, coefficients):
+    """d_logits float32 [T, E] of sum_e coefficients[e] softmax(z)_e per row of router logits z [T, E], the
+    load-balancing loss's (contract.moe.load_balancing_backward): route with every expert chosen, then
+    route_backward with the coefficient of each slot's expert (moe_route and moe_route_backward on a
+    device, the choices' permutation applied to the coefficients on the host)."""
+    rows, num_experts = require_matrix("moe load_balancing_backward: logits", logits, np.float32)
+    coefficients = np.asarray(coefficients, dtype=np.float32)
+    if coefficients.shape != (num_experts,):
+        raise InputError(f"moe load_balancing_backward: coefficients must be [{num_experts}], got {coefficients.shape}")
+    if backend.runs_reference:
+        return reference.load_balancing_backward(backend.to_numpy(logits), coefficients)
+    experts, weights = route(backend, logits, num_experts, False)
+    d_weights = backend.asarray(np.ascontiguousarray(coefficients[backend.to_numpy(experts)]))
+    return route_backward(backend, logits, experts, weights, d_weights, False)
+
+
 def combine_backward(backend, d_out, weights, outputs):
     """(d_weights float32 [T, k], d_outputs float32 [T, k, H]) of out = combine(weights, outputs) for the
     upstream d_out [T, H] (contracts/moe.toml combine_backward)."""
@@ -226,13 +242,14 @@ def combine_backward(backend, d_out, weights, outputs):
 
 
 def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out,
-                   weight: MoeWeight | None = None, transposed=None):
+                   weight: MoeWeight | None = None, transposed=None, aux: np.ndarray | None = None):
     """The sparse MLP's gradients for the upstream d_out [T, H] (contracts/moe.toml block_backward): a
     contract.moe.BlockGradients (d_h, d_router, per expert d_gate, d_up, d_down, d_logits, d_weights as
     backend arrays; experts on the host). router, gate, up, down: the float32 weights (router [E, H]; per
     expert [I, H], [I, H], [H, I]). weight: their encoding for the forward's products (encode's), when
     the caller has it; transposed(w, start, stop): the encoded (w[start:stop]).T for dX (a cache, as
-    Model.transposed_weight), else gemm.encode_transposed.
+    Model.transposed_weight), else gemm.encode_transposed. aux: the load-balancing loss's coefficients,
+    float32 [E] on the host (contract.moe.load_balancing_coefficients), whose gradient is added to d_logits.
 
     On cpu: the reference's moe_block_backward. On a device (block_backward_device): the same steps over
     the forward's grouping of the (token, slot) pairs by expert, the same bits."""
@@ -245,18 +262,20 @@ def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: 
     if backend.runs_reference:
         host = backend.to_numpy
         return reference.moe_block_backward(host(h), host(router), [host(w) for w in gate], [host(w) for w in up],
-                                            [host(w) for w in down], top_k, norm_topk_prob, host(d_out))
+                                            [host(w) for w in down], top_k, norm_topk_prob, host(d_out),
+                                            aux=None if aux is None else np.asarray(aux, dtype=np.float32))
     if weight is None:
         weight = encode(backend, router, gate, up, down, top_k, norm_topk_prob)
-    return _block_backward_device(backend, h, router, gate, up, down, weight, d_out, transposed)
+    return _block_backward_device(backend, h, router, gate, up, down, weight, d_out, transposed, aux)
 
 
-def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight, d_out, transposed):
+def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight, d_out, transposed, aux=None):
     """The reference's moe_block_backward composed from device ops (its steps, named as there):
       forward: z = the router's gemm, route (moe_route), x = h's rows gathered into the pairs' grouped
         order (expert_groups: experts ascending, tokens ascending within; embedding.gather), per expert
         its g, u (gate/up gemm), a = swiglu(g, u) and y (down gemm), gathered back to [T, k, H];
-      d_weights, d_y = moe_combine_backward;  d_z = moe_route_backward;
+      d_weights, d_y = moe_combine_backward;  d_z = moe_route_backward, plus (aux) load_balancing_backward's
+        d z by residual.add, the reference's one float32 addition;
       d_router = dW(d_z, h) (every token in order), d_z W_r = dX(d_z, W_r);
       d_y's rows gathered into the grouped order; per expert over its run of rows: d_a = dX(d_y, D_e),
         d_g, d_u = swiglu_backward(g, u, d_a), dX(d_g, G_e), dX(d_u, U_e), and d_D_e = dW(d_y, a),
@@ -282,6 +301,8 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
         outputs, order, slot_of, x, saved = _grouped_experts(backend, h, weight, groups, t, keep=True)
         d_weights, d_y = combine_backward(backend, d_out, weights, outputs)
         d_logits = route_backward(backend, logits, experts, weights, d_weights, weight.norm_topk_prob)
+        if aux is not None:
+            d_logits = residual.add(backend, d_logits, load_balancing_backward(backend, logits, aux))
         d_y = embedding.gather(backend, d_y.reshape(pairs, hidden), backend.asarray(order.astype(np.int32)),
                                host_ids=order.astype(np.int32))
         dx = backend.empty((2 * pairs + t, hidden), np.float32)  # d g rows, d u rows (grouped), router rows
@@ -310,4 +331,4 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
         if d_gate[expert] is None:
             d_gate[expert], d_up[expert] = zeros((inner, hidden), np.float32), zeros((inner, hidden), np.float32)
             d_down[expert] = zeros((hidden, inner), np.float32)
-    return reference.BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, host_experts)
+    return reference.BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, host_experts, logits)

@@ -43,7 +43,8 @@ from rlportable.train.evaluation import EVAL_REQUEST_BASE, eval_due, evaluate
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
 from rlportable.train.rewards import RewardSet, batch_from_records
-from rlportable.train.trainer import Sample, completion_logprobs, completion_routing, micro_batch_gradients, pack
+from rlportable.train.trainer import (Sample, completion_logprobs, completion_routing, load_balancing_scale,
+                                      micro_batch_gradients, pack)
 
 
 class LogprobMismatchError(RlpError):
@@ -240,15 +241,19 @@ class GRPOTrainer:
         minis = [samples[i:i + size] for i in range(0, len(samples), size)]
         with clock.phase("old_logp"):
             check = self._check_before_update(minis[1:])
-        losses, kls, clips, ratio_min, ratio_max, infos = [], [], [], [], [], []
+        losses, kls, clips, ratio_min, ratio_max, infos, aux_losses = [], [], [], [], [], [], []
         for iteration in range(cfg.num_iterations):
             for index, mini in enumerate(minis):
                 counts = (len(mini), sum(len(s.completion_ids) for s in mini if self._active(s)))
+                batches = pack(mini, cfg.micro_batch_tokens)
+                aux_scale = load_balancing_scale(self.model.config, len(batches))
                 results = self.replicas.train_rounds(
-                    self.optimizer, pack(mini, cfg.micro_batch_tokens),
+                    self.optimizer, batches,
                     lambda batch, on_layer, first=iteration == 0 and index == 0: self._micro_batch(
-                        batch, settings, counts, first, clock, on_layer))
+                        batch, settings, counts, first, clock, on_layer, aux_scale))
                 for loss in results:
+                    if "aux_loss" in loss:
+                        aux_losses.append(loss["aux_loss"])
                     if loss["check"] is not None:
                         check.append(loss["check"])
                         _raise_on_mismatch(check[-1])
@@ -268,14 +273,17 @@ class GRPOTrainer:
             "ratio_min": min(ratio_min), "ratio_max": max(ratio_max),
             "grad_norm": infos[0].norm, "lr": infos[-1].lr,
         }
+        if aux_losses:  # TRL's metric: the mean of the micro-batches' load-balancing losses (loss leaves it out)
+            metrics["aux_loss"] = float(np.mean(aux_losses))
         if self.model.config.is_moe:
             metrics["routing_mismatches"] = sum(c["routing"]["mismatches"] for c in check)
             metrics["routing_compared"] = sum(c["routing"]["compared"] for c in check)
         return metrics
 
     def _micro_batch(self, batch, settings, counts: tuple[int, int], check_logp: bool,
-                     clock: PhaseClock, on_layer=None) -> tuple[dict, dict]:
-        """(host metrics, gradients by name) of one micro-batch on this replica (on_layer: the backward's)."""
+                     clock: PhaseClock, on_layer=None, aux_scale: float = 0.0) -> tuple[dict, dict]:
+        """(host metrics, gradients by name) of one micro-batch on this replica (on_layer: the backward's;
+        aux_scale: the load-balancing loss's weight, trainer.load_balancing_scale)."""
         cfg = self.config
         reference = None
         if cfg.beta > 0:
@@ -289,10 +297,10 @@ class GRPOTrainer:
 
         routing: list | None = [] if check_logp and self.model.config.is_moe else None
         loss, logp, grads = micro_batch_gradients(self.model, batch, cfg.temperature, objective, clock, on_layer,
-                                                  routing)
+                                                  routing, aux_scale)
         check = _check(batch.samples, logp, routing) if check_logp else None
         metrics = {"loss": loss.loss, "check": check, **{key: loss.metrics[key] for key in (
-            "kl", "clip_fraction", "ratio_min", "ratio_max")}}
+            "kl", "clip_fraction", "ratio_min", "ratio_max", "aux_loss") if key in loss.metrics}}
         return metrics, grads.named_tensors(self.model.config)
 
     def _active(self, sample: Sample) -> bool:

@@ -26,7 +26,7 @@ from rlportable.train.datafiles import read_records
 from rlportable.train.grpo import records_for_step
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.optimizer import OptimiserSettings, Optimizer
-from rlportable.train.trainer import Sample, micro_batch_gradients, pack
+from rlportable.train.trainer import Sample, load_balancing_scale, micro_batch_gradients, pack
 
 
 @dataclass(frozen=True)
@@ -107,18 +107,23 @@ class SFTTrainer:
         records = records_for_step(self.records, cfg.seed, step, cfg.batch_size)
         samples = [to_sample(r, self.tokenizer, cfg.max_length) for r in records]
         tokens = sum(len(s.completion_ids) for s in samples)
+        batches = pack(samples, cfg.micro_batch_tokens)
+        aux_scale = load_balancing_scale(self.model.config, len(batches))
 
         def compute(batch, on_layer):
             loss, _, grads = micro_batch_gradients(self.model, batch, 1.0,
                                                    lambda logp: objectives.sft_token_loss(logp, tokens), clock,
-                                                   on_layer)
-            return loss.loss, grads.named_tensors(self.model.config)
+                                                   on_layer, aux_scale=aux_scale)
+            return (loss.loss, loss.metrics.get("aux_loss")), grads.named_tensors(self.model.config)
 
-        losses = self.replicas.train_rounds(self.optimizer, pack(samples, cfg.micro_batch_tokens), compute)
+        results = self.replicas.train_rounds(self.optimizer, batches, compute)
         with clock.phase("optimizer"):
             info = self.optimizer.step()
         seconds = time.perf_counter() - started
         trained = sum(s.length for s in samples)
-        return {"step": step + 1, "loss": float(np.sum(losses)), "grad_norm": info.norm, "lr": info.lr,
-                "completion_tokens": tokens, "step_s": seconds, "tokens_per_s": trained / seconds,
-                **clock.record(seconds)}
+        record = {"step": step + 1, "loss": float(np.sum([loss for loss, _ in results])), "grad_norm": info.norm,
+                  "lr": info.lr, "completion_tokens": tokens, "step_s": seconds, "tokens_per_s": trained / seconds,
+                  **clock.record(seconds)}
+        if aux_scale:  # TRL's metric: the mean of the micro-batches' load-balancing losses (loss leaves it out)
+            record["aux_loss"] = float(np.mean([aux for _, aux in results]))
+        return record

@@ -16,6 +16,7 @@ import numpy as np
 
 from rlportable.errors import InputError
 from rlportable.model import backward
+from rlportable.model.config import ModelConfig
 from rlportable.model.forward import Model
 from rlportable.train.metrics import PhaseClock
 from rlportable.train.objectives import TokenLoss
@@ -90,12 +91,20 @@ def completion_routing(fwd: backward.TrainingForward, batch: MicroBatch) -> list
     return np.split(rows, batch.splits)
 
 
+def load_balancing_scale(config: ModelConfig, micro_batches: int) -> float:
+    """Each micro-batch's weight of its load-balancing loss: router_aux_loss_coef over the optimiser step's
+    micro-batches where the config turns the loss on (config.load_balancing), else 0. TRL divides each
+    micro-batch's coef x aux by its gradient-accumulation steps: the step adds coef x their mean."""
+    return config.router_aux_loss_coef / max(micro_batches, 1) if config.load_balancing else 0.0
+
+
 def micro_batch_gradients(model: Model, batch: MicroBatch, temperature: float,
                           objective: Callable[[list[np.ndarray]], TokenLoss], clock: PhaseClock | None = None,
-                          on_layer=None, routing: list | None = None):
+                          on_layer=None, routing: list | None = None, aux_scale: float = 0.0):
     """Forward, the objective on the host, backward: (loss, per-sample log-probs, gradients).
     clock: times the phases "forward", "loss" and "backward"; on_layer: model.backward's. routing, a
-    list: receives completion_routing's arrays (Qwen3-MoE)."""
+    list: receives completion_routing's arrays (Qwen3-MoE). aux_scale (load_balancing_scale's): nonzero
+    adds that times the micro-batch's load-balancing loss, whose value goes to loss.metrics["aux_loss"]."""
     clock = clock or PhaseClock()
     with clock.phase("forward"):
         fwd, logp = completion_logprobs(model, batch, temperature, for_backward=True)
@@ -104,5 +113,7 @@ def micro_batch_gradients(model: Model, batch: MicroBatch, temperature: float,
     with clock.phase("loss"):
         loss = objective(logp)
     with clock.phase("backward"):
-        grads = backward.backward(model, fwd, loss.grad, on_layer)
+        grads = backward.backward(model, fwd, loss.grad, on_layer, aux_scale=aux_scale)
+    if fwd.aux_loss is not None:
+        loss.metrics["aux_loss"] = fwd.aux_loss
     return loss, logp, grads

@@ -240,12 +240,13 @@ def test_save_and_load_round_trip_the_moe_checkpoint(tiny_moe, tmp_path):
 
 def test_what_is_not_built_is_refused_in_one_line(tiny_moe):
     _, (config, weights, _) = tiny_moe
-    # forward and backward run on devices (tests/test_moe_device.py); tensor parallelism does not
+    # forward and backward run on devices (tests/test_moe_device.py); at TP > 1 the forward only
+    # (tests/test_moe_tensor_parallel.py)
     assert Model(CPU, config, weights, trainable=True).params.layers[0].router is not None  # trains on cpu
     from rlportable.runtime.collectives import ThreadGroup
 
-    with pytest.raises(ModelError, match="^Qwen3-MoE cannot be cut over tensor-parallel ranks"):
-        Model(CPU, config, weights, False, ThreadGroup.create(CPU, 2)[0])
+    with pytest.raises(ModelError, match="^trainable Qwen3-MoE at TP > 1 is not built"):
+        Model(CPU, config, weights, True, ThreadGroup.create(CPU, 2)[0])
 
 
 # ---- training: the backward through the model against transformers' autograd

@@ -123,4 +123,4 @@ def test_the_cli_trains_moe_on_cpu_and_refuses_tensor_parallelism(tmp_path, moe_
     result = runner.invoke(main, ["sft", "--model", str(moe_folder), "--device", "cpu", "--steps", "1", "--tp", "2",
                                   "--emulate", "--out", str(tmp_path / "tp")])
     assert result.exit_code != 0
-    assert "Qwen3-MoE cannot be cut over tensor-parallel ranks" in result.output
+    assert "trainable Qwen3-MoE at TP > 1 is not built" in result.output

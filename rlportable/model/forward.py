@@ -93,7 +93,7 @@ class Model:
         self.tp_group = tp_group or SingleGroup()
         self.tp = parallel.TensorParallel.of(self.tp_group)
         if config.is_moe:
-            check_moe_supported(self.tp.size)
+            check_moe_supported(self.tp.size, trainable)
         #: the shapes this rank computes with (config itself without tensor parallelism)
         self.shape = config
         if self.tp.size > 1:
@@ -142,7 +142,9 @@ class Model:
             q_norm=small.q_norm, k_norm=small.k_norm, mlp_norm=small.mlp_norm,
             gate_up=None if sparse else stack(w.gate, w.up), down=None if sparse else encode_row_parallel(w.down),
             moe=moe.encode(backend, device(w.router), w.expert_gate, w.expert_up, w.expert_down,
-                           self.config.num_experts_per_tok, self.config.norm_topk_prob) if sparse else None,
+                           self.config.num_experts_per_tok, self.config.norm_topk_prob,
+                           down_exponents=parallel.expert_down_exponents(backend, self.tp_group, w.expert_down)
+                           if self.tp.size > 1 else None) if sparse else None,
         )
 
     def reencode(self) -> None:
@@ -323,7 +325,10 @@ class Model:
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2)
         if layer.moe is not None:  # a sparse layer: the router, each token's k experts, one exact combine
-            out, experts, _ = moe.block(backend, h2, layer.moe, encoded=h2_encoded)
+            if self.tp.size > 1:  # the router whole on every rank, each expert column- then row-parallel
+                out, experts, _ = parallel.moe_block(backend, self.tp_group, h2, layer.moe, encoded=h2_encoded)
+            else:
+                out, experts, _ = moe.block(backend, h2, layer.moe, encoded=h2_encoded)
             if routing is not None:
                 routing.append(backend.to_numpy(experts))  # the block brought them to the host already
             return x2, out
@@ -391,13 +396,13 @@ class Model:
         return per_sequence
 
 
-def check_moe_supported(tp_size: int) -> None:
+def check_moe_supported(tp_size: int, trainable: bool = False) -> None:
     """A Qwen3-MoE model runs forward and backward on every backend (the backward's device path:
-    ops/moe.py block_backward), but at TP = 1 only: no expert sharding, refused here in one line before
-    any weight is encoded, never run on a fallback."""
-    if tp_size > 1:
-        raise ModelError("Qwen3-MoE cannot be cut over tensor-parallel ranks yet (no expert sharding); "
-                         "run it at TP=1")
+    ops/moe.py block_backward); at TP > 1 the forward only (model/parallel.py moe_block): a trainable
+    model is refused here in one line before any weight is encoded, never run on a fallback."""
+    if tp_size > 1 and trainable:
+        raise ModelError(f"trainable Qwen3-MoE at TP > 1 is not built (the sparse layers' backward is not "
+                         f"sharded); train it at TP=1 (inference and log-probs run at TP={tp_size})")
 
 
 def to_device(backend: Backend, weights: ModelWeights, projections: bool = True) -> ModelWeights:

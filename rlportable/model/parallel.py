@@ -17,6 +17,11 @@ Megatron's layout, one rank per GPU (docs/parallelism.md, "Megatron's layout"):
 Norms, RoPE, residual adds and attention are per row or per head: every rank runs them on the
 rows and heads it has, identically.
 
+A Qwen3-MoE sparse layer (forward only; moe_block below): the router is held whole and computed by
+every rank from the whole rows, so every rank picks the same experts; each expert is cut as a dense
+MLP (gate/up column-parallel over moe_intermediate_size, down row-parallel), with one all-reduce of
+the int64 sums over all experts' gathered rows per layer; the combine runs on every rank.
+
 The trainer's backward under the same layout (model/backward.py, docs/parallelism.md):
   * a column-parallel weight's input gradient dX = dY W sums over the rank's output columns: it is
     a row-parallel gemm of dY's column shard with W's transposed shard, encoded with the whole
@@ -30,7 +35,8 @@ The trainer's backward under the same layout (model/backward.py, docs/parallelis
     (whole_columns), identically on every rank; the embedding's from the tokens each rank owns.
 Training needs the KV heads divisible by the TP size (a shared KV head's gradient would be split).
 
-What must divide: the query heads, the intermediate size and the vocabulary by the TP size; the
+What must divide: the query heads, the intermediate size (a MoE model's moe_intermediate_size, and its
+intermediate_size where some layer is dense) and the vocabulary by the TP size; the
 key/value heads either by the TP size or the TP size by them (then ranks share a KV head, each
 keeping a copy, as vLLM does).
 """
@@ -42,11 +48,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlportable.contract import fixedpoint as fixedpoint_reference, moe as moe_reference
 from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.errors import InputError
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import ModelWeights
-from rlportable.ops import embedding, fixedpoint, gemm, logprob
+from rlportable.ops import activation, embedding, fixedpoint, gemm, logprob, moe
+from rlportable.ops.checks import shape_of
 from rlportable.runtime.collectives import Group, SingleGroup
 
 #: rows of the LM head handled at once by the vocabulary-parallel log-prob (its [rows, V / size]
@@ -70,7 +78,11 @@ class TensorParallel:
         """An InputError naming every field the layout cannot cut (training has two more rules)."""
         size = self.size
         problems = []
-        for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
+        fields = ["num_attention_heads", "intermediate_size", "vocab_size"]
+        if config.is_moe:  # every expert is cut like a dense MLP; intermediate_size only matters for dense layers
+            fields[1:2] = ["moe_intermediate_size"] + (["intermediate_size"] if any(
+                not config.sparse_layer(i) for i in range(config.num_hidden_layers)) else [])
+        for field in fields:
             if getattr(config, field) % size:
                 problems.append(f"{field}={getattr(config, field)} is not divisible by the TP size {size}")
         kv = config.num_key_value_heads
@@ -111,7 +123,8 @@ class TensorParallel:
         """The shapes one rank computes with (the vocabulary stays whole: ids are global)."""
         return dataclasses.replace(config, num_attention_heads=len(self.q_heads(config)),
                                    num_key_value_heads=len(self.kv_heads(config)),
-                                   intermediate_size=config.intermediate_size // self.size)
+                                   intermediate_size=config.intermediate_size // self.size,
+                                   moe_intermediate_size=config.moe_intermediate_size // self.size)
 
 
 def _head_rows(heads: range, head_dim: int) -> slice:
@@ -126,6 +139,8 @@ def _cut(config: ModelConfig, plan: TensorParallel, name: str) -> tuple[int | No
         cut = _head_rows(plan.q_heads(config), d)
     elif "k_proj" in name or "v_proj" in name:
         cut = _head_rows(plan.kv_heads(config), d)
+    elif ".experts." in name:
+        cut = plan.columns(config.moe_intermediate_size)
     elif "mlp." in name:
         cut = plan.columns(config.intermediate_size)
     else:  # the embedding and the LM head (the norms: not cut)
@@ -162,11 +177,12 @@ def shard_weights(weights: ModelWeights, config: ModelConfig, plan: TensorParall
 
 def tensor_axis(name: str) -> int | None:
     """The axis along which a tensor (by Hugging Face name) is cut over the ranks: 0 for the
-    column-parallel projections, their biases and the vocabulary; 1 for the row-parallel o and down;
-    None for the norm weights every rank holds whole."""
+    column-parallel projections (the experts' gate and up too), their biases and the vocabulary; 1 for
+    the row-parallel o and down (every expert's); None for the norm weights and a MoE router (mlp.gate),
+    which every rank holds whole."""
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return 1
-    return None if "norm" in name else 0
+    return None if "norm" in name or name.endswith("mlp.gate.weight") else 0
 
 
 def unshard(backend, tp_group: Group, name: str, local, keep: bool = True):
@@ -253,3 +269,60 @@ def vocab_parallel_entropy(backend, tp_group: Group, hidden, lm_head_shard: gemm
         return logprob.entropy(backend, whole_columns(backend, tp_group, logits), temperature)
 
     return _by_blocks(backend, hidden.shape[0], block)
+
+
+# ---- a Qwen3-MoE sparse layer: the router whole, every expert cut as a dense MLP
+def expert_down_exponents(backend, tp_group: Group, downs: list) -> list:
+    """Per expert, its down shard's [H, I / size] whole-row exponents (int32 [H] on the backend): one
+    all-reduce MAX for all of a layer's experts, so each shard encodes as a K-shard of the whole weight."""
+    local = np.stack([fixedpoint_reference.row_exponents(w) if isinstance(w, np.ndarray)
+                      else backend.to_numpy(fixedpoint.row_exponents(backend, w)) for w in downs])
+    shared = backend.to_numpy(tp_group.all_reduce(backend.asarray(local), "max"))
+    return [backend.asarray(np.ascontiguousarray(row)) for row in shared]
+
+
+def moe_block(backend, tp_group: Group, h, weight: moe.MoeWeight, encoded=None, bits_a: int = gemm.DEFAULT_BITS_A):
+    """(out [T, H], experts int32 [T, k], weights float32 [T, k]): ops.moe.block of the whole h [T, H],
+    bitwise, from this rank's column shards of every expert's gate/up and K-shards of its down (weight:
+    encoded with the whole rows' exponents, expert_down_exponents).
+
+    The router is whole and h is whole on every rank: the same logits, the same experts everywhere. The
+    (token, slot) pairs' rows are grouped by expert as ops.moe.expert_outputs does; each expert's gate/up
+    and SwiGLU give this rank's columns of its activation rows, whose whole-row exponents come from one
+    all-reduce MAX over every pair; each expert's gemm_sums fills its run of one int64 [T k, H] buffer,
+    all-reduced once (SUM) and rounded per expert (round_sums): each expert row is the unsharded down
+    product's bits, the combine's inputs are the single device's."""
+    t, hidden = shape_of(h)
+    logits = gemm.gemm(backend, h, weight.router, encoded=encoded)
+    experts, weights = moe.route(backend, logits, weight.top_k, weight.norm_topk_prob)
+    host_experts = backend.to_numpy(experts)
+    k = weight.top_k
+    pairs = t * k
+    if pairs == 0 or hidden == 0:  # the same on every rank (T is): no collective is skipped by one alone
+        return moe.combine(backend, weights, backend.zeros((t, k, hidden), np.float32)), experts, weights
+    groups = list(moe_reference.expert_groups(host_experts))
+    order = np.concatenate([chosen for _, chosen in groups])  # pair indices, grouped by expert
+    rows = (order // k).astype(np.int32)
+    x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)  # [pairs, H], a row per pair
+    runs, start = [], 0
+    for expert, chosen in groups:
+        runs.append((expert, start, start + chosen.size))
+        start += chosen.size
+    act = backend.empty((pairs, weight.down[0].k), np.float32)  # this rank's columns of every pair's activation
+    for expert, start, stop in runs:
+        gate, up = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
+        backend.copy_into(act[start:stop], activation.swiglu(backend, gate, up))
+    exponents = shared_exponents(backend, tp_group, act)
+    sums = backend.empty((pairs, hidden), np.int64)
+    for expert, start, stop in runs:
+        part = fixedpoint.encode_rows(backend, act[start:stop], bits_a, exponents=exponents[start:stop])
+        backend.copy_into(sums[start:stop], gemm.gemm_sums(backend, part, weight.down[expert]))
+    sums = tp_group.all_reduce(sums, "sum")
+    y = backend.empty((pairs, hidden), np.float32)
+    for expert, start, stop in runs:
+        backend.copy_into(y[start:stop], gemm.round_sums(backend, sums[start:stop], exponents[start:stop], bits_a,
+                                                         weight.down[expert]))
+    slot_of = np.empty(pairs, np.int32)
+    slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in y
+    outputs = embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
+    return moe.combine(backend, weights, outputs), experts, weights

@@ -56,8 +56,11 @@ def _check_top_k(num_experts: int, top_k: int) -> None:
         raise InputError(str(error)) from None
 
 
-def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool) -> MoeWeight:
-    """Encode a sparse layer's weights once (router [E, H]; per expert gate, up [I, H] and down [H, I])."""
+def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool,
+           down_exponents: list | None = None) -> MoeWeight:
+    """Encode a sparse layer's weights once (router [E, H]; per expert gate, up [I, H] and down [H, I]).
+    down_exponents: per expert int32 [H] (on the backend) to encode down with, not its rows' own: under
+    tensor parallelism down is a K-shard encoded with the whole rows' exponents (gemm.encode_weight)."""
     experts, hidden = require_matrix("moe router", router)
     if not len(gate) == len(up) == len(down) == experts:
         raise InputError(f"moe: the router has {experts} experts but gate, up, down hold "
@@ -73,7 +76,9 @@ def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_t
 
     return MoeWeight(router=gemm.encode_weight(backend, put(router)),
                      gate_up=[gemm.encode_stacked_weight(backend, [put(gate[e]), put(up[e])]) for e in range(experts)],
-                     down=[gemm.encode_weight(backend, put(down[e])) for e in range(experts)],
+                     down=[gemm.encode_weight(backend, put(down[e]),
+                                              exponents=None if down_exponents is None else down_exponents[e])
+                           for e in range(experts)],
                      top_k=int(top_k), norm_topk_prob=bool(norm_topk_prob))
 
 

@@ -941,7 +941,7 @@ def _layouts(text: str):
 @DEVICE_OPTION
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--model", "shapes", default="qwen3-8b", show_default=True,
-              help="Model shapes, comma-separated: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b.")
+              help="Model shapes, comma-separated: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b (MoE).")
 @click.option("--layouts", default="1x1,8x1,4x2,1x8", show_default=True, help="TPxDP layouts, comma-separated.")
 @click.option("--tokens", default=16384, show_default=True, type=click.IntRange(min=2),
               help="Tokens of one training micro-batch.")

@@ -61,3 +61,165 @@ def test_bench_memory_prints_the_table():
     assert "qwen3-8b" in result.output and "qwen3-1.7b" in result.output and "peak_gib" in result.output
     bad = CliRunner().invoke(main, ["bench", "memory", "--layouts", "8by1"])
     assert bad.exit_code != 0 and "TPxDP" in bad.output
+
+
+# ---------------------------------------------------------------------------- Qwen3-MoE
+
+
+def _moe_config(**overrides):
+    from rlportable.model.config import ModelConfig
+
+    # every width a multiple of 64 (the encodings' K padding), so that the stacked and the per-weight
+    # counts of the transposed encodings agree; layer 0 dense, the others sparse
+    data = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
+            "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "mlp_only_layers": [0], "max_position_embeddings": 256, "tie_word_embeddings": False}
+    data.update(overrides)
+    return ModelConfig.from_dict(data)
+
+
+def _digit_bytes(encoded) -> int:
+    """Bytes of the int8 digits of an encoding (a GemmWeight, a stacked one, a MoE layer's, a list)."""
+    from rlportable.ops import gemm, moe
+
+    if encoded is None:
+        return 0
+    if isinstance(encoded, (list, tuple)):
+        return sum(_digit_bytes(item) for item in encoded)
+    if isinstance(encoded, gemm.StackedWeight):
+        return _digit_bytes(encoded.whole)
+    if isinstance(encoded, moe.MoeWeight):
+        return _digit_bytes([encoded.router, encoded.gate_up, encoded.down])
+    assert isinstance(encoded, gemm.GemmWeight), type(encoded)
+    return int(encoded.encoded.digits.nbytes)
+
+
+def _model_encodings(model) -> int:
+    return sum(_digit_bytes([layer.qkv, layer.o, layer.gate_up, layer.down, layer.moe]) for layer in model.layers) \
+        + _digit_bytes(model.lm_head)
+
+
+def test_moe_weights_encodings_and_gradient_match_the_arrays():
+    """Router and every expert's gate/up/down in the weights, both encodings and one layer's gradient,
+    against the tiny MoE model's own arrays (a dense layer and two sparse ones)."""
+    from rlportable.model.forward import Model
+    from rlportable.model.synthetic import random_weights
+    from rlportable.ops import gemm
+    from rlportable.runtime import get_backend
+
+    cpu = get_backend("cpu")
+    config = _moe_config()
+    weights = random_weights(config, seed=0)
+    named = weights.named_tensors(config)
+    assert any(".mlp.experts.3.down_proj" in n for n in named) and any(".mlp.gate.weight" in n for n in named)
+    parts = memory.components(config, memory.Layout(1, 1), memory.Workload(64, 0))
+    assert parts["weights"] == 4 * sum(int(np.asarray(a).size) for a in named.values())
+    assert parts["encodings"] == _model_encodings(Model(cpu, config, weights, trainable=True))
+    # dX = dY W takes each weight's transpose, encoded (Model.transposed_weight): every projection, the
+    # router, every expert's gate, up and down, and the LM head (not the embedding: a row gather)
+    matrices = [a for n, a in named.items() if np.asarray(a).ndim == 2 and "embed_tokens" not in n]
+    transposed = sum(_digit_bytes(gemm.encode_transposed(cpu, cpu.asarray(a), 0, a.shape[0])) for a in matrices)
+    assert parts["transposed encodings"] == transposed
+    # the gradient: the largest layer's (a sparse one: all experts, zeros for those no token chose) at once
+    layer = max(sum(int(np.asarray(a).size) for n, a in named.items() if f".layers.{i}." in n) for i in range(3))
+    rest = sum(int(np.asarray(a).size) for n, a in named.items() if ".layers." not in n)
+    assert parts["gradient"] == 4 * (layer + rest)
+    sparse = sum(int(np.asarray(a).size) for n, a in named.items() if ".layers.1." in n)
+    assert layer == sparse > sum(int(np.asarray(a).size) for n, a in named.items() if ".layers.0." in n)
+
+
+def test_tensor_parallelism_halves_the_experts_but_not_the_router():
+    """At TP 2 the counts equal rank 0's own shards and encodings; the experts' bytes halve, the router's not."""
+    from rlportable.model.forward import Model
+    from rlportable.model.parallel import TensorParallel, shard_weights
+    from rlportable.model.synthetic import random_weights
+    from rlportable.runtime import get_backend
+    from rlportable.runtime.collectives import run_threads
+
+    cpu = get_backend("cpu")
+    config = _moe_config(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    weights = random_weights(config, seed=0)
+    models = {tp: run_threads(cpu, tp, lambda group: Model(cpu, config, weights, trainable=False, tp_group=group))[0]
+              for tp in (1, 2)}
+    one, two = (memory.components(config, memory.Layout(tp, 1), memory.Workload(64, 0)) for tp in (1, 2))
+    shard = shard_weights(weights, config, TensorParallel(0, 2)).named_tensors(config)
+    assert two["weights"] == 4 * sum(int(np.asarray(a).size) for a in shard.values())
+    assert two["encodings"] == _model_encodings(models[2])
+    assert one["encodings"] == _model_encodings(models[1])
+    for index in (1, 2):
+        whole, half = models[1].layers[index].moe, models[2].layers[index].moe
+        assert _digit_bytes(half.router) == _digit_bytes(whole.router) > 0
+        assert 2 * _digit_bytes([half.gate_up, half.down]) == _digit_bytes([whole.gate_up, whole.down])
+    h, e, inner = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    assert shard["model.layers.1.mlp.gate.weight"].shape == (e, h)
+    assert shard["model.layers.1.mlp.experts.0.up_proj.weight"].shape == (inner // 2, h)
+    layer = max(sum(int(np.asarray(a).size) for n, a in shard.items() if f".layers.{i}." in n) for i in range(3))
+    rest = sum(int(np.asarray(a).size) for n, a in shard.items() if ".layers." not in n)
+    assert two["gradient"] == 4 * (layer + rest)
+
+
+def test_moe_block_activations_match_what_the_backward_holds():
+    """The sparse block's bytes a token against the bytes alive (tracemalloc, cpu) at the last step of
+    the device-path backward (ops/moe.py _block_backward_device, which runs on the cpu backend too):
+    the difference between 1024 and 2048 tokens, so that the weights and caches cancel."""
+    import tracemalloc
+
+    from rlportable.model.synthetic import random_weights
+    from rlportable.ops import moe
+    from rlportable.runtime import get_backend
+
+    cpu = get_backend("cpu")
+    for k, experts, inner in ((2, 4, 128), (3, 8, 48)):
+        config = _moe_config(num_experts_per_tok=k, num_experts=experts, moe_intermediate_size=inner)
+        layer = random_weights(config, seed=0).layers[1]
+        router = (layer.router * 50).astype(np.float32)  # spread logits: tokens pick different experts
+        encoded = moe.encode(cpu, router, layer.expert_gate, layer.expert_up, layer.expert_down, k, True)
+        combine, seen = moe.combine, {"base": 0}
+
+        def last_combine(backend, weights, outputs):
+            out = combine(backend, weights, outputs)
+            seen["alive"] = tracemalloc.get_traced_memory()[0] - seen["base"]
+            return out
+
+        alive = {}
+        rng = np.random.default_rng(0)
+        for tokens in (1024, 2048):
+            h = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
+            d_out = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
+            args = (cpu, h, router, layer.expert_gate, layer.expert_up, layer.expert_down, encoded, d_out, None)
+            moe._block_backward_device(*args)  # the weights' cached host integers, once
+            moe.combine = last_combine
+            tracemalloc.start()
+            try:
+                seen["base"] = tracemalloc.get_traced_memory()[0]
+                moe._block_backward_device(*args)
+            finally:
+                tracemalloc.stop()
+                moe.combine = combine
+            alive[tokens] = seen["alive"]
+        measured = (alive[2048] - alive[1024]) / 1024
+        assert measured == pytest.approx(memory.moe_block_activations(config), rel=0.05), (k, measured)
+
+
+def test_qwen3_30b_a3b_counts_and_layouts():
+    from rlportable.model.weights import expected_tensors
+
+    config = memory.shape_config("qwen3-30b-a3b")
+    params = sum(int(np.prod(shape)) for shape in expected_tensors(config).values())
+    one = memory.components(config, memory.Layout(1, 1), memory.Workload())
+    assert one["weights"] == 4 * params and round(params / 1e9, 1) == 30.5
+    rows = {(r["tp"], r["dp"]): r for r in memory.table("qwen3-30b-a3b", [memory.Layout(t, d) for t, d in
+                                                                          ((1, 1), (4, 1), (4, 2), (1, 8))],
+                                                       memory.Workload())}
+    assert not rows[1, 1]["fits_141gb"] and not rows[1, 8]["fits_141gb"] and not rows[4, 1]["fits_141gb"]
+    assert rows[4, 2]["fits_141gb"] and not rows[4, 2]["fits_80gb"]
+    assert memory.table("qwen3-30b-a3b", [memory.Layout(1, 1)], memory.Workload(), layers=2)[0]["peak_gib"] < 80
+    with pytest.raises(InputError, match="num_key_value_heads \\(4\\) divisible by the TP size \\(8\\)"):
+        memory.components(config, memory.Layout(8, 1), memory.Workload())
+
+
+def test_bench_memory_prints_the_moe_table():
+    result = CliRunner().invoke(main, ["bench", "memory", "--model", "qwen3-30b-a3b,qwen3-0.6b", "--layouts", "4x2"])
+    assert result.exit_code == 0, result.output
+    assert "qwen3-30b-a3b" in result.output and "qwen3-0.6b" in result.output

@@ -72,7 +72,7 @@ def measure(backend, shape: str, layers: int, tp: int, dp: int, tokens: int) -> 
     """Peak bytes of the training steps at tp x dp emulated ranks, against tp x dp times the model's
     per-rank peak; and whether the weights equal a one-rank run's."""
     from rlportable.bench.forward import PeakTracker
-    from rlportable.model.synthetic import qwen3_config, random_weights
+    from rlportable.model.synthetic import random_weights
     from rlportable.runtime.collectives import run_threads
     from rlportable.runtime.world import layout_groups
 
@@ -80,7 +80,7 @@ def measure(backend, shape: str, layers: int, tp: int, dp: int, tokens: int) -> 
         raise RlpError("bench memory --measure reads CuPy's memory pool: use --device cuda")
     import cupy
 
-    config = qwen3_config(shape, layers)
+    config = memory.shape_config(shape, layers)
     weights = random_weights(config, seed=1)
     with PeakTracker(cupy) as tracker:
         def rank(world_group):

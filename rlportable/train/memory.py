@@ -17,6 +17,13 @@ The model follows what the code allocates (docs/parallelism.md, "Memory per rank
     attention output (with its row statistics), one layer's recomputed forward and backward, the LM head's row chunk;
   * KV cache: the engine's encoded K and V (two int8 digits and an int32 exponent per head and token),
     released while training.
+Qwen3-MoE (docs/moe.md, "The memory model for MoE"): a sparse layer's MLP is the router [E, H], whole on
+every rank, and every expert's gate/up [2I, H] (stacked) and down [H, I], I = moe_intermediate_size / TP;
+all of them in every part above (weights, encodings, transposed encodings, one layer's gradient: the
+backward makes every expert's, zeros for an expert no token chose). A sparse layer's backward holds,
+in place of the dense MLP's working set, what ops/moe.py _block_backward_device keeps alive at once
+(moe_block_activations: about (7k + 3) H + 3k I float32 a token). Expert parallelism is not built,
+not modelled.
 The peak is the larger of the rollout phase (weights, encodings, moments, KV cache) and the training
 phase (everything but the KV cache). Not modelled: the allocator's fragmentation, the CUDA context (about 0.5 GiB),
 library workspaces. `rlportable bench memory` prints it; the H100 measurement that checks it is in
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 
 from rlportable.errors import InputError
 from rlportable.model.config import ModelConfig
-from rlportable.model.synthetic import QWEN3_SHAPES, qwen3_config  # noqa: F401  (re-exported)
+from rlportable.model.synthetic import QWEN3_MOE_SHAPES, QWEN3_SHAPES, qwen3_config, qwen3_moe_config  # noqa: F401
 
 GIB = 1 << 30
 WEIGHT_DIGITS = 2            # 15-bit weights: two int8 digits (contract/fixedpoint.py slice_count)
@@ -42,6 +49,27 @@ LAYER_WORKING_SET = 6
 
 def _pad(k: int) -> int:
     return -(-k // K_ALIGN) * K_ALIGN
+
+
+def shape_config(shape: str, layers: int | None = None) -> ModelConfig:
+    """A dense Qwen3 shape or a Qwen3-MoE one (all its layers, or the first `layers`)."""
+    if shape in QWEN3_MOE_SHAPES:
+        return qwen3_moe_config(shape, layers)
+    return qwen3_config(shape, layers)
+
+
+def moe_block_activations(config: ModelConfig, tp: int = 1) -> int:
+    """Bytes a token of one sparse layer's backward beyond the dense layer's, at its peak (ops/moe.py
+    _block_backward_device's last combine, when all of these are alive): float32 router logits and
+    their gradient [E]; the gathered rows x, the expert outputs and the grouped d y [k, H] each; g, u
+    and the SwiGLU output [k, I / TP]; the d h rows, their per-token gather [2k + 1, H] each, its
+    weights of 1 [2k + 1] and the sum d h [H]; int32 experts (on the device and the host), int64 pair
+    order, int32 slots, the gather's int32 index [2k + 1]; the routing weights with their gradient [k];
+    and the last expert's d g and d u (its rows: k / E of the pairs under even routing) [2k I / E]."""
+    h, k, e = config.hidden_size, config.num_experts_per_tok, config.num_experts
+    inner = config.moe_intermediate_size // tp
+    floats = 2 * e + 3 * k * h + 3 * k * inner + 2 * (2 * k + 1) * h + (2 * k + 1) + h + 2 * k + 2 * k * inner / e
+    return round(4 * floats) + 4 * k + 4 * k + 8 * k + 4 * k + 4 * (2 * k + 1)
 
 
 @dataclass(frozen=True)
@@ -87,22 +115,41 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
     h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
     hq, hkv = config.num_attention_heads // t, max(config.num_key_value_heads // t, 1)
     inter, vocab = config.intermediate_size // t, config.vocab_size // t
+    sparse = sum(config.sparse_layer(i) for i in range(layers))
+    dense = layers - sparse
     # projections as (rows N, columns K) on this rank: column-parallel q/k/v, gate/up; row-parallel o, down
-    projections = [((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter)]
-    per_layer = sum(n * k for n, k in projections) + 2 * h + (2 * d if config.qk_norm else 0)
+    attention = [((hq + 2 * hkv) * d, h), (h, hq * d)]
+    mlp = [(2 * inter, h), (h, inter)]
+    projections = attention + (mlp if dense else [])
+    # a sparse layer: the router whole on every rank, every expert cut like a dense MLP
+    experts = config.num_experts if sparse else 0
+    moe_inter = config.moe_intermediate_size // t if sparse else 0
+    expert = [(2 * moe_inter, h), (h, moe_inter)]
+    router = (experts, h)
+    norms = 2 * h + (2 * d if config.qk_norm else 0)
+    attention_params = sum(n * k for n, k in attention)
+    dense_layer = attention_params + sum(n * k for n, k in mlp) + norms
+    sparse_layer = attention_params + experts * h + experts * sum(n * k for n, k in expert) + norms
     embed = vocab * h
     lm_head = 0 if config.tie_word_embeddings else vocab * h
-    params = layers * per_layer + embed + lm_head + h
-    forward = layers * sum(n * _pad(k) for n, k in projections) + vocab * _pad(h)
+    params = dense * dense_layer + sparse * sparse_layer + embed + lm_head + h
+    moe_forward = experts * _pad(h) + experts * sum(n * _pad(k) for n, k in expert)
+    moe_transposed = h * _pad(experts) + experts * sum(k * _pad(n) for n, k in expert)
+    forward = (layers * sum(n * _pad(k) for n, k in attention) + dense * sum(n * _pad(k) for n, k in mlp)
+               + sparse * moe_forward + vocab * _pad(h))
     # the LM head's input gradient uses the whole head under tensor parallelism (all-gathered, float32 too)
     whole_vocab = config.vocab_size if t > 1 else vocab
-    transposed = layers * sum(k * _pad(n) for n, k in projections) + h * _pad(whole_vocab)
+    transposed = (layers * sum(k * _pad(n) for n, k in attention) + dense * sum(k * _pad(n) for n, k in mlp)
+                  + sparse * moe_transposed + h * _pad(whole_vocab))
     whole_lm_head = 4 * config.vocab_size * h if t > 1 else 0
-    largest = max(embed, lm_head, max(n * k for n, k in projections))
+    largest = max(embed, lm_head, max(n * k for n, k in projections + ([router] + expert if sparse else [])))
     tokens = work.micro_batch_tokens
     activations = 4 * tokens * (h * (layers + 1) + hq * d * layers)
     activations += 24 * tokens * hq * layers  # the attention forward's row statistics (m, L, delta: float64)
-    activations += 4 * tokens * LAYER_WORKING_SET * (h + (hq + 2 * hkv) * d + 2 * inter)
+    # one layer's recompute and backward at a time: the larger of a dense layer's and a sparse layer's
+    layer_mlp = max(4 * LAYER_WORKING_SET * 2 * inter if dense else 0,
+                    moe_block_activations(config, t) if sparse else 0)
+    activations += tokens * (4 * LAYER_WORKING_SET * (h + (hq + 2 * hkv) * d) + layer_mlp)
     activations += 4 * min(tokens, LM_HEAD_ROW_CHUNK) * whole_vocab * 2  # logits and their gradient, whole rows
     kv = layers * 2 * hkv * (WEIGHT_DIGITS * _pad(d) + 4) * work.kv_tokens
     return {
@@ -112,7 +159,7 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
         "transposed encodings": WEIGHT_DIGITS * transposed,
         # the backward hands each layer's gradient to the optimiser as it is made (train/data_parallel.py):
         # one layer's, and the embedding's and LM head's, exist at once
-        "gradient": 4 * (per_layer + embed + lm_head + h),
+        "gradient": 4 * (max(dense_layer if dense else 0, sparse_layer if sparse else 0) + embed + lm_head + h),
         "exchange buffers": 0 if r == 1 else 4 * largest,  # the all-to-all's receive side
         "moments": 2 * 4 * -(-params // r),
         "accumulated gradient": 4 * -(-params // r),
@@ -133,7 +180,7 @@ def peak(parts: dict[str, int]) -> int:
 
 def table(shape: str, layouts: list[Layout], work: Workload, layers: int | None = None) -> list[dict]:
     """One row per layout: the components and the peak in GiB, and whether it fits 80 and 141 GB cards."""
-    config = qwen3_config(shape, layers)
+    config = shape_config(shape, layers)
     rows = []
     for layout in layouts:
         parts = components(config, layout, work)
@@ -144,4 +191,4 @@ def table(shape: str, layouts: list[Layout], work: Workload, layers: int | None 
     return rows
 
 
-SHAPES = tuple(QWEN3_SHAPES)
+SHAPES = tuple(QWEN3_SHAPES) + tuple(QWEN3_MOE_SHAPES)

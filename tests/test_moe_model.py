@@ -238,15 +238,15 @@ def test_save_and_load_round_trip_the_moe_checkpoint(tiny_moe, tmp_path):
             assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(layer.expert_down, other.expert_down))
 
 
-def test_what_is_not_built_is_refused_in_one_line(tiny_moe):
+def test_a_trainable_moe_model_builds_at_every_tp_size(tiny_moe):
     _, (config, weights, _) = tiny_moe
-    # forward and backward run on devices (tests/test_moe_device.py); at TP > 1 the forward only
-    # (tests/test_moe_tensor_parallel.py)
+    # forward and backward run on devices (tests/test_moe_device.py) and at TP > 1
+    # (tests/test_moe_tensor_parallel.py: the backward's shards are TP 1's gradients' bits)
     assert Model(CPU, config, weights, trainable=True).params.layers[0].router is not None  # trains on cpu
-    from rlportable.runtime.collectives import ThreadGroup
+    from rlportable.runtime.collectives import run_threads
 
-    with pytest.raises(ModelError, match="^trainable Qwen3-MoE at TP > 1 is not built"):
-        Model(CPU, config, weights, True, ThreadGroup.create(CPU, 2)[0])
+    ranks = run_threads(CPU, 2, lambda group: Model(CPU, config, weights, True, group).params.layers[0])
+    assert all(layer.expert_gate[0].shape[0] == config.moe_intermediate_size // 2 for layer in ranks)
 
 
 # ---- training: the backward through the model against transformers' autograd

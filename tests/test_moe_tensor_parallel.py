@@ -1,7 +1,8 @@
 """Qwen3-MoE under tensor parallelism (ranks emulated as threads, as tests/test_tensor_parallel.py): the
 router whole on every rank, every expert cut like a dense MLP (gate/up column-parallel, down row-parallel
 through the exact gemm_sums / round_sums); log-probs, logits, every sparse layer's expert choices and
-the engine's tokens and recorded routing bitwise the TP = 1 ones."""
+the engine's tokens and recorded routing bitwise the TP = 1 ones; the sharded backward's gradients
+TP 1's slices, and SFT and GRPO at TP 2 saving TP 1's weights on raw bits (load-balancing loss on too)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.errors import InputError
 from rlportable.model import backward
-from rlportable.model.config import ModelError
+from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.model.forward import Model
-from rlportable.model.parallel import TensorParallel, shard_weights
+from rlportable.model.parallel import TensorParallel, shard_tensor, shard_weights
 from rlportable.model.synthetic import IdsOnlyTokenizer
 from rlportable.ops import gemm
 from rlportable.runtime import get_backend
@@ -132,6 +133,98 @@ def test_what_tp_cannot_cut_is_one_line():
     with pytest.raises(InputError, match="^tensor parallelism: moe_intermediate_size=6 is not divisible by the "
                                          "TP size 4$"):
         Model(CPU, config, weights, tp_group=ThreadGroup.create(CPU, 4)[0])
-    with pytest.raises(ModelError, match="^trainable Qwen3-MoE at TP > 1 is not built"):
-        Model(CPU, moe_config(), scaled_weights(moe_config(), seed=1), trainable=True,
-              tp_group=ThreadGroup.create(CPU, 2)[0])
+    wide = moe_config(moe_intermediate_size=GEMM_K_CHUNK + 2)  # dX(d g, G_e) would be two chunks
+    with pytest.raises(InputError, match="moe_intermediate_size, heads x head_dim "):
+        wide_weights = scaled_weights(moe_config(), seed=1)
+        Model(CPU, wide, wide_weights, trainable=True, tp_group=ThreadGroup.create(CPU, 2)[0])
+
+
+# ---- training: the sparse layers' backward sharded
+def _gradients(model: Model, tokens, cu, aux_scale: float):
+    """Every weight's gradient (host, by Hugging Face name) and the aux loss of one backward."""
+    fwd = backward.forward(model, tokens, cu)
+    grad_logp = np.linspace(-1.0, 1.0, fwd.rows.size).astype(np.float32)
+    grads = backward.backward(model, fwd, grad_logp, aux_scale=aux_scale)
+    return {name: model.backend.to_numpy(a) for name, a in grads.named_tensors(model.config).items()}, fwd.aux_loss
+
+
+@pytest.mark.parametrize("aux_scale", [0.0, 0.25])
+@pytest.mark.parametrize("overrides", CASES)
+@pytest.mark.parametrize("size", [2, 4])
+def test_gradients_at_tp_are_the_tp1_gradients_shards(size, overrides, aux_scale):
+    """Every rank's gradients are its shards of TP 1's on raw bits: the router's whole (the same on every
+    rank), each expert's gate/up rows and down columns; the load-balancing loss's value too."""
+    config = moe_config(**overrides, num_key_value_heads=size)  # training: whole KV heads per rank
+    weights = scaled_weights(config, seed=3 + size)
+    tokens, cu = _packed(config.vocab_size)
+    want, want_aux = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, aux_scale)
+    assert any(np.any(g) for name, g in want.items() if ".experts." in name)
+    results = run_threads(CPU, size, lambda group: _gradients(
+        Model(CPU, config, weights, trainable=True, tp_group=group), tokens, cu, aux_scale))
+    for rank, (got, aux) in enumerate(results):
+        assert aux == want_aux and (aux is None) == (aux_scale == 0.0)
+        plan = TensorParallel(rank, size)
+        for name, whole in want.items():
+            assert np.array_equal(raw(got[name]), raw(shard_tensor(config, plan, name, whole))), (rank, name)
+
+
+@pytest.fixture(scope="module", params=["plain", "aux"])
+def hf_folder(tmp_path_factory, request):
+    """The tiny transformers Qwen3-MoE of tests/test_moe_train.py; "aux": with the load-balancing loss on."""
+    pytest.importorskip("transformers")
+    from test_moe_model import _hf_moe
+
+    folder = tmp_path_factory.mktemp(f"tiny-moe-{request.param}")
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.5) if request.param == "aux" else {}
+    _hf_moe(folder, num_hidden_layers=2, decoder_sparse_step=1, **aux)
+    return folder, request.param == "aux"
+
+
+def _train(kind: str, tmp_path, folder, tp: int) -> list[dict]:
+    from test_moe_train import REWARD, _options
+    from rlportable.train import prepare
+    from rlportable.train.grpo import GRPOConfig
+    from rlportable.train.sft import SFTConfig
+
+    (tmp_path / "reward.py").write_text(REWARD)
+    name = f"tp{tp}"
+
+    def rank(group):
+        options = _options(tmp_path, folder, name)
+        if kind == "sft":
+            config = SFTConfig(steps=2, batch_size=4, learning_rate=3e-3, seed=1)
+            return prepare.run_sft(CPU, options, config, lambda r: None, None, group)
+        config = GRPOConfig(steps=2, prompts_per_step=2, num_generations=3, max_completion_length=4,
+                            learning_rate=3e-3, seed=5, mini_batches=2, micro_batch_tokens=40)
+        return prepare.run_grpo(CPU, options, config, [(f"{tmp_path / 'reward.py'}:varied", 1.0)], lambda r: None,
+                                None, group)
+
+    return run_threads(CPU, tp, rank)[0] if tp > 1 else rank(None)
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_training_at_tp2_saves_tp1s_weights_on_raw_bits(tmp_path, hf_folder, kind):
+    """Two SFT or GRPO steps at TP 2 (threads): the same losses (and load-balancing losses) as TP 1, 0
+    log-prob and 0 routing mismatches, and every saved weight (gathered whole) TP 1's bits; the routers
+    and the experts moved."""
+    from test_moe_train import _weights
+    from rlportable.model.load import load_model
+
+    folder, aux = hf_folder
+    want, got = _train(kind, tmp_path, folder, 1), _train(kind, tmp_path, folder, 2)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for w, g in zip(want, got):
+        assert g["loss"] == w["loss"] and g.get("aux_loss") == w.get("aux_loss")
+        assert (g.get("aux_loss") is not None) == aux
+        if kind == "grpo":
+            assert g["logp_mismatches"] == g["routing_mismatches"] == 0 and g["routing_compared"] > 0
+    single, sharded = _weights(tmp_path / "tp1"), _weights(tmp_path / "tp2")
+    assert single.keys() == sharded.keys()
+    for name in single:
+        assert np.array_equal(sharded[name], single[name]), name
+    config, weights, _ = load_model(str(folder))
+    moved = [name for name, array in weights.named_tensors(config).items()
+             if not np.array_equal(single[name], array.view(np.uint32))]
+    assert any(name.endswith("mlp.gate.weight") for name in moved)
+    assert any(".experts." in name and "down_proj" in name for name in moved)
+    assert any(".experts." in name and "gate_proj" in name for name in moved)

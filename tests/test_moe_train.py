@@ -106,7 +106,7 @@ def test_sft_on_moe_lowers_the_loss(tmp_path, moe_folder):
     assert any(name.endswith("mlp.gate.weight") for name in final)
 
 
-def test_the_cli_trains_moe_on_cpu_and_refuses_tensor_parallelism(tmp_path, moe_folder):
+def test_the_cli_trains_moe_on_cpu_and_at_tp2(tmp_path, moe_folder):
     from click.testing import CliRunner
 
     from rlportable.cli import main
@@ -120,7 +120,10 @@ def test_the_cli_trains_moe_on_cpu_and_refuses_tensor_parallelism(tmp_path, moe_
                                   "--out", str(tmp_path / "grpo"), "--log-jsonl", str(tmp_path / "grpo.jsonl")])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "grpo.jsonl").read_text().splitlines()[-1])["routing_mismatches"] == 0
-    result = runner.invoke(main, ["sft", "--model", str(moe_folder), "--device", "cpu", "--steps", "1", "--tp", "2",
-                                  "--emulate", "--out", str(tmp_path / "tp")])
-    assert result.exit_code != 0
-    assert "trainable Qwen3-MoE at TP > 1 is not built" in result.output
+    result = runner.invoke(main, ["grpo", "--model", str(moe_folder), "--device", "cpu", "--steps", "1",
+                                  "--prompts-per-step", "2", "-G", "2", "--max-completion-length", "3", "--tp", "2",
+                                  "--emulate", "--out", str(tmp_path / "tp"), "--log-jsonl", str(tmp_path / "tp.jsonl")])
+    assert result.exit_code == 0, result.output
+    logged, sharded = (json.loads((tmp_path / name).read_text().splitlines()[-1]) for name in ("grpo.jsonl", "tp.jsonl"))
+    assert sharded["routing_mismatches"] == sharded["logp_mismatches"] == 0
+    assert sharded["loss"] == logged["loss"]  # the TP 1 run's step above

@@ -248,9 +248,15 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out, aux=N
     grads: dict = {}
     logits = None
     if w.router is not None:  # a sparse layer: out = x2 + moe_block(h2), its contract's backward
-        moe_grads = moe.block_backward(backend, f.h2, w.router, w.expert_gate, w.expert_up, w.expert_down,
-                                       model.config.num_experts_per_tok, model.config.norm_topk_prob, d_out,
-                                       weight=model.layers[index].moe, transposed=model.transposed_weight, aux=aux)
+        if model.tp.size > 1:  # the router whole, every expert's shards: the same bits as one device
+            moe_grads = parallel.moe_block_backward(backend, model.tp_group, f.h2, w.router, w.expert_gate,
+                                                    w.expert_up, w.expert_down, model.layers[index].moe, d_out,
+                                                    model.transposed_weight, model.transposed_column_shard, aux=aux)
+        else:
+            moe_grads = moe.block_backward(backend, f.h2, w.router, w.expert_gate, w.expert_up, w.expert_down,
+                                           model.config.num_experts_per_tok, model.config.norm_topk_prob, d_out,
+                                           weight=model.layers[index].moe, transposed=model.transposed_weight,
+                                           aux=aux)
 
         def put(array):  # the cpu reference gives host arrays, a device the backend's own
             return backend.asarray(array) if isinstance(array, np.ndarray) else array

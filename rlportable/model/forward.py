@@ -20,7 +20,7 @@ import numpy as np
 from rlportable.contract import rope as rope_ref
 from rlportable.errors import InputError
 from rlportable.model import parallel
-from rlportable.model.config import ModelConfig, ModelError
+from rlportable.model.config import ModelConfig
 from rlportable.model.weights import LayerWeights, ModelWeights
 from rlportable.ops import activation, attention, embedding, gemm, logprob, moe, norm, residual, rope
 from rlportable.runtime.base import Backend
@@ -92,8 +92,6 @@ class Model:
         self.trainable = trainable
         self.tp_group = tp_group or SingleGroup()
         self.tp = parallel.TensorParallel.of(self.tp_group)
-        if config.is_moe:
-            check_moe_supported(self.tp.size, trainable)
         #: the shapes this rank computes with (config itself without tensor parallelism)
         self.shape = config
         if self.tp.size > 1:
@@ -394,15 +392,6 @@ class Model:
         if with_entropy:
             return per_sequence, np.split(self.backend.to_numpy(ent), splits)
         return per_sequence
-
-
-def check_moe_supported(tp_size: int, trainable: bool = False) -> None:
-    """A Qwen3-MoE model runs forward and backward on every backend (the backward's device path:
-    ops/moe.py block_backward); at TP > 1 the forward only (model/parallel.py moe_block): a trainable
-    model is refused here in one line before any weight is encoded, never run on a fallback."""
-    if tp_size > 1 and trainable:
-        raise ModelError(f"trainable Qwen3-MoE at TP > 1 is not built (the sparse layers' backward is not "
-                         f"sharded); train it at TP=1 (inference and log-probs run at TP={tp_size})")
 
 
 def to_device(backend: Backend, weights: ModelWeights, projections: bool = True) -> ModelWeights:

@@ -17,10 +17,11 @@ Megatron's layout, one rank per GPU (docs/parallelism.md, "Megatron's layout"):
 Norms, RoPE, residual adds and attention are per row or per head: every rank runs them on the
 rows and heads it has, identically.
 
-A Qwen3-MoE sparse layer (forward only; moe_block below): the router is held whole and computed by
+A Qwen3-MoE sparse layer (moe_block, moe_block_backward below): the router is held whole and computed by
 every rank from the whole rows, so every rank picks the same experts; each expert is cut as a dense
 MLP (gate/up column-parallel over moe_intermediate_size, down row-parallel), with one all-reduce of
-the int64 sums over all experts' gathered rows per layer; the combine runs on every rank.
+the int64 sums over all experts' gathered rows per layer; the combine runs on every rank. Its backward
+follows the dense rules below: the router's gradient replicated, one all-reduce of the d g / d u sums.
 
 The trainer's backward under the same layout (model/backward.py, docs/parallelism.md):
   * a column-parallel weight's input gradient dX = dY W sums over the rank's output columns: it is
@@ -53,7 +54,7 @@ from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.errors import InputError
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import ModelWeights
-from rlportable.ops import activation, embedding, fixedpoint, gemm, logprob, moe
+from rlportable.ops import activation, embedding, fixedpoint, gemm, logprob, moe, residual
 from rlportable.ops.checks import shape_of
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -92,9 +93,11 @@ class TensorParallel:
             # ranks sharing a KV head would each hold a part of its gradient
             problems.append(f"training needs num_key_value_heads ({kv}) divisible by the TP size ({size})")
         if trainable and size > 1:
-            widest = max(config.intermediate_size, config.num_attention_heads * config.head_dim)
+            widest = max(config.intermediate_size, config.num_attention_heads * config.head_dim,
+                         config.moe_intermediate_size if config.is_moe else 0)
             if widest > GEMM_K_CHUNK:  # the column-parallel input gradient is one exact product
-                problems.append(f"training needs the column-parallel outputs (intermediate_size, heads x head_dim "
+                problems.append(f"training needs the column-parallel outputs (intermediate_size, "
+                                f"{'moe_intermediate_size, ' if config.is_moe else ''}heads x head_dim "
                                 f"= {widest}) at most {GEMM_K_CHUNK}")
         if problems:
             raise InputError(f"tensor parallelism: {'; '.join(problems)}")
@@ -295,12 +298,20 @@ def moe_block(backend, tp_group: Group, h, weight: moe.MoeWeight, encoded=None, 
     t, hidden = shape_of(h)
     logits = gemm.gemm(backend, h, weight.router, encoded=encoded)
     experts, weights = moe.route(backend, logits, weight.top_k, weight.norm_topk_prob)
-    host_experts = backend.to_numpy(experts)
     k = weight.top_k
-    pairs = t * k
-    if pairs == 0 or hidden == 0:  # the same on every rank (T is): no collective is skipped by one alone
+    if t * k == 0 or hidden == 0:  # the same on every rank (T is): no collective is skipped by one alone
         return moe.combine(backend, weights, backend.zeros((t, k, hidden), np.float32)), experts, weights
-    groups = list(moe_reference.expert_groups(host_experts))
+    groups = list(moe_reference.expert_groups(backend.to_numpy(experts)))
+    outputs = _sharded_experts(backend, tp_group, h, weight, groups, t, bits_a)[0]
+    return moe.combine(backend, weights, outputs), experts, weights
+
+
+def _sharded_experts(backend, tp_group: Group, h, weight: moe.MoeWeight, groups: list, t: int,
+                     bits_a: int = gemm.DEFAULT_BITS_A):
+    """(outputs [T, k, H] whole, order, slot_of, x, saved) as ops.moe._grouped_experts keeping its saved
+    (expert, start, stop, g, u, act): g, u, act this rank's columns; the down product row-parallel."""
+    k, hidden = weight.top_k, shape_of(h)[1]
+    pairs = t * k
     order = np.concatenate([chosen for _, chosen in groups])  # pair indices, grouped by expert
     rows = (order // k).astype(np.int32)
     x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)  # [pairs, H], a row per pair
@@ -309,9 +320,11 @@ def moe_block(backend, tp_group: Group, h, weight: moe.MoeWeight, encoded=None, 
         runs.append((expert, start, start + chosen.size))
         start += chosen.size
     act = backend.empty((pairs, weight.down[0].k), np.float32)  # this rank's columns of every pair's activation
+    saved = []
     for expert, start, stop in runs:
         gate, up = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
         backend.copy_into(act[start:stop], activation.swiglu(backend, gate, up))
+        saved.append((expert, start, stop, gate, up, act[start:stop]))
     exponents = shared_exponents(backend, tp_group, act)
     sums = backend.empty((pairs, hidden), np.int64)
     for expert, start, stop in runs:
@@ -325,4 +338,75 @@ def moe_block(backend, tp_group: Group, h, weight: moe.MoeWeight, encoded=None, 
     slot_of = np.empty(pairs, np.int32)
     slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in y
     outputs = embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
-    return moe.combine(backend, weights, outputs), experts, weights
+    return outputs, order, slot_of, x, saved
+
+
+def moe_block_backward(backend, tp_group: Group, h, router, gate: list, up: list, down: list, weight: moe.MoeWeight,
+                       d_out, transposed, column_shard, aux=None) -> moe_reference.BlockGradients:
+    """ops.moe.block_backward of the whole block from this rank's expert shards (gate/up [I / size, H], down
+    [H, I / size]): the router's d z, d_router and d z W_r come from whole, replicated rows (the same on
+    every rank, not all-reduced, as the norms' gradients); each expert's d_gate/d_up rows and d_down columns
+    are this rank's slice of the single device's (each an exact sum over whole rows); d_a = d_y D_e is this
+    rank's columns. dX(d_g, G_e) and dX(d_u, U_e) sum over the cut I: the d g / d u rows' whole-row exponents
+    by one all-reduce MAX, every expert's exact int64 partial sums in one [2 T k, H] buffer all-reduced once
+    (SUM), rounded per expert (column_shard(w): the shard transposed with the whole rows' exponents); then
+    the single device's moe_combine of the 2k + 1 rows of each token. transposed: Model.transposed_weight."""
+    t, hidden = shape_of(h)
+    k, bits_a = weight.top_k, gemm.DEFAULT_BITS_A
+    num_experts, inner = weight.num_experts, shape_of(gate[0])[0]
+    zeros = backend.zeros
+    logits = gemm.gemm(backend, h, weight.router)
+    experts, weights = moe.route(backend, logits, k, weight.norm_topk_prob)
+    host_experts = backend.to_numpy(experts)
+    pairs = t * k
+    d_gate, d_up, d_down = [None] * num_experts, [None] * num_experts, [None] * num_experts
+    if pairs:  # T is the same on every rank: all take this branch or none
+        groups = list(moe_reference.expert_groups(host_experts))
+        outputs, order, slot_of, x, saved = _sharded_experts(backend, tp_group, h, weight, groups, t, bits_a)
+        d_weights, d_y = moe.combine_backward(backend, d_out, weights, outputs)
+        d_logits = moe.route_backward(backend, logits, experts, weights, d_weights, weight.norm_topk_prob)
+        if aux is not None:
+            d_logits = residual.add(backend, d_logits, moe.load_balancing_backward(backend, logits, aux))
+        grouped = order.astype(np.int32)
+        d_y = embedding.gather(backend, d_y.reshape(pairs, hidden), backend.asarray(grouped), host_ids=grouped)
+        d_gu = backend.empty((2 * pairs, inner), np.float32)  # this rank's columns: d g rows, then d u rows
+        for expert, start, stop, g, u, act in saved:
+            dy = d_y[start:stop]
+            d_g, d_u = activation.swiglu_backward(backend, g, u, gemm.input_grad(backend, dy, down[expert], transposed))
+            backend.copy_into(d_gu[start:stop], d_g)
+            backend.copy_into(d_gu[pairs + start:pairs + stop], d_u)
+            d_down[expert] = gemm.weight_grad(backend, dy, act)
+            d_gate[expert] = gemm.weight_grad(backend, d_g, x[start:stop])
+            d_up[expert] = gemm.weight_grad(backend, d_u, x[start:stop])
+        exponents = shared_exponents(backend, tp_group, d_gu)
+        sums = backend.empty((2 * pairs, hidden), np.int64)
+        for expert, start, stop, _, _, _ in saved:
+            for offset, w in ((0, gate[expert]), (pairs, up[expert])):
+                rows = slice(offset + start, offset + stop)
+                part = fixedpoint.encode_rows(backend, d_gu[rows], bits_a, exponents=exponents[rows])
+                backend.copy_into(sums[rows], gemm.gemm_sums(backend, part, column_shard(w)))
+        sums = tp_group.all_reduce(sums, "sum")
+        dx = backend.empty((2 * pairs + t, hidden), np.float32)  # d g rows, d u rows (grouped), router rows
+        for expert, start, stop, _, _, _ in saved:
+            for offset, w in ((0, gate[expert]), (pairs, up[expert])):
+                rows = slice(offset + start, offset + stop)
+                backend.copy_into(dx[rows], gemm.round_sums(backend, sums[rows], exponents[rows], bits_a,
+                                                            column_shard(w)))
+        backend.copy_into(dx[2 * pairs:], gemm.input_grad(backend, d_logits, router, transposed))
+        index = np.empty((t, 2 * k + 1), np.int32)
+        index[:, 0:2 * k:2] = slot_of.reshape(t, k)
+        index[:, 1:2 * k:2] = pairs + slot_of.reshape(t, k)
+        index[:, 2 * k] = 2 * pairs + np.arange(t, dtype=np.int32)
+        index = index.reshape(-1)
+        terms = embedding.gather(backend, dx, backend.asarray(index), host_ids=index).reshape(t, 2 * k + 1, hidden)
+        d_h = moe.combine(backend, backend.asarray(np.ones((t, 2 * k + 1), np.float32)), terms)
+        d_router = gemm.weight_grad(backend, d_logits, h)
+    else:
+        d_h, d_router = zeros((0, hidden), np.float32), zeros((num_experts, hidden), np.float32)
+        d_logits, d_weights = zeros((0, num_experts), np.float32), zeros((0, k), np.float32)
+    for expert in range(num_experts):  # an expert no token chose: zero gradients (of this rank's shard)
+        if d_gate[expert] is None:
+            d_gate[expert], d_up[expert] = zeros((inner, hidden), np.float32), zeros((inner, hidden), np.float32)
+            d_down[expert] = zeros((hidden, inner), np.float32)
+    return moe_reference.BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, host_experts,
+                                        logits)

@@ -393,13 +393,7 @@ def moe_block_backward(backend, tp_group: Group, h, router, gate: list, up: list
                 backend.copy_into(dx[rows], gemm.round_sums(backend, sums[rows], exponents[rows], bits_a,
                                                             column_shard(w)))
         backend.copy_into(dx[2 * pairs:], gemm.input_grad(backend, d_logits, router, transposed))
-        index = np.empty((t, 2 * k + 1), np.int32)
-        index[:, 0:2 * k:2] = slot_of.reshape(t, k)
-        index[:, 1:2 * k:2] = pairs + slot_of.reshape(t, k)
-        index[:, 2 * k] = 2 * pairs + np.arange(t, dtype=np.int32)
-        index = index.reshape(-1)
-        terms = embedding.gather(backend, dx, backend.asarray(index), host_ids=index).reshape(t, 2 * k + 1, hidden)
-        d_h = moe.combine(backend, backend.asarray(np.ones((t, 2 * k + 1), np.float32)), terms)
+        d_h = moe.input_grad_sum(backend, dx, slot_of, pairs, t, k)
         d_router = gemm.weight_grad(backend, d_logits, h)
     else:
         d_h, d_router = zeros((0, hidden), np.float32), zeros((num_experts, hidden), np.float32)

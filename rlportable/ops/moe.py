@@ -246,6 +246,20 @@ def combine_backward(backend, d_out, weights, outputs):
     return d_weights, d_outputs
 
 
+def input_grad_sum(backend, dx, slot_of, pairs: int, t: int, k: int):
+    """d h [t, H]: each token's 2k + 1 input-gradient rows of dx [2 pairs + t, H] (its k pairs' d g rows,
+    their d u rows, then its router row), gathered in that order and added as moe_combine does with
+    weights 1: one exact sum, one rounding."""
+    hidden = shape_of(dx)[1]
+    index = np.empty((t, 2 * k + 1), np.int32)
+    index[:, 0:2 * k:2] = slot_of.reshape(t, k)
+    index[:, 1:2 * k:2] = pairs + slot_of.reshape(t, k)
+    index[:, 2 * k] = 2 * pairs + np.arange(t, dtype=np.int32)
+    index = index.reshape(-1)
+    terms = embedding.gather(backend, dx, backend.asarray(index), host_ids=index).reshape(t, 2 * k + 1, hidden)
+    return combine(backend, backend.asarray(np.ones((t, 2 * k + 1), np.float32)), terms)
+
+
 def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: int, norm_topk_prob: bool, d_out,
                    weight: MoeWeight | None = None, transposed=None, aux: np.ndarray | None = None):
     """The sparse MLP's gradients for the upstream d_out [T, H] (contracts/moe.toml block_backward): a
@@ -320,14 +334,7 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
             d_gate[expert] = gemm.weight_grad(backend, d_g, x[start:stop])
             d_up[expert] = gemm.weight_grad(backend, d_u, x[start:stop])
         backend.copy_into(dx[2 * pairs:], gemm.input_grad(backend, d_logits, router, transposed))
-        index = np.empty((t, 2 * k + 1), np.int32)
-        index[:, 0:2 * k:2] = slot_of.reshape(t, k)
-        index[:, 1:2 * k:2] = pairs + slot_of.reshape(t, k)
-        index[:, 2 * k] = 2 * pairs + np.arange(t, dtype=np.int32)
-        index = index.reshape(-1)
-        terms = embedding.gather(backend, dx, backend.asarray(index), host_ids=index).reshape(t, 2 * k + 1, hidden)
-        ones = backend.asarray(np.ones((t, 2 * k + 1), np.float32))
-        d_h = combine(backend, ones, terms)
+        d_h = input_grad_sum(backend, dx, slot_of, pairs, t, k)
         d_router = gemm.weight_grad(backend, d_logits, h)
     else:
         d_h, d_router = zeros((0, hidden), np.float32), zeros((num_experts, hidden), np.float32)

@@ -842,8 +842,9 @@ def bench_forward(device, json_path, sequences, length, layers):
 @click.option("--prompt-len", default=128, show_default=True, type=int, help="Random token-id prompt length.")
 @click.option("--new-tokens", default=512, show_default=True, type=int, help="Tokens generated per sequence.")
 @click.option("--layers", default=None, type=int, help="Fewer layers than Qwen3-0.6B's 28 (quick runs).")
-@click.option("--peer", default="hf", show_default=True, type=click.Choice(["hf", "none"]),
-              help="none: skip HF transformers.")
+@click.option("--peer", default="hf", show_default=True, type=click.Choice(["hf", "hf-static", "none"]),
+              help="hf-static: HF generate with a static KV cache and torch.compile (the first call "
+                   "compiles); none: skip HF transformers.")
 @click.option("--time-limit", default=240.0, show_default=True, type=float,
               help="Seconds of generation after which a side is stopped (its decode steps still count); 0 = none.")
 @click.option("--sampler", default="auto", show_default=True, type=click.Choice(["auto", "host", "device"]),

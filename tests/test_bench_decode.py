@@ -134,6 +134,18 @@ def test_hf_peer_on_cpu_runs_the_same_batch():
     assert hf["warm"] and hf["first_call"]["complete"] and hf["first_call"]["tokens_per_s"] > 0
 
 
+def test_hf_static_peer_on_cpu_generates_the_batch_with_a_static_cache():
+    """--peer hf-static: the static KV cache (uncompiled on cpu; torch.compile only on cuda), the same
+    batch and step log as the default peer, and the setup recorded."""
+    pytest.importorskip("transformers")
+    config = tiny_config()
+    prompts = decode.random_prompts(config, 2, 4)
+    hf = decode.measure_hf(config, prompts, 3, device="cpu", static=True)
+    assert hf["complete"] and hf["generated_shape"] == [2, 7] and hf["step_log"]["outputs"] == [2, 4, 6]
+    assert hf["setup"] == {"kv_cache": "static", "torch_compile": False}
+    assert decode.measure_hf(config, prompts, 1, device="cpu")["setup"]["kv_cache"] == "dynamic"
+
+
 def test_hf_peer_under_a_time_limit_or_one_token_reports_without_decode_steps():
     pytest.importorskip("transformers")
     config = tiny_config()

@@ -410,14 +410,17 @@ def hf_config(config):
 
 
 def measure_hf(config, prompts: np.ndarray, new_tokens: int, device: str = "cuda", time_limit: float | None = None,
-               bandwidth: float | None = None, progress=None) -> dict:
+               bandwidth: float | None = None, progress=None, static: bool = False) -> dict:
     """HF transformers Qwen3ForCausalLM, bf16, sdpa: generate on the same token-id prompts, twice. The first
     full-length call is the warm-up (its own numbers under "first_call"); the second is the peer. HF's first
     call in a process pays for every new KV length once (the caching allocator grows the cache tensor by
     tensor, kernels load and select per shape): in a fresh process 2.4-2.6x slower on the H200 than a later
     call with the same shapes, which is what a long-lived process (an RL loop) sees (docs/engine.md,
     "The peer is HF generate measured warm"). Each call gets the whole time limit; "warm" is False where
-    the first call stopped early."""
+    the first call stopped early. static: HF's strongest generate setup, a static KV cache
+    (cache_implementation="static") with the forward under torch.compile (mode "reduce-overhead", which
+    replays CUDA graphs) on cuda; the first call compiles. On cpu (tests) the static cache runs uncompiled;
+    result["setup"] says which ran."""
     try:
         import torch
         import transformers
@@ -447,6 +450,10 @@ def measure_hf(config, prompts: np.ndarray, new_tokens: int, device: str = "cuda
     hf = transformers.AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="sdpa",
                                                        dtype=torch.bfloat16).to(device).eval()
     hf.generation_config.eos_token_id = None
+    compiled = static and device == "cuda"
+    if compiled:
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    cache = {"cache_implementation": "static"} if static else {}
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
     mask = torch.ones_like(ids)  # equal-length prompts: no padding
     recorder = Recorder()
@@ -455,7 +462,7 @@ def measure_hf(config, prompts: np.ndarray, new_tokens: int, device: str = "cuda
         with torch.no_grad():
             return hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                top_p=1.0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0,
-                               stopping_criteria=transformers.StoppingCriteriaList([recorder]))
+                               stopping_criteria=transformers.StoppingCriteriaList([recorder]), **cache)
 
     def timed(what: str) -> tuple[dict, object]:
         if progress:
@@ -480,6 +487,7 @@ def measure_hf(config, prompts: np.ndarray, new_tokens: int, device: str = "cuda
                                                             "decode_step_s_median")}
     result["warm"] = bool(first["complete"])  # False: the first call stopped early, some lengths were new
     result["generated_shape"] = list(out.shape)
+    result["setup"] = {"kv_cache": "static" if static else "dynamic", "torch_compile": compiled}
     result["peak_bytes"] = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
     result["torch"], result["transformers"] = torch.__version__, transformers.__version__
     return result
@@ -523,6 +531,11 @@ def median_run(results: list[dict]) -> dict:
     return sorted(results, key=lambda result: result["tokens_per_s"])[(len(results) - 1) // 2]
 
 
+#: bench decode's peers: HF generate with its default (dynamic) KV cache, with a static cache under
+#: torch.compile (HF's fastest generate setup), or none
+PEERS = ("hf", "hf-static", "none")
+
+
 def measure(backend, config, weights, sequences: int, prompt_len: int, new_tokens: int, peer: str = "hf",
             time_limit: float | None = None, sampler: str = "auto", progress=None,
             cuda_graphs: bool | None = None, async_scheduling: bool | None = None, runs: int = 1) -> dict:
@@ -530,8 +543,8 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
     times ours and the peer in turn (HF on the same device kind; none with peer "none"), so that a drift of
     the machine or of the peer's host-bound rate falls on both. "ours" and "hf_bf16" are each side's median
     run and "ratios" compare those two; "runs" has every pair's numbers."""
-    if peer not in ("hf", "none"):
-        raise InputError(f"bench decode: unknown peer {peer!r} (hf, none)")
+    if peer not in PEERS:
+        raise InputError(f"bench decode: unknown peer {peer!r} ({', '.join(PEERS)})")
     if not isinstance(runs, int) or runs < 1:
         raise InputError(f"bench decode: runs must be a positive integer, got {runs!r}")
     prompts = random_prompts(config, sequences, prompt_len)
@@ -545,12 +558,12 @@ def measure(backend, config, weights, sequences: int, prompt_len: int, new_token
         ours_runs.append(measure_engine(backend, config, weights, prompts, new_tokens, time_limit=time_limit,
                                         bandwidth=bandwidth["bytes_per_s"], sampler=sampler, progress=progress,
                                         cuda_graphs=cuda_graphs, async_scheduling=async_scheduling))
-        if peer == "hf" and peer_error is None:
+        if peer != "none" and peer_error is None:
             try:
                 hf_runs.append(measure_hf(config, prompts, new_tokens,
                                           device="cuda" if backend.name == "cuda" else "cpu",
                                           time_limit=time_limit, bandwidth=bandwidth["bytes_per_s"],
-                                          progress=progress))
+                                          progress=progress, static=peer == "hf-static"))
             except (RlpError, RuntimeError, ValueError, TypeError, AttributeError) as error:  # OOM, API changes
                 peer_error = f"{type(error).__name__}: {error}"  # keep ours; no ratio from a partial peer
             _release_peer_memory(backend)

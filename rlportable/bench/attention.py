@@ -156,8 +156,34 @@ def _decode(backend, attention, events, length: int, hq: int, hkv: int, sequence
             bandwidth: float, rng) -> dict:
     """One decode step's attention (decode_inputs) against the copy bandwidth."""
     x = decode_inputs(backend, attention, length, hq, hkv, sequences, rng)
-    seconds = _median_seconds(
-        events, lambda: attention.attention_paged(backend, x["q"], x["q_seq"], x["q_pos"], x["cache"], x["tables"]),
-        backend.synchronize, repeats)
+
+    def step():
+        return attention.attention_paged(backend, x["q"], x["q_seq"], x["q_pos"], x["cache"], x["tables"])
+    seconds = _median_seconds(events, step, backend.synchronize, repeats)
     return {"decode_sequences": sequences, "decode_s": seconds, "decode_bytes": x["bytes"],
-            "decode_bound_fraction": x["bytes"] / seconds / bandwidth}
+            "decode_bound_fraction": x["bytes"] / seconds / bandwidth,
+            "decode_kernels_s": _kernel_seconds(backend, events, step)}
+
+
+def _kernel_seconds(backend, events, step) -> dict:
+    """Seconds of each kernel one call of `step` launches, between events around each launch (the
+    split passes' shares of a decode step)."""
+    launch, marks = backend.launch, []
+
+    def timed_launch(family, kernel, *args, **kwargs):
+        start, stop, elapsed = events()
+        start.record()
+        launch(family, kernel, *args, **kwargs)
+        stop.record()
+        marks.append((kernel, start, stop, elapsed))
+
+    backend.launch = timed_launch
+    try:
+        step()
+    finally:
+        backend.launch = launch
+    backend.synchronize()
+    times = {}
+    for kernel, start, stop, elapsed in marks:
+        times[kernel] = times.get(kernel, 0.0) + elapsed(start, stop) / 1e3
+    return times

@@ -39,7 +39,7 @@ from rlportable.contract import fixedpoint as fp  # noqa: E402
 from rlportable.model import backward  # noqa: E402
 from rlportable.model.forward import Model  # noqa: E402
 from rlportable.runtime import get_backend  # noqa: E402
-from test_model_backward import _rel_error, _torch_grads, gradient_case  # noqa: E402
+from test_model_backward import _rel_error, gradient_case, torch_gradients  # noqa: E402
 from test_model_forward import hf_model_and_ours  # noqa: E402
 
 CONTRACT_BITS = reference.COEF_BITS  # read before any measurement changes it
@@ -61,8 +61,7 @@ def model_errors(bits_list):
         with tempfile.TemporaryDirectory() as tmp:
             hf, (rl_config, weights, _) = hf_model_and_ours(arch, Path(tmp))
             tokens, cu, rows, g = gradient_case(hf.config.vocab_size)
-            exact = _torch_grads(hf, tokens, cu, rows, g, torch.float64)
-            bf16 = _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16)
+            exact, bf16 = torch_gradients(hf, tokens, cu, rows, g)
             row = {"bf16": max(_rel_error(bf16[n], r) for n, r in exact.items())}
             for bits in bits_list:
                 reference.COEF_BITS = bits  # read at call time by the cpu backend's backward

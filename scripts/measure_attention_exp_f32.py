@@ -381,20 +381,17 @@ def model_logprobs(arch, lengths, fns):
 
 def model_gradients(arch, fns):
     """scripts/measure_attention_backward_bits.py's model errors with attention's exp swapped."""
-    import torch
-
     from rlportable.model import backward
     from rlportable.model.forward import Model
     from rlportable.runtime import get_backend
-    from test_model_backward import _rel_error, _torch_grads, gradient_case
+    from test_model_backward import _rel_error, gradient_case, torch_gradients
     from test_model_forward import hf_model_and_ours
 
     cpu = get_backend("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         hf, (rl_config, weights, _) = hf_model_and_ours(arch, Path(tmp))
         tokens, cu, rows, g = gradient_case(hf.config.vocab_size)
-        exact = _torch_grads(hf, tokens, cu, rows, g, torch.float64)
-        bf16 = _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16)
+        exact, bf16 = torch_gradients(hf, tokens, cu, rows, g)
         row = {"bf16": max(_rel_error(bf16[n], r) for n, r in exact.items())}
         for name, fn in fns.items():
             with attention_exp(fn):

@@ -222,12 +222,10 @@ def model_logprobs(arch, lengths):
 def model_gradients(arch):
     """The test's set-up (two packed sequences of 17 and 23 tokens, 9 rows) for the test models; for the
     Qwen3-0.6B shape two sequences of 60 and 68 tokens, every third row."""
-    import torch
-
     from rlportable.model import backward
     from rlportable.model.forward import Model
     from rlportable.runtime import get_backend
-    from test_model_backward import _rel_error, _torch_grads, gradient_case
+    from test_model_backward import _rel_error, gradient_case, torch_gradients
 
     cpu = get_backend("cpu")
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,8 +239,8 @@ def model_gradients(arch):
             rows = np.arange(1, 127, 3)
             rows = rows[rows != 59]  # a sequence's last token predicts nothing
             g = rng.normal(size=rows.size).astype(np.float32)
-        reference = _torch_grads(hf, tokens, cu, rows, g, torch.float64)
-        bf16 = {n: _rel_error(t, reference[n]) for n, t in _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16).items()}
+        reference, bf16_grads = torch_gradients(hf, tokens, cu, rows, g)
+        bf16 = {n: _rel_error(t, reference[n]) for n, t in bf16_grads.items()}
         del hf
         out = {"tokens": int(tokens.size), "rows": int(rows.size), "tensors": len(reference), "bf16": {"worst": max(bf16.values()), "median": float(np.median(list(bf16.values())))}}
         grads_of = {}

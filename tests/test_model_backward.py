@@ -38,6 +38,15 @@ def _torch_grads(hf, tokens: np.ndarray, cu: np.ndarray, rows: np.ndarray, g: np
     return {name: p.grad.double().numpy() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def torch_gradients(hf, tokens: np.ndarray, cu: np.ndarray, rows: np.ndarray, g: np.ndarray) -> tuple[dict, dict]:
+    """(float64 autograd's gradients, bf16 autograd's) of the same case: the reference and the yardstick
+    of every gradient accuracy check."""
+    import torch
+
+    return (_torch_grads(hf, tokens, cu, rows, g, torch.float64),
+            _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16))
+
+
 def _rel_error(ours: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(ours.astype(np.float64) - reference) / max(np.linalg.norm(reference), 1e-30))
 
@@ -53,7 +62,7 @@ def gradient_case(vocab_size: int):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_gradients_match_torch_autograd(arch, tmp_path):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     hf, (rl_config, weights, _) = hf_model_and_ours(arch, tmp_path)
     config = hf.config
@@ -61,8 +70,7 @@ def test_gradients_match_torch_autograd(arch, tmp_path):
     tokens, cu, rows, g = gradient_case(config.vocab_size)
     fwd = backward.forward(model, tokens, cu, rows=rows)
     grads = backward.backward(model, fwd, g).named_tensors(rl_config)
-    reference = _torch_grads(hf, tokens, cu, rows, g, torch.float64)
-    bf16 = _torch_grads(hf, tokens, cu, rows, g, torch.bfloat16)
+    reference, bf16 = torch_gradients(hf, tokens, cu, rows, g)
     assert set(grads) == set(reference), set(grads) ^ set(reference)
     worst = worst_bf16 = 0.0
     for name, ref in reference.items():

@@ -275,23 +275,18 @@ def _hf_names(grads: dict, config) -> dict:
 
 @pytest.mark.parametrize("overrides", [{}, {"norm_topk_prob": False, "decoder_sparse_step": 2}])
 def test_gradients_match_transformers_autograd(overrides, tmp_path):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from rlportable.model import backward
-    from test_model_backward import GRAD_TOLERANCE, _rel_error, _torch_grads
+    from test_model_backward import GRAD_TOLERANCE, _rel_error, gradient_case, torch_gradients
 
     hf = _hf_moe(tmp_path, **overrides)
     config, weights, _ = load_model(str(tmp_path))
     model = Model(CPU, config, weights, trainable=True)
-    rng = np.random.default_rng(3)
-    tokens = rng.integers(0, config.vocab_size, 40).astype(np.int32)
-    cu = np.array([0, 17, 40])
-    rows = np.array([3, 4, 5, 10, 15, 20, 30, 31, 38])
-    g = rng.normal(size=rows.size).astype(np.float32)
+    tokens, cu, rows, g = gradient_case(config.vocab_size)
     fwd = backward.forward(model, tokens, cu, rows=rows)
     grads = backward.backward(model, fwd, g).named_tensors(config)
-    reference = _hf_names(_torch_grads(hf, tokens, cu, rows, g, torch.float64), config)
-    bf16 = _hf_names(_torch_grads(hf, tokens, cu, rows, g, torch.bfloat16), config)
+    reference, bf16 = (_hf_names(named, config) for named in torch_gradients(hf, tokens, cu, rows, g))
     assert set(grads) == set(reference), set(grads) ^ set(reference)
     worst = worst_bf16 = 0.0
     for name, ref in reference.items():

@@ -161,7 +161,7 @@ def test_tensor_parallelism_halves_the_experts_but_not_the_router():
 
 def test_moe_block_activations_match_what_the_backward_holds():
     """The sparse block's bytes a token against the bytes alive (tracemalloc, cpu) at the last step of
-    the device-path backward (ops/moe.py _block_backward_device, which runs on the cpu backend too):
+    the device-path backward (ops/moe.py composed_block_backward, which runs on the cpu backend too):
     the difference between 1024 and 2048 tokens, so that the weights and caches cancel."""
     import tracemalloc
 
@@ -188,12 +188,12 @@ def test_moe_block_activations_match_what_the_backward_holds():
             h = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
             d_out = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
             args = (cpu, h, router, layer.expert_gate, layer.expert_up, layer.expert_down, encoded, d_out, None)
-            moe._block_backward_device(*args)  # the weights' cached host integers, once
+            moe.composed_block_backward(*args)  # the weights' cached host integers, once
             moe.combine = last_combine
             tracemalloc.start()
             try:
                 seen["base"] = tracemalloc.get_traced_memory()[0]
-                moe._block_backward_device(*args)
+                moe.composed_block_backward(*args)
             finally:
                 tracemalloc.stop()
                 moe.combine = combine

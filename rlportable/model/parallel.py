@@ -54,7 +54,7 @@ from rlportable.contract.exact import GEMM_K_CHUNK
 from rlportable.errors import InputError
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import ModelWeights
-from rlportable.ops import activation, embedding, fixedpoint, gemm, logprob, moe, residual
+from rlportable.ops import activation, embedding, fixedpoint, gemm, logprob, moe
 from rlportable.ops.checks import shape_of
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -352,32 +352,9 @@ def moe_block_backward(backend, tp_group: Group, h, router, gate: list, up: list
     (SUM), rounded per expert (column_shard(w): the shard transposed with the whole rows' exponents); then
     the single device's moe_combine of the 2k + 1 rows of each token. transposed: Model.transposed_weight."""
     t, hidden = shape_of(h)
-    k, bits_a = weight.top_k, gemm.DEFAULT_BITS_A
-    num_experts, inner = weight.num_experts, shape_of(gate[0])[0]
-    zeros = backend.zeros
-    logits = gemm.gemm(backend, h, weight.router)
-    experts, weights = moe.route(backend, logits, k, weight.norm_topk_prob)
-    host_experts = backend.to_numpy(experts)
-    pairs = t * k
-    d_gate, d_up, d_down = [None] * num_experts, [None] * num_experts, [None] * num_experts
-    if pairs:  # T is the same on every rank: all take this branch or none
-        groups = list(moe_reference.expert_groups(host_experts))
-        outputs, order, slot_of, x, saved = _sharded_experts(backend, tp_group, h, weight, groups, t, bits_a)
-        d_weights, d_y = moe.combine_backward(backend, d_out, weights, outputs)
-        d_logits = moe.route_backward(backend, logits, experts, weights, d_weights, weight.norm_topk_prob)
-        if aux is not None:
-            d_logits = residual.add(backend, d_logits, moe.load_balancing_backward(backend, logits, aux))
-        grouped = order.astype(np.int32)
-        d_y = embedding.gather(backend, d_y.reshape(pairs, hidden), backend.asarray(grouped), host_ids=grouped)
-        d_gu = backend.empty((2 * pairs, inner), np.float32)  # this rank's columns: d g rows, then d u rows
-        for expert, start, stop, g, u, act in saved:
-            dy = d_y[start:stop]
-            d_g, d_u = activation.swiglu_backward(backend, g, u, gemm.input_grad(backend, dy, down[expert], transposed))
-            backend.copy_into(d_gu[start:stop], d_g)
-            backend.copy_into(d_gu[pairs + start:pairs + stop], d_u)
-            d_down[expert] = gemm.weight_grad(backend, dy, act)
-            d_gate[expert] = gemm.weight_grad(backend, d_g, x[start:stop])
-            d_up[expert] = gemm.weight_grad(backend, d_u, x[start:stop])
+    bits_a = gemm.DEFAULT_BITS_A
+
+    def gate_up_input_grad(saved, d_gu, pairs, dx):
         exponents = shared_exponents(backend, tp_group, d_gu)
         sums = backend.empty((2 * pairs, hidden), np.int64)
         for expert, start, stop, _, _, _ in saved:
@@ -386,21 +363,13 @@ def moe_block_backward(backend, tp_group: Group, h, router, gate: list, up: list
                 part = fixedpoint.encode_rows(backend, d_gu[rows], bits_a, exponents=exponents[rows])
                 backend.copy_into(sums[rows], gemm.gemm_sums(backend, part, column_shard(w)))
         sums = tp_group.all_reduce(sums, "sum")
-        dx = backend.empty((2 * pairs + t, hidden), np.float32)  # d g rows, d u rows (grouped), router rows
         for expert, start, stop, _, _, _ in saved:
             for offset, w in ((0, gate[expert]), (pairs, up[expert])):
                 rows = slice(offset + start, offset + stop)
                 backend.copy_into(dx[rows], gemm.round_sums(backend, sums[rows], exponents[rows], bits_a,
                                                             column_shard(w)))
-        backend.copy_into(dx[2 * pairs:], gemm.input_grad(backend, d_logits, router, transposed))
-        d_h = moe.input_grad_sum(backend, dx, slot_of, pairs, t, k)
-        d_router = gemm.weight_grad(backend, d_logits, h)
-    else:
-        d_h, d_router = zeros((0, hidden), np.float32), zeros((num_experts, hidden), np.float32)
-        d_logits, d_weights = zeros((0, num_experts), np.float32), zeros((0, k), np.float32)
-    for expert in range(num_experts):  # an expert no token chose: zero gradients (of this rank's shard)
-        if d_gate[expert] is None:
-            d_gate[expert], d_up[expert] = zeros((inner, hidden), np.float32), zeros((inner, hidden), np.float32)
-            d_down[expert] = zeros((hidden, inner), np.float32)
-    return moe_reference.BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, host_experts,
-                                        logits)
+
+    return moe.composed_block_backward(
+        backend, h, router, gate, up, down, weight, d_out, transposed, aux,
+        experts_pass=lambda groups, t: _sharded_experts(backend, tp_group, h, weight, groups, t, bits_a),
+        gate_up_input_grad=gate_up_input_grad)

@@ -270,7 +270,7 @@ def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: 
     Model.transposed_weight), else gemm.encode_transposed. aux: the load-balancing loss's coefficients,
     float32 [E] on the host (contract.moe.load_balancing_coefficients), whose gradient is added to d_logits.
 
-    On cpu: the reference's moe_block_backward. On a device (block_backward_device): the same steps over
+    On cpu: the reference's moe_block_backward. On a device (composed_block_backward): the same steps over
     the forward's grouping of the (token, slot) pairs by expert, the same bits."""
     t, hidden = require_matrix("moe block_backward: h", h)
     experts, router_hidden = require_matrix("moe block_backward: router", router)
@@ -285,10 +285,11 @@ def block_backward(backend, h, router, gate: list, up: list, down: list, top_k: 
                                             aux=None if aux is None else np.asarray(aux, dtype=np.float32))
     if weight is None:
         weight = encode(backend, router, gate, up, down, top_k, norm_topk_prob)
-    return _block_backward_device(backend, h, router, gate, up, down, weight, d_out, transposed, aux)
+    return composed_block_backward(backend, h, router, gate, up, down, weight, d_out, transposed, aux)
 
 
-def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight, d_out, transposed, aux=None):
+def composed_block_backward(backend, h, router, gate, up, down, weight: MoeWeight, d_out, transposed, aux=None,
+                            experts_pass=None, gate_up_input_grad=None):
     """The reference's moe_block_backward composed from device ops (its steps, named as there):
       forward: z = the router's gemm, route (moe_route), x = h's rows gathered into the pairs' grouped
         order (expert_groups: experts ascending, tokens ascending within; embedding.gather), per expert
@@ -303,7 +304,10 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
       d_h = moe_combine(1, the 2k + 1 rows of each token): one row gather puts dX(d_g), dX(d_u) of every
         slot and d_z W_r in [T, 2k + 1, H]; with weights 1 every term is the row itself (exact), so it
         is the reference's exact_sum_f32 of those rows.
-    Each product is row-independent (gemm contract) and the gathers copy rows, so the grouping is free."""
+    Each product is row-independent (gemm contract) and the gathers copy rows, so the grouping is free.
+    Tensor parallelism (model/parallel.py moe_block_backward) swaps the two steps that cross ranks:
+    experts_pass(groups, t) -> _grouped_experts(keep=True)'s tuple, and gate_up_input_grad(saved, d_gu,
+    pairs, dx), which writes dX(d_g, G_e) and dX(d_u, U_e) of d_gu [2 pairs, I] into dx's first 2 pairs rows."""
     t, hidden = shape_of(h)
     k = weight.top_k
     num_experts, inner = weight.num_experts, shape_of(gate[0])[0]
@@ -317,7 +321,8 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
     d_up = [None] * num_experts
     d_down = [None] * num_experts
     if pairs:
-        outputs, order, slot_of, x, saved = _grouped_experts(backend, h, weight, groups, t, keep=True)
+        outputs, order, slot_of, x, saved = (experts_pass(groups, t) if experts_pass else
+                                             _grouped_experts(backend, h, weight, groups, t, keep=True))
         d_weights, d_y = combine_backward(backend, d_out, weights, outputs)
         d_logits = route_backward(backend, logits, experts, weights, d_weights, weight.norm_topk_prob)
         if aux is not None:
@@ -325,21 +330,28 @@ def _block_backward_device(backend, h, router, gate, up, down, weight: MoeWeight
         d_y = embedding.gather(backend, d_y.reshape(pairs, hidden), backend.asarray(order.astype(np.int32)),
                                host_ids=order.astype(np.int32))
         dx = backend.empty((2 * pairs + t, hidden), np.float32)  # d g rows, d u rows (grouped), router rows
+        d_gu = backend.empty((2 * pairs, inner), np.float32) if gate_up_input_grad else None
         for expert, start, stop, g, u, act in saved:
             dy = d_y[start:stop]
             d_g, d_u = activation.swiglu_backward(backend, g, u, gemm.input_grad(backend, dy, down[expert], transposed))
-            backend.copy_into(dx[start:stop], gemm.input_grad(backend, d_g, gate[expert], transposed))
-            backend.copy_into(dx[pairs + start:pairs + stop], gemm.input_grad(backend, d_u, up[expert], transposed))
+            if d_gu is None:
+                backend.copy_into(dx[start:stop], gemm.input_grad(backend, d_g, gate[expert], transposed))
+                backend.copy_into(dx[pairs + start:pairs + stop], gemm.input_grad(backend, d_u, up[expert], transposed))
+            else:  # the products sum over ranks: all experts' rows at once, after the loop
+                backend.copy_into(d_gu[start:stop], d_g)
+                backend.copy_into(d_gu[pairs + start:pairs + stop], d_u)
             d_down[expert] = gemm.weight_grad(backend, dy, act)
             d_gate[expert] = gemm.weight_grad(backend, d_g, x[start:stop])
             d_up[expert] = gemm.weight_grad(backend, d_u, x[start:stop])
+        if d_gu is not None:
+            gate_up_input_grad(saved, d_gu, pairs, dx)
         backend.copy_into(dx[2 * pairs:], gemm.input_grad(backend, d_logits, router, transposed))
         d_h = input_grad_sum(backend, dx, slot_of, pairs, t, k)
         d_router = gemm.weight_grad(backend, d_logits, h)
     else:
         d_h, d_router = zeros((0, hidden), np.float32), zeros((num_experts, hidden), np.float32)
         d_logits, d_weights = zeros((0, num_experts), np.float32), zeros((0, k), np.float32)
-    for expert in range(num_experts):  # an expert no token chose: zero gradients
+    for expert in range(num_experts):  # an expert no token chose: zero gradients (of this rank's shard)
         if d_gate[expert] is None:
             d_gate[expert], d_up[expert] = zeros((inner, hidden), np.float32), zeros((inner, hidden), np.float32)
             d_down[expert] = zeros((hidden, inner), np.float32)

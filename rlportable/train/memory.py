@@ -21,7 +21,7 @@ Qwen3-MoE (docs/moe.md, "The memory model for MoE"): a sparse layer's MLP is the
 every rank, and every expert's gate/up [2I, H] (stacked) and down [H, I], I = moe_intermediate_size / TP;
 all of them in every part above (weights, encodings, transposed encodings, one layer's gradient: the
 backward makes every expert's, zeros for an expert no token chose). A sparse layer's backward holds,
-in place of the dense MLP's working set, what ops/moe.py _block_backward_device keeps alive at once
+in place of the dense MLP's working set, what ops/moe.py composed_block_backward keeps alive at once
 (moe_block_activations: about (7k + 3) H + 3k I float32 a token). Expert parallelism is not built,
 not modelled.
 The peak is the larger of the rollout phase (weights, encodings, moments, KV cache) and the training
@@ -60,7 +60,7 @@ def shape_config(shape: str, layers: int | None = None) -> ModelConfig:
 
 def moe_block_activations(config: ModelConfig, tp: int = 1) -> int:
     """Bytes a token of one sparse layer's backward beyond the dense layer's, at its peak (ops/moe.py
-    _block_backward_device's last combine, when all of these are alive): float32 router logits and
+    composed_block_backward's last combine, when all of these are alive): float32 router logits and
     their gradient [E]; the gathered rows x, the expert outputs and the grouped d y [k, H] each; g, u
     and the SwiGLU output [k, I / TP]; the d h rows, their per-token gather [2k + 1, H] each, its
     weights of 1 [2k + 1] and the sum d h [H]; int32 experts (on the device and the host), int64 pair

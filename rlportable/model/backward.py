@@ -33,7 +33,7 @@ import numpy as np
 
 from rlportable.contract import moe as moe_reference
 from rlportable.errors import InputError
-from rlportable.model import parallel
+from rlportable.model import expert_parallel, parallel
 from rlportable.model.forward import Model, check_packing, next_token_rows, packed_positions
 from rlportable.model.weights import LayerWeights, ModelWeights
 from rlportable.ops import activation, attention, embedding, gemm, logprob, moe, norm, residual, rope, rowsum
@@ -248,7 +248,11 @@ def _layer_backward(model: Model, index: int, fwd: TrainingForward, d_out, aux=N
     grads: dict = {}
     logits = None
     if w.router is not None:  # a sparse layer: out = x2 + moe_block(h2), its contract's backward
-        if model.tp.size > 1:  # the router whole, every expert's shards: the same bits as one device
+        if model.ep.size > 1:  # this rank's whole experts, rows exchanged with the others: the same bits
+            moe_grads = expert_parallel.moe_block_backward(
+                backend, model.ep_group, model.tp_group, f.h2, w.router, w.expert_gate, w.expert_up, w.expert_down,
+                model.layers[index].moe, d_out, model.transposed_weight, model.transposed_column_shard, aux=aux)
+        elif model.tp.size > 1:  # the router whole, every expert's shards: the same bits as one device
             moe_grads = parallel.moe_block_backward(backend, model.tp_group, f.h2, w.router, w.expert_gate,
                                                     w.expert_up, w.expert_down, model.layers[index].moe, d_out,
                                                     model.transposed_weight, model.transposed_column_shard, aux=aux)

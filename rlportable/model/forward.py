@@ -19,7 +19,7 @@ import numpy as np
 
 from rlportable.contract import rope as rope_ref
 from rlportable.errors import InputError
-from rlportable.model import parallel
+from rlportable.model import expert_parallel, parallel
 from rlportable.model.config import ModelConfig
 from rlportable.model.weights import LayerWeights, ModelWeights
 from rlportable.ops import activation, attention, embedding, gemm, logprob, moe, norm, residual, rope
@@ -82,22 +82,28 @@ class Model:
     """A model's weights on one backend, ready for the forward pass."""
 
     def __init__(self, backend: Backend, config: ModelConfig, weights: ModelWeights, trainable: bool = False,
-                 tp_group: Group | None = None):
+                 tp_group: Group | None = None, ep_group: Group | None = None):
         """trainable: also keep the float32 weights on the device (`params`, the trainer's master
         weights, updated in place by the optimiser; `reencode()` refreshes the GEMM encodings).
         tp_group: this rank's tensor-parallel group (model/parallel.py); the model keeps its shard of
-        `weights` (the whole host weights) and every result is bitwise the single-device one."""
+        `weights` (the whole host weights) and every result is bitwise the single-device one. ep_group: its
+        expert-parallel group (model/expert_parallel.py): of a Qwen3-MoE's experts the model keeps only
+        this rank's (None in the expert lists), the same bits again."""
         self.backend = backend
         self.config = config
         self.trainable = trainable
         self.tp_group = tp_group or SingleGroup()
         self.tp = parallel.TensorParallel.of(self.tp_group)
+        self.ep_group = ep_group or SingleGroup()
+        self.ep = expert_parallel.ExpertParallel.of(self.ep_group)
+        self.ep.check(config)
         #: the shapes this rank computes with (config itself without tensor parallelism)
         self.shape = config
         if self.tp.size > 1:
             self.tp.check(config, trainable)
             weights = parallel.shard_weights(weights, config, self.tp)
             self.shape = self.tp.local_config(config)
+        weights = self.ep.shard_weights(weights, config)
         self.vocab_start = self.tp.vocab_start(config)
         self.params = to_device(backend, weights) if trainable else None
         source = self.params if trainable else to_device(backend, weights, projections=False)
@@ -323,7 +329,10 @@ class Model:
         if record is not None:
             record.update(h1=h1, q_lin=q_lin, k_lin=k_lin, q=q, k=k, v=v, a=a, x2=x2, h2=h2)
         if layer.moe is not None:  # a sparse layer: the router, each token's k experts, one exact combine
-            if self.tp.size > 1:  # the router whole on every rank, each expert column- then row-parallel
+            if self.ep.size > 1:  # whole experts per rank, their rows exchanged by all-to-all
+                out, experts, _ = expert_parallel.moe_block(backend, self.ep_group, self.tp_group, h2, layer.moe,
+                                                            encoded=h2_encoded)
+            elif self.tp.size > 1:  # the router whole on every rank, each expert column- then row-parallel
                 out, experts, _ = parallel.moe_block(backend, self.tp_group, h2, layer.moe, encoded=h2_encoded)
             else:
                 out, experts, _ = moe.block(backend, h2, layer.moe, encoded=h2_encoded)
@@ -405,7 +414,7 @@ def to_device(backend: Backend, weights: ModelWeights, projections: bool = True)
     def layer(w: LayerWeights) -> LayerWeights:
         matrices = {name: (optional(getattr(w, name)) if projections else None)
                     for name in ("q", "k", "v", "o", "gate", "up", "down", "router")}
-        experts = {name: ([put(m) for m in getattr(w, name)] if projections and getattr(w, name) is not None
+        experts = {name: ([optional(m) for m in getattr(w, name)] if projections and getattr(w, name) is not None
                           else None) for name in ("expert_gate", "expert_up", "expert_down")}
         return LayerWeights(attn_norm=put(w.attn_norm), mlp_norm=put(w.mlp_norm), q_bias=optional(w.q_bias),
                             k_bias=optional(w.k_bias), v_bias=optional(w.v_bias), q_norm=optional(w.q_norm),

@@ -278,10 +278,14 @@ def vocab_parallel_entropy(backend, tp_group: Group, hidden, lm_head_shard: gemm
 def expert_down_exponents(backend, tp_group: Group, downs: list) -> list:
     """Per expert, its down shard's [H, I / size] whole-row exponents (int32 [H] on the backend): one
     all-reduce MAX for all of a layer's experts, so each shard encodes as a K-shard of the whole weight."""
+    held = [e for e, w in enumerate(downs) if w is not None]  # the same on the TP ranks (one EP rank's experts)
     local = np.stack([fixedpoint_reference.row_exponents(w) if isinstance(w, np.ndarray)
-                      else backend.to_numpy(fixedpoint.row_exponents(backend, w)) for w in downs])
+                      else backend.to_numpy(fixedpoint.row_exponents(backend, w)) for w in (downs[e] for e in held)])
     shared = backend.to_numpy(tp_group.all_reduce(backend.asarray(local), "max"))
-    return [backend.asarray(np.ascontiguousarray(row)) for row in shared]
+    out = [None] * len(downs)
+    for e, row in zip(held, shared):
+        out[e] = backend.asarray(np.ascontiguousarray(row))
+    return out
 
 
 def moe_block(backend, tp_group: Group, h, weight: moe.MoeWeight, encoded=None, bits_a: int = gemm.DEFAULT_BITS_A):
@@ -312,33 +316,78 @@ def _sharded_experts(backend, tp_group: Group, h, weight: moe.MoeWeight, groups:
     (expert, start, stop, g, u, act): g, u, act this rank's columns; the down product row-parallel."""
     k, hidden = weight.top_k, shape_of(h)[1]
     pairs = t * k
-    order = np.concatenate([chosen for _, chosen in groups])  # pair indices, grouped by expert
+    y, order, x, saved = expert_rows(backend, tp_group, h, weight, groups, bits_a)
+    slot_of = np.empty(pairs, np.int32)
+    slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in y
+    outputs = embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
+    return outputs, order, slot_of, x, saved
+
+
+def expert_rows(backend, tp_group: Group, h, weight: moe.MoeWeight, groups: list, bits_a: int = gemm.DEFAULT_BITS_A):
+    """(y [n, H], order, x, saved): the rows of the (token, slot) pairs of `groups` (expert_groups' (expert,
+    pair indices), some or all of a layer's) through their experts, in the groups' order (order: the pair
+    indices; x: h's rows so gathered; saved: (expert, start, stop, g, u, act) per expert). Under tensor
+    parallelism g, u and act are this rank's columns and the down product is row-parallel (the whole rows'
+    exponents by one all-reduce MAX, one int64 all-reduce SUM of every expert's sums); without, each expert's
+    down is the plain gemm. Every row is the one-device row's bits (each row of the exact gemm is its own)."""
+    k, hidden = weight.top_k, shape_of(h)[1]
+    order = np.concatenate([chosen for _, chosen in groups]) if groups else np.zeros(0, np.int64)
+    n = order.size
+    if n == 0:  # none of these experts was chosen (under expert parallelism: a rank's experts, all of them)
+        return backend.empty((0, hidden), np.float32), order, backend.empty((0, hidden), np.float32), []
     rows = (order // k).astype(np.int32)
-    x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)  # [pairs, H], a row per pair
+    x = embedding.gather(backend, h, backend.asarray(rows), host_ids=rows)  # [n, H], a row per pair
     runs, start = [], 0
     for expert, chosen in groups:
         runs.append((expert, start, start + chosen.size))
         start += chosen.size
-    act = backend.empty((pairs, weight.down[0].k), np.float32)  # this rank's columns of every pair's activation
+    y = backend.empty((n, hidden), np.float32)
     saved = []
+    if tp_group.size == 1:
+        for expert, start, stop in runs:
+            gate, up = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
+            act = activation.swiglu(backend, gate, up)
+            backend.copy_into(y[start:stop], gemm.gemm(backend, act, weight.down[expert]))
+            saved.append((expert, start, stop, gate, up, act))
+        return y, order, x, saved
+    inner = weight.down[groups[0][0]].k if groups else 0
+    act = backend.empty((n, inner), np.float32)  # this rank's columns of every pair's activation
     for expert, start, stop in runs:
         gate, up = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
         backend.copy_into(act[start:stop], activation.swiglu(backend, gate, up))
         saved.append((expert, start, stop, gate, up, act[start:stop]))
     exponents = shared_exponents(backend, tp_group, act)
-    sums = backend.empty((pairs, hidden), np.int64)
+    sums = backend.empty((n, hidden), np.int64)
     for expert, start, stop in runs:
         part = fixedpoint.encode_rows(backend, act[start:stop], bits_a, exponents=exponents[start:stop])
         backend.copy_into(sums[start:stop], gemm.gemm_sums(backend, part, weight.down[expert]))
     sums = tp_group.all_reduce(sums, "sum")
-    y = backend.empty((pairs, hidden), np.float32)
     for expert, start, stop in runs:
         backend.copy_into(y[start:stop], gemm.round_sums(backend, sums[start:stop], exponents[start:stop], bits_a,
                                                          weight.down[expert]))
-    slot_of = np.empty(pairs, np.int32)
-    slot_of[order] = np.arange(pairs, dtype=np.int32)  # pair p's row in y
-    outputs = embedding.gather(backend, y, backend.asarray(slot_of), host_ids=slot_of).reshape(t, k, hidden)
-    return outputs, order, slot_of, x, saved
+    return y, order, x, saved
+
+
+def gate_up_input_grad(backend, tp_group: Group, gate: list, up: list, column_shard, saved, d_gu, pairs: int, dx):
+    """dX(d_g, G_e) and dX(d_u, U_e) of d_gu [2 pairs, I / size] (the d g rows, then the d u rows, grouped by
+    expert as saved) into dx's first 2 pairs rows, summed over the ranks' cut I: the rows' whole-row
+    exponents by one all-reduce MAX, every expert's exact int64 partial sums all-reduced once (SUM), rounded
+    per expert (column_shard(w): the shard transposed with the whole rows' exponents)."""
+    hidden = shape_of(dx)[1]
+    bits_a = gemm.DEFAULT_BITS_A
+    exponents = shared_exponents(backend, tp_group, d_gu)
+    sums = backend.empty((2 * pairs, hidden), np.int64)
+    for expert, start, stop, _, _, _ in saved:
+        for offset, w in ((0, gate[expert]), (pairs, up[expert])):
+            rows = slice(offset + start, offset + stop)
+            part = fixedpoint.encode_rows(backend, d_gu[rows], bits_a, exponents=exponents[rows])
+            backend.copy_into(sums[rows], gemm.gemm_sums(backend, part, column_shard(w)))
+    sums = tp_group.all_reduce(sums, "sum")
+    for expert, start, stop, _, _, _ in saved:
+        for offset, w in ((0, gate[expert]), (pairs, up[expert])):
+            rows = slice(offset + start, offset + stop)
+            backend.copy_into(dx[rows], gemm.round_sums(backend, sums[rows], exponents[rows], bits_a,
+                                                        column_shard(w)))
 
 
 def moe_block_backward(backend, tp_group: Group, h, router, gate: list, up: list, down: list, weight: moe.MoeWeight,
@@ -351,25 +400,9 @@ def moe_block_backward(backend, tp_group: Group, h, router, gate: list, up: list
     by one all-reduce MAX, every expert's exact int64 partial sums in one [2 T k, H] buffer all-reduced once
     (SUM), rounded per expert (column_shard(w): the shard transposed with the whole rows' exponents); then
     the single device's moe_combine of the 2k + 1 rows of each token. transposed: Model.transposed_weight."""
-    t, hidden = shape_of(h)
     bits_a = gemm.DEFAULT_BITS_A
-
-    def gate_up_input_grad(saved, d_gu, pairs, dx):
-        exponents = shared_exponents(backend, tp_group, d_gu)
-        sums = backend.empty((2 * pairs, hidden), np.int64)
-        for expert, start, stop, _, _, _ in saved:
-            for offset, w in ((0, gate[expert]), (pairs, up[expert])):
-                rows = slice(offset + start, offset + stop)
-                part = fixedpoint.encode_rows(backend, d_gu[rows], bits_a, exponents=exponents[rows])
-                backend.copy_into(sums[rows], gemm.gemm_sums(backend, part, column_shard(w)))
-        sums = tp_group.all_reduce(sums, "sum")
-        for expert, start, stop, _, _, _ in saved:
-            for offset, w in ((0, gate[expert]), (pairs, up[expert])):
-                rows = slice(offset + start, offset + stop)
-                backend.copy_into(dx[rows], gemm.round_sums(backend, sums[rows], exponents[rows], bits_a,
-                                                            column_shard(w)))
-
     return moe.composed_block_backward(
         backend, h, router, gate, up, down, weight, d_out, transposed, aux,
         experts_pass=lambda groups, t: _sharded_experts(backend, tp_group, h, weight, groups, t, bits_a),
-        gate_up_input_grad=gate_up_input_grad)
+        gate_up_input_grad=lambda saved, d_gu, pairs, dx: gate_up_input_grad(
+            backend, tp_group, gate, up, column_shard, saved, d_gu, pairs, dx))

@@ -86,8 +86,7 @@ class ModelWeights:
         """Hugging Face tensor names to arrays, in checkpoint order (no lm_head when tied)."""
         out = {"model.embed_tokens.weight": self.embed}
         for index, layer in enumerate(self.layers):
-            for name, attr in _layer_names(config, index):
-                out[name] = _get(layer, attr)
+            out.update(layer_named(config, index, layer))
         out["model.norm.weight"] = self.final_norm
         if not config.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head
@@ -95,8 +94,10 @@ class ModelWeights:
 
 
 def layer_named(config: ModelConfig, index: int, layer: LayerWeights) -> dict:
-    """Layer `index`'s tensors by Hugging Face name."""
-    return {name: _get(layer, attr) for name, attr in _layer_names(config, index)}
+    """Layer `index`'s tensors by Hugging Face name. An expert held as None (another rank's, under expert
+    parallelism: model/expert_parallel.py) has no name here."""
+    named = ((name, _get(layer, attr)) for name, attr in _layer_names(config, index))
+    return {name: array for name, array in named if array is not None or ".experts." not in name}
 
 
 def _get(layer: LayerWeights, attr: str):

@@ -60,13 +60,15 @@ def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_t
            down_exponents: list | None = None) -> MoeWeight:
     """Encode a sparse layer's weights once (router [E, H]; per expert gate, up [I, H] and down [H, I]).
     down_exponents: per expert int32 [H] (on the backend) to encode down with, not its rows' own: under
-    tensor parallelism down is a K-shard encoded with the whole rows' exponents (gemm.encode_weight)."""
+    tensor parallelism down is a K-shard encoded with the whole rows' exponents (gemm.encode_weight).
+    An expert whose three matrices are None is another rank's (expert parallelism): None in the lists."""
     experts, hidden = require_matrix("moe router", router)
     if not len(gate) == len(up) == len(down) == experts:
         raise InputError(f"moe: the router has {experts} experts but gate, up, down hold "
                          f"{len(gate)}, {len(up)}, {len(down)}")
     _check_top_k(experts, top_k)
-    for e in range(experts):
+    held = [e for e in range(experts) if not (gate[e] is None and up[e] is None and down[e] is None)]
+    for e in held:
         if shape_of(gate[e]) != shape_of(up[e]) or shape_of(gate[e])[1:] != (hidden,) \
                 or shape_of(down[e]) != (hidden, shape_of(gate[e])[0]):
             raise InputError(f"moe: expert {e} has gate {shape_of(gate[e])}, up {shape_of(up[e])}, down "
@@ -75,10 +77,11 @@ def encode(backend, router, gate: list, up: list, down: list, top_k: int, norm_t
         return backend.asarray(array) if isinstance(array, np.ndarray) else array
 
     return MoeWeight(router=gemm.encode_weight(backend, put(router)),
-                     gate_up=[gemm.encode_stacked_weight(backend, [put(gate[e]), put(up[e])]) for e in range(experts)],
+                     gate_up=[gemm.encode_stacked_weight(backend, [put(gate[e]), put(up[e])]) if e in held else None
+                              for e in range(experts)],
                      down=[gemm.encode_weight(backend, put(down[e]),
                                               exponents=None if down_exponents is None else down_exponents[e])
-                           for e in range(experts)],
+                           if e in held else None for e in range(experts)],
                      top_k=int(top_k), norm_topk_prob=bool(norm_topk_prob))
 
 

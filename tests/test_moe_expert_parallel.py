@@ -1,0 +1,142 @@
+"""Qwen3-MoE under expert parallelism (ranks emulated as threads): whole experts per rank, the router whole
+on every rank, each expert row sent by all-to-all to the rank that combines its token and back; log-probs,
+logits, every sparse layer's expert choices, the engine's recorded routing and every gradient bitwise EP 1's
+(raw bits, no tolerance); SFT and GRPO at EP 2 saving EP 1's weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_moe_device import moe_config, scaled_weights
+from rlportable.engine.llm import LLM
+from rlportable.engine.sequence import SamplingParams
+from rlportable.errors import InputError
+from rlportable.model import backward, expert_parallel
+from rlportable.model.expert_parallel import ExpertParallel, expert_of, is_expert
+from rlportable.model.forward import Model
+from rlportable.model.parallel import TensorParallel, shard_tensor
+from rlportable.model.synthetic import IdsOnlyTokenizer
+from rlportable.runtime import get_backend
+from rlportable.runtime.collectives import SingleGroup, ThreadGroup, run_threads
+
+CPU = get_backend("cpu")
+
+CASES = [
+    {"num_experts_per_tok": 2, "norm_topk_prob": True},
+    # k = 3 without renormalisation, every second layer dense
+    {"num_experts_per_tok": 3, "norm_topk_prob": False, "decoder_sparse_step": 2, "num_hidden_layers": 3},
+]
+
+
+def raw(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, np.float32)).view(np.uint32)
+
+
+def _packed(vocab: int, lengths=(1, 6, 23)):
+    rng = np.random.default_rng(11)
+    return rng.integers(0, vocab, sum(lengths)).astype(np.int32), np.concatenate([[0], np.cumsum(lengths)])
+
+
+def _forward(model: Model, tokens, cu):
+    """(log-probs, every row's logits, each sparse layer's experts) on the host."""
+    fwd = backward.forward(model, tokens, cu, keep_attention=False)
+    logits = model.logits(model.hidden_states(tokens, cu))
+    return model.backend.to_numpy(fwd.logp), model.backend.to_numpy(logits), fwd.routing
+
+
+@pytest.mark.parametrize("overrides", CASES)
+@pytest.mark.parametrize("size", [2, 4])
+def test_logprobs_logits_and_routing_at_ep_equal_ep1(size, overrides):
+    config = moe_config(**overrides)
+    weights = scaled_weights(config, seed=size + len(overrides))
+    tokens, cu = _packed(config.vocab_size)
+    want_lp, want_logits, want_routing = _forward(Model(CPU, config, weights), tokens, cu)
+    assert max(np.unique(layer).size for layer in want_routing) > config.num_experts_per_tok  # tokens spread
+    results = run_threads(CPU, size, lambda group: _forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
+    for lp, logits, routing in results:
+        assert np.array_equal(raw(lp), raw(want_lp))
+        assert np.array_equal(raw(logits), raw(want_logits))
+        assert len(routing) == len(want_routing) and all(np.array_equal(g, w) for g, w in zip(routing, want_routing))
+
+
+def test_each_rank_runs_only_its_experts_on_the_rows_routed_to_them(monkeypatch):
+    """The layer really exchanges: a rank's expert products see only its own experts and exactly the rows
+    routed to them (compared with the recorded routing), and with the all-to-all made the identity (each
+    rank keeping what it would send to itself) the outputs are no longer EP 1's."""
+    from rlportable.model import parallel
+
+    config = moe_config(num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=1)
+    weights = scaled_weights(config, seed=4)
+    tokens, cu = _packed(config.vocab_size)
+    want_lp, _, (want_routing,) = _forward(Model(CPU, config, weights), tokens, cu)
+    seen: dict = {}
+    original = parallel.expert_rows
+
+    def recording(backend, tp_group, h, weight, groups, bits_a=parallel.gemm.DEFAULT_BITS_A):
+        held = [e for e in range(weight.num_experts) if weight.gate_up[e] is not None]
+        for expert, chosen in groups:
+            seen.setdefault(tuple(held), []).append((expert, chosen.copy()))
+        return original(backend, tp_group, h, weight, groups, bits_a)
+
+    monkeypatch.setattr(parallel, "expert_rows", recording)
+    results = run_threads(CPU, 2, lambda group: _forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
+    assert np.array_equal(raw(results[0][0]), raw(want_lp))
+    assert sorted(seen) == [tuple(range(0, 4)), tuple(range(4, 8))]  # each rank holds 4 whole experts
+    k = config.num_experts_per_tok
+    for held, calls in seen.items():
+        for expert, chosen in calls:
+            assert expert in held
+            assert np.array_equal(chosen, np.flatnonzero(want_routing.reshape(-1) == expert))  # its pairs only
+    assert {e for calls in seen.values() for e, _ in calls} == set(np.unique(want_routing).tolist())
+    assert all(chosen.size < tokens.size * k for calls in seen.values() for _, chosen in calls)
+
+    monkeypatch.setattr(parallel, "expert_rows", original)
+    monkeypatch.setattr(ThreadGroup, "all_to_all", lambda self, array: array)  # no exchange
+    broken = run_threads(CPU, 2, lambda group: _forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
+    assert not np.array_equal(raw(broken[0][0]), raw(want_lp))
+
+
+def test_what_ep_cannot_cut_is_one_line():
+    config = moe_config(num_experts=6)  # 6 experts over 4 ranks
+    weights = scaled_weights(config, seed=1)
+    with pytest.raises(InputError, match="^expert parallelism: num_experts=6 is not divisible by the EP size 4$"):
+        Model(CPU, config, weights, ep_group=ThreadGroup.create(CPU, 4)[0])
+    from rlportable.model.synthetic import random_weights
+    from rlportable.model.config import ModelConfig
+
+    dense = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                                   "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                   "num_key_value_heads": 2, "head_dim": 8})
+    with pytest.raises(InputError, match="^expert parallelism: EP 2 needs a mixture-of-experts model; this qwen3 "
+                                         "model has no experts"):
+        Model(CPU, dense, random_weights(dense, 1), ep_group=ThreadGroup.create(CPU, 2)[0])
+
+
+# ---- training: the sparse layers' backward over whole experts per rank
+def _gradients(model: Model, tokens, cu, aux_scale: float):
+    fwd = backward.forward(model, tokens, cu)
+    grad_logp = np.linspace(-1.0, 1.0, fwd.rows.size).astype(np.float32)
+    grads = backward.backward(model, fwd, grad_logp, aux_scale=aux_scale)
+    return {name: model.backend.to_numpy(a) for name, a in grads.named_tensors(model.config).items()}, fwd.aux_loss
+
+
+@pytest.mark.parametrize("aux_scale", [0.0, 0.25])
+@pytest.mark.parametrize("overrides", CASES)
+@pytest.mark.parametrize("size", [2, 4])
+def test_gradients_at_ep_are_the_ep1_gradients(size, overrides, aux_scale):
+    """Every rank's gradients are EP 1's on raw bits: the replicated tensors' whole (the same on every rank),
+    its own experts' whole, and no other expert's; the load-balancing loss's value too."""
+    config = moe_config(**overrides)
+    weights = scaled_weights(config, seed=3 + size)
+    tokens, cu = _packed(config.vocab_size)
+    want, want_aux = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, aux_scale)
+    assert any(np.any(g) for name, g in want.items() if is_expert(name))
+    results = run_threads(CPU, size, lambda group: _gradients(
+        Model(CPU, config, weights, trainable=True, ep_group=group), tokens, cu, aux_scale))
+    for rank, (got, aux) in enumerate(results):
+        assert aux == want_aux and (aux is None) == (aux_scale == 0.0)
+        mine = ExpertParallel(rank, size).experts(config)
+        assert set(got) == {n for n in want if not is_expert(n) or expert_of(n) in mine}
+        for name, grad in got.items():
+            assert np.array_equal(raw(grad), raw(want[name])), (rank, name)

@@ -140,3 +140,69 @@ def test_gradients_at_ep_are_the_ep1_gradients(size, overrides, aux_scale):
         assert set(got) == {n for n in want if not is_expert(n) or expert_of(n) in mine}
         for name, grad in got.items():
             assert np.array_equal(raw(grad), raw(want[name])), (rank, name)
+
+
+def _generate(size: int, config, weights, prompts, params, **engine):
+    def work(group):
+        model = Model(CPU, config, weights, ep_group=group)
+        llm = LLM(device=CPU, loaded=(model, IdsOnlyTokenizer()), **engine)
+        return llm.generate(prompts, params, seed=6)
+
+    return run_threads(CPU, size, work) if size > 1 else [work(SingleGroup())]
+
+
+@pytest.mark.parametrize("engine", [dict(max_num_seqs=3, block_size=4),
+                                    dict(max_num_seqs=64, block_size=2, max_num_batched_tokens=5,
+                                         enable_prefix_caching=True)])
+def test_the_engine_at_ep2_records_ep1s_tokens_and_routing_and_the_trainers(engine):
+    """The engine at EP 2: sampled tokens, log-prob bits and recorded expert choices equal EP 1's (decode
+    steps of 1 to 3 tokens, fewer than the ranks' shares: some shares empty), and the trainer forward's
+    recomputed choices at those rows."""
+    config = moe_config(num_experts_per_tok=2, norm_topk_prob=False)
+    weights = scaled_weights(config, seed=9)
+    prompts = [[5, 9, 2], [7, 7, 1, 30, 4], [5, 9, 2, 11]]
+    params = SamplingParams(n=2, max_tokens=5, temperature=1.0, ignore_eos=True)
+    (want,) = _generate(1, config, weights, prompts, params, **engine)
+    trainer = Model(CPU, config, weights)
+    for got in _generate(2, config, weights, prompts, params, **engine):
+        for w, g in zip(want, got):
+            for ws, gs in zip(w.outputs, g.outputs):
+                assert list(gs.token_ids) == list(ws.token_ids)
+                assert np.array_equal(raw(gs.logprobs), raw(ws.logprobs))
+                recorded = np.stack(gs.routing)
+                assert np.array_equal(recorded, np.stack(ws.routing))
+                ids = np.array(g.prompt_token_ids + list(gs.token_ids), dtype=np.int32)
+                rows = np.arange(len(g.prompt_token_ids) - 1, ids.size - 1)
+                fwd = backward.forward(trainer, ids, np.array([0, ids.size]), rows=rows)
+                assert np.array_equal(recorded, np.stack([layer[rows] for layer in fwd.routing], axis=1))
+                assert np.array_equal(raw(fwd.logp), raw(gs.logprobs))
+
+
+@pytest.mark.parametrize("aux_scale", [0.0, 0.25])
+def test_tp2_by_ep2_forward_and_gradients_are_one_devices(aux_scale):
+    """EP composed with TP (runtime/world.py model_groups: 4 ranks, TP 2 inside EP 2): each rank holds half
+    the experts, each of those cut over its TP pair; log-probs and routing EP 1's, every gradient the rank's
+    TP slice of EP 1's for its experts and the replicated tensors."""
+    from rlportable.runtime.world import model_groups
+
+    config = moe_config(num_key_value_heads=2)
+    weights = scaled_weights(config, seed=12)
+    tokens, cu = _packed(config.vocab_size)
+    want_lp, _, want_routing = _forward(Model(CPU, config, weights), tokens, cu)
+    want, want_aux = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, aux_scale)
+
+    def work(world):
+        tp_group, ep_group, dp_group = model_groups(world, 2, 2)
+        assert dp_group.size == 1
+        lp = _forward(Model(CPU, config, weights, tp_group=tp_group, ep_group=ep_group), tokens, cu)
+        model = Model(CPU, config, weights, trainable=True, tp_group=tp_group, ep_group=ep_group)
+        return tp_group.rank, ep_group.rank, lp, _gradients(model, tokens, cu, aux_scale)
+
+    for tp_rank, ep_rank, (lp, _, routing), (got, aux) in run_threads(CPU, 4, work):
+        assert np.array_equal(raw(lp), raw(want_lp)) and aux == want_aux
+        assert all(np.array_equal(g, w) for g, w in zip(routing, want_routing))
+        mine = ExpertParallel(ep_rank, 2).experts(config)
+        assert set(got) == {n for n in want if not is_expert(n) or expert_of(n) in mine}
+        for name, grad in got.items():
+            whole = shard_tensor(config, TensorParallel(tp_rank, 2), name, want[name])
+            assert np.array_equal(raw(grad), raw(whole)), (tp_rank, ep_rank, name)

@@ -108,8 +108,24 @@ def layout_groups(world_group: Group, tp: int) -> tuple[Group, Group]:
     """(tp_group, dp_group) of this rank in a world of tp x dp ranks:
     consecutive ranks share a model (tensor parallelism, the fast links within a node); ranks with
     the same place in their model are the data-parallel replicas of that shard."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_group.size % tp:
-        raise InputError(f"--tp {tp} must divide the {world_group.size} ranks")
-    tp_group = world_group.split(world_group.rank // tp, world_group.rank)
-    dp_group = world_group.split(world_group.rank % tp, world_group.rank)
+    tp_group, _, dp_group = model_groups(world_group, tp, 1)
     return tp_group, dp_group
+
+
+def model_groups(world_group: Group, tp: int, ep: int) -> tuple[Group, Group, Group]:
+    """(tp_group, ep_group, dp_group) of this rank in a world of dp x ep x tp ranks: consecutive ranks
+    share a tensor-parallel group; ep of those groups in a row make one model replica, whose ranks hold
+    the same tokens (model/expert_parallel.py: each group its own experts), and ranks with the same
+    place in their replica are the data-parallel replicas of that place."""
+    for flag, value in (("--tp", tp), ("--ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{flag} must be an integer >= 1, got {value!r}")
+    model = tp * ep
+    if world_group.size % model:
+        raise InputError(f"--tp {tp}" + (f" x --ep {ep}" if ep > 1 else "") + f" must divide the "
+                         f"{world_group.size} ranks")
+    rank = world_group.rank
+    tp_group = world_group.split(rank // tp, rank)
+    ep_group = world_group.split((rank // model) * tp + rank % tp, rank)
+    dp_group = world_group.split(rank % model, rank)
+    return tp_group, ep_group, dp_group

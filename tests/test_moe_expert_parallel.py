@@ -206,3 +206,91 @@ def test_tp2_by_ep2_forward_and_gradients_are_one_devices(aux_scale):
         for name, grad in got.items():
             whole = shard_tensor(config, TensorParallel(tp_rank, 2), name, want[name])
             assert np.array_equal(raw(grad), raw(whole)), (tp_rank, ep_rank, name)
+
+
+@pytest.fixture(scope="module", params=["plain", "aux"])
+def hf_folder(tmp_path_factory, request):
+    """The tiny transformers Qwen3-MoE of tests/test_moe_train.py; "aux": with the load-balancing loss on."""
+    pytest.importorskip("transformers")
+    from test_moe_model import _hf_moe
+
+    folder = tmp_path_factory.mktemp(f"tiny-moe-ep-{request.param}")
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.5) if request.param == "aux" else {}
+    _hf_moe(folder, num_hidden_layers=2, decoder_sparse_step=1, **aux)
+    return folder, request.param == "aux"
+
+
+def _train(kind: str, tmp_path, folder, ep: int) -> list[dict]:
+    from test_moe_train import REWARD, _options
+    from rlportable.train import prepare
+    from rlportable.train.grpo import GRPOConfig
+    from rlportable.train.sft import SFTConfig
+
+    (tmp_path / "reward.py").write_text(REWARD)
+    name = f"ep{ep}"
+
+    def rank(group):
+        options = _options(tmp_path, folder, name)
+        if kind == "sft":
+            config = SFTConfig(steps=2, batch_size=4, learning_rate=3e-3, seed=1)
+            return prepare.run_sft(CPU, options, config, lambda r: None, None, None, group)
+        config = GRPOConfig(steps=2, prompts_per_step=2, num_generations=3, max_completion_length=4,
+                            learning_rate=3e-3, seed=5, mini_batches=2, micro_batch_tokens=40)
+        return prepare.run_grpo(CPU, options, config, [(f"{tmp_path / 'reward.py'}:varied", 1.0)], lambda r: None,
+                                None, None, group)
+
+    return run_threads(CPU, ep, rank)[0] if ep > 1 else rank(None)
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_training_at_ep2_saves_ep1s_weights_on_raw_bits(tmp_path, hf_folder, kind):
+    """Two SFT or GRPO steps at EP 2 (threads): the same losses, grad norms (and load-balancing losses) as
+    EP 1, 0 log-prob and 0 routing mismatches, and every saved weight (every expert gathered to rank 0) EP
+    1's bits; the routers and the experts of both ranks moved."""
+    from test_moe_train import _weights
+    from rlportable.model.load import load_model
+
+    folder, aux = hf_folder
+    want, got = _train(kind, tmp_path, folder, 1), _train(kind, tmp_path, folder, 2)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for w, g in zip(want, got):
+        assert g["loss"] == w["loss"] and g.get("aux_loss") == w.get("aux_loss")
+        assert g.get("grad_norm") == w.get("grad_norm")
+        assert (g.get("aux_loss") is not None) == aux
+        if kind == "grpo":
+            assert g["logp_mismatches"] == g["routing_mismatches"] == 0 and g["routing_compared"] > 0
+    single, sharded = _weights(tmp_path / "ep1"), _weights(tmp_path / "ep2")
+    assert list(single) == list(sharded)
+    for name in single:
+        assert np.array_equal(sharded[name], single[name]), name
+    config, weights, _ = load_model(str(folder))
+    moved = [name for name, array in weights.named_tensors(config).items()
+             if not np.array_equal(single[name], array.view(np.uint32))]
+    assert any(name.endswith("mlp.gate.weight") for name in moved)
+    for rank in range(2):  # each rank's experts trained
+        mine = ExpertParallel(rank, 2).experts(config)
+        assert any(is_expert(n) and expert_of(n) in mine and "down_proj" in n for n in moved)
+
+
+def test_resuming_under_ep_is_one_line(tmp_path, hf_folder):
+    """A checkpoint written at EP 2 loads its weights (above) but its optimiser state is not read back:
+    resuming it, or resuming an EP 1 run at EP 2, is one InputError."""
+    from test_moe_train import _options
+    from rlportable.train import prepare
+    from rlportable.train.sft import SFTConfig
+
+    folder, _ = hf_folder
+    config = SFTConfig(steps=2, batch_size=4, learning_rate=3e-3, seed=1)
+
+    def sft(name, ep, resume=False):
+        def rank(group):
+            return prepare.run_sft(CPU, _options(tmp_path, folder, name, resume), config, lambda r: None, None, None,
+                                   group)
+        return run_threads(CPU, ep, rank) if ep > 1 else rank(None)
+
+    for name, ep, again in (("ep2", 2, 1), ("ep1", 1, 2)):
+        sft(name, ep)
+        (tmp_path / name / "latest").write_text("step-000001\n")  # as if stopped after step 1
+        with pytest.raises(InputError, match="^resuming under expert parallelism, or from a checkpoint written at "
+                                             "EP > 1, is not built"):
+            sft(name, again, resume=True)

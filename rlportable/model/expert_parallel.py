@@ -274,3 +274,29 @@ def moe_block_backward(backend, ep_group: Group, tp_group: Group, h, router, gat
             d_down[expert] = zeros((hidden, inner), np.float32)
     return moe_reference.BlockGradients(d_h, d_router, d_gate, d_up, d_down, d_logits, d_weights, host_experts,
                                         logits)
+
+
+def gather_experts(backend, ep_group: Group, config: ModelConfig, named: dict, keep: bool = True) -> dict | None:
+    """The whole model's tensors by name, in checkpoint order, from every expert-parallel rank's `named`
+    (host arrays: the replicated tensors and this rank's experts, each whole over tensor parallelism):
+    every expert's tensors all-gathered from their ranks (copies); every rank must call, keep=False: this
+    rank only takes part and gets None."""
+    if ep_group.size == 1:
+        return named if keep else None
+    from rlportable.model.weights import expected_tensors
+
+    ep = ExpertParallel.of(ep_group)
+    per = config.num_experts // ep.size
+    gathered: dict = {}
+    for name in named:  # the same local names in the same order on every rank, up to the expert index
+        if not is_expert(name):
+            continue
+        local = expert_of(name) - ep.rank * per
+        parts = backend.to_numpy(ep_group.all_gather(backend.asarray(np.ascontiguousarray(named[name]))))
+        head, tail = name.split(".experts.")
+        rest = tail.split(".", 1)[1]
+        for q in range(ep.size):
+            gathered[f"{head}.experts.{q * per + local}.{rest}"] = parts[q]
+    if not keep:
+        return None
+    return {name: gathered[name] if is_expert(name) else named[name] for name in expected_tensors(config)}

@@ -74,15 +74,19 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def optimizer_file(rank: int, ranks: int, tp_rank: int = 0, tp: int = 1) -> str:
-    """The optimiser shard of data-parallel rank `rank` of `ranks` (and tensor-parallel rank tp_rank of tp)."""
+def optimizer_file(rank: int, ranks: int, tp_rank: int = 0, tp: int = 1, ep_rank: int = 0, ep: int = 1) -> str:
+    """The optimiser shard of data-parallel rank `rank` of `ranks` (and tensor-parallel rank tp_rank of tp,
+    expert-parallel rank ep_rank of ep)."""
+    if ep > 1:
+        return (f"optimizer-ep{ep_rank:03d}-of-{ep:03d}-tp{tp_rank:03d}-of-{tp:03d}-{rank:05d}-of-{ranks:05d}"
+                ".safetensors")
     if tp > 1:
         return f"optimizer-tp{tp_rank:03d}-of-{tp:03d}-{rank:05d}-of-{ranks:05d}.safetensors"
     return OPTIMIZER_FILE if ranks == 1 else f"optimizer-{rank:05d}-of-{ranks:05d}.safetensors"
 
 
-def optimizer_files(ranks: int, tp: int = 1) -> list[str]:
-    return [optimizer_file(r, ranks, t, tp) for t in range(tp) for r in range(ranks)]
+def optimizer_files(ranks: int, tp: int = 1, ep: int = 1) -> list[str]:
+    return [optimizer_file(r, ranks, t, tp, e, ep) for e in range(ep) for t in range(tp) for r in range(ranks)]
 
 
 class OptimizerShards:
@@ -94,15 +98,17 @@ class OptimizerShards:
     lo, hi): elements [lo, hi) of the flattened whole tensor; without tensor parallelism read from the
     shards that hold them only, so a run resumed at another replica count reads its own pieces."""
 
-    def __init__(self, step_dir: str, ranks: int, tp: int = 1, config: ModelConfig | None = None):
+    def __init__(self, step_dir: str, ranks: int, tp: int = 1, config: ModelConfig | None = None, ep: int = 1):
         from safetensors import SafetensorError, safe_open
 
-        self.ranks, self.tp, self.config = ranks, tp, config
-        self.paths = [os.path.join(step_dir, name) for name in optimizer_files(ranks, tp)]
+        self.ranks, self.tp, self.config, self.ep = ranks, tp, config, ep
+        self.paths = [os.path.join(step_dir, name) for name in optimizer_files(ranks, tp, ep)]
         self._open = safe_open
         self._lengths: list[dict[str, int]] = []
         self._flat: list[dict[str, bool]] = []
-        for path in self.paths:
+        # written at EP > 1 each shard holds its ranks' experts: verified by the manifest, never read back
+        # (Optimizer.load_state refuses it)
+        for path in self.paths if ep == 1 else []:
             try:
                 with safe_open(path, framework="numpy") as handle:
                     shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
@@ -110,7 +116,7 @@ class OptimizerShards:
                 raise CheckpointError(f"{path}: unreadable: {' '.join(str(error).split())}") from None
             self._lengths.append({key: int(np.prod(shape, dtype=np.int64)) for key, shape in shapes.items()})
             self._flat.append({key: len(shape) == 1 for key, shape in shapes.items()})
-        if any(lengths.keys() != self._lengths[0].keys() for lengths in self._lengths):
+        if ep == 1 and any(lengths.keys() != self._lengths[0].keys() for lengths in self._lengths):
             raise CheckpointError(f"{self.paths[0]}: the optimiser shards hold different tensors")
 
     def keys(self):
@@ -317,17 +323,18 @@ def _together(groups: tuple, work: Callable[[], Any]) -> list:
 
 def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig, weights: ModelWeights | None,
                     tokenizer: Tokenizer, optimizer_state: dict[str, np.ndarray], trainer_state: dict,
-                    keep_last: int | None = None, dp_group: Group | None = None, tp_group: Group | None = None) -> str:
+                    keep_last: int | None = None, dp_group: Group | None = None, tp_group: Group | None = None,
+                    ep_group: Group | None = None) -> str:
     """Write directory/step-NNNNNN atomically, point `latest` at it, optionally prune to the
     `keep_last` highest steps (never the latest). Returns the step directory's path.
-    dp_group, tp_group: the data-parallel and tensor-parallel ranks of a sharded run, each passing its
-    own optimizer_state (its pieces of its shards); rank 0's weights (whole), tokenizer and trainer
-    state are written (the other ranks may pass weights=None)."""
+    dp_group, tp_group, ep_group: the data-parallel, tensor-parallel and expert-parallel ranks of a sharded
+    run, each passing its own optimizer_state (its pieces of its shards); rank 0's weights (whole),
+    tokenizer and trainer state are written (the other ranks may pass weights=None)."""
     from rlportable.model.load import save_model
 
-    dp_group, tp_group = dp_group or SingleGroup(), tp_group or SingleGroup()
-    groups = (dp_group, tp_group)
-    leader, ranks = dp_group.rank == 0 and tp_group.rank == 0, dp_group.size
+    dp_group, tp_group, ep_group = dp_group or SingleGroup(), tp_group or SingleGroup(), ep_group or SingleGroup()
+    groups = (dp_group, tp_group, ep_group)
+    leader, ranks = dp_group.rank == 0 and tp_group.rank == 0 and ep_group.rank == 0, dp_group.size
     directory = os.fspath(directory)
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be a non-negative integer, got {step!r}")
@@ -354,7 +361,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
     tmp = _together(groups, prepare if leader else lambda: None)[0]
 
     def write() -> None:
-        atomic_write(os.path.join(tmp, optimizer_file(dp_group.rank, ranks, tp_group.rank, tp_group.size)),
+        atomic_write(os.path.join(tmp, optimizer_file(dp_group.rank, ranks, tp_group.rank, tp_group.size,
+                                                      ep_group.rank, ep_group.size)),
                      [optimizer_bytes])
         if leader:
             save_model(tmp, config, weights, tokenizer, dtype="fp32")
@@ -367,7 +375,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, config: ModelConfig
             _fsync_path(path)
             files[rel] = {"sha256": sha256(path), "size": os.path.getsize(path)}
         manifest = {"format": FORMAT, "step": step, "optimizer_shards": ranks, "optimizer_tp": tp_group.size,
-                    "files": files}
+                    **({"optimizer_ep": ep_group.size} if ep_group.size > 1 else {}), "files": files}
         atomic_write(os.path.join(tmp, MANIFEST), [(json.dumps(manifest, indent=2) + "\n").encode("utf-8")])
         _fsync_path(tmp)
         if os.path.exists(final):  # a step-* that `latest` does not name (e.g. left by a crash)
@@ -410,11 +418,12 @@ def verify_checkpoint(step_dir: str | os.PathLike) -> dict:
     if (manifest.get("format") != FORMAT if isinstance(manifest, dict) else True) or not isinstance(files, dict) \
             or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"{manifest_path}: not an {FORMAT} manifest")
-    for field in ("optimizer_shards", "optimizer_tp"):
+    for field in ("optimizer_shards", "optimizer_tp", "optimizer_ep"):
         count = manifest.get(field, 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise CheckpointError(f"{manifest_path}: {field} must be a positive integer, got {count!r}")
-    shards = optimizer_files(manifest.get("optimizer_shards", 1), manifest.get("optimizer_tp", 1))
+    shards = optimizer_files(manifest.get("optimizer_shards", 1), manifest.get("optimizer_tp", 1),
+                             manifest.get("optimizer_ep", 1))
     for required in ("config.json", "model.safetensors", *shards, TRAINER_STATE_FILE):
         if required not in files:
             raise CheckpointError(f"{manifest_path}: does not list {required}")
@@ -455,6 +464,6 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     except RlpError as error:
         raise CheckpointError(f"{step_dir}: model does not load: {error}") from None
     optimizer_state = OptimizerShards(step_dir, manifest.get("optimizer_shards", 1), manifest.get("optimizer_tp", 1),
-                                      config)
+                                      config, manifest.get("optimizer_ep", 1))
     return Checkpoint(step=manifest["step"], config=config, weights=weights, tokenizer=tokenizer,
                       optimizer_state=optimizer_state, trainer_state=trainer_state, path=step_dir)

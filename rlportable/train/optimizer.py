@@ -17,7 +17,7 @@ import numpy as np
 from rlportable.contract.adamw import Hyper, lr_at
 from rlportable.errors import InputError
 from rlportable.model.forward import Model
-from rlportable.model import parallel
+from rlportable.model import expert_parallel, parallel
 from rlportable.model.weights import ModelWeights, expected_tensors, layer_named
 from rlportable.ops import adamw, residual
 from rlportable.ops.checks import shape_of
@@ -98,9 +98,12 @@ class Optimizer:
         self.model, self.hyper, self.schedule = model, hyper, schedule
         self.dp_group = dp_group or SingleGroup()
         self.tp_group = model.tp_group
+        self.ep_group = model.ep_group
         self.names = list(model.params.named_tensors(model.config))
-        # a tensor every tensor-parallel rank holds whole adds its squares to the norm on rank 0 only
-        self.counted = [self.tp_group.rank == 0 or parallel.tensor_axis(name) is not None for name in self.names]
+        # a tensor every tensor-parallel rank holds whole adds its squares to the norm on rank 0 only, and
+        # so does one that every expert-parallel rank holds (all but the experts)
+        self.counted = [(self.tp_group.rank == 0 or parallel.tensor_axis(name) is not None)
+                        and (self.ep_group.rank == 0 or expert_parallel.is_expert(name)) for name in self.names]
         backend = model.backend
         self.sizes = {name: int(np.prod(shape_of(p), dtype=np.int64)) for name, p in self._params().items()}
         self.ranges = {name: shard_range(n, self.dp_group.size, self.dp_group.rank) for name, n in self.sizes.items()}
@@ -199,7 +202,8 @@ class Optimizer:
         info = adamw.adamw_step(self.model.backend, [self._piece(n, params[n]) for n in self.names],
                                 [self.grads[n] for n in self.names], [self.m[n] for n in self.names],
                                 [self.v[n] for n in self.names], self.step_count, self.hyper,
-                                self.schedule.lr(self.step_count), (self.dp_group, self.tp_group), self.counted)
+                                self.schedule.lr(self.step_count), (self.dp_group, self.tp_group, self.ep_group),
+                                self.counted)
         self.grads = {}
         for name in self.names:
             self._gather_into(params[name], self._piece(name, params[name]), name)
@@ -238,24 +242,30 @@ class Optimizer:
         data-parallel pieces and the tensor-parallel shards (every rank must call; keep=False: this
         rank only takes part and gets None)."""
         out, shapes = {}, {name: shape_of(p) for name, p in self._params().items()}
+        ranks = keep or self.ep_group.size > 1  # an expert-parallel rank sends its experts' whole tensors on
         for kind, store in (("m", self.m), ("v", self.v)):
-            for name in self.names:
-                out[f"{kind}.{name}"] = parallel.unshard(self.model.backend, self.tp_group, name,
-                                                         self._local(name, store, shapes[name]), keep)
+            named = {name: parallel.unshard(self.model.backend, self.tp_group, name,
+                                            self._local(name, store, shapes[name]), ranks) for name in self.names}
+            named = expert_parallel.gather_experts(self.model.backend, self.ep_group, self.model.config, named, keep)
+            out.update({f"{kind}.{name}": array for name, array in (named or {}).items()})
         return out if keep else None
 
     def whole_weights(self, keep: bool = True) -> dict[str, np.ndarray] | None:
         """The model's whole float32 weights by name, as host arrays (gathered over tensor-parallel
         shards; every rank must call, keep=False: this rank only takes part)."""
         params = self._params()
-        out = {name: parallel.unshard(self.model.backend, self.tp_group, name, params[name], keep)
+        ranks = keep or self.ep_group.size > 1  # an expert-parallel rank sends its experts' whole tensors on
+        out = {name: parallel.unshard(self.model.backend, self.tp_group, name, params[name], ranks)
                for name in self.names}
-        return out if keep else None
+        return expert_parallel.gather_experts(self.model.backend, self.ep_group, self.model.config, out, keep)
 
     def load_state(self, state, step_count: int) -> None:
         """This rank's pieces from a checkpoint's optimiser state (checkpoint.OptimizerShards), written
         at any data-parallel and tensor-parallel layout."""
         backend, config = self.model.backend, self.model.config
+        if self.ep_group.size > 1 or getattr(state, "ep", 1) > 1:
+            raise InputError("resuming under expert parallelism, or from a checkpoint written at EP > 1, is not "
+                             "built: its optimiser state is cut by experts; resume at --ep 1 from an EP 1 run")
         if self.tp_group.size > 1 and state.tp == self.tp_group.size:  # this rank's shard's files only
             def read(key, size, lo, hi):
                 return state.read_shard(key, self.tp_group.rank, size, lo, hi)

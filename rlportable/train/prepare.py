@@ -146,7 +146,7 @@ def _check_writable(flag: str, path: str, folder: bool) -> None:
         raise InputError(f"{flag} {path}: cannot be created ({parent} is not a writable folder)")
 
 
-def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict, tp_group=None) -> tuple:
+def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict, tp_group=None, ep_group=None) -> tuple:
     """(model, tokenizer, first step, checkpoint or None): from --resume's checkpoint or --model; under
     tensor parallelism the model is this rank's shard."""
     ckpt = None
@@ -158,7 +158,7 @@ def _load(spec: str, backend, options: RunOptions, kind: str, settings: dict, tp
         config, weights, tokenizer = ckpt.config, ckpt.weights, ckpt.tokenizer
     else:
         config, weights, tokenizer = load_model(spec)
-    model = Model(backend, config, weights, trainable=True, tp_group=tp_group)
+    model = Model(backend, config, weights, trainable=True, tp_group=tp_group, ep_group=ep_group)
     return model, tokenizer, (ckpt.trainer_state["next_step"] if ckpt else 0), ckpt
 
 
@@ -235,10 +235,11 @@ def held_out_records(options: RunOptions, config: GRPOConfig) -> list[dict] | No
 
 
 def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: list[tuple[str, float]],
-             on_step: Callable[[dict], None], dp_group=None, tp_group=None) -> list[dict]:
+             on_step: Callable[[dict], None], dp_group=None, tp_group=None, ep_group=None) -> list[dict]:
     """dp_group: this process's data-parallel replica (train/data_parallel.py); tp_group: its tensor-parallel
-    group (model/parallel.py). Only rank 0 of both writes metrics and the plot (every rank computes the
-    same); the checkpoints are written as train/run.py says."""
+    group (model/parallel.py); ep_group: its expert-parallel group (model/expert_parallel.py). Only rank 0
+    of all writes metrics and the plot (every rank computes the same); the checkpoints are written as
+    train/run.py says."""
     records, task = task_records(options.task, options.data, config.seed, options.prompt_column,
                                  options.answer_column)
     items = [(spec, weight) for spec, weight in reward_specs] or ([(task, 1.0)] if task is not None else [])
@@ -254,38 +255,39 @@ def run_grpo(backend, options: RunOptions, config: GRPOConfig, reward_specs: lis
     if held_out is not None and config.eval_every is None:
         config = dataclasses.replace(config, eval_every=EVAL_EVERY)  # as grpo_config(held_out=True) resolves it
     settings = settings_dict(config, options, items)
-    model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings, tp_group)
-    trainer = GRPOTrainer(model, tokenizer, records, rewards, config, _reference(backend, options, config, tp_group),
+    model, tokenizer, start, ckpt = _load(options.model, backend, options, "grpo", settings, tp_group, ep_group)
+    trainer = GRPOTrainer(model, tokenizer, records, rewards, config,
+                          _reference(backend, options, config, tp_group, ep_group),
                           dp_group, eval_dataset=held_out if config.eval_every else None)
-    options = _writer_options(options, dp_group, tp_group)
+    options = _writer_options(options, dp_group, tp_group, ep_group)
     return _run(trainer, "grpo", settings, tokenizer, start, ckpt, options, config.steps, on_step,
                 "reward_mean", "GRPO reward", evaluate=trainer.evaluate if trainer.eval_dataset else None)
 
 
-def _writer_options(options: RunOptions, dp_group, tp_group=None) -> RunOptions:
+def _writer_options(options: RunOptions, dp_group, tp_group=None, ep_group=None) -> RunOptions:
     """Only rank 0 writes metrics and plots (all compute the same); the checkpoints are written as
     train/run.py says."""
-    if (dp_group is None or dp_group.rank == 0) and (tp_group is None or tp_group.rank == 0):
+    if all(group is None or group.rank == 0 for group in (dp_group, tp_group, ep_group)):
         return options
     return dataclasses.replace(options, log_jsonl=None, plot=None, report_to=None)
 
 
-def _reference(backend, options: RunOptions, config: GRPOConfig, tp_group=None):
+def _reference(backend, options: RunOptions, config: GRPOConfig, tp_group=None, ep_group=None):
     """The frozen reference for the KL term: the starting model's weights (beta > 0 only)."""
     if config.beta <= 0:
         return None
     model_config, weights, _ = load_model(options.model)
-    return Model(backend, model_config, weights, tp_group=tp_group)
+    return Model(backend, model_config, weights, tp_group=tp_group, ep_group=ep_group)
 
 
 def run_sft(backend, options: RunOptions, config: SFTConfig, on_step: Callable[[dict], None], dp_group=None,
-            tp_group=None) -> list[dict]:
-    """dp_group, tp_group: as run_grpo's."""
+            tp_group=None, ep_group=None) -> list[dict]:
+    """dp_group, tp_group, ep_group: as run_grpo's."""
     records = _sft_records(options, config.seed)
     settings = settings_dict(config, options)
-    model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings, tp_group)
+    model, tokenizer, start, ckpt = _load(options.model, backend, options, "sft", settings, tp_group, ep_group)
     trainer = SFTTrainer(model, tokenizer, records, config, dp_group)
-    options = _writer_options(options, dp_group, tp_group)
+    options = _writer_options(options, dp_group, tp_group, ep_group)
     return _run(trainer, "sft", settings, tokenizer, start, ckpt, options, config.steps, on_step, "loss", "SFT loss")
 
 

@@ -109,9 +109,9 @@ def save_failure(out_dir: str, step: int, error: OSError, log_path: str | None) 
 def save(optimizer, out_dir: str, step: int, tokenizer, state: dict, keep_last: int | None) -> None:
     """One checkpoint: every rank writes its optimiser shard (its pieces of its tensor-parallel
     shards), rank 0 the weights, whole (gathered from the tensor-parallel shards), and the rest."""
-    model, dp_group, tp_group = optimizer.model, optimizer.dp_group, optimizer.tp_group
-    writer = dp_group.rank == 0 and tp_group.rank == 0
-    named = optimizer.whole_weights(writer)  # a gather under tensor parallelism: every rank takes part
+    model, dp_group, tp_group, ep_group = optimizer.model, optimizer.dp_group, optimizer.tp_group, optimizer.ep_group
+    writer = dp_group.rank == 0 and tp_group.rank == 0 and ep_group.rank == 0
+    named = optimizer.whole_weights(writer)  # a gather under tensor or expert parallelism: every rank takes part
     checkpoint.save_checkpoint(out_dir, step, model.config, from_named(model.config, named) if writer else None,
                                tokenizer, optimizer.shard_state(), state, keep_last=keep_last, dp_group=dp_group,
-                               tp_group=tp_group)
+                               tp_group=tp_group, ep_group=ep_group)

@@ -294,3 +294,26 @@ def test_resuming_under_ep_is_one_line(tmp_path, hf_folder):
         with pytest.raises(InputError, match="^resuming under expert parallelism, or from a checkpoint written at "
                                              "EP > 1, is not built"):
             sft(name, again, resume=True)
+
+
+def test_ep2_on_hip_cpu_is_the_cpu_ep1_bits():
+    """The HIP sources (HIP-CPU) at EP 2: log-probs, routing and every gradient the cpu reference's at EP 1
+    on raw bits (the device path: row gathers, moe_combine and its backward kernels on each rank's share)."""
+    from conftest import hip_cpu_backend
+
+    device = hip_cpu_backend()
+    config = moe_config(num_experts_per_tok=2, norm_topk_prob=True)
+    weights = scaled_weights(config, seed=21)
+    tokens, cu = _packed(config.vocab_size)
+    want_lp, _, want_routing = _forward(Model(CPU, config, weights), tokens, cu)
+    want, _ = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, 0.25)
+
+    def work(group):
+        return (_forward(Model(device, config, weights, ep_group=group), tokens, cu),
+                _gradients(Model(device, config, weights, trainable=True, ep_group=group), tokens, cu, 0.25)[0])
+
+    for (lp, _, routing), got in run_threads(device, 2, work):
+        assert np.array_equal(raw(lp), raw(want_lp))
+        assert all(np.array_equal(g, w) for g, w in zip(routing, want_routing))
+        for name, grad in got.items():
+            assert np.array_equal(raw(grad), raw(want[name])), name

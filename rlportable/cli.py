@@ -943,7 +943,8 @@ def _layouts(text: str):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--model", "shapes", default="qwen3-8b", show_default=True,
               help="Model shapes, comma-separated: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b (MoE).")
-@click.option("--layouts", default="1x1,8x1,4x2,1x8", show_default=True, help="TPxDP layouts, comma-separated.")
+@click.option("--layouts", default="1x1,8x1,4x2,1x8", show_default=True,
+              help="TPxDP layouts, or TPxEPxDP with expert parallelism (MoE), comma-separated.")
 @click.option("--tokens", default=16384, show_default=True, type=click.IntRange(min=2),
               help="Tokens of one training micro-batch.")
 @click.option("--kv-tokens", default=65536, show_default=True, type=click.IntRange(min=0),
@@ -973,7 +974,7 @@ def bench_memory(device, json_path, shapes, layouts, tokens, kv_tokens, measure,
         backend = _backend(device)
         for layout in chosen:
             try:
-                found = memory_bench.measure(backend, names[0], layers, layout.tp, layout.dp, tokens)
+                found = memory_bench.measure(backend, names[0], layers, layout.tp, layout.dp, tokens, layout.ep)
             except RlpError as error:
                 _fail(error)
             result["measured"].append(found)

@@ -60,7 +60,7 @@ def test_bench_memory_prints_the_table():
     assert result.exit_code == 0, result.output
     assert "qwen3-8b" in result.output and "qwen3-1.7b" in result.output and "peak_gib" in result.output
     bad = CliRunner().invoke(main, ["bench", "memory", "--layouts", "8by1"])
-    assert bad.exit_code != 0 and "TPxDP" in bad.output
+    assert bad.exit_code != 0 and "TPxDP or TPxEPxDP" in bad.output
 
 
 # ---------------------------------------------------------------------------- Qwen3-MoE
@@ -159,6 +159,42 @@ def test_tensor_parallelism_halves_the_experts_but_not_the_router():
     assert two["gradient"] == 4 * (layer + rest)
 
 
+def test_expert_parallelism_divides_the_experts_but_not_the_router():
+    """At EP 2 (TPxEPxDP 1x2x1) the counts equal rank 0's own arrays and encodings: half the experts in the
+    weights, both encodings, one layer's gradient and the optimiser state, the router whole."""
+    from rlportable.model.expert_parallel import ExpertParallel
+    from rlportable.model.forward import Model
+    from rlportable.model.synthetic import random_weights
+    from rlportable.ops import gemm
+    from rlportable.runtime import get_backend
+    from rlportable.runtime.collectives import run_threads
+
+    cpu = get_backend("cpu")
+    config = _moe_config()
+    weights = random_weights(config, seed=0)
+    model = run_threads(cpu, 2, lambda group: Model(cpu, config, weights, trainable=False, ep_group=group))[0]
+    (layout,) = memory.parse_layouts("1x2x1")
+    assert (layout.tp, layout.ep, layout.dp, layout.gpus) == (1, 2, 1, 2)
+    one, two = (memory.components(config, lay, memory.Workload(64, 0)) for lay in (memory.Layout(1, 1), layout))
+    mine = ExpertParallel(0, 2).shard_weights(weights, config).named_tensors(config)
+    assert {n.split(".experts.")[1].split(".")[0] for n in mine if ".experts." in n} == {"0", "1"}
+    params = sum(int(np.asarray(a).size) for a in mine.values())
+    assert two["weights"] == 4 * params < one["weights"]
+    assert two["encodings"] == _model_encodings(model)
+    matrices = [a for n, a in mine.items() if np.asarray(a).ndim == 2 and "embed_tokens" not in n]
+    transposed = sum(_digit_bytes(gemm.encode_transposed(cpu, cpu.asarray(a), 0, a.shape[0])) for a in matrices)
+    assert two["transposed encodings"] == transposed
+    layer = max(sum(int(np.asarray(a).size) for n, a in mine.items() if f".layers.{i}." in n) for i in range(3))
+    rest = sum(int(np.asarray(a).size) for n, a in mine.items() if ".layers." not in n)
+    assert two["gradient"] == 4 * (layer + rest)
+    assert two["moments"] == 2 * 4 * params and two["accumulated gradient"] == 4 * params
+    assert _digit_bytes(model.layers[1].moe.router) == _digit_bytes(
+        Model(cpu, config, weights).layers[1].moe.router) > 0
+    assert memory.moe_block_activations(config, 1, 2) < memory.moe_block_activations(config)
+    with pytest.raises(InputError, match="^expert parallelism: num_experts=4 is not divisible by the EP size 3$"):
+        memory.components(config, memory.Layout(1, 1, ep=3), memory.Workload())
+
+
 def test_moe_block_activations_match_what_the_backward_holds():
     """The sparse block's bytes a token against the bytes alive (tracemalloc, cpu) at the last step of
     the device-path backward (ops/moe.py composed_block_backward, which runs on the cpu backend too):
@@ -217,6 +253,12 @@ def test_qwen3_30b_a3b_counts_and_layouts():
     assert memory.table("qwen3-30b-a3b", [memory.Layout(1, 1)], memory.Workload(), layers=2)[0]["peak_gib"] < 80
     with pytest.raises(InputError, match="num_key_value_heads \\(4\\) divisible by the TP size \\(8\\)"):
         memory.components(config, memory.Layout(8, 1), memory.Workload())
+    # expert parallelism cuts the experts where TP cannot go past 4: 80 GB cards from 16 GPUs on
+    ep = {(r["tp"], r["ep"], r["dp"]): r for r in memory.table("qwen3-30b-a3b", memory.parse_layouts(
+        "4x2x1,4x2x2,4x4x1,2x8x1"), memory.Workload())}
+    assert ep[4, 2, 1]["fits_141gb"] and not ep[4, 2, 1]["fits_80gb"] and ep[4, 2, 1]["gpus"] == 8
+    assert ep[4, 2, 1]["peak_gib"] < rows[4, 2]["peak_gib"]  # 8 GPUs either way: EP 2 beats DP 2
+    assert ep[4, 4, 1]["fits_80gb"] and ep[2, 8, 1]["fits_80gb"] and not ep[4, 2, 2]["fits_80gb"]
 
 
 def test_bench_memory_prints_the_moe_table():

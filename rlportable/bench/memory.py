@@ -68,14 +68,17 @@ def train_random_tokens(backend, config, weights, tokens: int, micro_batches: in
     return digest.hexdigest()
 
 
-def measure(backend, shape: str, layers: int, tp: int, dp: int, tokens: int) -> dict:
+def measure(backend, shape: str, layers: int, tp: int, dp: int, tokens: int, ep: int = 1) -> dict:
     """Peak bytes of the training steps at tp x dp emulated ranks, against tp x dp times the model's
-    per-rank peak; and whether the weights equal a one-rank run's."""
+    per-rank peak; and whether the weights equal a one-rank run's. Expert-parallel layouts are modelled,
+    not measured (ep must be 1)."""
     from rlportable.bench.forward import PeakTracker
     from rlportable.model.synthetic import random_weights
     from rlportable.runtime.collectives import run_threads
     from rlportable.runtime.world import layout_groups
 
+    if ep != 1:
+        raise RlpError(f"bench memory --measure: the layout with EP {ep} is modelled only; measure TPxDP layouts")
     if backend.name != "cuda":
         raise RlpError("bench memory --measure reads CuPy's memory pool: use --device cuda")
     import cupy

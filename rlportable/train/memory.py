@@ -22,8 +22,10 @@ every rank, and every expert's gate/up [2I, H] (stacked) and down [H, I], I = mo
 all of them in every part above (weights, encodings, transposed encodings, one layer's gradient: the
 backward makes every expert's, zeros for an expert no token chose). A sparse layer's backward holds,
 in place of the dense MLP's working set, what ops/moe.py composed_block_backward keeps alive at once
-(moe_block_activations: about (7k + 3) H + 3k I float32 a token). Expert parallelism is not built,
-not modelled.
+(moe_block_activations: about (7k + 3) H + 3k I float32 a token). Under expert parallelism
+(model/expert_parallel.py) a rank holds E / EP whole experts: their weights, encodings, gradient and
+optimiser state are divided by EP (the router's not), and the block's working set holds this rank's
+share of the pairs (k / EP a token under even routing) plus the exchange's buffers.
 The peak is the larger of the rollout phase (weights, encodings, moments, KV cache) and the training
 phase (everything but the KV cache). Not modelled: the allocator's fragmentation, the CUDA context (about 0.5 GiB),
 library workspaces. `rlportable bench memory` prints it; the H100 measurement that checks it is in
@@ -58,40 +60,57 @@ def shape_config(shape: str, layers: int | None = None) -> ModelConfig:
     return qwen3_config(shape, layers)
 
 
-def moe_block_activations(config: ModelConfig, tp: int = 1) -> int:
+def moe_block_activations(config: ModelConfig, tp: int = 1, ep: int = 1) -> int:
     """Bytes a token of one sparse layer's backward beyond the dense layer's, at its peak (ops/moe.py
     composed_block_backward's last combine, when all of these are alive): float32 router logits and
     their gradient [E]; the gathered rows x, the expert outputs and the grouped d y [k, H] each; g, u
     and the SwiGLU output [k, I / TP]; the d h rows, their per-token gather [2k + 1, H] each, its
     weights of 1 [2k + 1] and the sum d h [H]; int32 experts (on the device and the host), int64 pair
     order, int32 slots, the gather's int32 index [2k + 1]; the routing weights with their gradient [k];
-    and the last expert's d g and d u (its rows: k / E of the pairs under even routing) [2k I / E]."""
+    and the last expert's d g and d u (its rows: k / E of the pairs under even routing) [2k I / E].
+    Under expert parallelism (model/expert_parallel.py moe_block_backward) the rows of pairs and the d h
+    terms are this rank's (k / EP pairs and 1 / EP of the tokens under even routing), and it adds the
+    exchange's send and receive buffers and the share's outputs and d y [k / EP, H] each, and d z W_r and
+    the gathered d h, whole [H] each (routing that is not even makes a rank's share larger: not modelled)."""
     h, k, e = config.hidden_size, config.num_experts_per_tok, config.num_experts
     inner = config.moe_intermediate_size // tp
-    floats = 2 * e + 3 * k * h + 3 * k * inner + 2 * (2 * k + 1) * h + (2 * k + 1) + h + 2 * k + 2 * k * inner / e
-    return round(4 * floats) + 4 * k + 4 * k + 8 * k + 4 * k + 4 * (2 * k + 1)
+    pairs = k / ep  # this rank's pairs a token (all k without expert parallelism)
+    floats = (2 * e + 3 * pairs * h + 3 * pairs * inner + 2 * (2 * k + 1) * h / ep + (2 * k + 1) / ep + h + 2 * k
+              + 2 * k * inner / e)
+    if ep > 1:
+        floats += 4 * pairs * h + 2 * h
+    return round(4 * floats + 4 * k + 4 * k + 8 * pairs + 4 * pairs + 4 * (2 * k + 1) / ep)
 
 
 @dataclass(frozen=True)
 class Layout:
+    """tp x ep ranks hold one model (ep: expert parallelism, whole experts per rank), dp replicas of it."""
+
     tp: int = 1
     dp: int = 1
+    ep: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.ep * self.dp
 
     def __post_init__(self):
-        for name in ("tp", "dp"):
+        for name in ("tp", "dp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"memory: {name} must be a positive integer, got {value!r}")
 
 
 def parse_layouts(text: str) -> list[Layout]:
-    """"8x1,4x2" -> [Layout(8, 1), Layout(4, 2)]; a bad item is an InputError naming it."""
+    """"8x1,4x2,4x2x1" -> [Layout(8, 1), Layout(4, 2), Layout(4, 1, ep=2)]: TPxDP, or TPxEPxDP with expert
+    parallelism; a bad item is an InputError naming it."""
     layouts = []
     for item in text.split(","):
         parts = item.strip().lower().split("x")
-        if len(parts) != 2 or not all(part.isdigit() for part in parts):
-            raise InputError(f"{item!r} is not TPxDP (for example 8x1,4x2,1x8)")
-        layouts.append(Layout(int(parts[0]), int(parts[1])))
+        if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts):
+            raise InputError(f"{item!r} is not TPxDP or TPxEPxDP (for example 8x1,4x2,1x8,4x2x1)")
+        numbers = [int(part) for part in parts]
+        layouts.append(Layout(numbers[0], numbers[-1], numbers[1] if len(numbers) == 3 else 1))
     return layouts
 
 
@@ -102,10 +121,12 @@ class Workload:
 
 
 def check_layout(config: ModelConfig, layout: Layout) -> None:
-    """The fields a training layout must divide (model/parallel.py's rules)."""
+    """The fields a training layout must divide (model/parallel.py's and model/expert_parallel.py's rules)."""
+    from rlportable.model.expert_parallel import ExpertParallel
     from rlportable.model.parallel import TensorParallel
 
     TensorParallel(0, layout.tp).check(config, trainable=True)
+    ExpertParallel(0, layout.ep).check(config)
 
 
 def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:
@@ -121,20 +142,22 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
     attention = [((hq + 2 * hkv) * d, h), (h, hq * d)]
     mlp = [(2 * inter, h), (h, inter)]
     projections = attention + (mlp if dense else [])
-    # a sparse layer: the router whole on every rank, every expert cut like a dense MLP
-    experts = config.num_experts if sparse else 0
+    # a sparse layer: the router whole on every rank, every expert of this rank (E / EP of them) cut like a
+    # dense MLP
+    routed = config.num_experts if sparse else 0
+    experts = routed // layout.ep
     moe_inter = config.moe_intermediate_size // t if sparse else 0
     expert = [(2 * moe_inter, h), (h, moe_inter)]
-    router = (experts, h)
+    router = (routed, h)
     norms = 2 * h + (2 * d if config.qk_norm else 0)
     attention_params = sum(n * k for n, k in attention)
     dense_layer = attention_params + sum(n * k for n, k in mlp) + norms
-    sparse_layer = attention_params + experts * h + experts * sum(n * k for n, k in expert) + norms
+    sparse_layer = attention_params + routed * h + experts * sum(n * k for n, k in expert) + norms
     embed = vocab * h
     lm_head = 0 if config.tie_word_embeddings else vocab * h
     params = dense * dense_layer + sparse * sparse_layer + embed + lm_head + h
-    moe_forward = experts * _pad(h) + experts * sum(n * _pad(k) for n, k in expert)
-    moe_transposed = h * _pad(experts) + experts * sum(k * _pad(n) for n, k in expert)
+    moe_forward = routed * _pad(h) + experts * sum(n * _pad(k) for n, k in expert)
+    moe_transposed = h * _pad(routed) + experts * sum(k * _pad(n) for n, k in expert)
     forward = (layers * sum(n * _pad(k) for n, k in attention) + dense * sum(n * _pad(k) for n, k in mlp)
                + sparse * moe_forward + vocab * _pad(h))
     # the LM head's input gradient uses the whole head under tensor parallelism (all-gathered, float32 too)
@@ -148,7 +171,7 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
     activations += 24 * tokens * hq * layers  # the attention forward's row statistics (m, L, delta: float64)
     # one layer's recompute and backward at a time: the larger of a dense layer's and a sparse layer's
     layer_mlp = max(4 * LAYER_WORKING_SET * 2 * inter if dense else 0,
-                    moe_block_activations(config, t) if sparse else 0)
+                    moe_block_activations(config, t, layout.ep) if sparse else 0)
     activations += tokens * (4 * LAYER_WORKING_SET * (h + (hq + 2 * hkv) * d) + layer_mlp)
     activations += 4 * min(tokens, LM_HEAD_ROW_CHUNK) * whole_vocab * 2  # logits and their gradient, whole rows
     kv = layers * 2 * hkv * (WEIGHT_DIGITS * _pad(d) + 4) * work.kv_tokens
@@ -185,7 +208,7 @@ def table(shape: str, layouts: list[Layout], work: Workload, layers: int | None 
     for layout in layouts:
         parts = components(config, layout, work)
         top = peak(parts)
-        rows.append({"model": shape, "tp": layout.tp, "dp": layout.dp, "gpus": layout.tp * layout.dp,
+        rows.append({"model": shape, "tp": layout.tp, "ep": layout.ep, "dp": layout.dp, "gpus": layout.gpus,
                      **{k: round(v / GIB, 2) for k, v in parts.items()}, "peak_gib": round(top / GIB, 2),
                      "fits_80gb": top <= 80e9 * 0.95, "fits_141gb": top <= 141e9 * 0.95})
     return rows

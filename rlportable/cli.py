@@ -44,6 +44,13 @@ EMULATE_OPTION = click.option("--emulate", is_flag=True,
                                    "(always so on cpu).")
 
 
+#: --ep: expert parallelism of a mixture-of-experts model (sft, grpo, generate): whole experts per rank
+EP_OPTION = click.option("--ep", default=1, show_default=True, type=click.IntRange(min=1),
+                         help="Expert-parallel ranks (Qwen3-MoE): each holds num_experts / EP whole experts, the "
+                              "rows exchanged by all-to-all; --tp x --ep ranks a model (x --dp in all); bitwise "
+                              "the same results as --ep 1.")
+
+
 def tp_options(f):
     """--tp / --emulate: tensor parallelism (rlportable/launch.py)."""
     return TP_OPTION(EMULATE_OPTION(f))
@@ -307,9 +314,10 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
                    "--cuda-graphs runs the same padded buckets eagerly). Same tokens and log-probs either way.")
 @DEVICE_OPTION
 @tp_options
+@EP_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Per sample: token ids, text and log-probs, as JSON.")
 def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_k, min_p, ignore_eos, seed,
-             max_batch, block_size, prefix_caching, cuda_graphs, device, tp, emulate, as_json):
+             max_batch, block_size, prefix_caching, cuda_graphs, device, tp, emulate, ep, as_json):
     """Sample completions with the rollout engine (paged KV cache, continuous batching)."""
     from rlportable.engine.llm import LLM
     from rlportable.engine.sequence import SamplingParams, SamplingParamsError
@@ -326,10 +334,10 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
     except RlpError as error:
         _fail(error)
 
-    def work(backend, tp_group):
+    def work(backend, tp_group, ep_group):
         llm = LLM(model_spec, device=backend, block_size=block_size, max_num_seqs=max_batch,
-                  enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, tp_group=tp_group)
-        if tp_group.rank:
+                  enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, tp_group=tp_group, ep_group=ep_group)
+        if tp_group.rank or ep_group.rank:
             return llm, llm.generate(texts, params, seed=seed)
         with click.progressbar(length=len(texts) * n * max_tokens, label="generating", file=sys.stderr) as bar:
             done = [0]
@@ -340,7 +348,9 @@ def generate(model_spec, prompts, jsonl, n, max_tokens, temperature, top_p, top_
 
             return llm, llm.generate(texts, params, progress=progress, seed=seed)
 
-    reports, (llm, outputs) = _run_ranks(device, tp, emulate, work)
+    from rlportable.launch import run_model
+
+    reports, (llm, outputs) = _launched(run_model, device, tp, ep, emulate, work)
     if not reports:
         return
     stats = llm.stats
@@ -365,7 +375,8 @@ CONFIG_DEFAULT = " (default: the run config's; `--model tiny`/`tiny-sft`: the em
 
 
 #: options that say where and how a run executes, not what it computes: not part of a run's config file
-RUN_PLACE = ("out", "resume", "config_file", "print_config", "device", "dp", "emulate", "tp", "log_jsonl", "plot")
+RUN_PLACE = ("out", "resume", "config_file", "print_config", "device", "dp", "emulate", "tp", "ep", "log_jsonl",
+             "plot")
 
 
 def _option_names(command: click.Command) -> dict[str, str]:
@@ -492,6 +503,7 @@ def _run_options(f):
                           "--dp 1."),
         EMULATE_OPTION,
         TP_OPTION,
+        EP_OPTION,
     ]
     for option in reversed(options):
         f = option(f)
@@ -514,18 +526,18 @@ def _finished_or_resuming(kind: str, options, steps: int) -> bool:
 
 
 def _train_on_replicas(kind: str, run, keys: list[str], steps: int, device: str, tp: int, dp: int, emulate: bool,
-                       out: str | None = None, plot: str | None = None):
-    """run(backend, on_step, dp_group, tp_group) on every rank of tp x dp (one without --tp and --dp);
-    rank 0 prints."""
+                       out: str | None = None, plot: str | None = None, ep: int = 1):
+    """run(backend, on_step, dp_group, tp_group, ep_group) on every rank of tp x ep x dp (one without --tp,
+    --ep and --dp); rank 0 prints."""
     from rlportable.launch import run_layout
 
-    def work(backend, tp_group, dp_group):
-        if tp_group.rank == 0 and dp_group.rank == 0:
-            _train(kind, lambda on_step: run(backend, on_step, dp_group, tp_group), keys, steps, out, plot)
+    def work(backend, tp_group, dp_group, ep_group):
+        if tp_group.rank == 0 and dp_group.rank == 0 and ep_group.rank == 0:
+            _train(kind, lambda on_step: run(backend, on_step, dp_group, tp_group, ep_group), keys, steps, out, plot)
         else:
-            run(backend, lambda record: None, dp_group, tp_group)
+            run(backend, lambda record: None, dp_group, tp_group, ep_group)
 
-    _launched(run_layout, device, tp, dp, emulate, work)
+    _launched(run_layout, device, tp, dp, emulate, work, "native", ep)
 
 
 def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, plot: str | None = None):
@@ -577,7 +589,7 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
 @click.option("--max-length", default=None, type=click.IntRange(min=1), help="Longest prompt + completion." + CONFIG_DEFAULT)
 @REPORT_TO_OPTION
 def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-        weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
+        weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp, ep,
         batch_size, max_length, report_to):
     """Supervised fine-tuning on completion tokens (JSONL prompt/completion or messages, or a task's answers)."""
     from rlportable.train import prepare
@@ -603,9 +615,10 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
                    f"warmup {config.warmup_steps}, max length {config.max_length}", err=True)
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("sft", lambda backend, on_step, dp_group, tp_group: prepare.run_sft(
-                           backend, options, config, on_step, dp_group, tp_group),
-                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, emulate, out, plot)
+    _train_on_replicas("sft", lambda backend, on_step, dp_group, tp_group, ep_group: prepare.run_sft(
+                           backend, options, config, on_step, dp_group, tp_group, ep_group),
+                       ["loss", "grad_norm", "lr", "tokens_per_s"], config.steps, device, tp, dp, emulate, out, plot,
+                       ep)
 
 
 @main.command()
@@ -656,7 +669,7 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
                    "'answer' as it is).")
 @REPORT_TO_OPTION
 def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot, seed, lr, warmup_steps,
-         weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp,
+         weight_decay, max_grad_norm, micro_batch_tokens, config_file, print_config, device, dp, emulate, tp, ep,
          rewards, reward_weights,
          prompts_per_step, num_generations, max_completion_length, max_prompt_length, temperature, top_p, top_k, min_p,
          epsilon, epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions, importance_sampling_level,
@@ -703,11 +716,11 @@ def grpo(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot
                        "last", err=True)
     except RlpError as error:
         _fail(error)
-    _train_on_replicas("grpo", lambda backend, on_step, dp_group, tp_group: prepare.run_grpo(
-                           backend, options, config, specs, on_step, dp_group, tp_group),
+    _train_on_replicas("grpo", lambda backend, on_step, dp_group, tp_group, ep_group: prepare.run_grpo(
+                           backend, options, config, specs, on_step, dp_group, tp_group, ep_group),
                        ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches",
                         "max_abs_dlogp", "ratio_min", "ratio_max", "rollout_tokens_per_s", "step_s"],
-                       config.steps, device, tp, dp, emulate, out, plot)
+                       config.steps, device, tp, dp, emulate, out, plot, ep)
 
 
 @main.group()

@@ -3,7 +3,7 @@
 Every command that can run on several ranks (generate, conform, bench decode with --tp; sft and grpo
 with --tp x --dp) comes through here. The backend is made once per rank (device and kernel source),
 the ranks are formed once, and the work gets its groups under one name each: `tp_group` and, for
-training, `dp_group` (runtime/world.py `layout_groups`: consecutive ranks share a model).
+training, `dp_group` and `ep_group` (runtime/world.py `model_groups`: consecutive ranks share a model).
 
 How the ranks run:
   * launched as a rank (WORLD_SIZE > 1 in the environment, by this module or torchrun): this GPU's
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from rlportable.errors import InputError
 from rlportable.runtime.collectives import SingleGroup, run_threads
-from rlportable.runtime.world import connect, free_port, layout_groups, world_from_env
+from rlportable.runtime.world import connect, free_port, model_groups, world_from_env
 
 
 def spawn_ranks(size: int, argv: list[str], poll_s: float = 0.1) -> int:
@@ -80,15 +80,36 @@ def run_ranks(device: str, world_size: int, emulate: bool, work: Callable,
     raise SystemExit(spawn_ranks(world_size, sys.argv[1:]))
 
 
+def run_model(device: str, tp: int, ep: int, emulate: bool, work: Callable,
+              kernel_source: str = "native") -> tuple[bool, Any]:
+    """(reports, work(backend, tp_group, ep_group)) for this rank of one model over tp x ep ranks (the
+    engine's: no data-parallel replicas)."""
+    def layout(backend, world_group):
+        if ep == 1:  # the world is the tensor-parallel group, as without expert parallelism
+            return work(backend, world_group, SingleGroup())
+        tp_group, ep_group, _ = model_groups(world_group, tp, ep)
+        return work(backend, tp_group, ep_group)
+
+    for flag, value in (("--tp", tp), ("--ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{flag} must be an integer >= 1, got {value!r}")
+    return run_ranks(device, tp * ep, emulate, layout, kernel_source)
+
+
 def run_layout(device: str, tp: int, dp: int, emulate: bool, work: Callable,
-               kernel_source: str = "native") -> tuple[bool, Any]:
-    """(reports, work(backend, tp_group, dp_group)) for this rank of tp x dp ranks: each model cut over
-    `tp` ranks, `dp` replicas of it."""
-    for flag, value in (("--tp", tp), ("--dp", dp)):
+               kernel_source: str = "native", ep: int = 1) -> tuple[bool, Any]:
+    """(reports, work(backend, tp_group, dp_group, ep_group)) for this rank of tp x ep x dp ranks: each model
+    cut over `tp` ranks, `ep` groups of those holding its experts (model/expert_parallel.py), `dp` replicas
+    of it."""
+    for flag, value in (("--tp", tp), ("--dp", dp), ("--ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{flag} must be an integer >= 1, got {value!r}")
     world = world_from_env()
-    if world is not None and dp == 1 and world.size % tp == 0:
-        dp = world.size // tp  # a launcher's ranks beyond the model cut are replicas, whatever --tp is
-    return run_ranks(device, tp * dp, emulate,
-                     lambda backend, world_group: work(backend, *layout_groups(world_group, tp)), kernel_source)
+    if world is not None and dp == 1 and world.size % (tp * ep) == 0:
+        dp = world.size // (tp * ep)  # a launcher's ranks beyond the model cut are replicas, whatever --tp is
+
+    def layout(backend, world_group):
+        tp_group, ep_group, dp_group = model_groups(world_group, tp, ep)
+        return work(backend, tp_group, dp_group, ep_group)
+
+    return run_ranks(device, tp * ep * dp, emulate, layout, kernel_source)

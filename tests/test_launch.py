@@ -55,5 +55,5 @@ def test_a_launchers_ranks_beyond_the_model_cut_are_replicas(monkeypatch, tp, dp
 
     monkeypatch.setattr(launch, "world_from_env", lambda: type("World", (), {"size": 4})())
     monkeypatch.setattr(launch, "run_ranks", run_ranks)
-    launch.run_layout("cpu", tp, dp, False, lambda backend, tp_group, dp_group: None)
+    launch.run_layout("cpu", tp, dp, False, lambda backend, tp_group, dp_group, ep_group: None)
     assert seen["world_size"] == expected[0] * expected[1]

@@ -317,3 +317,48 @@ def test_ep2_on_hip_cpu_is_the_cpu_ep1_bits():
         assert all(np.array_equal(g, w) for g, w in zip(routing, want_routing))
         for name, grad in got.items():
             assert np.array_equal(raw(grad), raw(want[name])), name
+
+
+def test_the_cli_runs_ep2_and_says_what_it_cannot_cut(tmp_path, hf_folder):
+    """`--ep 2` (threads on cpu): generate prints EP 1's completions, grpo logs EP 1's step with 0 log-prob
+    and 0 routing mismatches and sft saves EP 1's weights; --ep 3 over 8 experts, --ep 2 on a dense model and
+    --ep 0 are one line each."""
+    import json
+
+    from click.testing import CliRunner
+
+    from conftest import clean_exit
+    from test_moe_train import _weights
+    from rlportable.cli import main
+
+    folder, _ = hf_folder
+    runner = CliRunner()
+    generate = ["generate", "--model", str(folder), "--device", "cpu", "-n", "2", "--max-tokens", "4", "--json",
+                "--prompt", "hello there"]
+    one, two = (runner.invoke(main, generate + flags) for flags in ([], ["--ep", "2"]))
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    assert json.loads(one.stdout)["results"] == json.loads(two.stdout)["results"]
+    grpo = ["grpo", "--model", str(folder), "--device", "cpu", "--steps", "1", "--prompts-per-step", "2", "-G", "2",
+            "--max-completion-length", "3"]
+    for name, flags in (("ep1", []), ("ep2", ["--ep", "2"])):
+        result = runner.invoke(main, grpo + flags + ["--out", str(tmp_path / name),
+                                                     "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
+        assert result.exit_code == 0, result.output
+    logged, sharded = (json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[-1]) for name in ("ep1", "ep2"))
+    assert sharded["routing_mismatches"] == sharded["logp_mismatches"] == 0 and sharded["routing_compared"] > 0
+    assert sharded["loss"] == logged["loss"] and sharded["grad_norm"] == logged["grad_norm"]
+    sft = ["sft", "--model", str(folder), "--device", "cpu", "--steps", "1", "--batch-size", "2"]
+    for name, flags in (("sft1", []), ("sft2", ["--ep", "2"])):
+        assert runner.invoke(main, sft + flags + ["--out", str(tmp_path / name)]).exit_code == 0
+    single, sharded_weights = _weights(tmp_path / "sft1"), _weights(tmp_path / "sft2")
+    assert all(np.array_equal(sharded_weights[n], single[n]) for n in single) and single.keys() == sharded_weights.keys()
+
+    bad = runner.invoke(main, sft + ["--ep", "3"])
+    assert bad.exit_code != 0 and clean_exit(bad)
+    assert "error: expert parallelism: num_experts=8 is not divisible by the EP size 3\n" in bad.output
+    dense = runner.invoke(main, ["generate", "--model", "tiny", "--device", "cpu", "--max-tokens", "2", "--ep", "2",
+                                 "--prompt", "hi"])
+    assert dense.exit_code != 0 and clean_exit(dense)
+    assert "error: expert parallelism: EP 2 needs a mixture-of-experts model" in dense.output
+    zero = runner.invoke(main, sft + ["--ep", "0"])
+    assert zero.exit_code == 2 and "--ep" in zero.output

@@ -88,7 +88,8 @@ class LLM:
     def __init__(self, model: str = "tiny", device: str = "auto", block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
                  enable_prefix_caching: bool = False, loaded=None, sampler: str = "host",
-                 cuda_graphs: bool | None = None, tp_group=None, async_scheduling: bool | None = None):
+                 cuda_graphs: bool | None = None, tp_group=None, async_scheduling: bool | None = None,
+                 ep_group=None):
         """`loaded`: an already loaded (config, weights, tokenizer), or an existing Model with its tokenizer.
         `sampler`: "host" (the contract's NumPy sampler) or "device" (the sampling kernel for rows
         without top-k/top-p/min-p, the host for the others); the same tokens and log-probs either way.
@@ -98,6 +99,8 @@ class LLM:
         `tp_group`: this process's (or thread's) tensor-parallel rank (runtime/collectives.py). Every rank
         runs the same engine loop on its shard of the model (the scheduler and the sampler are
         deterministic, so the ranks agree without talking); the outputs are the same on every rank.
+        `ep_group`: its expert-parallel rank (a Qwen3-MoE's whole experts per rank, model/expert_parallel.py),
+        the same way.
         `async_scheduling`: while a pure decode step runs on the device, plan and launch the next one,
         fed the tokens it draws on the device, before reading its results (docs/engine.md, "Asynchronous
         scheduling"); needs sampler="device" and decode buckets (cuda_graphs). Other steps
@@ -111,7 +114,7 @@ class LLM:
             self.model, self.tokenizer = loaded
         else:
             config, weights, self.tokenizer = loaded if loaded is not None else load_model(model)
-            self.model = Model(self.backend, config, weights, tp_group=tp_group)
+            self.model = Model(self.backend, config, weights, tp_group=tp_group, ep_group=ep_group)
         config = self.model.config
         self.max_model_len = max_model_len or min(config.max_position_embeddings, 4096)
         self.block_size = block_size

@@ -362,3 +362,29 @@ def test_the_cli_runs_ep2_and_says_what_it_cannot_cut(tmp_path, hf_folder):
     assert "error: expert parallelism: EP 2 needs a mixture-of-experts model" in dense.output
     zero = runner.invoke(main, sft + ["--ep", "0"])
     assert zero.exit_code == 2 and "--ep" in zero.output
+
+
+def test_sft_at_ep2_by_dp2_saves_one_devices_weights(tmp_path, hf_folder):
+    """EP composed with data parallelism (model_groups: 4 ranks, DP 2 replicas of an EP 2 model): the
+    replicas exchange their own experts' gradients (the same names within a data-parallel group), and the
+    saved weights are EP 1 x DP 1's bits."""
+    from test_moe_train import _options, _weights
+    from rlportable.runtime.world import model_groups
+    from rlportable.train import prepare
+    from rlportable.train.sft import SFTConfig
+
+    folder, _ = hf_folder
+    config = SFTConfig(steps=2, batch_size=4, learning_rate=3e-3, seed=1, micro_batch_tokens=24)
+
+    def rank(world):
+        tp_group, ep_group, dp_group = model_groups(world, 1, 2)
+        assert (tp_group.size, ep_group.size, dp_group.size) == (1, 2, 2)
+        return prepare.run_sft(CPU, _options(tmp_path, folder, "ep2dp2"), config, lambda r: None, dp_group,
+                               tp_group, ep_group)
+
+    want = prepare.run_sft(CPU, _options(tmp_path, folder, "one"), config, lambda r: None)
+    got = run_threads(CPU, 4, rank)[0]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
+    single, sharded = _weights(tmp_path / "one"), _weights(tmp_path / "ep2dp2")
+    assert list(single) == list(sharded) and all(np.array_equal(sharded[n], single[n]) for n in single)

@@ -81,8 +81,7 @@ class ExpertParallel:
 
         layers = [dataclasses.replace(layer, expert_gate=keep(layer.expert_gate), expert_up=keep(layer.expert_up),
                                       expert_down=keep(layer.expert_down)) for layer in weights.layers]
-        lm_head = weights.lm_head
-        return ModelWeights(embed=weights.embed, layers=layers, final_norm=weights.final_norm, lm_head=lm_head)
+        return ModelWeights(embed=weights.embed, layers=layers, final_norm=weights.final_norm, lm_head=weights.lm_head)
 
 
 def is_expert(name: str) -> bool:
@@ -278,9 +277,9 @@ def moe_block_backward(backend, ep_group: Group, tp_group: Group, h, router, gat
 
 def gather_experts(backend, ep_group: Group, config: ModelConfig, named: dict, keep: bool = True) -> dict | None:
     """The whole model's tensors by name, in checkpoint order, from every expert-parallel rank's `named`
-    (host arrays: the replicated tensors and this rank's experts, each whole over tensor parallelism):
-    every expert's tensors all-gathered from their ranks (copies); every rank must call, keep=False: this
-    rank only takes part and gets None."""
+    (host arrays: this rank's experts, each whole over tensor parallelism, and where keep the replicated
+    tensors): every expert's tensors all-gathered from their ranks (copies); every rank must call,
+    keep=False: this rank only takes part and gets None."""
     if ep_group.size == 1:
         return named if keep else None
     from rlportable.model.weights import expected_tensors
@@ -292,7 +291,10 @@ def gather_experts(backend, ep_group: Group, config: ModelConfig, named: dict, k
         if not is_expert(name):
             continue
         local = expert_of(name) - ep.rank * per
-        parts = backend.to_numpy(ep_group.all_gather(backend.asarray(np.ascontiguousarray(named[name]))))
+        parts = ep_group.all_gather(backend.asarray(np.ascontiguousarray(named[name])))
+        if not keep:  # a rank that only sends holds one tensor's parts at a time
+            continue
+        parts = backend.to_numpy(parts)
         head, tail = name.split(".experts.")
         rest = tail.split(".", 1)[1]
         for q in range(ep.size):

@@ -242,20 +242,24 @@ class Optimizer:
         data-parallel pieces and the tensor-parallel shards (every rank must call; keep=False: this
         rank only takes part and gets None)."""
         out, shapes = {}, {name: shape_of(p) for name, p in self._params().items()}
-        ranks = keep or self.ep_group.size > 1  # an expert-parallel rank sends its experts' whole tensors on
         for kind, store in (("m", self.m), ("v", self.v)):
             named = {name: parallel.unshard(self.model.backend, self.tp_group, name,
-                                            self._local(name, store, shapes[name]), ranks) for name in self.names}
+                                            self._local(name, store, shapes[name]), self._keep(name, keep))
+                     for name in self.names}
             named = expert_parallel.gather_experts(self.model.backend, self.ep_group, self.model.config, named, keep)
             out.update({f"{kind}.{name}": array for name, array in (named or {}).items()})
         return out if keep else None
+
+    def _keep(self, name: str, keep: bool) -> bool:
+        """Whether this rank keeps a tensor unsharded over TP: where it keeps the result, and its experts
+        under expert parallelism (it sends them on to the rank that keeps them)."""
+        return keep or (self.ep_group.size > 1 and expert_parallel.is_expert(name))
 
     def whole_weights(self, keep: bool = True) -> dict[str, np.ndarray] | None:
         """The model's whole float32 weights by name, as host arrays (gathered over tensor-parallel
         shards; every rank must call, keep=False: this rank only takes part)."""
         params = self._params()
-        ranks = keep or self.ep_group.size > 1  # an expert-parallel rank sends its experts' whole tensors on
-        out = {name: parallel.unshard(self.model.backend, self.tp_group, name, params[name], ranks)
+        out = {name: parallel.unshard(self.model.backend, self.tp_group, name, params[name], self._keep(name, keep))
                for name in self.names}
         return expert_parallel.gather_experts(self.model.backend, self.ep_group, self.model.config, out, keep)
 

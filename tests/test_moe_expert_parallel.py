@@ -388,3 +388,22 @@ def test_sft_at_ep2_by_dp2_saves_one_devices_weights(tmp_path, hf_folder):
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
     single, sharded = _weights(tmp_path / "one"), _weights(tmp_path / "ep2dp2")
     assert list(single) == list(sharded) and all(np.array_equal(sharded[n], single[n]) for n in single)
+
+
+def test_model_groups_place_tp_inside_ep_inside_dp():
+    """8 ranks at TP 2 x EP 2 (x DP 2): consecutive ranks share a TP group, two TP groups make a model
+    replica, whose ranks with the same TP rank form an EP group; DP joins the same place of both replicas.
+    A world the model does not divide is one line."""
+    from rlportable.runtime.world import model_groups
+
+    def work(world):
+        tp_group, ep_group, dp_group = model_groups(world, 2, 2)
+        return [sorted(g.all_gather_object(world.rank)) for g in (tp_group, ep_group, dp_group)]
+
+    for rank, (tp, ep, dp) in enumerate(run_threads(CPU, 8, work)):
+        assert tp == [rank - rank % 2, rank - rank % 2 + 1]
+        replica = rank - rank % 4
+        assert ep == [replica + rank % 2, replica + rank % 2 + 2]
+        assert dp == [rank % 4, rank % 4 + 4]
+    with pytest.raises(InputError, match="^--tp 2 x --ep 2 must divide the 6 ranks$"):
+        run_threads(CPU, 6, lambda world: model_groups(world, 2, 2))

@@ -223,7 +223,9 @@ def moe_block_backward(backend, ep_group: Group, tp_group: Group, h, router, gat
     else:
         plan = _Plan(host_experts, ep, num_experts)
         share = plan.tokens(ep.rank)
-        outputs, (_, order, x, saved) = _share_outputs(backend, ep_group, tp_group, plan, h, weight)
+        outputs, mine_rows = _share_outputs(backend, ep_group, tp_group, plan, h, weight)
+        order, x, saved = mine_rows[1:]  # the experts' output rows went to the shares: not kept
+        del mine_rows
         n, share_pairs = order.size, len(share) * k
         d_weights_share, d_y_share = moe.combine_backward(backend, d_out[share.start:share.stop],
                                                          weights[share.start:share.stop], outputs)
@@ -235,6 +237,7 @@ def moe_block_backward(backend, ep_group: Group, tp_group: Group, h, router, gat
         router_rows = gemm.input_grad(backend, d_logits, router, transposed)  # d z W_r, every token
         received = _to_experts(backend, ep_group, plan, d_y_share.reshape(share_pairs, hidden))
         d_y = _gather(backend, received, plan.returned(ep.rank)) if n else zeros((0, hidden), np.float32)
+        del received, d_y_share
         dx = backend.empty((2 * n, hidden), np.float32)  # this rank's pairs' dX(d g) rows, then dX(d u)
         inner = shape_of(gate[mine.start])[0]
         d_gu = backend.empty((2 * n, inner), np.float32) if tp_group.size > 1 else None

@@ -343,11 +343,14 @@ def expert_rows(backend, tp_group: Group, h, weight: moe.MoeWeight, groups: list
         start += chosen.size
     y = backend.empty((n, hidden), np.float32)
     saved = []
-    if tp_group.size == 1:
+    if tp_group.size == 1:  # whole experts: each down product is the one-device gemm
         for expert, start, stop in runs:
             gate, up = gemm.gemm_columns(backend, x[start:stop], weight.gate_up[expert])
-            act = activation.swiglu(backend, gate, up)
-            backend.copy_into(y[start:stop], gemm.gemm(backend, act, weight.down[expert]))
+            if backend.runs_reference:  # the reference's gemm encodes its own rows
+                act, encoded = activation.swiglu(backend, gate, up), None
+            else:  # one launch gives the activation and its encoding, as ops.moe's expert pass
+                act, encoded = activation.swiglu_encode(backend, gate, up, bits_a)
+            backend.copy_into(y[start:stop], gemm.gemm(backend, act, weight.down[expert], bits_a, encoded=encoded))
             saved.append((expert, start, stop, gate, up, act))
         return y, order, x, saved
     inner = weight.down[groups[0][0]].k if groups else 0

@@ -12,7 +12,7 @@ from test_moe_device import moe_config, scaled_weights
 from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.errors import InputError
-from rlportable.model import backward, expert_parallel
+from rlportable.model import backward
 from rlportable.model.expert_parallel import ExpertParallel, expert_of, is_expert
 from rlportable.model.forward import Model
 from rlportable.model.parallel import TensorParallel, shard_tensor
@@ -351,7 +351,8 @@ def test_the_cli_runs_ep2_and_says_what_it_cannot_cut(tmp_path, hf_folder):
     for name, flags in (("sft1", []), ("sft2", ["--ep", "2"])):
         assert runner.invoke(main, sft + flags + ["--out", str(tmp_path / name)]).exit_code == 0
     single, sharded_weights = _weights(tmp_path / "sft1"), _weights(tmp_path / "sft2")
-    assert all(np.array_equal(sharded_weights[n], single[n]) for n in single) and single.keys() == sharded_weights.keys()
+    assert single.keys() == sharded_weights.keys()
+    assert all(np.array_equal(sharded_weights[n], single[n]) for n in single)
 
     bad = runner.invoke(main, sft + ["--ep", "3"])
     assert bad.exit_code != 0 and clean_exit(bad)

@@ -238,6 +238,91 @@ def test_moe_block_activations_match_what_the_backward_holds():
         assert measured == pytest.approx(memory.moe_block_activations(config), rel=0.05), (k, measured)
 
 
+class _Recording:
+    """A rank's expert-parallel group that keeps every collective's result (for _Replay)."""
+
+    def __init__(self, group, log: list):
+        self.group, self.log, self.rank, self.size = group, log, group.rank, group.size
+
+    def all_to_all(self, array):
+        self.log.append(np.array(self.group.all_to_all(array)))
+        return self.log[-1]
+
+    def all_gather(self, array):
+        self.log.append(np.array(self.group.all_gather(array)))
+        return self.log[-1]
+
+
+class _Replay:
+    """That rank alone: each collective returns a fresh copy of the recorded result, in order."""
+
+    def __init__(self, log: list, rank: int, size: int):
+        self.log, self.rank, self.size, self.calls = log, rank, size, 0
+
+    def _next(self, _array):
+        self.calls += 1
+        return self.log[self.calls - 1].copy()
+
+    all_to_all = all_gather = _next
+
+
+def test_ep_block_activations_bound_what_a_rank_holds():
+    """The expert-parallel block's bytes a token against what rank 0 holds at its share's last combine
+    (model/expert_parallel.py moe_block_backward on the cpu backend, tracemalloc): rank 0 replayed alone
+    with its recorded collectives (threads would mix the ranks' allocations), 2048 minus 1024 tokens. The
+    model errs high, by at most 25% (it counts even routing; rank 0's experts got fewer rows here)."""
+    import tracemalloc
+
+    from rlportable.model import expert_parallel
+    from rlportable.model.synthetic import random_weights
+    from rlportable.ops import moe
+    from rlportable.runtime import get_backend
+    from rlportable.runtime.collectives import SingleGroup, run_threads
+
+    cpu = get_backend("cpu")
+    for k, experts, inner, ep in ((2, 4, 128, 2), (2, 4, 128, 4), (3, 8, 48, 2), (3, 8, 48, 4)):
+        config = _moe_config(num_experts_per_tok=k, num_experts=experts, moe_intermediate_size=inner)
+        layer = random_weights(config, seed=0).layers[1]
+        router = (layer.router * 50).astype(np.float32)  # spread logits: tokens pick different experts
+
+        def arguments(rank, h, d_out):
+            mine = expert_parallel.ExpertParallel(rank, ep).experts(config)
+            held = [[w if e in mine else None for e, w in enumerate(ws)]
+                    for ws in (layer.expert_gate, layer.expert_up, layer.expert_down)]
+            return (h, router, *held, moe.encode(cpu, router, *held, k, True), d_out, None)
+
+        alive = {}
+        rng = np.random.default_rng(0)
+        for tokens in (1024, 2048):
+            h = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
+            d_out = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
+            logs = [[] for _ in range(ep)]
+            run_threads(cpu, ep, lambda group: expert_parallel.moe_block_backward(
+                cpu, _Recording(group, logs[group.rank]), SingleGroup(), *arguments(group.rank, h, d_out)))
+            args = arguments(0, h, d_out)
+            expert_parallel.moe_block_backward(cpu, _Replay(logs[0], 0, ep), SingleGroup(), *args)  # caches, once
+            last, seen = moe.input_grad_sum, {}
+
+            def measured_sum(*sum_args):
+                out = last(*sum_args)
+                seen["alive"] = tracemalloc.get_traced_memory()[0] - seen["base"]
+                return out
+
+            moe.input_grad_sum = measured_sum
+            tracemalloc.start()
+            try:
+                seen["base"] = tracemalloc.get_traced_memory()[0]
+                expert_parallel.moe_block_backward(cpu, _Replay(logs[0], 0, ep), SingleGroup(), *args)
+            finally:
+                tracemalloc.stop()
+                moe.input_grad_sum = last
+            alive[tokens] = seen["alive"]
+        measured = (alive[2048] - alive[1024]) / 1024
+        model = memory.moe_block_activations(config, 1, ep)
+        assert measured <= model <= 1.25 * measured, (k, experts, ep, measured, model)
+        assert model < memory.moe_block_activations(config)
+
+
 def test_qwen3_30b_a3b_counts_and_layouts():
     from rlportable.model.weights import expected_tensors
 

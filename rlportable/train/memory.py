@@ -68,18 +68,22 @@ def moe_block_activations(config: ModelConfig, tp: int = 1, ep: int = 1) -> int:
     weights of 1 [2k + 1] and the sum d h [H]; int32 experts (on the device and the host), int64 pair
     order, int32 slots, the gather's int32 index [2k + 1]; the routing weights with their gradient [k];
     and the last expert's d g and d u (its rows: k / E of the pairs under even routing) [2k I / E].
-    Under expert parallelism (model/expert_parallel.py moe_block_backward) the rows of pairs and the d h
-    terms are this rank's (k / EP pairs and 1 / EP of the tokens under even routing), and it adds the
-    exchange's send and receive buffers and the share's outputs and d y [k / EP, H] each, and d z W_r and
-    the gathered d h, whole [H] each (routing that is not even makes a rank's share larger: not modelled)."""
+    Under expert parallelism (model/expert_parallel.py moe_block_backward, at its share's last combine) a
+    rank holds the rows of its own pairs (k / EP a token under even routing: routing that is not even
+    makes one rank's larger, not modelled) and the terms of its share of the tokens (1 / EP): the gathered
+    rows x, the grouped d y and the share's expert outputs [k / EP, H] each, g, u and the SwiGLU output
+    [k / EP, I / TP], its pairs' d h rows [2k / EP, H] and d z W_r [H] apart, the share's terms and their
+    gather [(2k + 1) / EP, H] each, weights of 1 and the share's d h; the rest as one device."""
     h, k, e = config.hidden_size, config.num_experts_per_tok, config.num_experts
     inner = config.moe_intermediate_size // tp
     pairs = k / ep  # this rank's pairs a token (all k without expert parallelism)
-    floats = (2 * e + 3 * pairs * h + 3 * pairs * inner + 2 * (2 * k + 1) * h / ep + (2 * k + 1) / ep + h + 2 * k
-              + 2 * k * inner / e)
-    if ep > 1:
-        floats += 4 * pairs * h + 2 * h
-    return round(4 * floats + 4 * k + 4 * k + 8 * pairs + 4 * pairs + 4 * (2 * k + 1) / ep)
+    terms = 2 * k + 1  # d h rows a token: k for d g, k for d u, the router's
+    if ep == 1:
+        floats = 2 * e + 3 * k * h + 3 * k * inner + 2 * terms * h + terms + h + 2 * k + 2 * k * inner / e
+    else:
+        floats = (2 * e + 3 * pairs * h + 3 * pairs * inner + 2 * pairs * h + h + 2 * terms * h / ep + terms / ep
+                  + h / ep + 2 * k + 2 * k * inner / e)
+    return round(4 * floats + 4 * k + 4 * k + 8 * pairs + 4 * pairs + 4 * terms / ep)
 
 
 @dataclass(frozen=True)

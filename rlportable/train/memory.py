@@ -25,7 +25,7 @@ in place of the dense MLP's working set, what ops/moe.py composed_block_backward
 (moe_block_activations: about (7k + 3) H + 3k I float32 a token). Under expert parallelism
 (model/expert_parallel.py) a rank holds E / EP whole experts: their weights, encodings, gradient and
 optimiser state are divided by EP (the router's not), and the block's working set holds this rank's
-share of the pairs (k / EP a token under even routing) plus the exchange's buffers.
+share of the pairs (k / EP a token under even routing) and of the tokens' d h terms (1 / EP).
 The peak is the larger of the rollout phase (weights, encodings, moments, KV cache) and the training
 phase (everything but the KV cache). Not modelled: the allocator's fragmentation, the CUDA context (about 0.5 GiB),
 library workspaces. `rlportable bench memory` prints it; the H100 measurement that checks it is in

@@ -350,3 +350,15 @@ def test_bench_memory_prints_the_moe_table():
     result = CliRunner().invoke(main, ["bench", "memory", "--model", "qwen3-30b-a3b,qwen3-0.6b", "--layouts", "4x2"])
     assert result.exit_code == 0, result.output
     assert "qwen3-30b-a3b" in result.output and "qwen3-0.6b" in result.output
+
+
+def test_bench_memory_takes_ep_layouts_and_measures_none():
+    result = CliRunner().invoke(main, ["bench", "memory", "--model", "qwen3-30b-a3b", "--layouts", "4x1x2,4x2x1"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("qwen3-30b-a3b")]
+    assert [row[1:5] for row in rows] == [["4", "1", "2", "8"], ["4", "2", "1", "8"]]  # tp, ep, dp, gpus
+    measured = CliRunner().invoke(main, ["bench", "memory", "--model", "qwen3-30b-a3b", "--layouts", "1x2x1",
+                                         "--measure", "--device", "cpu"])
+    assert measured.exit_code != 0 and "the layout with EP 2 is modelled only" in measured.output
+    bad = CliRunner().invoke(main, ["bench", "memory", "--layouts", "1x2x3x4"])
+    assert bad.exit_code != 0 and "'1x2x3x4' is not TPxDP or TPxEPxDP" in bad.output

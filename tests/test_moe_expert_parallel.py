@@ -272,28 +272,40 @@ def test_training_at_ep2_saves_ep1s_weights_on_raw_bits(tmp_path, hf_folder, kin
         assert any(is_expert(n) and expert_of(n) in mine and "down_proj" in n for n in moved)
 
 
-def test_resuming_under_ep_is_one_line(tmp_path, hf_folder):
-    """A checkpoint written at EP 2 loads its weights (above) but its optimiser state is not read back:
-    resuming it, or resuming an EP 1 run at EP 2, is one InputError."""
-    from test_moe_train import _options
+def test_runs_interrupted_at_ep2_or_ep1_resume_at_the_other_bitwise(tmp_path, hf_folder):
+    """Two SFT steps, stopped after the first and resumed at another layout (EP 2 -> 2, 2 -> 1, 1 -> 2, TP 2 x
+    EP 2 -> TP 2 and -> EP 2): the optimiser state of a checkpoint written at EP 2 is read from each expert's
+    rank's files, and every run ends with the unbroken one-device run's weights, bit for bit."""
+    import shutil
+
+    from test_moe_train import _options, _weights
+    from rlportable.runtime.world import model_groups
     from rlportable.train import prepare
     from rlportable.train.sft import SFTConfig
 
     folder, _ = hf_folder
     config = SFTConfig(steps=2, batch_size=4, learning_rate=3e-3, seed=1)
 
-    def sft(name, ep, resume=False):
-        def rank(group):
-            return prepare.run_sft(CPU, _options(tmp_path, folder, name, resume), config, lambda r: None, None, None,
-                                   group)
-        return run_threads(CPU, ep, rank) if ep > 1 else rank(None)
+    def sft(name, layout, resume=False):
+        tp, ep = layout
 
-    for name, ep, again in (("ep2", 2, 1), ("ep1", 1, 2)):
-        sft(name, ep)
+        def rank(world):
+            tp_group, ep_group, dp_group = model_groups(world, tp, ep)
+            return prepare.run_sft(CPU, _options(tmp_path, folder, name, resume), config, lambda r: None, dp_group,
+                                   tp_group, ep_group)
+        return run_threads(CPU, tp * ep, rank)
+
+    sft("unbroken", (1, 1))
+    want = _weights(tmp_path / "unbroken")
+    # (TP, EP): the same TP reads each rank's own shard files, another TP whole tensors
+    for first, then in (((1, 2), (1, 2)), ((1, 2), (1, 1)), ((1, 1), (1, 2)), ((2, 2), (2, 1)), ((2, 2), (1, 2))):
+        name = f"{first}-then-{then}"
+        sft(name, first)
+        shutil.rmtree(tmp_path / name / "step-000002")
         (tmp_path / name / "latest").write_text("step-000001\n")  # as if stopped after step 1
-        with pytest.raises(InputError, match="^resuming under expert parallelism, or from a checkpoint written at "
-                                             "EP > 1, is not built"):
-            sft(name, again, resume=True)
+        sft(name, then, resume=True)
+        got = _weights(tmp_path / name)
+        assert list(got) == list(want) and all(np.array_equal(got[n], want[n]) for n in want), name
 
 
 def test_ep2_on_hip_cpu_is_the_cpu_ep1_bits():

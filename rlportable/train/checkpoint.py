@@ -42,6 +42,7 @@ from rlportable.model.config import ModelConfig
 from rlportable.model.manifest import MANIFEST, files_problem, sha256
 from rlportable.model.tokenizer import Tokenizer
 from rlportable.model import parallel
+from rlportable.model.expert_parallel import expert_of, is_expert
 from rlportable.model.weights import UMASK, ModelWeights, atomic_write, expected_tensors
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -96,19 +97,27 @@ class OptimizerShards:
     state[key]: the whole array (one file's array as stored; else assembled from the shards: each
     tensor-parallel rank's flat pieces make its shard, the shards make the tensor). read(key, size,
     lo, hi): elements [lo, hi) of the flattened whole tensor; without tensor parallelism read from the
-    shards that hold them only, so a run resumed at another replica count reads its own pieces."""
+    shards that hold them only, so a run resumed at another replica count reads its own pieces.
+    Written at `ep` expert-parallel ranks, each one's files are such a checkpoint of its experts and of
+    the tensors every rank holds: a key is read from its expert's rank (the others from rank 0)."""
 
-    def __init__(self, step_dir: str, ranks: int, tp: int = 1, config: ModelConfig | None = None, ep: int = 1):
+    def __init__(self, step_dir: str, ranks: int, tp: int = 1, config: ModelConfig | None = None, ep: int = 1,
+                 ep_rank: int | None = None):
         from safetensors import SafetensorError, safe_open
 
         self.ranks, self.tp, self.config, self.ep = ranks, tp, config, ep
-        self.paths = [os.path.join(step_dir, name) for name in optimizer_files(ranks, tp, ep)]
+        self._parts = None
+        if ep > 1 and ep_rank is None:
+            self._parts = [OptimizerShards(step_dir, ranks, tp, config, ep, e) for e in range(ep)]
+            self.paths = [path for part in self._parts for path in part.paths]
+            return
+        names = optimizer_files(ranks, tp) if ep == 1 else \
+            [optimizer_file(r, ranks, t, tp, ep_rank, ep) for t in range(tp) for r in range(ranks)]
+        self.paths = [os.path.join(step_dir, name) for name in names]
         self._open = safe_open
         self._lengths: list[dict[str, int]] = []
         self._flat: list[dict[str, bool]] = []
-        # written at EP > 1 each shard holds its ranks' experts: verified by the manifest, never read back
-        # (Optimizer.load_state refuses it)
-        for path in self.paths if ep == 1 else []:
+        for path in self.paths:
             try:
                 with safe_open(path, framework="numpy") as handle:
                     shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
@@ -116,11 +125,21 @@ class OptimizerShards:
                 raise CheckpointError(f"{path}: unreadable: {' '.join(str(error).split())}") from None
             self._lengths.append({key: int(np.prod(shape, dtype=np.int64)) for key, shape in shapes.items()})
             self._flat.append({key: len(shape) == 1 for key, shape in shapes.items()})
-        if ep == 1 and any(lengths.keys() != self._lengths[0].keys() for lengths in self._lengths):
+        if any(lengths.keys() != self._lengths[0].keys() for lengths in self._lengths):
             raise CheckpointError(f"{self.paths[0]}: the optimiser shards hold different tensors")
 
     def keys(self):
+        if self._parts is not None:
+            return {key: None for part in self._parts for key in part.keys()}.keys()
         return self._lengths[0].keys()
+
+    def _part(self, key: str) -> "OptimizerShards":
+        """The expert-parallel rank's shards that hold `key` (self without expert parallelism)."""
+        if self._parts is None:
+            return self
+        name = key.split(".", 1)[1]
+        rank = expert_of(name) // (self.config.num_experts // self.ep) if is_expert(name) else 0
+        return self._parts[rank]
 
     def _tensor(self, index: int, key: str) -> np.ndarray:
         with self._open(self.paths[index], framework="numpy") as handle:
@@ -129,6 +148,8 @@ class OptimizerShards:
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self.keys():
             raise KeyError(key)
+        if self._parts is not None:
+            return self._part(key)[key]
         if len(self.paths) == 1:
             return self._tensor(0, key)
         if self.tp == 1:
@@ -151,6 +172,8 @@ class OptimizerShards:
     def read(self, key: str, size: int, lo: int, hi: int) -> np.ndarray:
         if key not in self.keys():
             raise CheckpointError(f"{self.paths[0]}: optimiser state {key} is missing")
+        if self._parts is not None:
+            return self._part(key).read(key, size, lo, hi)
         if self.tp > 1:
             whole = int(np.prod(expected_tensors(self.config)[key[2:]]))
             if whole != size:
@@ -164,6 +187,8 @@ class OptimizerShards:
         written at the same tensor-parallel size as the run reading it): from that rank's files only."""
         if key not in self.keys():
             raise CheckpointError(f"{self.paths[0]}: optimiser state {key} is missing")
+        if self._parts is not None:
+            return self._part(key).read_shard(key, tp_rank, size, lo, hi)
         return self._range(range(tp_rank * self.ranks, (tp_rank + 1) * self.ranks), key, size, lo, hi)
 
     def _range(self, files: range, key: str, size: int, lo: int, hi: int) -> np.ndarray:

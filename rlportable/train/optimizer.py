@@ -265,11 +265,9 @@ class Optimizer:
 
     def load_state(self, state, step_count: int) -> None:
         """This rank's pieces from a checkpoint's optimiser state (checkpoint.OptimizerShards), written
-        at any data-parallel and tensor-parallel layout."""
+        at any data-parallel, tensor-parallel and expert-parallel layout (the names are this rank's: its
+        experts and the tensors every expert-parallel rank holds)."""
         backend, config = self.model.backend, self.model.config
-        if self.ep_group.size > 1 or getattr(state, "ep", 1) > 1:
-            raise InputError("resuming under expert parallelism, or from a checkpoint written at EP > 1, is not "
-                             "built: its optimiser state is cut by experts; resume at --ep 1 from an EP 1 run")
         if self.tp_group.size > 1 and state.tp == self.tp_group.size:  # this rank's shard's files only
             def read(key, size, lo, hi):
                 return state.read_shard(key, self.tp_group.rank, size, lo, hi)

@@ -420,3 +420,17 @@ def test_model_groups_place_tp_inside_ep_inside_dp():
         assert dp == [rank % 4, rank % 4 + 4]
     with pytest.raises(InputError, match="^--tp 2 x --ep 2 must divide the 6 ranks$"):
         run_threads(CPU, 6, lambda world: model_groups(world, 2, 2))
+
+
+def test_gradients_with_fewer_tokens_than_ranks():
+    """3 tokens at EP 4: shares of one token, the last rank's empty (it still takes part in every exchange),
+    experts without a token on some ranks; every gradient EP 1's."""
+    config = moe_config(num_experts_per_tok=2, norm_topk_prob=True)
+    weights = scaled_weights(config, seed=8)
+    tokens, cu = _packed(config.vocab_size, lengths=(3,))
+    want, _ = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, 0.0)
+    results = run_threads(CPU, 4, lambda group: _gradients(
+        Model(CPU, config, weights, trainable=True, ep_group=group), tokens, cu, 0.0))
+    for rank, (got, _) in enumerate(results):
+        for name, grad in got.items():
+            assert np.array_equal(raw(grad), raw(want[name])), (rank, name)

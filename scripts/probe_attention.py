@@ -4,7 +4,8 @@
 
 The Qwen3-0.6B layer shape (16 q heads, 8 KV heads, head_dim 128, KV blocks of 16): 256 query rows,
 one per sequence, each attending to KV_LENGTH keys of a cache of random encoded rows
-(RLP_PROBE_SEQUENCES=<rows>, RLP_PROBE_HQ=16,32 for other shapes). Variants are
+(RLP_PROBE_SEQUENCES=<rows>, RLP_PROBE_HQ=16,32, RLP_PROBE_HKV=<kv heads> for other shapes;
+RLP_PROBE_TABLES=ordered puts each sequence's blocks in a row). Variants are
 textual edits of backends/cuda/attention.cu (keys in flight, the value kernel's blocks per
 multiprocessor) compiled with the runtime's options; each runs ops/attention.attention_paged
 (method "split": scores, values, combine) and is timed by CUDA events over repeated calls. Every
@@ -29,7 +30,9 @@ from kernel_variants import edit, emit, load, mean_us, write  # scripts/kernel_v
 
 SEQUENCES = int(os.environ.get("RLP_PROBE_SEQUENCES", "256"))
 HQS = tuple(int(n) for n in os.environ.get("RLP_PROBE_HQ", "16").split(","))  # q heads (over 8 KV heads)
-HKV, HEAD_DIM, BLOCK = 8, 128, 16
+HKV = int(os.environ.get("RLP_PROBE_HKV", "8"))  # kv heads: 1 makes each block's rows contiguous in the cache
+HEAD_DIM, BLOCK = 128, 16
+TABLES = os.environ.get("RLP_PROBE_TABLES", "scattered")  # "ordered": each sequence's blocks in a row
 KV_LENGTHS = tuple(int(n) for n in os.environ.get("RLP_PROBE_KV_LENGTHS", "384,1024").split(","))
 MAX_BLOCKS = max(2048, *KV_LENGTHS) // BLOCK  # the graph tables' width: a 2048-token max_model_len (or the longest)
 KEYS_PER_SPLIT = (512, 256, 128)
@@ -235,7 +238,8 @@ def random_cache(backend, kv_length: int):
             exponents[...] = cp.random.randint(-4, 4, exponents.shape, dtype=np.int32)
     rng = np.random.default_rng(0)
     tables = np.zeros((SEQUENCES, MAX_BLOCKS), np.int32)
-    tables[:, :blocks_per_seq] = rng.permutation(SEQUENCES * blocks_per_seq).reshape(SEQUENCES, blocks_per_seq)
+    order = np.arange(SEQUENCES * blocks_per_seq) if TABLES == "ordered" else rng.permutation(SEQUENCES * blocks_per_seq)
+    tables[:, :blocks_per_seq] = order.reshape(SEQUENCES, blocks_per_seq)
     return cache, cp.asarray(tables)
 
 
@@ -310,7 +314,7 @@ def main():
             same = bool(np.array_equal(reference.setdefault((kv_length, hq), bits), bits))
             us = mean_us(run)
             kv_bytes = SEQUENCES * kv_length * HKV * 2 * (2 * cache.head_dim_padded + 4)
-            row = dict(variant=variant, sequences=SEQUENCES, hq=hq, kv_length=kv_length, us=round(us, 1),
+            row = dict(variant=variant, sequences=SEQUENCES, hq=hq, hkv=HKV, tables=TABLES, kv_length=kv_length, us=round(us, 1),
                        same_bits=same, kv_gb_per_s=round(kv_bytes / (us * 1e-6) / 1e9, 1),
                        kernels_us=kernel_times(backend, run))
             if variant.startswith("stamps"):

@@ -112,6 +112,13 @@ SCORE_Q_MAX = "local = rlp_max_u32(local, rlp_magnitude_bits(q[(qrow0 + hi) * d 
 SCORE_Q_DIGITS = "? rlp_quantize(q[(qrow0 + hi) * d + i], RLP_ATT_Q_BITS, eq) : 0;"
 
 
+SCORE_ROW = "const long long row = slot >= 0 ? slot * hkv + g : 0;"
+
+
+def _head_major_rows(s):  # timing only (other rows): a block's rows as a head-major cache page would place them
+    return edit(s, SCORE_ROW, "const long long row = slot >= 0 ? ((slot / block_size) * hkv + g) * block_size + slot % block_size : 0;")
+
+
 def _scores_no_table(s):  # timing only (other bits): slots by arithmetic (each sequence's rows in a row)
     return edit(s, SCORE_SLOT, "j < end ? (long long)seq * (num_slots / num_seqs) + j : -1;")
 
@@ -195,6 +202,7 @@ VARIANTS = {
     "values_no_products (timing only)": _no_value_products,
     "score_7_blocks": _bounds(SCORE_BOUNDS, 7),
     "scores_no_table (timing only)": _scores_no_table,
+    "head_major_rows (timing only)": _head_major_rows,
     "scores_no_q_loads (timing only)": _scores_no_q_loads,
     "scores_neither (timing only)": lambda s: _scores_no_q_loads(_scores_no_table(s)),
     "threads_64": _threads(64, 16, 12),

@@ -261,7 +261,8 @@ def _conform_tensor_parallel(device, kernel_source, tp, emulate, quick, seed, on
 
 
 @main.command()
-@click.option("--model", "model_spec", default="tiny", show_default=True, help="'tiny' or a Hugging Face style directory.")
+@click.option("--model", "model_spec", default="tiny", show_default=True,
+              help="'tiny', 'tiny-sft', 'tiny-moe' or a Hugging Face style directory.")
 @DEVICE_OPTION
 @click.option("--text", default=None, help="A text to score.")
 @click.option("--jsonl", type=click.Path(dir_okay=False), default=None, help="Texts to score, one JSON object per line ('text').")
@@ -293,7 +294,8 @@ def logp(model_spec, device, text, jsonl, temperature, as_json):
 
 
 @main.command()
-@click.option("--model", "model_spec", default="tiny", show_default=True, help="'tiny' or a Hugging Face style directory.")
+@click.option("--model", "model_spec", default="tiny", show_default=True,
+              help="'tiny', 'tiny-sft', 'tiny-moe' or a Hugging Face style directory.")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
 @click.option("--jsonl", type=click.Path(dir_okay=False), default=None, help="Prompts, one JSON object per line ('prompt').")
 @click.option("-n", "n", default=1, show_default=True, type=int, help="Samples per prompt.")
@@ -583,7 +585,8 @@ def _train(kind: str, run, keys: list[str], steps: int, out: str | None = None, 
 
 @main.command()
 @click.option("--model", "model_spec", default=None,
-              help="'tiny', 'tiny-sft' or a directory (default: tiny; the built-in models run the embedded default run).")
+              help="'tiny', 'tiny-sft', 'tiny-moe' or a directory (default: tiny; the built-in models run the "
+                   "embedded default run).")
 @_run_options
 @click.option("--batch-size", default=None, type=click.IntRange(min=1), help="Examples per optimiser step." + CONFIG_DEFAULT)
 @click.option("--max-length", default=None, type=click.IntRange(min=1), help="Longest prompt + completion." + CONFIG_DEFAULT)
@@ -623,7 +626,8 @@ def sft(model_spec, task, data, steps, out, resume, save_every, log_jsonl, plot,
 
 @main.command()
 @click.option("--model", "model_spec", default=None,
-              help="'tiny', 'tiny-sft' (the embedded SFT result) or a directory (default: tiny-sft).")
+              help="'tiny', 'tiny-sft' (the embedded SFT result), 'tiny-moe' (tiny-sft as a Qwen3-MoE) or a "
+                   "directory (default: tiny-sft).")
 @_run_options
 @click.option("--reward", "rewards", multiple=True, help="A reward function 'module:function' or 'file.py:function' "
                                                         "(repeatable; default: the task's exact-answer reward).")

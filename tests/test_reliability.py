@@ -252,4 +252,4 @@ def test_the_embedded_run_is_stated_as_train_prepare_defines_it():
     helps = {name: next(p.help for p in main.commands[name].params if p.name == "model_spec") for name in ("sft", "grpo")}
     assert f"(default: {prepare.DEFAULT_SFT_MODEL};" in helps["sft"]
     assert f"(default: {prepare.DEFAULT_GRPO_MODEL})" in helps["grpo"]
-    assert set(prepare.BUILT_IN_MODELS) == {prepare.DEFAULT_SFT_MODEL, prepare.DEFAULT_GRPO_MODEL}
+    assert set(prepare.BUILT_IN_MODELS) == {prepare.DEFAULT_SFT_MODEL, prepare.DEFAULT_GRPO_MODEL, "tiny-moe"}

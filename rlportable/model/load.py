@@ -1,4 +1,5 @@
-"""load_model("tiny" | "tiny-sft" | directory) -> (ModelConfig, ModelWeights, Tokenizer), and save_model."""
+"""load_model("tiny" | "tiny-sft" | "tiny-moe" | directory) -> (ModelConfig, ModelWeights, Tokenizer);
+save_model."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ from rlportable.model.weights import ModelWeights, check_weights, load_weights, 
 TINY = "tiny"
 TINY_SFT = "tiny-sft"  # the tiny model after rlportable's own SFT run (docs/training.md), shipped in the package
 TINY_SFT_DIR = os.path.join(os.path.dirname(__file__), "data", TINY_SFT)
+TINY_MOE = "tiny-moe"  # tiny-sft upcycled to a Qwen3-MoE (model/tiny.py tiny_moe_model), made at load
 
 
 def load_model(spec: str | os.PathLike) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
-    """The built-in tiny model ("tiny") or a Hugging Face directory (config.json,
+    """A built-in model ("tiny", "tiny-sft", "tiny-moe") or a Hugging Face directory (config.json,
     model.safetensors or its sharded index, tokenizer.json)."""
     if isinstance(spec, str) and spec == TINY:
         from rlportable.model.tiny import tiny_model
 
         return tiny_model()
+    if isinstance(spec, str) and spec == TINY_MOE:
+        from rlportable.model.tiny import tiny_moe_model
+
+        return tiny_moe_model()
     if isinstance(spec, str) and spec == TINY_SFT:
         if not os.path.isdir(TINY_SFT_DIR):
             raise ModelError(f"model 'tiny-sft': its weights are missing from this installation ({TINY_SFT_DIR})")

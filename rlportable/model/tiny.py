@@ -203,3 +203,55 @@ def tiny_weights(config: ModelConfig, seed: int = 0) -> ModelWeights:
 def tiny_model(seed: int = 0) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     config = tiny_config()
     return config, tiny_weights(config, seed), tiny_tokenizer()
+
+
+# The built-in Qwen3-MoE (`--model tiny-moe`): tiny-sft upcycled, so that GRPO on the built-in task has
+# rewards with spread from its first step (a random-weight MoE model almost never answers, and all-zero
+# rewards train nothing); docs/moe.md, "The built-in tiny-moe model".
+TINY_MOE_EXPERTS = 4
+TINY_MOE_ACTIVE = 2
+TINY_MOE_EXPERT_NOISE = 0.01  # about a third of tiny-sft's MLP weights' spread: the experts differ, still answer
+
+
+def tiny_moe_config(dense: ModelConfig) -> ModelConfig:
+    """tiny-sft's shape as a Qwen3-MoE: layer 0 dense, layer 1 sparse (decoder_sparse_step 2) over
+    TINY_MOE_EXPERTS experts of the dense MLP's width, TINY_MOE_ACTIVE active, renormalised; the
+    load-balancing loss off (output_router_logits false, Qwen's checkpoints' setting)."""
+    import dataclasses
+
+    return dataclasses.replace(dense, architecture="Qwen3MoeForCausalLM", num_experts=TINY_MOE_EXPERTS,
+                               num_experts_per_tok=TINY_MOE_ACTIVE, moe_intermediate_size=dense.intermediate_size,
+                               norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=(),
+                               router_aux_loss_coef=0.001, output_router_logits=False, raw={})
+
+
+def upcycled_weights(dense_config: ModelConfig, dense: ModelWeights, config: ModelConfig,
+                     seed: int = 0) -> ModelWeights:
+    """`config`'s weights from a dense model of the same shape: every tensor the two share is the dense
+    one; a sparse layer's router is normal(0, 0.02) on the bf16 grid (the tiny recipe) and each expert is
+    the layer's dense MLP plus normal(0, TINY_MOE_EXPERT_NOISE), drawn from default_rng(seed) in
+    checkpoint order."""
+    rng = np.random.default_rng(seed)
+    source = dense.named_tensors(dense_config)
+    arrays = {}
+    for name, shape in expected_tensors(config).items():
+        if name in source:
+            arrays[name] = np.array(source[name], dtype=np.float32, copy=True)
+        elif name.endswith(".mlp.gate.weight"):
+            values = rng.normal(0.0, 0.02, size=shape).astype(np.float32)
+            arrays[name] = np.ascontiguousarray(values.astype(ml_dtypes.bfloat16).astype(np.float32))
+        else:  # model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+            layer, _, rest = name.partition(".mlp.experts.")
+            base = source[f"{layer}.mlp.{rest.split('.')[1]}.weight"]
+            arrays[name] = (base + rng.normal(0.0, TINY_MOE_EXPERT_NOISE, size=shape)).astype(np.float32)
+    return from_named(config, arrays)
+
+
+def tiny_moe_model(seed: int = 0) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
+    """The built-in Qwen3-MoE: tiny-sft (the shipped SFT result) upcycled by tiny_moe_config and
+    upcycled_weights; its tokenizer is tiny-sft's."""
+    from rlportable.model.load import TINY_SFT, load_model
+
+    dense_config, dense, tokenizer = load_model(TINY_SFT)
+    config = tiny_moe_config(dense_config)
+    return config, upcycled_weights(dense_config, dense, config, seed), tokenizer

@@ -27,8 +27,9 @@ from rlportable.train.sft import SFTConfig, SFTTrainer, load_sft_records, task_s
 DATASET_SIZE = 10000  # records generated for a built-in task (the epoch length)
 DEFAULT_TASK = "arithmetic:digits=1,ops=+"
 DEFAULT_SFT_MODEL, DEFAULT_GRPO_MODEL = "tiny", "tiny-sft"
-#: the built-in models, trained by the embedded default runs below when no option says otherwise
-BUILT_IN_MODELS = ("tiny", "tiny-sft")
+#: the built-in models, trained by the embedded default runs below when no option says otherwise (tiny-moe
+#: is tiny-sft upcycled to a Qwen3-MoE: the same task and settings suit it)
+BUILT_IN_MODELS = ("tiny", "tiny-sft", "tiny-moe")
 # The embedded default runs: SFTConfig / GRPOConfig with these fields changed (every other default is
 # the config's own, TRL's where TRL has one). Chosen by runs on a 2-core CPU (docs/training.md): SFT as
 # the run that made tiny-sft; GRPO raises the sampled reward of tiny-sft from ~0.35 to ~0.47 in 100 steps.

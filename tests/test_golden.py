@@ -187,7 +187,8 @@ def test_recorded_outputs_are_copies_not_arrays_updated_later():
     assert not np.array_equal(outputs["0.uniform.1.p0"], outputs["0.uniform.3.p0"])
 
 
-@pytest.mark.parametrize("check_name", ["golden.training.sft.trajectory", "golden.training.grpo.trajectory"])
+@pytest.mark.parametrize("check_name", ["golden.training.sft.trajectory", "golden.training.grpo.trajectory",
+                                        "golden.training.grpo_moe.trajectory"])
 @pytest.mark.parametrize("tp,dp", [(1, 2), (1, 3), (2, 1), (2, 2)])
 def test_training_trajectories_reproduce_at_any_layout(check_name, tp, dp):
     """The whole-run digests (weights, AdamW moments, metrics) with the model cut over tp tensor-parallel

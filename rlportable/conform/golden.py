@@ -173,8 +173,18 @@ GRPO_RUN = dict(seed=121, model="tiny-sft", task=TRAJECTORY_TASK,
                             learning_rate=4e-4, warmup_steps=1, seed=0),
                 run="GRPOTrainer(model, tokenizer, task dataset, the task's reward, GRPOConfig(**config)).step(i), "
                     "i < steps, as rlportable grpo runs them")
+# GRPO on the built-in Qwen3-MoE (tiny-sft upcycled, so the rewards have spread from the first step): the
+# routers' and experts' training composed over steps, and the engine's recorded expert choices against the
+# trainer's (0 mismatches, digested with their count). Two mini-batches a step, so the second trains on
+# moved weights (ratios off 1, some clipped), and min_lr keeps the last of the 4 updates' lr above 0.
+GRPO_MOE_RUN = dict(GRPO_RUN, seed=122, model="tiny-moe",
+                    model_recipe="rlportable.model.tiny.tiny_moe_model(): tiny-sft with layer 1 sparse, "
+                                 "4 experts (its MLP plus seeded noise), 2 active, renormalised",
+                    config=dict(GRPO_RUN["config"], learning_rate=2e-3, min_lr=1e-4, mini_batches=2))
 SFT_METRICS = ("loss", "grad_norm", "lr", "completion_tokens")
 GRPO_METRICS = ("reward_mean", "reward_std", "loss", "kl", "clip_fraction", "logp_mismatches", "grad_norm", "lr")
+GRPO_MOE_METRICS = (*GRPO_METRICS, "logp_compared", "routing_mismatches", "routing_compared", "ratio_min",
+                    "ratio_max", "completion_length")
 
 
 def _trajectory(optimizer, records: list[dict], keys) -> list[tuple[str, np.ndarray]]:
@@ -212,6 +222,16 @@ def _sft_trajectory(backend, s, r, dp_group=None, tp_group=None):
 @TRAINING_CASES.case("grpo.trajectory", **GRPO_RUN)
 def _grpo_trajectory(backend, s, r, dp_group=None, tp_group=None):
     """dp_group, tp_group: as _sft_trajectory's."""
+    return _grpo_run(backend, r, GRPO_METRICS, dp_group, tp_group)
+
+
+@TRAINING_CASES.case("grpo_moe.trajectory", **GRPO_MOE_RUN)
+def _grpo_moe_trajectory(backend, s, r, dp_group=None, tp_group=None):
+    """dp_group, tp_group: as _sft_trajectory's."""
+    return _grpo_run(backend, r, GRPO_MOE_METRICS, dp_group, tp_group)
+
+
+def _grpo_run(backend, r, metrics, dp_group, tp_group) -> list[tuple[str, np.ndarray]]:
     from rlportable.train.grpo import GRPOConfig, GRPOTrainer
     from rlportable.train.rewards import RewardSet
 
@@ -220,7 +240,7 @@ def _grpo_trajectory(backend, s, r, dp_group=None, tp_group=None):
     trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config, None, dp_group)
     steps = [trainer.step(i) for i in range(config.steps)]
     del trainer.engine  # its KV cache
-    return _trajectory(trainer.optimizer, steps, GRPO_METRICS)
+    return _trajectory(trainer.optimizer, steps, metrics)
 
 
 # Layers of the Qwen3-0.6B-shaped model: each has the full shape (hidden 1024, 16 / 8 heads of 128, MLP 3072,

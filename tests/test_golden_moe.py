@@ -1,7 +1,7 @@
 """The whole-run golden digest of GRPO on the built-in Qwen3-MoE (golden.training.grpo_moe.trajectory): it is
 registered and committed, `conform --quick` keeps and passes it, its run is a real check (rewards with
 spread, routing compared on every completion token, router and experts trained), and a changed trajectory
-changes the digest. tests/test_golden.py also reproduces it at TP x DP layouts; .ci/run's
+changes the digest; expert-parallel layouts reproduce it (tests/test_golden.py: TP x DP layouts); .ci/run's
 `conform --device hip-cpu --quick` reproduces it with the HIP sources."""
 
 import json
@@ -77,3 +77,24 @@ def test_a_changed_router_bit_fails_the_digest(monkeypatch, bit, first):
     monkeypatch.setattr(tiny, "upcycled_weights", flipped)
     compared, mismatches, message = golden.verify(CPU, _case())
     assert mismatches > 0 and CHECK in message and f"first differing output: {first} " in message
+
+
+@pytest.mark.parametrize("tp, ep, dp", [(1, 4, 1), (2, 2, 1), (1, 2, 2)])
+def test_the_trajectory_reproduces_under_expert_parallelism(tp, ep, dp):
+    """The digest with the experts over ep ranks (one expert each at EP 4), inside TP, beside DP (threads):
+    every rank's gathered weights and moments give the committed single-device digest."""
+    from rlportable.conform import golden_digest, golden_stream
+    from rlportable.runtime.collectives import run_threads
+    from rlportable.runtime.world import model_groups
+
+    case = _case()
+    committed = json.loads((resource_dir("conformance") / "golden" / "training.json").read_text())
+    want = next(item["sha256"] for item in committed["digests"] if item["name"] == case.name)
+
+    def rank(world):
+        tp_group, ep_group, dp_group = model_groups(world, tp, ep)
+        return case.compute(CPU, golden_stream.Stream(case.recipe["seed"]), case.recipe, dp_group, tp_group,
+                            ep_group)
+
+    ranks = tp * ep * dp
+    assert [golden_digest.digest(outputs) for outputs in run_threads(CPU, ranks, rank)] == [want] * ranks

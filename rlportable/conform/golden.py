@@ -195,7 +195,7 @@ def _trajectory(optimizer, records: list[dict], keys) -> list[tuple[str, np.ndar
     return out + [(f"optimizer.{name}", canonical(np.array(a, copy=True))) for name, a in optimizer.state().items()]
 
 
-def _run_setup(backend, r, seed: int, tp_group=None):
+def _run_setup(backend, r, seed: int, tp_group=None, ep_group=None):
     """(model, tokenizer, task records, task) of a trajectory recipe: the embedded model, trainable."""
     from rlportable.model.forward import Model
     from rlportable.model.load import load_model
@@ -203,7 +203,8 @@ def _run_setup(backend, r, seed: int, tp_group=None):
 
     model_config, weights, tokenizer = load_model(r["model"])
     records, task = task_records(r["task"], None, seed)
-    return Model(backend, model_config, weights, trainable=True, tp_group=tp_group), tokenizer, records, task
+    model = Model(backend, model_config, weights, trainable=True, tp_group=tp_group, ep_group=ep_group)
+    return model, tokenizer, records, task
 
 
 @TRAINING_CASES.case("sft.trajectory", **SFT_RUN)
@@ -226,17 +227,18 @@ def _grpo_trajectory(backend, s, r, dp_group=None, tp_group=None):
 
 
 @TRAINING_CASES.case("grpo_moe.trajectory", **GRPO_MOE_RUN)
-def _grpo_moe_trajectory(backend, s, r, dp_group=None, tp_group=None):
-    """dp_group, tp_group: as _sft_trajectory's."""
-    return _grpo_run(backend, r, GRPO_MOE_METRICS, dp_group, tp_group)
+def _grpo_moe_trajectory(backend, s, r, dp_group=None, tp_group=None, ep_group=None):
+    """dp_group, tp_group: as _sft_trajectory's; ep_group: expert-parallel ranks, each holding its share of
+    the experts (the digest gathers them whole)."""
+    return _grpo_run(backend, r, GRPO_MOE_METRICS, dp_group, tp_group, ep_group)
 
 
-def _grpo_run(backend, r, metrics, dp_group, tp_group) -> list[tuple[str, np.ndarray]]:
+def _grpo_run(backend, r, metrics, dp_group, tp_group, ep_group=None) -> list[tuple[str, np.ndarray]]:
     from rlportable.train.grpo import GRPOConfig, GRPOTrainer
     from rlportable.train.rewards import RewardSet
 
     config = GRPOConfig(**r["config"])
-    model, tokenizer, records, task = _run_setup(backend, r, config.seed, tp_group)
+    model, tokenizer, records, task = _run_setup(backend, r, config.seed, tp_group, ep_group)
     trainer = GRPOTrainer(model, tokenizer, records, RewardSet([(task, 1.0)]), config, None, dp_group)
     steps = [trainer.step(i) for i in range(config.steps)]
     del trainer.engine  # its KV cache

@@ -119,6 +119,10 @@ def _head_major_rows(s):  # timing only (other rows): a block's rows as a head-m
     return edit(s, SCORE_ROW, "const long long row = slot >= 0 ? ((slot / block_size) * hkv + g) * block_size + slot % block_size : 0;")
 
 
+def _dot4_loop(s):  # the same bits: the byte products as the portable loop (nvcc's byte-by-byte operands)
+    return edit(s, "#if defined(RLP_HIP_ON_CUDA)\n    return __dp4a(a, b, c);", "#if 0\n    return __dp4a(a, b, c);")
+
+
 def _scores_no_table(s):  # timing only (other bits): slots by arithmetic (each sequence's rows in a row)
     return edit(s, SCORE_SLOT, "j < end ? (long long)seq * (num_slots / num_seqs) + j : -1;")
 
@@ -203,6 +207,7 @@ VARIANTS = {
     "score_7_blocks": _bounds(SCORE_BOUNDS, 7),
     "scores_no_table (timing only)": _scores_no_table,
     "head_major_rows (timing only)": _head_major_rows,
+    "scores_dot4_loop": _dot4_loop,
     "scores_no_q_loads (timing only)": _scores_no_q_loads,
     "scores_neither (timing only)": lambda s: _scores_no_q_loads(_scores_no_table(s)),
     "threads_64": _threads(64, 16, 12),

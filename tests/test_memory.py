@@ -100,12 +100,26 @@ def _model_encodings(model) -> int:
         + _digit_bytes(model.lm_head)
 
 
+def _transposed_encodings(cpu, named: dict) -> int:
+    """Digit bytes of the encoded transposes (Model.transposed_weight) of every matrix in `named` but the
+    embedding (a row gather)."""
+    from rlportable.ops import gemm
+
+    matrices = [a for n, a in named.items() if np.asarray(a).ndim == 2 and "embed_tokens" not in n]
+    return sum(_digit_bytes(gemm.encode_transposed(cpu, cpu.asarray(a), 0, a.shape[0])) for a in matrices)
+
+
+def _largest_layer_and_rest(named: dict, layers: int = 3) -> tuple[int, int]:
+    """(the elements of the largest of `layers` decoder layers, those outside every layer) in `named`."""
+    layer = max(sum(int(np.asarray(a).size) for n, a in named.items() if f".layers.{i}." in n) for i in range(layers))
+    return layer, sum(int(np.asarray(a).size) for n, a in named.items() if ".layers." not in n)
+
+
 def test_moe_weights_encodings_and_gradient_match_the_arrays():
     """Router and every expert's gate/up/down in the weights, both encodings and one layer's gradient,
     against the tiny MoE model's own arrays (a dense layer and two sparse ones)."""
     from rlportable.model.forward import Model
     from rlportable.model.synthetic import random_weights
-    from rlportable.ops import gemm
     from rlportable.runtime import get_backend
 
     cpu = get_backend("cpu")
@@ -118,12 +132,9 @@ def test_moe_weights_encodings_and_gradient_match_the_arrays():
     assert parts["encodings"] == _model_encodings(Model(cpu, config, weights, trainable=True))
     # dX = dY W takes each weight's transpose, encoded (Model.transposed_weight): every projection, the
     # router, every expert's gate, up and down, and the LM head (not the embedding: a row gather)
-    matrices = [a for n, a in named.items() if np.asarray(a).ndim == 2 and "embed_tokens" not in n]
-    transposed = sum(_digit_bytes(gemm.encode_transposed(cpu, cpu.asarray(a), 0, a.shape[0])) for a in matrices)
-    assert parts["transposed encodings"] == transposed
+    assert parts["transposed encodings"] == _transposed_encodings(cpu, named)
     # the gradient: the largest layer's (a sparse one: all experts, zeros for those no token chose) at once
-    layer = max(sum(int(np.asarray(a).size) for n, a in named.items() if f".layers.{i}." in n) for i in range(3))
-    rest = sum(int(np.asarray(a).size) for n, a in named.items() if ".layers." not in n)
+    layer, rest = _largest_layer_and_rest(named)
     assert parts["gradient"] == 4 * (layer + rest)
     sparse = sum(int(np.asarray(a).size) for n, a in named.items() if ".layers.1." in n)
     assert layer == sparse > sum(int(np.asarray(a).size) for n, a in named.items() if ".layers.0." in n)
@@ -154,8 +165,7 @@ def test_tensor_parallelism_halves_the_experts_but_not_the_router():
     h, e, inner = config.hidden_size, config.num_experts, config.moe_intermediate_size
     assert shard["model.layers.1.mlp.gate.weight"].shape == (e, h)
     assert shard["model.layers.1.mlp.experts.0.up_proj.weight"].shape == (inner // 2, h)
-    layer = max(sum(int(np.asarray(a).size) for n, a in shard.items() if f".layers.{i}." in n) for i in range(3))
-    rest = sum(int(np.asarray(a).size) for n, a in shard.items() if ".layers." not in n)
+    layer, rest = _largest_layer_and_rest(shard)
     assert two["gradient"] == 4 * (layer + rest)
 
 
@@ -165,7 +175,6 @@ def test_expert_parallelism_divides_the_experts_but_not_the_router():
     from rlportable.model.expert_parallel import ExpertParallel
     from rlportable.model.forward import Model
     from rlportable.model.synthetic import random_weights
-    from rlportable.ops import gemm
     from rlportable.runtime import get_backend
     from rlportable.runtime.collectives import run_threads
 
@@ -181,11 +190,8 @@ def test_expert_parallelism_divides_the_experts_but_not_the_router():
     params = sum(int(np.asarray(a).size) for a in mine.values())
     assert two["weights"] == 4 * params < one["weights"]
     assert two["encodings"] == _model_encodings(model)
-    matrices = [a for n, a in mine.items() if np.asarray(a).ndim == 2 and "embed_tokens" not in n]
-    transposed = sum(_digit_bytes(gemm.encode_transposed(cpu, cpu.asarray(a), 0, a.shape[0])) for a in matrices)
-    assert two["transposed encodings"] == transposed
-    layer = max(sum(int(np.asarray(a).size) for n, a in mine.items() if f".layers.{i}." in n) for i in range(3))
-    rest = sum(int(np.asarray(a).size) for n, a in mine.items() if ".layers." not in n)
+    assert two["transposed encodings"] == _transposed_encodings(cpu, mine)
+    layer, rest = _largest_layer_and_rest(mine)
     assert two["gradient"] == 4 * (layer + rest)
     assert two["moments"] == 2 * 4 * params and two["accumulated gradient"] == 4 * params
     assert _digit_bytes(model.layers[1].moe.router) == _digit_bytes(

@@ -8,56 +8,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import moe_parallel
+from moe_parallel import CASES, CPU, forward, gradients, packed, raw
 from test_moe_device import moe_config, scaled_weights
-from rlportable.engine.llm import LLM
 from rlportable.engine.sequence import SamplingParams
 from rlportable.errors import InputError
-from rlportable.model import backward
 from rlportable.model.expert_parallel import ExpertParallel, expert_of, is_expert
 from rlportable.model.forward import Model
 from rlportable.model.parallel import TensorParallel, shard_tensor
-from rlportable.model.synthetic import IdsOnlyTokenizer
-from rlportable.runtime import get_backend
-from rlportable.runtime.collectives import SingleGroup, ThreadGroup, run_threads
-
-CPU = get_backend("cpu")
-
-CASES = [
-    {"num_experts_per_tok": 2, "norm_topk_prob": True},
-    # k = 3 without renormalisation, every second layer dense
-    {"num_experts_per_tok": 3, "norm_topk_prob": False, "decoder_sparse_step": 2, "num_hidden_layers": 3},
-]
-
-
-def raw(a) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a, np.float32)).view(np.uint32)
-
-
-def _packed(vocab: int, lengths=(1, 6, 23)):
-    rng = np.random.default_rng(11)
-    return rng.integers(0, vocab, sum(lengths)).astype(np.int32), np.concatenate([[0], np.cumsum(lengths)])
-
-
-def _forward(model: Model, tokens, cu):
-    """(log-probs, every row's logits, each sparse layer's experts) on the host."""
-    fwd = backward.forward(model, tokens, cu, keep_attention=False)
-    logits = model.logits(model.hidden_states(tokens, cu))
-    return model.backend.to_numpy(fwd.logp), model.backend.to_numpy(logits), fwd.routing
+from rlportable.runtime.collectives import ThreadGroup, run_threads
 
 
 @pytest.mark.parametrize("overrides", CASES)
 @pytest.mark.parametrize("size", [2, 4])
 def test_logprobs_logits_and_routing_at_ep_equal_ep1(size, overrides):
-    config = moe_config(**overrides)
-    weights = scaled_weights(config, seed=size + len(overrides))
-    tokens, cu = _packed(config.vocab_size)
-    want_lp, want_logits, want_routing = _forward(Model(CPU, config, weights), tokens, cu)
-    assert max(np.unique(layer).size for layer in want_routing) > config.num_experts_per_tok  # tokens spread
-    results = run_threads(CPU, size, lambda group: _forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
-    for lp, logits, routing in results:
-        assert np.array_equal(raw(lp), raw(want_lp))
-        assert np.array_equal(raw(logits), raw(want_logits))
-        assert len(routing) == len(want_routing) and all(np.array_equal(g, w) for g, w in zip(routing, want_routing))
+    moe_parallel.check_forward_is_one_devices("ep", size, overrides)
 
 
 def test_each_rank_runs_only_its_experts_on_the_rows_routed_to_them(monkeypatch):
@@ -68,8 +33,8 @@ def test_each_rank_runs_only_its_experts_on_the_rows_routed_to_them(monkeypatch)
 
     config = moe_config(num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=1)
     weights = scaled_weights(config, seed=4)
-    tokens, cu = _packed(config.vocab_size)
-    want_lp, _, (want_routing,) = _forward(Model(CPU, config, weights), tokens, cu)
+    tokens, cu = packed(config.vocab_size)
+    want_lp, _, (want_routing,) = forward(Model(CPU, config, weights), tokens, cu)
     seen: dict = {}
     original = parallel.expert_rows
 
@@ -80,7 +45,7 @@ def test_each_rank_runs_only_its_experts_on_the_rows_routed_to_them(monkeypatch)
         return original(backend, tp_group, h, weight, groups, bits_a)
 
     monkeypatch.setattr(parallel, "expert_rows", recording)
-    results = run_threads(CPU, 2, lambda group: _forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
+    results = run_threads(CPU, 2, lambda group: forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
     assert np.array_equal(raw(results[0][0]), raw(want_lp))
     assert sorted(seen) == [tuple(range(0, 4)), tuple(range(4, 8))]  # each rank holds 4 whole experts
     k = config.num_experts_per_tok
@@ -93,7 +58,7 @@ def test_each_rank_runs_only_its_experts_on_the_rows_routed_to_them(monkeypatch)
 
     monkeypatch.setattr(parallel, "expert_rows", original)
     monkeypatch.setattr(ThreadGroup, "all_to_all", lambda self, array: array)  # no exchange
-    broken = run_threads(CPU, 2, lambda group: _forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
+    broken = run_threads(CPU, 2, lambda group: forward(Model(CPU, config, weights, ep_group=group), tokens, cu))
     assert not np.array_equal(raw(broken[0][0]), raw(want_lp))
 
 
@@ -114,13 +79,6 @@ def test_what_ep_cannot_cut_is_one_line():
 
 
 # ---- training: the sparse layers' backward over whole experts per rank
-def _gradients(model: Model, tokens, cu, aux_scale: float):
-    fwd = backward.forward(model, tokens, cu)
-    grad_logp = np.linspace(-1.0, 1.0, fwd.rows.size).astype(np.float32)
-    grads = backward.backward(model, fwd, grad_logp, aux_scale=aux_scale)
-    return {name: model.backend.to_numpy(a) for name, a in grads.named_tensors(model.config).items()}, fwd.aux_loss
-
-
 @pytest.mark.parametrize("aux_scale", [0.0, 0.25])
 @pytest.mark.parametrize("overrides", CASES)
 @pytest.mark.parametrize("size", [2, 4])
@@ -129,10 +87,10 @@ def test_gradients_at_ep_are_the_ep1_gradients(size, overrides, aux_scale):
     its own experts' whole, and no other expert's; the load-balancing loss's value too."""
     config = moe_config(**overrides)
     weights = scaled_weights(config, seed=3 + size)
-    tokens, cu = _packed(config.vocab_size)
-    want, want_aux = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, aux_scale)
+    tokens, cu = packed(config.vocab_size)
+    want, want_aux = gradients(Model(CPU, config, weights, trainable=True), tokens, cu, aux_scale)
     assert any(np.any(g) for name, g in want.items() if is_expert(name))
-    results = run_threads(CPU, size, lambda group: _gradients(
+    results = run_threads(CPU, size, lambda group: gradients(
         Model(CPU, config, weights, trainable=True, ep_group=group), tokens, cu, aux_scale))
     for rank, (got, aux) in enumerate(results):
         assert aux == want_aux and (aux is None) == (aux_scale == 0.0)
@@ -140,15 +98,6 @@ def test_gradients_at_ep_are_the_ep1_gradients(size, overrides, aux_scale):
         assert set(got) == {n for n in want if not is_expert(n) or expert_of(n) in mine}
         for name, grad in got.items():
             assert np.array_equal(raw(grad), raw(want[name])), (rank, name)
-
-
-def _generate(size: int, config, weights, prompts, params, **engine):
-    def work(group):
-        model = Model(CPU, config, weights, ep_group=group)
-        llm = LLM(device=CPU, loaded=(model, IdsOnlyTokenizer()), **engine)
-        return llm.generate(prompts, params, seed=6)
-
-    return run_threads(CPU, size, work) if size > 1 else [work(SingleGroup())]
 
 
 @pytest.mark.parametrize("engine", [dict(max_num_seqs=3, block_size=4),
@@ -162,20 +111,7 @@ def test_the_engine_at_ep2_records_ep1s_tokens_and_routing_and_the_trainers(engi
     weights = scaled_weights(config, seed=9)
     prompts = [[5, 9, 2], [7, 7, 1, 30, 4], [5, 9, 2, 11]]
     params = SamplingParams(n=2, max_tokens=5, temperature=1.0, ignore_eos=True)
-    (want,) = _generate(1, config, weights, prompts, params, **engine)
-    trainer = Model(CPU, config, weights)
-    for got in _generate(2, config, weights, prompts, params, **engine):
-        for w, g in zip(want, got):
-            for ws, gs in zip(w.outputs, g.outputs):
-                assert list(gs.token_ids) == list(ws.token_ids)
-                assert np.array_equal(raw(gs.logprobs), raw(ws.logprobs))
-                recorded = np.stack(gs.routing)
-                assert np.array_equal(recorded, np.stack(ws.routing))
-                ids = np.array(g.prompt_token_ids + list(gs.token_ids), dtype=np.int32)
-                rows = np.arange(len(g.prompt_token_ids) - 1, ids.size - 1)
-                fwd = backward.forward(trainer, ids, np.array([0, ids.size]), rows=rows)
-                assert np.array_equal(recorded, np.stack([layer[rows] for layer in fwd.routing], axis=1))
-                assert np.array_equal(raw(fwd.logp), raw(gs.logprobs))
+    moe_parallel.check_engine_at_2_is_one_devices("ep", config, weights, prompts, params, **engine)
 
 
 @pytest.mark.parametrize("aux_scale", [0.0, 0.25])
@@ -187,16 +123,16 @@ def test_tp2_by_ep2_forward_and_gradients_are_one_devices(aux_scale):
 
     config = moe_config(num_key_value_heads=2)
     weights = scaled_weights(config, seed=12)
-    tokens, cu = _packed(config.vocab_size)
-    want_lp, _, want_routing = _forward(Model(CPU, config, weights), tokens, cu)
-    want, want_aux = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, aux_scale)
+    tokens, cu = packed(config.vocab_size)
+    want_lp, _, want_routing = forward(Model(CPU, config, weights), tokens, cu)
+    want, want_aux = gradients(Model(CPU, config, weights, trainable=True), tokens, cu, aux_scale)
 
     def work(world):
         tp_group, ep_group, dp_group = model_groups(world, 2, 2)
         assert dp_group.size == 1
-        lp = _forward(Model(CPU, config, weights, tp_group=tp_group, ep_group=ep_group), tokens, cu)
+        lp = forward(Model(CPU, config, weights, tp_group=tp_group, ep_group=ep_group), tokens, cu)
         model = Model(CPU, config, weights, trainable=True, tp_group=tp_group, ep_group=ep_group)
-        return tp_group.rank, ep_group.rank, lp, _gradients(model, tokens, cu, aux_scale)
+        return tp_group.rank, ep_group.rank, lp, gradients(model, tokens, cu, aux_scale)
 
     for tp_rank, ep_rank, (lp, _, routing), (got, aux) in run_threads(CPU, 4, work):
         assert np.array_equal(raw(lp), raw(want_lp)) and aux == want_aux
@@ -210,36 +146,7 @@ def test_tp2_by_ep2_forward_and_gradients_are_one_devices(aux_scale):
 
 @pytest.fixture(scope="module", params=["plain", "aux"])
 def hf_folder(tmp_path_factory, request):
-    """The tiny transformers Qwen3-MoE of tests/test_moe_train.py; "aux": with the load-balancing loss on."""
-    pytest.importorskip("transformers")
-    from test_moe_model import _hf_moe
-
-    folder = tmp_path_factory.mktemp(f"tiny-moe-ep-{request.param}")
-    aux = dict(output_router_logits=True, router_aux_loss_coef=0.5) if request.param == "aux" else {}
-    _hf_moe(folder, num_hidden_layers=2, decoder_sparse_step=1, **aux)
-    return folder, request.param == "aux"
-
-
-def _train(kind: str, tmp_path, folder, ep: int) -> list[dict]:
-    from test_moe_train import REWARD, _options
-    from rlportable.train import prepare
-    from rlportable.train.grpo import GRPOConfig
-    from rlportable.train.sft import SFTConfig
-
-    (tmp_path / "reward.py").write_text(REWARD)
-    name = f"ep{ep}"
-
-    def rank(group):
-        options = _options(tmp_path, folder, name)
-        if kind == "sft":
-            config = SFTConfig(steps=2, batch_size=4, learning_rate=3e-3, seed=1)
-            return prepare.run_sft(CPU, options, config, lambda r: None, None, None, group)
-        config = GRPOConfig(steps=2, prompts_per_step=2, num_generations=3, max_completion_length=4,
-                            learning_rate=3e-3, seed=5, mini_batches=2, micro_batch_tokens=40)
-        return prepare.run_grpo(CPU, options, config, [(f"{tmp_path / 'reward.py'}:varied", 1.0)], lambda r: None,
-                                None, None, group)
-
-    return run_threads(CPU, ep, rank)[0] if ep > 1 else rank(None)
+    return moe_parallel.hf_folder(tmp_path_factory, request, "tiny-moe-ep")
 
 
 @pytest.mark.parametrize("kind", ["sft", "grpo"])
@@ -247,26 +154,10 @@ def test_training_at_ep2_saves_ep1s_weights_on_raw_bits(tmp_path, hf_folder, kin
     """Two SFT or GRPO steps at EP 2 (threads): the same losses, grad norms (and load-balancing losses) as
     EP 1, 0 log-prob and 0 routing mismatches, and every saved weight (every expert gathered to rank 0) EP
     1's bits; the routers and the experts of both ranks moved."""
-    from test_moe_train import _weights
-    from rlportable.model.load import load_model
-
-    folder, aux = hf_folder
-    want, got = _train(kind, tmp_path, folder, 1), _train(kind, tmp_path, folder, 2)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
-    for w, g in zip(want, got):
-        assert g["loss"] == w["loss"] and g.get("aux_loss") == w.get("aux_loss")
-        assert g.get("grad_norm") == w.get("grad_norm")
-        assert (g.get("aux_loss") is not None) == aux
-        if kind == "grpo":
-            assert g["logp_mismatches"] == g["routing_mismatches"] == 0 and g["routing_compared"] > 0
-    single, sharded = _weights(tmp_path / "ep1"), _weights(tmp_path / "ep2")
+    (want, got), (single, sharded), config, moved = moe_parallel.check_training_at_2_is_one_devices(
+        "ep", kind, tmp_path, hf_folder)
+    assert all(g.get("grad_norm") == w.get("grad_norm") for w, g in zip(want, got))
     assert list(single) == list(sharded)
-    for name in single:
-        assert np.array_equal(sharded[name], single[name]), name
-    config, weights, _ = load_model(str(folder))
-    moved = [name for name, array in weights.named_tensors(config).items()
-             if not np.array_equal(single[name], array.view(np.uint32))]
-    assert any(name.endswith("mlp.gate.weight") for name in moved)
     for rank in range(2):  # each rank's experts trained
         mine = ExpertParallel(rank, 2).experts(config)
         assert any(is_expert(n) and expert_of(n) in mine and "down_proj" in n for n in moved)
@@ -316,13 +207,13 @@ def test_ep2_on_hip_cpu_is_the_cpu_ep1_bits():
     device = hip_cpu_backend()
     config = moe_config(num_experts_per_tok=2, norm_topk_prob=True)
     weights = scaled_weights(config, seed=21)
-    tokens, cu = _packed(config.vocab_size)
-    want_lp, _, want_routing = _forward(Model(CPU, config, weights), tokens, cu)
-    want, _ = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, 0.25)
+    tokens, cu = packed(config.vocab_size)
+    want_lp, _, want_routing = forward(Model(CPU, config, weights), tokens, cu)
+    want, _ = gradients(Model(CPU, config, weights, trainable=True), tokens, cu, 0.25)
 
     def work(group):
-        return (_forward(Model(device, config, weights, ep_group=group), tokens, cu),
-                _gradients(Model(device, config, weights, trainable=True, ep_group=group), tokens, cu, 0.25)[0])
+        return (forward(Model(device, config, weights, ep_group=group), tokens, cu),
+                gradients(Model(device, config, weights, trainable=True, ep_group=group), tokens, cu, 0.25)[0])
 
     for (lp, _, routing), got in run_threads(device, 2, work):
         assert np.array_equal(raw(lp), raw(want_lp))
@@ -427,9 +318,9 @@ def test_gradients_with_fewer_tokens_than_ranks():
     experts without a token on some ranks; every gradient EP 1's."""
     config = moe_config(num_experts_per_tok=2, norm_topk_prob=True)
     weights = scaled_weights(config, seed=8)
-    tokens, cu = _packed(config.vocab_size, lengths=(3,))
-    want, _ = _gradients(Model(CPU, config, weights, trainable=True), tokens, cu, 0.0)
-    results = run_threads(CPU, 4, lambda group: _gradients(
+    tokens, cu = packed(config.vocab_size, lengths=(3,))
+    want, _ = gradients(Model(CPU, config, weights, trainable=True), tokens, cu, 0.0)
+    results = run_threads(CPU, 4, lambda group: gradients(
         Model(CPU, config, weights, trainable=True, ep_group=group), tokens, cu, 0.0))
     for rank, (got, _) in enumerate(results):
         for name, grad in got.items():

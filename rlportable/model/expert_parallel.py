@@ -37,20 +37,12 @@ from rlportable.model.config import ModelConfig
 from rlportable.model.weights import ModelWeights
 from rlportable.ops import activation, embedding, gemm, moe, residual
 from rlportable.ops.checks import shape_of
-from rlportable.runtime.collectives import Group, SingleGroup
+from rlportable.runtime.collectives import Group
 
 
 @dataclass(frozen=True)
-class ExpertParallel:
+class ExpertParallel(parallel.GroupRank):
     """Rank `rank` of `size` expert-parallel ranks: which experts it holds."""
-
-    rank: int
-    size: int
-
-    @classmethod
-    def of(cls, ep_group: Group | None) -> "ExpertParallel":
-        ep_group = ep_group or SingleGroup()
-        return cls(ep_group.rank, ep_group.size)
 
     def check(self, config: ModelConfig) -> None:
         """An InputError in one line where the model cannot be cut into whole experts over the ranks."""

@@ -64,16 +64,22 @@ LOGPROB_BLOCK_ROWS = 1024
 
 
 @dataclass(frozen=True)
-class TensorParallel:
-    """Rank `rank` of `size`: which heads, columns and vocabulary rows it holds."""
+class GroupRank:
+    """Rank `rank` of the `size` ranks of one parallel group (TensorParallel, expert_parallel.ExpertParallel)."""
 
     rank: int
     size: int
 
     @classmethod
-    def of(cls, tp_group: Group | None) -> "TensorParallel":
-        tp_group = tp_group or SingleGroup()
-        return cls(tp_group.rank, tp_group.size)
+    def of(cls, group: Group | None):
+        """This rank's place in `group` (None: the one rank of one)."""
+        group = group or SingleGroup()
+        return cls(group.rank, group.size)
+
+
+@dataclass(frozen=True)
+class TensorParallel(GroupRank):
+    """Rank `rank` of `size`: which heads, columns and vocabulary rows it holds."""
 
     def check(self, config: ModelConfig, trainable: bool = False) -> None:
         """An InputError naming every field the layout cannot cut (training has two more rules)."""

@@ -80,6 +80,13 @@ def run_ranks(device: str, world_size: int, emulate: bool, work: Callable,
     raise SystemExit(spawn_ranks(world_size, sys.argv[1:]))
 
 
+def _check_counts(**counts) -> None:
+    """--tp, --dp, --ep: each an integer >= 1, else one line naming the flag."""
+    for flag, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"--{flag} must be an integer >= 1, got {value!r}")
+
+
 def run_model(device: str, tp: int, ep: int, emulate: bool, work: Callable,
               kernel_source: str = "native") -> tuple[bool, Any]:
     """(reports, work(backend, tp_group, ep_group)) for this rank of one model over tp x ep ranks (the
@@ -90,9 +97,7 @@ def run_model(device: str, tp: int, ep: int, emulate: bool, work: Callable,
         tp_group, ep_group, _ = model_groups(world_group, tp, ep)
         return work(backend, tp_group, ep_group)
 
-    for flag, value in (("--tp", tp), ("--ep", ep)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{flag} must be an integer >= 1, got {value!r}")
+    _check_counts(tp=tp, ep=ep)
     return run_ranks(device, tp * ep, emulate, layout, kernel_source)
 
 
@@ -101,9 +106,7 @@ def run_layout(device: str, tp: int, dp: int, emulate: bool, work: Callable,
     """(reports, work(backend, tp_group, dp_group, ep_group)) for this rank of tp x ep x dp ranks: each model
     cut over `tp` ranks, `ep` groups of those holding its experts (model/expert_parallel.py), `dp` replicas
     of it."""
-    for flag, value in (("--tp", tp), ("--dp", dp), ("--ep", ep)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{flag} must be an integer >= 1, got {value!r}")
+    _check_counts(tp=tp, dp=dp, ep=ep)
     world = world_from_env()
     if world is not None and dp == 1 and world.size % (tp * ep) == 0:
         dp = world.size // (tp * ep)  # a launcher's ranks beyond the model cut are replicas, whatever --tp is

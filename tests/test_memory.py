@@ -292,7 +292,7 @@ def test_ep_block_activations_bound_what_a_rank_holds():
         router = (layer.router * 50).astype(np.float32)  # spread logits: tokens pick different experts
 
         def arguments(rank, h, d_out):
-            mine = expert_parallel.ExpertParallel(rank, ep).experts(config)
+            mine = expert_parallel.ExpertParallel(rank, ep).experts(config.num_experts)
             held = [[w if e in mine else None for e, w in enumerate(ws)]
                     for ws in (layer.expert_gate, layer.expert_up, layer.expert_down)]
             return (h, router, *held, moe.encode(cpu, router, *held, k, True), d_out, None)

@@ -55,18 +55,20 @@ class ExpertParallel(parallel.GroupRank):
             raise InputError(f"expert parallelism: num_experts={config.num_experts} is not divisible by the "
                              f"EP size {self.size}")
 
-    def experts(self, config: ModelConfig) -> range:
-        per = config.num_experts // self.size
+    def experts(self, num_experts: int) -> range:
+        """The experts this rank holds: a contiguous num_experts / size of them."""
+        per = num_experts // self.size
         return range(self.rank * per, (self.rank + 1) * per)
 
-    def owner(self, config: ModelConfig, expert: int) -> int:
-        return expert // (config.num_experts // self.size)
+    def owner(self, expert: int, num_experts: int) -> int:
+        """The rank that holds `expert`."""
+        return expert // (num_experts // self.size)
 
     def shard_weights(self, weights: ModelWeights, config: ModelConfig) -> ModelWeights:
         """This rank's weights: every other rank's experts None (no copy of the arrays it keeps)."""
         if self.size == 1:
             return weights
-        mine = self.experts(config)
+        mine = self.experts(config.num_experts)
 
         def keep(arrays):
             return None if arrays is None else [a if e in mine else None for e, a in enumerate(arrays)]
@@ -94,10 +96,9 @@ class _Plan:
         t, k = host_experts.shape
         self.t, self.k, self.size = t, k, ep.size
         self.share = -(-t // ep.size)  # tokens per share, ceil(T / EP)
-        per = num_experts // ep.size
         groups = list(moe_reference.expert_groups(host_experts))
         #: per rank q, its experts' groups and their pairs in that order (ops.moe's order, restricted)
-        self.groups = [[g for g in groups if g[0] // per == q] for q in range(ep.size)]
+        self.groups = [[g for g in groups if ep.owner(g[0], num_experts) == q] for q in range(ep.size)]
         self.order = [np.concatenate([c for _, c in gs]) if gs else np.zeros(0, np.int64) for gs in self.groups]
         #: sent[q][d]: positions in order[q] of the pairs whose token is in share d (ascending)
         self.sent = [[np.flatnonzero(order // k // self.share == d) if self.share else np.zeros(0, np.int64)
@@ -206,8 +207,7 @@ def moe_block_backward(backend, ep_group: Group, tp_group: Group, h, router, gat
     experts, weights = moe.route(backend, logits, k, weight.norm_topk_prob)
     host_experts = backend.to_numpy(experts)
     ep = ExpertParallel.of(ep_group)
-    per = num_experts // ep.size
-    mine = range(ep.rank * per, (ep.rank + 1) * per)
+    mine = ep.experts(num_experts)
     d_gate, d_up, d_down = [None] * num_experts, [None] * num_experts, [None] * num_experts
     if t * k == 0 or hidden == 0:
         d_h, d_router = zeros((t, hidden), np.float32), zeros((num_experts, hidden), np.float32)
@@ -280,12 +280,12 @@ def gather_experts(backend, ep_group: Group, config: ModelConfig, named: dict, k
     from rlportable.model.weights import expected_tensors
 
     ep = ExpertParallel.of(ep_group)
-    per = config.num_experts // ep.size
+    first, per = ep.experts(config.num_experts).start, config.num_experts // ep.size
     gathered: dict = {}
     for name in named:  # the same local names in the same order on every rank, up to the expert index
         if not is_expert(name):
             continue
-        local = expert_of(name) - ep.rank * per
+        local = expert_of(name) - first
         parts = ep_group.all_gather(backend.asarray(np.ascontiguousarray(named[name])))
         if not keep:  # a rank that only sends holds one tensor's parts at a time
             continue

@@ -42,7 +42,7 @@ from rlportable.model.config import ModelConfig
 from rlportable.model.manifest import MANIFEST, files_problem, sha256
 from rlportable.model.tokenizer import Tokenizer
 from rlportable.model import parallel
-from rlportable.model.expert_parallel import expert_of, is_expert
+from rlportable.model.expert_parallel import ExpertParallel, expert_of, is_expert
 from rlportable.model.weights import UMASK, ModelWeights, atomic_write, expected_tensors
 from rlportable.runtime.collectives import Group, SingleGroup
 
@@ -138,7 +138,7 @@ class OptimizerShards:
         if self._parts is None:
             return self
         name = key.split(".", 1)[1]
-        rank = expert_of(name) // (self.config.num_experts // self.ep) if is_expert(name) else 0
+        rank = ExpertParallel(0, self.ep).owner(expert_of(name), self.config.num_experts) if is_expert(name) else 0
         return self._parts[rank]
 
     def _tensor(self, index: int, key: str) -> np.ndarray:

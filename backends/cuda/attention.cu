@@ -741,6 +741,62 @@ __device__ __forceinline__ void rlp_attd_load_digits_t(signed char* dst, const i
     }
 }
 
+// The backward's digit tiles, written once per call by attention_backward_mma_digits: for every 64-position
+// block of a sequence (blocks listed in sequence order, block_first[s] the first of sequence s) and head h,
+// the rows of q, do (3 digits) or k, v (2) as rlp_attd_load_digits<DP, 64, NDIG> lays them out
+// ([digit][DP / 64][64][64], positions past the sequence's end 0), at tiles + (block heads + h) NDIG DP 64.
+// dq and dkv copy these bytes at each step (cp.async) instead of reading the int32 rows and splitting
+// them again: the split and the int32 rows' bytes were most of a step (one step per query block and head).
+extern "C" __global__ void __launch_bounds__(256) attention_backward_mma_digits(
+    const int* __restrict__ blocks, const long long* __restrict__ cu_seqlens, int heads, int dp, int ndig,
+    const int* __restrict__ src, signed char* __restrict__ tiles) {
+    const int seq = blocks[2 * blockIdx.x], h = blockIdx.y;
+    const long long t0 = blocks[2 * blockIdx.x + 1];
+    const int count = (int)min(64LL, cu_seqlens[seq + 1] - t0);
+    signed char* dst = tiles + ((long long)blockIdx.x * heads + h) * ndig * dp * 64;
+    for (int i = threadIdx.x; i < 64 * (dp / 4); i += blockDim.x) {
+        const int r = i / (dp / 4), c = 4 * (i - r * (dp / 4));
+        int4 v = make_int4(0, 0, 0, 0);
+        if (r < count) v = *reinterpret_cast<const int4*>(src + ((t0 + r) * heads + h) * dp + c);
+        int w[4] = {v.x, v.y, v.z, v.w};
+        unsigned int packed[3] = {0u, 0u, 0u};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int k = 0; k < 3; ++k) packed[k] |= (unsigned int)(rlp_attd_digit(w[e]) & 255) << (8 * e);
+        for (int k = 0; k < ndig; ++k)
+            *reinterpret_cast<unsigned int*>(dst + ((k * (dp / 64) + c / 64) * 64 + r) * 64 + c % 64) = packed[k];
+    }
+}
+
+// NBYTES of a digit tile from global into shared memory, 16 bytes a cp.async (the caller commits and waits).
+template <int NBYTES, int NT>
+__device__ __forceinline__ void rlp_attd_copy_tile(signed char* dst, const signed char* __restrict__ src) {
+    static_assert(NBYTES % 16 == 0, "whole 16-byte pieces");
+    for (int i = threadIdx.x; i < NBYTES / 16; i += NT) rlp_cp_async16(dst + 16 * i, src + 16 * i, true);
+}
+
+// A 64-position block's row tiles [digit][DP / 64][64][64] transposed in shared memory into [digit][DP][64]
+// (the bytes rlp_attd_load_digits_t writes), by 4 x 4 byte blocks: the lanes of a half-warp take the 16
+// groups of 4 rows, each at its own group of 4 columns, so loads and stores meet 2-way bank conflicts.
+template <int DP, int NDIG, int NT>
+__device__ __forceinline__ void rlp_attd_transpose(signed char* dst, const signed char* src) {
+    constexpr int CH = DP / 64;
+    for (int b = threadIdx.x; b < NDIG * CH * 256; b += NT) {
+        const int kc = b >> 8, rb = b & 15, db = (rb + ((b >> 4) & 15)) & 15;  // kc = digit CH + chunk
+        const int k = kc / CH, ch = kc - k * CH;
+        const unsigned int* in = reinterpret_cast<const unsigned int*>(src + (kc * 64 + 4 * rb) * 64 + 4 * db);
+        const unsigned int w0 = in[0], w1 = in[16], w2 = in[32], w3 = in[48];  // rows 4 rb .. 4 rb + 3
+        const unsigned int t0 = __byte_perm(w0, w1, 0x5140), t1 = __byte_perm(w2, w3, 0x5140);
+        const unsigned int t2 = __byte_perm(w0, w1, 0x7362), t3 = __byte_perm(w2, w3, 0x7362);
+        unsigned int* out = reinterpret_cast<unsigned int*>(dst + (k * DP + ch * 64 + 4 * db) * 64 + 4 * rb);
+        out[0] = __byte_perm(t0, t1, 0x5410);   // column 4 db: byte 0 of each row
+        out[16] = __byte_perm(t0, t1, 0x7632);  // column 4 db + 1
+        out[32] = __byte_perm(t2, t3, 0x5410);
+        out[48] = __byte_perm(t2, t3, 0x7632);
+    }
+}
+
 // The 16x8 block of a . b^T over DP from row-layout digit tiles (a: RA rows, 3 digits, rows a0..;
 // b: RB rows, 2 digits, rows b0..), exact, as float64 (|S| < 2^44): the forward's digit products.
 template <int DP, int RA, int RB>
@@ -823,7 +879,8 @@ __device__ __forceinline__ void rlp_attd_dq8(
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
     const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
     const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dq,
-    signed char* smem) {
+    const int* __restrict__ block_first, const signed char* __restrict__ k_tiles,
+    const signed char* __restrict__ v_tiles, signed char* smem) {
     using T = RlpAtt8<DP>;
     constexpr int BQ = T::BQ, BK = RLP_ATTB_BLOCK, NT = T::THREADS, NW = T::WARPS;
     constexpr int NBW = (BQ / 16) * (BK / 8) / NW;  // S blocks per warp (one 16-row strip)
@@ -838,7 +895,7 @@ __device__ __forceinline__ void rlp_attd_dq8(
     const int warp = threadIdx.x >> 5;
     const RlpAtttTile tile = rlp_attt_query_tile_of(q_tiles, cu_seqlens, BQ, hq, hkv);
     const long long t0 = tile.t0, start = tile.start, t_end = tile.t0 + tile.rows;
-    const int rows = tile.rows, h = tile.h, g = tile.g;
+    const int rows = tile.rows, h = tile.h, g = tile.g, tile_seq = q_tiles[2 * blockIdx.x];
     rlp_attd_load_digits<DP, BQ, 3, NT>(q8, q_int, t0 * hq + h, hq, rows);
     rlp_attd_load_digits<DP, BQ, 3, NT>(do8, do_int, t0 * hq + h, hq, rows);
     rlp_att8_row_scalars<BQ, NT>(s, row_info, row_stats, t0, rows, hq, h);
@@ -852,15 +909,20 @@ __device__ __forceinline__ void rlp_attd_dq8(
     for (long long j0 = start; j0 < t_end; j0 += BK) {
         const int keys = (int)min((long long)BK, t_end - j0);
         __syncthreads();
-        rlp_attd_load_digits<DP, BK, 2, NT>(k8, k_int, j0 * hkv + g, hkv, keys);
-        rlp_attd_load_digits<DP, BK, 2, NT>(v8, v_int, j0 * hkv + g, hkv, keys);
-        rlp_attd_load_digits_t<DP, 2, NT>(kt8, k_int, j0 * hkv + g, hkv, keys);
+        // the key block's digit tiles (keys past the query tile's end carry digits, unlike the int32 path's
+        // zeros: the causal test leaves their S and dP unused and their coefficients 0)
+        const long long tile = ((long long)block_first[tile_seq] + (j0 - start) / BK) * hkv + g;
+        rlp_attd_copy_tile<2 * BK * DP, NT>(k8, k_tiles + tile * (2 * BK * DP));
+        rlp_attd_copy_tile<2 * BK * DP, NT>(v8, v_tiles + tile * (2 * BK * DP));
+        rlp_cp_async_commit();
         for (int c = threadIdx.x; c < BK; c += NT) {
             s.ek[c] = c < keys ? k_exponents[(j0 + c) * hkv + g] : 0;
             s.ev[c] = c < keys ? v_exponents[(j0 + c) * hkv + g] : 0;
         }
         for (int r = threadIdx.x; r < BQ; r += NT) s.field[r] = 0u;
+        rlp_cp_async_wait<0>();
         __syncthreads();
+        rlp_attd_transpose<DP, 2, NT>(kt8, k8);  // read only after the block's products: the barrier below
         double u[NBW][4];
         unsigned int f[2] = {0u, 0u};
 #pragma unroll
@@ -931,7 +993,8 @@ __device__ __forceinline__ void rlp_attd_dkv8(
     const int* __restrict__ q_int, const int* __restrict__ do_int, const int* __restrict__ k_int,
     const int* __restrict__ v_int, const int* __restrict__ k_exponents, const int* __restrict__ v_exponents,
     const int* __restrict__ row_info, const double* __restrict__ row_stats, float* __restrict__ dk,
-    float* __restrict__ dv, signed char* smem) {
+    float* __restrict__ dv, const int* __restrict__ block_first, const signed char* __restrict__ q_tiles8,
+    const signed char* __restrict__ do_tiles8, signed char* smem) {
     using T = RlpAtt8<DP>;
     constexpr int BKV = T::BKV, BQ = RLP_ATTB_BLOCK, NT = T::THREADS, NW = T::WARPS;
     constexpr int NBW = (BQ / 16) * (BKV / 8) / NW;  // S blocks per warp ([query][key])
@@ -970,13 +1033,16 @@ __device__ __forceinline__ void rlp_attd_dkv8(
             const int h = g * group + hh;
             const int qrows = (int)min((long long)BQ, end - t0);
             __syncthreads();
-            rlp_attd_load_digits<DP, BQ, 3, NT>(q8, q_int, t0 * hq + h, hq, qrows);
-            rlp_attd_load_digits<DP, BQ, 3, NT>(do8, do_int, t0 * hq + h, hq, qrows);
-            rlp_attd_load_digits_t<DP, 3, NT>(qt8, q_int, t0 * hq + h, hq, qrows);
-            rlp_attd_load_digits_t<DP, 3, NT>(dot8, do_int, t0 * hq + h, hq, qrows);
+            const long long tile = ((long long)block_first[seq] + (t0 - start) / BQ) * hq + h;
+            rlp_attd_copy_tile<3 * BQ * DP, NT>(q8, q_tiles8 + tile * (3 * BQ * DP));
+            rlp_attd_copy_tile<3 * BQ * DP, NT>(do8, do_tiles8 + tile * (3 * BQ * DP));
+            rlp_cp_async_commit();
             rlp_att8_row_scalars<BQ, NT>(s, row_info, row_stats, t0, qrows, hq, h);
             for (int c = threadIdx.x; c < BKV; c += NT) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
+            rlp_cp_async_wait<0>();
             __syncthreads();
+            rlp_attd_transpose<DP, 3, NT>(qt8, q8);  // read only after the block's products: barriers below
+            rlp_attd_transpose<DP, 3, NT>(dot8, do8);
             double uk[NBW][4], uv[NBW][4];
 #pragma unroll
             for (int n = 0; n < NBW; ++n) {
@@ -1071,15 +1137,23 @@ __device__ __forceinline__ void rlp_attd_dkv8(
         rlp_attd_stats<DP>(q_tiles, cu_seqlens, hq, hkv, scale, q_int, k_int, k_exponents, v_exponents, row_info, \
                            row_stats, rlp_attd_smem);                                                          \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(RlpAtt8<DP>::THREADS) DQ(RLP_ATTT_QUERY_ARGS) {             \
+    extern "C" __global__ void __launch_bounds__(RlpAtt8<DP>::THREADS) DQ(                                  \
+        RLP_ATTT_QUERY_ARGS, const int* __restrict__ block_first, const signed char* __restrict__ q_tiles8,     \
+        const signed char* __restrict__ do_tiles8, const signed char* __restrict__ k_tiles8,                   \
+        const signed char* __restrict__ v_tiles8) {                                                            \
         extern __shared__ double rlp_attd_smem[];                                                              \
         rlp_attd_dq8<DP>(q_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,     \
-                         v_exponents, row_info, row_stats, dq, reinterpret_cast<signed char*>(rlp_attd_smem));                                   \
+                         v_exponents, row_info, row_stats, dq, block_first, k_tiles8, v_tiles8,                \
+                         reinterpret_cast<signed char*>(rlp_attd_smem));                                       \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(RlpAtt8<DP>::THREADS) DKV(RLP_ATTT_KEY_ARGS) {              \
+    extern "C" __global__ void __launch_bounds__(RlpAtt8<DP>::THREADS) DKV(                                 \
+        RLP_ATTT_KEY_ARGS, const int* __restrict__ block_first, const signed char* __restrict__ q_tiles8,       \
+        const signed char* __restrict__ do_tiles8, const signed char* __restrict__ k_tiles8,                   \
+        const signed char* __restrict__ v_tiles8) {                                                            \
         extern __shared__ double rlp_attd_smem[];                                                              \
         rlp_attd_dkv8<DP>(key_tiles, cu_seqlens, hq, hkv, d, scale, q_int, do_int, k_int, v_int, k_exponents,  \
-                          v_exponents, row_info, row_stats, dk, dv, reinterpret_cast<signed char*>(rlp_attd_smem));                             \
+                          v_exponents, row_info, row_stats, dk, dv, block_first, q_tiles8, do_tiles8,          \
+                          reinterpret_cast<signed char*>(rlp_attd_smem));                                      \
     }
 
 // padded head_dim 64, 128 and 256 (192 runs as 256)

@@ -736,12 +736,17 @@ def _tiles(cu: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _DevicePlan(NamedTuple):
-    """tiled_plan's lists on the device, with their counts."""
+    """tiled_plan's lists on the device, with their counts; blocks: every sequence's blocks of
+    reference.BLOCK positions in sequence order (int32 [n_blocks, 2]: sequence, first token) and
+    block_first (int32 [num_seqs]: the index of each sequence's first block), for the CUDA digit tiles."""
     q_tiles: Any
     key_tiles: Any
     cu: Any
     n_tiles: int
     n_key_tiles: int
+    blocks: Any
+    block_first: Any
+    n_blocks: int
 
 
 _PLANS: dict[tuple, _DevicePlan] = {}  # the last few packings: a model's layers share one cu_seqlens
@@ -753,10 +758,14 @@ def _device_plan(backend: Backend, cu: np.ndarray, dpt: int, kind: str | None = 
     key = (id(backend), kind, cu.tobytes(), dpt)
     if key not in _PLANS:
         q_tiles, key_tiles = tiled_plan(cu, dpt, kind)
+        blocks = np.stack(_tiles(cu, reference.BLOCK), axis=1).astype(np.int32)
+        counts = -(-np.diff(cu) // reference.BLOCK)
+        block_first = (np.cumsum(counts) - counts).astype(np.int32)
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = _DevicePlan(backend.asarray(q_tiles), backend.asarray(key_tiles),
-                                  backend.asarray(cu.astype(np.int64)), q_tiles.shape[0], key_tiles.shape[0])
+                                  backend.asarray(cu.astype(np.int64)), q_tiles.shape[0], key_tiles.shape[0],
+                                  backend.asarray(blocks), backend.asarray(block_first), blocks.shape[0])
     return _PLANS[key]
 
 
@@ -892,7 +901,23 @@ def _backward_tiled(backend: Backend, q, do, o, cu: np.ndarray, cache, scale, dq
         plan = _device_plan(backend, cu, dpt, "mfma")
         kernels = {step: f"attention_backward_mfma_{step}_d{dpt}_{mfma}" for step in ("dq", "dkv")}
         vendor, shared = "mfma", {"dq": 0, "dkv": 0}
+    # CUDA's int8 dq and dkv copy the operands' digit tiles at each step
+    tiles = _digit_tiles(backend, plan, hq, hkv, dpt, q_int, do_int, k_int, v_int) if vendor == "cuda" else ()
     backend.launch("attention", kernels["dq"], (plan.n_tiles, hq), (tiled_threads(dpt, "dq", vendor),),
-                   (plan.q_tiles, plan.cu) + operands + (dq,), shared_mem=shared["dq"])
+                   (plan.q_tiles, plan.cu) + operands + (dq,) + tiles, shared_mem=shared["dq"])
     backend.launch("attention", kernels["dkv"], (plan.n_key_tiles, hkv), (tiled_threads(dpt, "dkv", vendor),),
-                   (plan.key_tiles, plan.cu) + operands + (dk, dv), shared_mem=shared["dkv"])
+                   (plan.key_tiles, plan.cu) + operands + (dk, dv) + tiles, shared_mem=shared["dkv"])
+
+
+def _digit_tiles(backend: Backend, plan: _DevicePlan, hq: int, hkv: int, dpt: int, q_int, do_int, k_int,
+                 v_int) -> tuple:
+    """(block_first, q, do, k, v digit tiles): every block of reference.BLOCK positions and head of the
+    int32 rows as int8 digit planes (3 digits for q and do, 2 for k and v), in the layout the CUDA dq and
+    dkv hold in shared memory (attention_backward_mma_digits), written once instead of at every step."""
+    tiles = []
+    for rows, heads, digits in ((q_int, hq, 3), (do_int, hq, 3), (k_int, hkv, 2), (v_int, hkv, 2)):
+        out = backend.empty((plan.n_blocks * heads * digits * dpt * reference.BLOCK,), np.int8)
+        backend.launch("attention", "attention_backward_mma_digits", (plan.n_blocks, heads), (256,),
+                       (plan.blocks, plan.cu, np.int32(heads), np.int32(dpt), np.int32(digits), rows, out))
+        tiles.append(out)
+    return (plan.block_first,) + tuple(tiles)

@@ -177,6 +177,7 @@ def components(config: ModelConfig, layout: Layout, work: Workload) -> dict[str,
     layer_mlp = max(4 * LAYER_WORKING_SET * 2 * inter if dense else 0,
                     moe_block_activations(config, t, layout.ep) if sparse else 0)
     activations += tokens * (4 * LAYER_WORKING_SET * (h + (hq + 2 * hkv) * d) + layer_mlp)
+    activations += tokens * (6 * hq + 4 * hkv) * _pad(d)  # the attention backward's int8 digit tiles (CUDA)
     activations += 4 * min(tokens, LM_HEAD_ROW_CHUNK) * whole_vocab * 2  # logits and their gradient, whole rows
     kv = layers * 2 * hkv * (WEIGHT_DIGITS * _pad(d) + 4) * work.kv_tokens
     return {

@@ -458,7 +458,7 @@ def _kernel_parameters(vendor: str) -> dict[str, list[tuple[str, bool]]]:
     text = assemble_text(path.read_text(), folder=path.parent)
     text = _expand_tiled_entries(text, "RLP_ATTT") + (_expand_tiled_entries(text, "RLP_ATTD") if vendor == "cuda" else "")
     kernels = {}
-    for name, params in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:RLP_LAUNCH_BOUNDS\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', text):
+    for name, params in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:RLP_LAUNCH_BOUNDS|__launch_bounds__)\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', text):
         parsed = []
         for param in params.split(","):
             words = param.replace("__restrict__", "").replace("const", "").split()
@@ -526,8 +526,13 @@ def test_tiled_backward_launches_match_kernel_signatures(vendor, dim, dpt):
     op.attention_packed_backward(device, q, k, v, do, cu, o=o)
     launched = [launch[1] for launch in device.launches]
     steps = "attention_backward_mma" if vendor == "cuda" else "attention_backward_tiled"  # CUDA: tensor cores
-    assert launched == ["attention_write_kv", "attention_backward_tiled_keys", "attention_backward_tiled_rows"] + [
-        f"{steps}_{step}_d{dpt}" for step in ("stats", "dq", "dkv")]
+    # CUDA's dq and dkv copy digit tiles of q, do, k and v, written once per call
+    digits = ["attention_backward_mma_digits"] * 4 if vendor == "cuda" else []
+    assert launched == ["attention_write_kv", "attention_backward_tiled_keys", "attention_backward_tiled_rows",
+                        f"{steps}_stats_d{dpt}"] + digits + [f"{steps}_{step}_d{dpt}" for step in ("dq", "dkv")]
+    blocks = sum(-(-n // ref.BLOCK) for n in np.diff(cu))  # 64-position blocks: 1 + 2
+    assert [launch[2] for launch in device.launches if launch[1] == "attention_backward_mma_digits"] == (
+        [(blocks, 6), (blocks, 6), (blocks, 2), (blocks, 2)] if digits else [])
     _check_arguments(device.launches, _kernel_parameters(vendor))
     q_tiles, key_tiles = op.tiled_plan(cu, dpt, vendor)
     grids = {launch[1]: launch[2] for launch in device.launches}

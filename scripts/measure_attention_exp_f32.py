@@ -45,6 +45,12 @@ Measured:
      forward at 96 (the test's) and 256 tokens, the max abs log-prob error (the project's rule: at most 1/20
      of bf16's); the gradients as scripts/measure_attention_backward_bits.py (worst relative L2 over the
      weight tensors; at most 1/10 of bf16's). --quick: 96 tokens only.
+The same measurements (2. and 3.) also cover a second candidate: q encoded at 15 bits (two digits, as k
+and v) instead of 23, so that a score takes 2 x 2 int8 digit products instead of 3 x 2 (variants "q15",
+with the contract's exp, and "q15_deg5", with the candidate exp; the reference's Q_BITS swapped like its
+exp_f32, in the forward and the backward), and three more attention rows (T = 1024, 8/2 heads) whose q
+rows carry a massive channel (channel 0 of q x 16, 64, 256, of k / the same: the scores keep their
+spread), where a row encoding's other channels lose bits.
 Prints JSON.
 """
 
@@ -88,6 +94,8 @@ COEFFICIENTS = {
     6: ("0x1.000000p+0", "0x1.fffffap-2", "0x1.555492p-3", "0x1.555a04p-5", "0x1.123980p-7", "0x1.697b9ep-10"),
 }
 CANDIDATE_DEGREE = 5
+Q_BITS_CANDIDATE = 15  # the second candidate: q rows at 15 bits (k's and v's), S from 2 x 2 digit products
+OUTLIERS = (16, 64, 256)  # q's channel 0 scaled up (k's down) in the extra attention rows
 INSTRUCTIONS = {d: 11 + 2 * d for d in COEFFICIENTS}  # max 1, n 3, reduction 4, Horner 2d, scale 1 int + 2 mul
 FIT_HALF_WIDTH = float(np.log(2.0) / 2 + 2e-5)
 
@@ -255,28 +263,38 @@ HEAD_DIM = 128
 
 
 @contextlib.contextmanager
-def attention_exp(fn):
-    """The reference with its p = fn(s - m): rlportable.contract.attention's module name exp_f32 swapped
-    (forward and backward both read it at call time), then restored."""
-    saved = reference.exp_f32
-    reference.exp_f32 = fn
+def attention_variant(variant):
+    """The reference with its p = fn(s - m) and q encoded at q_bits, variant = (fn, q_bits):
+    rlportable.contract.attention's module names exp_f32 and Q_BITS swapped (forward and backward both read
+    them at call time), then restored."""
+    saved = reference.exp_f32, reference.Q_BITS
+    reference.exp_f32, reference.Q_BITS = variant
     try:
         yield
     finally:
-        reference.exp_f32 = saved
+        reference.exp_f32, reference.Q_BITS = saved
 
 
 def variant_fns(degrees):
-    fns = {"contract": exp_f32}
+    """name -> (p's exp, q's bits): the contract, the candidate exp at each degree, and q at 15 bits (two
+    digits, as k and v: 4 digit products a score instead of 6) with the contract's exp and the candidate's."""
+    fns = {"contract": (exp_f32, reference.Q_BITS)}
     for d in degrees:
-        fns[f"deg{d}"] = (lambda x, d=d: exp_neg_f32(x, d))
+        fns[f"deg{d}"] = (lambda x, d=d: exp_neg_f32(x, d), reference.Q_BITS)
+    fns["q15"] = (exp_f32, Q_BITS_CANDIDATE)
+    fns[f"q15_deg{CANDIDATE_DEGREE}"] = (lambda x: exp_neg_f32(x, CANDIDATE_DEGREE), Q_BITS_CANDIDATE)
     return fns
 
 
-def attention_inputs(length, hq, hkv):
+def attention_inputs(length, hq, hkv, outlier=1):
+    """outlier > 1: q's channel 0 that many times larger and k's that many times smaller (the scores keep
+    their spread), a massive channel of the kind real q rows have, which a row encoding's other channels
+    pay for with bits (at 15 bits and outlier 64, about 8 of them)."""
     rng = np.random.default_rng([length, hq, hkv])
     q = (rng.standard_normal((length, hq, HEAD_DIM)) * 2.0).astype(F32)  # scores with spread ~ 4
     k, v = (rng.standard_normal((length, hkv, HEAD_DIM)).astype(F32) for _ in range(2))
+    q[..., 0] *= F32(outlier)
+    k[..., 0] /= F32(outlier)
     return q, k, v
 
 
@@ -314,23 +332,23 @@ def errors(a, b):
     return {"rel_l2": float(np.linalg.norm(a - b) / np.linalg.norm(b)), "max_abs": float(np.abs(a - b).max())}
 
 
-def attention_row(length, hq, hkv, fns):
+def attention_row(length, hq, hkv, fns, outlier=1):
     import torch
 
-    q, k, v = attention_inputs(length, hq, hkv)
+    q, k, v = attention_inputs(length, hq, hkv, outlier)
     cu = np.array([0, length])
     started = time.time()
     exact_raw = torch_attention(q, k, v, torch.float64)
-    exact_enc = torch_attention(decoded(q, reference.Q_BITS), decoded(k, reference.K_BITS),
-                                decoded(v, reference.V_BITS), torch.float64)
+    exact_enc = {bits: torch_attention(decoded(q, bits), decoded(k, reference.K_BITS), decoded(v, reference.V_BITS),
+                                       torch.float64) for bits in {b for _, b in fns.values()}}
     bf16 = torch_attention(q, k, v, torch.bfloat16)
-    row = {"length": length, "heads": [hq, hkv], "bf16": errors(bf16, exact_raw)}
+    row = {"length": length, "heads": [hq, hkv], "q_outlier": outlier, "bf16": errors(bf16, exact_raw)}
     outs = {}
-    for name, fn in fns.items():
-        with attention_exp(fn):
+    for name, variant in fns.items():
+        with attention_variant(variant):
             outs[name] = reference.attention_packed_batched(q, k, v, cu)
         row[name] = errors(outs[name], exact_raw)
-        row[name]["encoded_f64"] = errors(outs[name], exact_enc)
+        row[name]["encoded_f64"] = errors(outs[name], exact_enc[variant[1]])
     plain = reference.attention_packed_batched(q, k, v, cu)  # after the swaps: the contract's own bits
     row["swap_restores_contract"] = bool(np.array_equal(plain.view(np.uint32), outs["contract"].view(np.uint32)))
     row["ratio_to_bf16"] = {name: {m: row[name][m] / row["bf16"][m] for m in ("rel_l2", "max_abs")} for name in fns}
@@ -365,8 +383,8 @@ def model_logprobs(arch, lengths, fns):
             exact, bf16, toks = exact_all[length], bf16s[length], tokens[length]
             row = {"tokens": length, "bf16": float(np.abs(bf16 - exact).max())}
             outs = {}
-            for name, fn in fns.items():
-                with attention_exp(fn):
+            for name, variant in fns.items():
+                with attention_variant(variant):
                     (outs[name],) = model.logprobs(toks, np.array([0, toks.size]))
                 row[name] = float(np.abs(outs[name].astype(np.float64) - exact).max())
             row["ratio_to_bf16"] = {name: row[name] / row["bf16"] for name in fns}
@@ -393,8 +411,8 @@ def model_gradients(arch, fns):
         tokens, cu, rows, g = gradient_case(hf.config.vocab_size)
         exact, bf16 = torch_gradients(hf, tokens, cu, rows, g)
         row = {"bf16": max(_rel_error(bf16[n], r) for n, r in exact.items())}
-        for name, fn in fns.items():
-            with attention_exp(fn):
+        for name, variant in fns.items():
+            with attention_variant(variant):
                 model = Model(cpu, rl_config, weights, trainable=True)
                 fwd = backward.forward(model, tokens, cu, rows=rows)
                 grads = backward.backward(model, fwd, g).named_tensors(rl_config)
@@ -518,7 +536,7 @@ def main():
         "what": ("forward output o against float64 attention of the raw inputs (rel_l2 = ||o - o64|| / ||o64||, "
                  "max_abs), and against float64 of the contract's encoded inputs (encoded_f64); bf16: torch, "
                  "bf16 operands and products, float32 softmax rounded to bf16; the variants: the reference "
-                 "with p = contract exp_f32 or the candidate scheme at degree 3-6; one sequence, head_dim "
+                 "with p = contract exp_f32 or the candidate scheme at degree 3-6, and q at 15 bits (q15, q15_deg5; their encoded_f64 against float64 of q at 15 bits); one sequence, head_dim "
                  f"{HEAD_DIM}, q ~ 2 N(0, 1), k, v ~ N(0, 1)"),
         "rows": []}
     for length in lengths:
@@ -526,6 +544,8 @@ def main():
             result["attention"]["rows"].append(attention_row(length, hq, hkv, fns))
             print(f"attention T={length} heads {hq}/{hkv} done {time.time() - started:.0f} s", file=sys.stderr,
                   flush=True)
+    for outlier in OUTLIERS:  # a massive q channel: what q's 15 bits would cost
+        result["attention"]["rows"].append(attention_row(LENGTHS[1], *HEADS[1], fns, outlier))
     archs = ("qwen3", "qwen2", "llama")
     model_lengths = (96,) if args.quick else (96, 256)
     result["models"] = {

@@ -723,24 +723,6 @@ __device__ __forceinline__ void rlp_attd_load_digits(signed char* dst, const int
     }
 }
 
-// The same 64 rows (positions of a block) transposed: [digit][DP][64], position c of column d at byte
-// (digit DP + d) 64 + c. Consecutive threads take consecutive positions: a warp's byte stores fill
-// whole shared-memory words.
-template <int DP, int NDIG, int NT>
-__device__ __forceinline__ void rlp_attd_load_digits_t(signed char* dst, const int* __restrict__ src, long long first,
-                                                       long long step, int count) {
-    for (int i = threadIdx.x; i < 64 * (DP / 4); i += NT) {
-        const int c = i & 63, d = 4 * (i >> 6);
-        int4 v = make_int4(0, 0, 0, 0);
-        if (c < count) v = *reinterpret_cast<const int4*>(src + (first + c * step) * DP + d);
-        int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-#pragma unroll
-            for (int k = 0; k < NDIG; ++k) dst[(k * DP + d + e) * 64 + c] = (signed char)rlp_attd_digit(w[e]);
-    }
-}
-
 // The backward's digit tiles, written once per call by attention_backward_mma_digits: for every 64-position
 // block of a sequence (blocks listed in sequence order, block_first[s] the first of sequence s) and head h,
 // the rows of q, do (3 digits) or k, v (2) as rlp_attd_load_digits<DP, 64, NDIG> lays them out
@@ -777,8 +759,9 @@ __device__ __forceinline__ void rlp_attd_copy_tile(signed char* dst, const signe
 }
 
 // A 64-position block's row tiles [digit][DP / 64][64][64] transposed in shared memory into [digit][DP][64]
-// (the bytes rlp_attd_load_digits_t writes), by 4 x 4 byte blocks: the lanes of a half-warp take the 16
-// groups of 4 rows, each at its own group of 4 columns, so loads and stores meet 2-way bank conflicts.
+// (position c of column d at byte (digit DP + d) 64 + c), by 4 x 4 byte blocks: the lanes of a half-warp
+// take the 16 groups of 4 rows, each at its own group of 4 columns, so loads and stores meet 2-way bank
+// conflicts.
 template <int DP, int NDIG, int NT>
 __device__ __forceinline__ void rlp_attd_transpose(signed char* dst, const signed char* src) {
     constexpr int CH = DP / 64;

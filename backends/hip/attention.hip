@@ -5,6 +5,14 @@
 // built only where its instruction exists (clang's __gfx942__ / __gfx90a__) and on HIP-CPU, which
 // emulates both (backends/hip/cpu_prelude.h); `rlportable conform --device hip-cpu` checks them bit
 // for bit. The same bits as attention_paged: every sum is an exact integer sum, every max exact.
+
+// The split score pass's four byte products (the portable rlp_atts_dot4) on the dot instruction
+// v_dot4_i32_i8: c + the four products of the signed bytes, without clamp, the same integer. clang builds
+// the portable loop byte by byte (about 9 instructions a product on gfx90a), as nvcc did on NVIDIA, where
+// the instruction itself made the score pass 4x faster. HIP-CPU emulates it (cpu_prelude.h).
+#if defined(__gfx942__) || defined(__gfx90a__) || defined(RLP_HIP_CPU)
+#define RLP_ATTS_DOT4(a, b, c) __builtin_amdgcn_sdot4((a), (b), (c), false)
+#endif
 #include "../portable/attention.hip"
 
 #if defined(__gfx942__) || defined(__gfx90a__) || defined(RLP_HIP_CPU)

@@ -35,6 +35,8 @@
 #undef __device__
 #define __device__
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -260,5 +262,19 @@ inline Accumulator rlp_cpu_mfma_i32_i8(std::int64_t a, std::int64_t b, Accumulat
     rlp_cpu_mfma_i32_i8<16, 4, (cbsz), (abid), (blgp)>(rlp_cpu_mfma_int(a), rlp_cpu_mfma_int(b), (c))
 #define __builtin_amdgcn_mfma_i32_32x32x8i8(a, b, c, cbsz, abid, blgp) \
     rlp_cpu_mfma_i32_i8<32, 4, (cbsz), (abid), (blgp)>(rlp_cpu_mfma_int(a), rlp_cpu_mfma_int(b), (c))
+
+// ---- Integer dot product of 4 byte pairs (v_dot4_i32_i8 on gfx90a and gfx942; clang's
+// __builtin_amdgcn_sdot4(int a, int b, int c, bool clamp)): c + the four products of the signed bytes
+// of a and b, in int32, wrapping without clamp and saturating to the int32 range with it. One lane's
+// instruction: no wavefront state.
+inline int rlp_cpu_sdot4(int a, int b, int c, bool clamp) {
+    std::int64_t sum = c;
+    for (int i = 0; i < 4; ++i)
+        sum += (std::int64_t)(signed char)(a >> (8 * i)) * (std::int64_t)(signed char)(b >> (8 * i));
+    if (clamp) return (int)std::max<std::int64_t>(INT32_MIN, std::min<std::int64_t>(INT32_MAX, sum));
+    return (int)(std::uint32_t)(std::uint64_t)sum;
+}
+
+#define __builtin_amdgcn_sdot4(a, b, c, clamp) rlp_cpu_sdot4((a), (b), (c), (clamp))
 
 #endif  // RLP_HIP_CPU_PRELUDE_H

@@ -330,9 +330,12 @@ extern "C" __global__ void attention_write_kv(
 
 // c + the four products of the signed bytes of a and b, exact in int32. On NVIDIA the instruction
 // itself: nvcc turns the loop into dp4a but builds its operands byte by byte (about 10 more
-// instructions each), which made the score pass three times the value pass's time.
+// instructions each), which made the score pass three times the value pass's time. On AMD the vendor
+// file defines RLP_ATTS_DOT4 (backends/hip/attention.hip).
 __device__ __forceinline__ int rlp_atts_dot4(int a, int b, int c) {
-#if defined(RLP_HIP_ON_CUDA)
+#if defined(RLP_ATTS_DOT4)
+    return RLP_ATTS_DOT4(a, b, c);
+#elif defined(RLP_HIP_ON_CUDA)
     return __dp4a(a, b, c);
 #else
 #pragma unroll

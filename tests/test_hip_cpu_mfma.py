@@ -99,6 +99,11 @@ extern "C" __global__ void mfma_divergent(const long* a, const long* b, int* d) 
 RLP_TEST_MFMA(mfma_16x16x16, __builtin_amdgcn_mfma_i32_16x16x16i8, int, rlp_test_i32x4, 4)
 RLP_TEST_MFMA(mfma_32x32x8, __builtin_amdgcn_mfma_i32_32x32x8i8, int, rlp_test_i32x16, 16)
 #endif
+// v_dot4_i32_i8 (both targets): one lane's c + the four signed byte products, no clamp
+extern "C" __global__ void sdot4(const int* a, const int* b, const int* c, int* d, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) d[i] = __builtin_amdgcn_sdot4(a[i], b[i], c[i], false);
+}
 """
 
 
@@ -349,3 +354,25 @@ def test_the_kernels_compile_for_amd_with_the_real_builtins(arch):
               "gfx90a": ["v_mfma_i32_16x16x16i8", "v_mfma_i32_32x32x8i8"]}[arch]
     for mnemonic in wanted:
         assert mnemonic in text, f"{arch}: no {mnemonic} in the code"
+
+
+def test_sdot4_is_c_plus_the_signed_byte_products(backend):
+    """__builtin_amdgcn_sdot4(a, b, c, false) against NumPy: every byte value (-128 and 127 often), and c
+    near both ends of int32 so that a sum past them wraps as int32 arithmetic does."""
+    rng = np.random.default_rng(5)
+    n = 4096
+    a, b = (rng.integers(-128, 128, (n, 4), dtype=np.int8) for _ in range(2))
+    a[::5] = -128
+    b[::7] = 127
+    b[1::9] = -128
+    c = rng.integers(-(2**31), 2**31, n, dtype=np.int64)
+    c[:64] = 2**31 - 1
+    c[64:128] = -(2**31)
+    c = c.astype(np.int32)
+    want = (c.astype(np.int64) + (a.astype(np.int64) * b.astype(np.int64)).sum(axis=1)) % 2**32
+    want = want.astype(np.uint32).view(np.int32)
+    d = backend.zeros((n,), np.int32)
+    backend.launch(FAMILY, "sdot4", (n // 256,), (256,),
+                   tuple(backend.asarray(np.ascontiguousarray(x).view(np.int32).reshape(n)) for x in (a, b))
+                   + (backend.asarray(c), d, np.int32(n)))
+    assert np.array_equal(backend.to_numpy(d).view(np.uint32), want.view(np.uint32))

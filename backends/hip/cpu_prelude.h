@@ -35,8 +35,6 @@
 #undef __device__
 #define __device__
 
-#include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -265,16 +263,18 @@ inline Accumulator rlp_cpu_mfma_i32_i8(std::int64_t a, std::int64_t b, Accumulat
 
 // ---- Integer dot product of 4 byte pairs (v_dot4_i32_i8 on gfx90a and gfx942; clang's
 // __builtin_amdgcn_sdot4(int a, int b, int c, bool clamp)): c + the four products of the signed bytes
-// of a and b, in int32, wrapping without clamp and saturating to the int32 range with it. One lane's
-// instruction: no wavefront state.
-inline int rlp_cpu_sdot4(int a, int b, int c, bool clamp) {
+// of a and b, in int32 (wrapping: no sum of the sources leaves int32). One lane's instruction, no
+// wavefront state. The clamp (saturation) is not modelled: it must be constant false here, as the MFMA
+// modifiers must be 0.
+template <bool CLAMP>
+inline int rlp_cpu_sdot4(int a, int b, int c) {
+    static_assert(!CLAMP, "rlp_cpu_sdot4: the clamp is not emulated");
     std::int64_t sum = c;
     for (int i = 0; i < 4; ++i)
         sum += (std::int64_t)(signed char)(a >> (8 * i)) * (std::int64_t)(signed char)(b >> (8 * i));
-    if (clamp) return (int)std::max<std::int64_t>(INT32_MIN, std::min<std::int64_t>(INT32_MAX, sum));
     return (int)(std::uint32_t)(std::uint64_t)sum;
 }
 
-#define __builtin_amdgcn_sdot4(a, b, c, clamp) rlp_cpu_sdot4((a), (b), (c), (clamp))
+#define __builtin_amdgcn_sdot4(a, b, c, clamp) rlp_cpu_sdot4<(clamp)>((a), (b), (c))
 
 #endif  // RLP_HIP_CPU_PRELUDE_H

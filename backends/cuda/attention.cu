@@ -522,14 +522,15 @@ struct RlpAttdRows {
     unsigned long long sum[BQ];
 };
 
-// Loads a query tile's scalars: row r of the tile is token t0 + r (rows valid), head h.
-template <int DP>
-__device__ __forceinline__ void rlp_attd_row_scalars(RlpAttdRows<DP>& s, const int* __restrict__ row_info,
-                                                     const double* __restrict__ row_stats, long long t0, int rows,
+// The scalars of query rows t0 .. t0 + BQ - 1 of head h (the tiled kernels' RlpAttdRows, RlpAtt8Rows,
+// RlpAtt8Keys; rows beyond count: poisoned, no terms), NT threads.
+template <int BQ, int NT, typename S>
+__device__ __forceinline__ void rlp_attd_row_scalars(S& s, const int* __restrict__ row_info,
+                                                     const double* __restrict__ row_stats, long long t0, int count,
                                                      int hq, int h) {
-    for (int r = threadIdx.x; r < RlpAttd<DP>::BQ; r += RLP_ATTD_THREADS) {
+    for (int r = threadIdx.x; r < BQ; r += NT) {
         const long long item = (t0 + r) * hq + h;
-        const bool in = r < rows;
+        const bool in = r < count;
         s.eq[r] = in ? row_info[3 * item] : 0;
         s.edo[r] = in ? row_info[3 * item + 1] : 0;
         s.bad[r] = in ? row_info[3 * item + 2] : 1;
@@ -568,7 +569,7 @@ __device__ __forceinline__ void rlp_attd_stats(
     const long long t0 = tile.t0, start = tile.start;
     const int rows = tile.rows, h = tile.h, g = tile.g;
     rlp_attd_load<DP, BQ>(qs, q_int, t0 * hq + h, hq, rows);
-    rlp_attd_row_scalars<DP>(s, row_info, row_stats, t0, rows, hq, h);
+    rlp_attd_row_scalars<RlpAttd<DP>::BQ, RLP_ATTD_THREADS>(s, row_info, row_stats, t0, rows, hq, h);
     for (int r = threadIdx.x; r < BQ; r += RLP_ATTD_THREADS) { s.key[r] = 0u; s.flag[r] = 0u; s.sum[r] = 0ull; }
     for (int pass = 0; pass < 2; ++pass) {
         for (long long j0 = start; j0 < t0 + rows; j0 += BK) {
@@ -674,23 +675,6 @@ struct RlpAtt8Keys {
     int ek[BKV], ev[BKV];
     unsigned int field_k[BKV], field_v[BKV], bad_key[BKV];
 };
-
-// The scalars of query rows t0 .. t0 + BQ - 1 of head h (rows beyond count: poisoned, no terms).
-template <int BQ, int NT, typename S>
-__device__ __forceinline__ void rlp_att8_row_scalars(S& s, const int* __restrict__ row_info,
-                                                     const double* __restrict__ row_stats, long long t0, int count,
-                                                     int hq, int h) {
-    for (int r = threadIdx.x; r < BQ; r += NT) {
-        const long long item = (t0 + r) * hq + h;
-        const bool in = r < count;
-        s.eq[r] = in ? row_info[3 * item] : 0;
-        s.edo[r] = in ? row_info[3 * item + 1] : 0;
-        s.bad[r] = in ? row_info[3 * item + 2] : 1;
-        s.m[r] = in ? (float)row_stats[3 * item] : 0.0f;
-        s.total[r] = in ? row_stats[3 * item + 1] : 1.0;
-        s.delta[r] = in ? row_stats[3 * item + 2] : 0.0;
-    }
-}
 
 // A balanced int8 digit of v (v - digit is a multiple of 256), and v's rest after it.
 __device__ __forceinline__ int rlp_attd_digit(int& v) {
@@ -881,7 +865,7 @@ __device__ __forceinline__ void rlp_attd_dq8(
     const int rows = tile.rows, h = tile.h, g = tile.g, tile_seq = q_tiles[2 * blockIdx.x];
     rlp_attd_load_digits<DP, BQ, 3, NT>(q8, q_int, t0 * hq + h, hq, rows);
     rlp_attd_load_digits<DP, BQ, 3, NT>(do8, do_int, t0 * hq + h, hq, rows);
-    rlp_att8_row_scalars<BQ, NT>(s, row_info, row_stats, t0, rows, hq, h);
+    rlp_attd_row_scalars<BQ, NT>(s, row_info, row_stats, t0, rows, hq, h);
     const int mb = (warp * NBW) / (BK / 8), nb0 = (warp * NBW) % (BK / 8);  // S blocks of this warp
     const int om = (warp * NPW) / (DP / 8), on0 = (warp * NPW) % (DP / 8);  // output blocks of this warp
     double acc[NPW][4];
@@ -1020,7 +1004,7 @@ __device__ __forceinline__ void rlp_attd_dkv8(
             rlp_attd_copy_tile<3 * BQ * DP, NT>(q8, q_tiles8 + tile * (3 * BQ * DP));
             rlp_attd_copy_tile<3 * BQ * DP, NT>(do8, do_tiles8 + tile * (3 * BQ * DP));
             rlp_cp_async_commit();
-            rlp_att8_row_scalars<BQ, NT>(s, row_info, row_stats, t0, qrows, hq, h);
+            rlp_attd_row_scalars<BQ, NT>(s, row_info, row_stats, t0, qrows, hq, h);
             for (int c = threadIdx.x; c < BKV; c += NT) { s.field_k[c] = 0u; s.field_v[c] = 0u; }
             rlp_cp_async_wait<0>();
             __syncthreads();

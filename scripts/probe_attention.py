@@ -120,7 +120,7 @@ def _head_major_rows(s):  # timing only (other rows): a block's rows as a head-m
 
 
 def _dot4_loop(s):  # the same bits: the byte products as the portable loop (nvcc's byte-by-byte operands)
-    return edit(s, "#if defined(RLP_HIP_ON_CUDA)\n    return __dp4a(a, b, c);", "#if 0\n    return __dp4a(a, b, c);")
+    return edit(s, "#elif defined(RLP_HIP_ON_CUDA)\n    return __dp4a(a, b, c);", "#elif 0\n    return __dp4a(a, b, c);")
 
 
 def _scores_no_table(s):  # timing only (other bits): slots by arithmetic (each sequence's rows in a row)

@@ -280,7 +280,8 @@ def gather_experts(backend, ep_group: Group, config: ModelConfig, named: dict, k
     from rlportable.model.weights import expected_tensors
 
     ep = ExpertParallel.of(ep_group)
-    first, per = ep.experts(config.num_experts).start, config.num_experts // ep.size
+    mine = ep.experts(config.num_experts)
+    first, per = mine.start, len(mine)
     gathered: dict = {}
     for name in named:  # the same local names in the same order on every rank, up to the expert index
         if not is_expert(name):

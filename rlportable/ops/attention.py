@@ -759,8 +759,7 @@ def _device_plan(backend: Backend, cu: np.ndarray, dpt: int, kind: str | None = 
     if key not in _PLANS:
         q_tiles, key_tiles = tiled_plan(cu, dpt, kind)
         blocks = np.stack(_tiles(cu, reference.BLOCK), axis=1).astype(np.int32)
-        counts = -(-np.diff(cu) // reference.BLOCK)
-        block_first = (np.cumsum(counts) - counts).astype(np.int32)
+        block_first = np.searchsorted(blocks[:, 0], np.arange(cu.size - 1)).astype(np.int32)
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = _DevicePlan(backend.asarray(q_tiles), backend.asarray(key_tiles),

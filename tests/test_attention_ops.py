@@ -413,5 +413,6 @@ def test_mma_kernels_are_declared_cuda_only():
     from rlportable.contract.spec import load_all
 
     contract = next(c for c in load_all() if c.name == "attention")
-    assert contract.cuda_only_kernels[:2] == ["attention_paged_mma_d128", "attention_paged_mma_d256"]
-    assert all(name.startswith("attention_backward_mma_") for name in contract.cuda_only_kernels[2:])
+    assert contract.cuda_only_kernels[:3] == ["attention_paged_mma_d128", "attention_paged_mma_d256",
+                                              "attention_paged_wgmma_d128"]
+    assert all(name.startswith("attention_backward_mma_") for name in contract.cuda_only_kernels[3:])

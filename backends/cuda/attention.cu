@@ -56,14 +56,92 @@ __device__ __forceinline__ unsigned int rlp_attm_umax_rows(unsigned int v) {
     return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-template <int DPMAX>
+// The warpgroup build (WG, sm_90a, head_dim padded to 128: attention_paged_wgmma_d128): the same blocks,
+// rows, rounds and per-score arithmetic, with the products on wgmma from 128-byte-swizzled shared memory
+// ([plane][row][128 bytes], rlp_swizzle128). Warpgroup h plays the warps of half h: its warp p holds rows
+// 16p..16p+15, keys 32h..32h+31 of the score products (m64n32k32, the six digit pairs in four shift sums,
+// each thread's registers the mma kernel's s[nt][c]), and the output columns [64h, 64h + 64) of the value
+// products (m64n64k32, A the weights' digits, B V's). Those four shift sums stay int32 over a whole round:
+// per key |G_1| <= 128 * 128 + 128 * 64 < 2^15, so up to RLP_ATTW_MAX_KEYS keys (ops/attention.py holds
+// the tables' capacity to it) they are exact, and N_d = sum_k 256^k G_k is formed once per row. Weight
+// and V tiles alternate between the two 64-byte halves of their rows, so one tile's value products run
+// while the next tile is staged and scored.
+#define RLP_ATTW_PLANE (64 * 128)  // one digit plane of 64 rows x 128 bytes (q, K, the weights)
+#define RLP_ATTW_MAX_KEYS 65536
+
+// Wrappers whose bodies exist only in sm_90a builds (the wgmma entry traps elsewhere).
+__device__ __forceinline__ void rlp_attw_fence_proxy() {
+#ifdef RLP_HAS_WGMMA
+    rlp_fence_proxy_async();
+#endif
+}
+
+// acc[k] = G_k of the warpgroup's 64 rows x keys 32 half..32 half + 31 of the staged tile.
+__device__ __forceinline__ void rlp_attw_scores(int (&acc)[4][16], const signed char* qs, const signed char* ks,
+                                                int half) {
+#ifdef RLP_HAS_WGMMA
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int r = 0; r < 16; ++r) acc[k][r] = 0;
+    rlp_wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < 4; ++step)
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            const unsigned long long a = rlp_wgmma_descriptor(qs + i * RLP_ATTW_PLANE + 32 * step);
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                rlp_wgmma_n32(acc[i + j], a, rlp_wgmma_descriptor(ks + j * RLP_ATTW_PLANE + 32 * 128 * half + 32 * step));
+        }
+    rlp_wgmma_commit();
+    rlp_wgmma_wait<0>();  // also the previous tile's value products
+#pragma unroll
+    for (int k = 0; k < 4; ++k) rlp_wgmma_pin<16>(acc[k]);
+#else
+    __trap();
+#endif
+}
+
+// accv[k] += the weights' and V's digit products of shift k over the tile in the rows' half `parity`;
+// left in flight (the next rlp_attw_scores or rlp_attw_wait waits for it).
+__device__ __forceinline__ void rlp_attw_values(int (&accv)[4][32], const signed char* ws, const signed char* vt,
+                                                int half, int parity) {
+#ifdef RLP_HAS_WGMMA
+    rlp_wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < 2; ++step)
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            const int k = 32 * (step + 2 * parity);
+            const unsigned long long a = rlp_wgmma_descriptor(ws + i * RLP_ATTW_PLANE + k);
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                rlp_wgmma_n64(accv[i + j], a, rlp_wgmma_descriptor(vt + j * 2 * RLP_ATTW_PLANE + RLP_ATTW_PLANE * half + k));
+        }
+    rlp_wgmma_commit();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) rlp_wgmma_pin<32>(accv[k]);
+#endif
+}
+
+__device__ __forceinline__ void rlp_attw_wait(int (&accv)[4][32]) {
+#ifdef RLP_HAS_WGMMA
+    rlp_wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) rlp_wgmma_pin<32>(accv[k]);
+#endif
+}
+
+template <int DPMAX, bool WG>
 __device__ __forceinline__ void rlp_attention_mma(
     const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq,
     int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,
     int max_blocks, int block_size, long long num_slots, const signed char* __restrict__ k_digits,
     const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,
     const int* __restrict__ v_exponents, float* __restrict__ out, double* __restrict__ row_stats, signed char* smem) {
-    constexpr int NTMAX = DPMAX / 16;  // 8-column tiles of one warp's half of dp
+    static_assert(!WG || DPMAX == 128, "the warpgroup build: one 128-byte row per operand row");
+    constexpr int NTMAX = WG ? 1 : DPMAX / 16;  // 8-column tiles of one warp's half of dp (mma build)
     __shared__ int row_seq[RLP_ATTM_BQ], row_pos[RLP_ATTM_BQ], row_eq[RLP_ATTM_BQ], row_done[RLP_ATTM_BQ];
     __shared__ unsigned int row_mkey[RLP_ATTM_BQ], row_ev[RLP_ATTM_BQ], row_flags[RLP_ATTM_BQ];
     __shared__ unsigned long long row_total[RLP_ATTM_BQ];
@@ -72,15 +150,31 @@ __device__ __forceinline__ void rlp_attention_mma(
     __shared__ int cur_seq, last_pos, pair_max[RLP_ATTM_BQ / 16];
 
     const int chunks = dp / 64;
-    signed char* qs = smem;                          // [3][chunks][64 rows][64]
-    signed char* ks = qs + 3 * RLP_ATTM_BQ * dp;     // [2][chunks][64 keys][64]
-    signed char* vt = ks + 2 * RLP_ATTM_BK * dp;     // [2][dp][64 keys]
-    signed char* ws = vt + 2 * RLP_ATTM_BK * dp;     // [3][64 rows][64 keys]
+    if constexpr (WG) smem += (1024 - ((unsigned int)__cvta_generic_to_shared(smem) & 1023)) & 1023;
+    // mma: q [3][chunks][64 rows][64], K [2][chunks][64 keys][64], V^T [2][dp][64 keys], weights [3][64 rows][64 keys];
+    // WG: q [3][64 rows][128], K [2][64 keys][128], V^T [2][128 columns][128], weights [3][64 rows][128] (swizzled)
+    signed char* qs = smem;
+    signed char* ks = qs + (WG ? 3 * RLP_ATTW_PLANE : 3 * RLP_ATTM_BQ * dp);
+    signed char* vt = ks + (WG ? 2 * RLP_ATTW_PLANE : 2 * RLP_ATTM_BK * dp);
+    signed char* ws = vt + (WG ? 4 * RLP_ATTW_PLANE : 2 * RLP_ATTM_BK * dp);
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int gq = lane / 4, tq4 = lane % 4, pair = warp / 2, half = warp % 2;
+    // rows 16 pair.. and keys 32 half.. of each tile: warps 2 pair and 2 pair + 1 (mma), warp pair of warpgroup half (WG)
+    const int gq = lane / 4, tq4 = lane % 4, pair = WG ? warp % 4 : warp / 2, half = WG ? warp / 4 : warp % 2;
     const int h = blockIdx.y, gkv = h / (hq / hkv);
     const long long r0 = (long long)blockIdx.x * RLP_ATTM_BQ;
+    auto q_at = [&](int digit, int r, int i) {
+        return WG ? qs + digit * RLP_ATTW_PLANE + rlp_swizzle128(r, i) : qs + ((digit * chunks + i / 64) * RLP_ATTM_BQ + r) * 64 + i % 64;
+    };
+    // the weight digits of row r, key jl of the tile (WG: in the rows' half `parity`)
+    auto w_at = [&](int digit, int r, int jl, int parity) {
+        return WG ? ws + digit * RLP_ATTW_PLANE + rlp_swizzle128(r, 64 * parity + jl) : ws + (digit * RLP_ATTM_BQ + r) * RLP_ATTM_BK + jl;
+    };
+    int accv[WG ? 4 : 1][WG ? 32 : 1];  // WG: the value products' shift sums, whole rounds
+#pragma unroll
+    for (int k = 0; k < (WG ? 4 : 1); ++k)
+#pragma unroll
+        for (int r = 0; r < (WG ? 32 : 1); ++r) accv[k][r] = 0;
 
     // ---- q rows: exponent, 3 balanced digits; rows that cannot run get the canonical NaN now
     for (int rr = warp; rr < RLP_ATTM_BQ; rr += RLP_ATTM_THREADS / 32) {
@@ -101,7 +195,7 @@ __device__ __forceinline__ void rlp_attention_mma(
             for (int digit = 0; digit < 3; ++digit) {
                 long long low = ((v + 128) & 255) - 128;
                 v = (v - low) >> 8;
-                qs[((digit * chunks + i / 64) * RLP_ATTM_BQ + rr) * 64 + i % 64] = (signed char)low;
+                *q_at(digit, rr, i) = (signed char)low;
             }
         }
         if (bad)
@@ -141,8 +235,9 @@ __device__ __forceinline__ void rlp_attention_mma(
             eqr[k] = act[k] ? row_eq[r] : 0;
         }
 
-        // Stage one key tile: per-key slot rows and exponents, K digits, and (pass 2) V transposed.
-        auto stage = [&](int kb, bool values) {
+        // Stage one key tile: per-key slot rows and exponents, K digits, and (pass 2) V transposed
+        // (WG: into the rows' half `parity`).
+        auto stage = [&](int kb, bool values, int parity) {
             __syncthreads();  // the previous tile's readers are done
             if (tid < RLP_ATTM_BK) {
                 long long row;
@@ -162,7 +257,8 @@ __device__ __forceinline__ void rlp_attention_mma(
                 const int4 v = row >= 0 ? __ldg(reinterpret_cast<const int4*>(k_digits + row * (2LL * dp) +
                                                                              (long long)digit * dp + 16 * piece))
                                         : make_int4(0, 0, 0, 0);
-                *reinterpret_cast<int4*>(ks + ((digit * chunks + piece / 4) * RLP_ATTM_BK + key) * 64 + 16 * (piece % 4)) = v;
+                *reinterpret_cast<int4*>(WG ? ks + digit * RLP_ATTW_PLANE + rlp_swizzle128(key, 16 * piece)
+                                            : ks + ((digit * chunks + piece / 4) * RLP_ATTM_BK + key) * 64 + 16 * (piece % 4)) = v;
             }
             if (values) {
                 const int dgroups = dp / 4;
@@ -179,68 +275,87 @@ __device__ __forceinline__ void rlp_attention_mma(
                     // 4 keys x 4 columns of bytes -> 4 columns x 4 keys
                     const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
                     const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
-                    int* base = reinterpret_cast<int*>(vt + ((long long)digit * dp + 4 * dg) * RLP_ATTM_BK + 4 * kg);
-                    base[0 * RLP_ATTM_BK / 4] = (int)__byte_perm(t0, t2, 0x5410);
-                    base[1 * RLP_ATTM_BK / 4] = (int)__byte_perm(t0, t2, 0x7632);
-                    base[2 * RLP_ATTM_BK / 4] = (int)__byte_perm(t1, t3, 0x5410);
-                    base[3 * RLP_ATTM_BK / 4] = (int)__byte_perm(t1, t3, 0x7632);
+                    const int word[4] = {(int)__byte_perm(t0, t2, 0x5410), (int)__byte_perm(t0, t2, 0x7632),
+                                         (int)__byte_perm(t1, t3, 0x5410), (int)__byte_perm(t1, t3, 0x7632)};
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        *reinterpret_cast<int*>(
+                            WG ? vt + digit * 2 * RLP_ATTW_PLANE + rlp_swizzle128(4 * dg + c, 64 * parity + 4 * kg)
+                               : vt + ((long long)digit * dp + 4 * dg + c) * RLP_ATTM_BK + 4 * kg) = word[c];
                 }
             }
+            if (WG) rlp_attw_fence_proxy();  // the tile (and q) written through the generic proxy, read by wgmma
             __syncthreads();
         };
 
         // Scores of this warp's 16 rows x 32 keys (32 half .. 32 half + 31 of the tile):
-        // s[nt][c] for row g + 8 (c / 2), key 32 half + 8 nt + 2 t + c % 2.
+        // s[nt][c] for row g + 8 (c / 2), key 32 half + 8 nt + 2 t + c % 2. WG: every thread of the warpgroup calls it.
         auto scores = [&](float (&s)[4][4]) {
+            if constexpr (WG) {
+                int acc[4][16];
+                rlp_attw_scores(acc, qs, ks, half);
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                int acc[4][4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) acc[i][c] = 0;
-                const int key = 32 * half + 8 * nt + gq;
-                for (int c = 0; c < chunks; ++c) {
-                    int4 a[3][2], b[2];
-#pragma unroll
-                    for (int i = 0; i < 3; ++i)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            a[i][r] = *reinterpret_cast<const int4*>(
-                                qs + ((i * chunks + c) * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * 64 + 16 * tq4);
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-                        b[j] = *reinterpret_cast<const int4*>(ks + ((j * chunks + c) * RLP_ATTM_BK + key) * 64 + 16 * tq4);
-                    rlp_attm_chunk(acc, a, b);
-                }
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    s[nt][c] = rlp_att_score(rlp_attm_combine(acc, c), eqr[c / 2],
-                                             key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
-            }
-        };
-
-        // ---- pass 1: m, E, flags
-        unsigned int mkey[2] = {0u, 0u}, evk[2] = {0u, 0u}, flg[2] = {0u, 0u};
-        for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
-            stage(kb, false);
-            if (kb + 32 * half <= my_max) {  // warp-uniform
-                float s[4][4];
-                scores(s);
+                for (int k = 0; k < 4; ++k) rlp_wgmma_pin<32>(accv[k]);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
-                        if (act[k] && kb + jl <= pos[k]) {
-                            if (key_flag[jl]) {
-                                flg[k] |= (unsigned int)key_flag[jl];
-                            } else {
-                                mkey[k] = max(mkey[k], rlp_att_order_key(s[nt][c]));
-                                evk[k] = max(evk[k], (unsigned int)(key_ev[jl] + RLP_ATT_EV_OFFSET));
+                    for (int c = 0; c < 4; ++c)
+                        s[nt][c] = rlp_att_score(
+                            (((long long)acc[3][4 * nt + c] * 256 + acc[2][4 * nt + c]) * 256 + acc[1][4 * nt + c]) * 256 + acc[0][4 * nt + c],
+                            eqr[c / 2], key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    int acc[4][4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[i][c] = 0;
+                    const int key = 32 * half + 8 * nt + gq;
+                    for (int c = 0; c < chunks; ++c) {
+                        int4 a[3][2], b[2];
+#pragma unroll
+                        for (int i = 0; i < 3; ++i)
+#pragma unroll
+                            for (int r = 0; r < 2; ++r)
+                                a[i][r] = *reinterpret_cast<const int4*>(
+                                    qs + ((i * chunks + c) * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * 64 + 16 * tq4);
+#pragma unroll
+                        for (int j = 0; j < 2; ++j)
+                            b[j] = *reinterpret_cast<const int4*>(ks + ((j * chunks + c) * RLP_ATTM_BK + key) * 64 + 16 * tq4);
+                        rlp_attm_chunk(acc, a, b);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        s[nt][c] = rlp_att_score(rlp_attm_combine(acc, c), eqr[c / 2],
+                                                 key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
+                }
+            }
+        };
+
+        // ---- pass 1: m, E, flags. The products run where the warp's rows (mma) or the block's (WG) reach.
+        unsigned int mkey[2] = {0u, 0u}, evk[2] = {0u, 0u}, flg[2] = {0u, 0u};
+        for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
+            stage(kb, false, 0);
+            if (WG || kb + 32 * half <= my_max) {  // warp-uniform; WG: every tile (wgmma in a uniform path)
+                float s[4][4];
+                scores(s);
+                if (kb + 32 * half <= my_max) {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
+                            if (act[k] && kb + jl <= pos[k]) {
+                                if (key_flag[jl]) {
+                                    flg[k] |= (unsigned int)key_flag[jl];
+                                } else {
+                                    mkey[k] = max(mkey[k], rlp_att_order_key(s[nt][c]));
+                                    evk[k] = max(evk[k], (unsigned int)(key_ev[jl] + RLP_ATT_EV_OFFSET));
+                                }
                             }
                         }
-                    }
+                }
             }
         }
 #pragma unroll
@@ -276,43 +391,44 @@ __device__ __forceinline__ void rlp_attention_mma(
         for (int n = 0; n < NTMAX; ++n)
 #pragma unroll
             for (int c = 0; c < 4; ++c) num[n][c] = 0;
-        const int ntiles = dp / 16;  // this warp's 8-column tiles
-        for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
-            stage(kb, true);
+        const int ntiles = dp / 16;  // this warp's 8-column tiles (mma)
+        for (int kb = 0, parity = 0; kb <= last; kb += RLP_ATTM_BK, parity ^= (WG ? 1 : 0)) {
+            stage(kb, true, parity);
             const bool pair_in = kb <= my_max;  // warp-uniform, equal for both warps of the pair
-            if (pair_in) {
-                if (kb + 32 * half <= my_max) {
-                    float s[4][4];
-                    scores(s);
+            // WG: the warpgroup scores every tile (wgmma in a uniform path), every warp writes its weights (or zeros)
+            float s[4][4];
+            if (WG || (pair_in && kb + 32 * half <= my_max)) scores(s);
+            if (pair_in && kb + 32 * half <= my_max) {
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
+                for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-                        for (int c = 0; c < 4; ++c) {
-                            const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
-                            long long w = 0;
-                            if (ok[k] && kb + jl <= pos[k]) {
-                                const double p = (double)rlp_exp_f32(s[nt][c] - m[k]);
-                                total[k] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
-                                w = __double2ll_rn(p * rlp_pow2_f64(key_ev[jl] - e_max[k] + RLP_ATT_P_SHIFT));
-                            }
-                            const int r = 16 * pair + gq + 8 * k;
-#pragma unroll
-                            for (int digit = 0; digit < 3; ++digit) {
-                                long long low = ((w + 128) & 255) - 128;
-                                w = (w - low) >> 8;
-                                ws[(digit * RLP_ATTM_BQ + r) * RLP_ATTM_BK + jl] = (signed char)low;
-                            }
+                    for (int c = 0; c < 4; ++c) {
+                        const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
+                        long long w = 0;
+                        if (ok[k] && kb + jl <= pos[k]) {
+                            const double p = (double)rlp_exp_f32(s[nt][c] - m[k]);
+                            total[k] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                            w = __double2ll_rn(p * rlp_pow2_f64(key_ev[jl] - e_max[k] + RLP_ATT_P_SHIFT));
                         }
-                } else {  // keys beyond every row of the pair: zero weights
-                    for (int p = lane; p < 3 * 16 * 2; p += 32) {
-                        const int digit = p / 32, r = 16 * pair + (p / 2) % 16, part = p % 2;
-                        *reinterpret_cast<int4*>(ws + (digit * RLP_ATTM_BQ + r) * RLP_ATTM_BK + 32 * half + 16 * part) =
-                            make_int4(0, 0, 0, 0);
+                        const int r = 16 * pair + gq + 8 * k;
+#pragma unroll
+                        for (int digit = 0; digit < 3; ++digit) {
+                            long long low = ((w + 128) & 255) - 128;
+                            w = (w - low) >> 8;
+                            *w_at(digit, r, jl, parity) = (signed char)low;
+                        }
                     }
+            } else if (WG || pair_in) {  // keys beyond every row of the pair: zero weights
+                for (int p = lane; p < 3 * 16 * 2; p += 32) {
+                    const int digit = p / 32, r = 16 * pair + (p / 2) % 16, part = p % 2;
+                    *reinterpret_cast<int4*>(w_at(digit, r, 32 * half + 16 * part, parity)) = make_int4(0, 0, 0, 0);
                 }
             }
-            __syncthreads();  // the pair's weights are in shared memory
-            if (pair_in) {
+            if (WG) rlp_attw_fence_proxy();
+            __syncthreads();  // the pair's (WG: the block's) weights are in shared memory
+            if constexpr (WG) {
+                rlp_attw_values(accv, ws, vt, half, parity);
+            } else if (pair_in) {
                 int4 a[3][2];
 #pragma unroll
                 for (int i = 0; i < 3; ++i)
@@ -339,6 +455,7 @@ __device__ __forceinline__ void rlp_attention_mma(
                 }
             }
         }
+        if constexpr (WG) rlp_attw_wait(accv);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             long long sum = total[k];
@@ -359,13 +476,21 @@ __device__ __forceinline__ void rlp_attention_mma(
                 stats[0] = ok[k] ? (double)m[k] : 0.0;
                 stats[1] = ok[k] ? denominator : 0.0;
             }
+            // this thread's numerators: columns 8 n + 2 t + e of its half (mma: dp / 2 columns, WG: 64)
 #pragma unroll
-            for (int n = 0; n < NTMAX; ++n)
+            for (int n = 0; n < (WG ? 8 : NTMAX); ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int col = half * (dp / 2) + 8 * n + 2 * tq4 + e;
-                    if (n < ntiles && col < d)
-                        orow[col] = ok[k] ? __double2float_rn((__ll2double_rn(num[n][2 * k + e]) * unit) / denominator)
+                    const int col = half * (WG ? 64 : dp / 2) + 8 * n + 2 * tq4 + e;
+                    long long numerator;
+                    if constexpr (WG) {
+                        const int i = 4 * n + 2 * k + e;
+                        numerator = (((long long)accv[3][i] * 256 + accv[2][i]) * 256 + accv[1][i]) * 256 + accv[0][i];
+                    } else {
+                        numerator = num[n][2 * k + e];
+                    }
+                    if ((WG || n < ntiles) && col < d)
+                        orow[col] = ok[k] ? __double2float_rn((__ll2double_rn(numerator) * unit) / denominator)
                                           : rlp_canonical_nan();
                 }
         }
@@ -376,7 +501,7 @@ __device__ __forceinline__ void rlp_attention_mma(
 }
 
 // Shared memory: 448 dp + 12288 bytes (dynamic); ops/attention.py passes it.
-#define RLP_ATTENTION_MMA_ENTRY(NAME, DPMAX, MIN_BLOCKS)                                                          \
+#define RLP_ATTENTION_MMA_ENTRY(NAME, DPMAX, MIN_BLOCKS, WG)                                                          \
     extern "C" __global__ void __launch_bounds__(RLP_ATTM_THREADS, MIN_BLOCKS) NAME(                             \
         const float* __restrict__ q, const int* __restrict__ q_seq, const int* __restrict__ q_pos, long long tq, \
         int hq, int hkv, int d, int dp, double scale, const int* __restrict__ block_tables, int num_seqs,        \
@@ -384,14 +509,17 @@ __device__ __forceinline__ void rlp_attention_mma(
         const int* __restrict__ k_exponents, const signed char* __restrict__ v_digits,                          \
         const int* __restrict__ v_exponents, float* __restrict__ out, double* __restrict__ row_stats) {          \
         extern __shared__ int4 rlp_attm_smem[];                                                                  \
-        rlp_attention_mma<DPMAX>(q, q_seq, q_pos, tq, hq, hkv, d, dp, scale, block_tables, num_seqs, max_blocks, \
+        rlp_attention_mma<DPMAX, WG>(q, q_seq, q_pos, tq, hq, hkv, d, dp, scale, block_tables, num_seqs, max_blocks, \
                                  block_size, num_slots, k_digits, k_exponents, v_digits, v_exponents, out,       \
                                  row_stats, reinterpret_cast<signed char*>(rlp_attm_smem));                     \
     }
 
 // head_dim padded to 64 or 128, and to 192 or 256
-RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d128, 128, 2)
-RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1)
+RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d128, 128, 2, false)
+RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1, false)
+// head_dim padded to 128, sm_90a (traps elsewhere; ops/attention.py picks it on compute capability 9.0);
+// shared memory: 4 * 3 * 8 KB + 1 KB for the 1024-byte alignment (dynamic)
+RLP_ATTENTION_MMA_ENTRY(attention_paged_wgmma_d128, 128, 1, true)
 
 // ---------------------------------------------------------------------------
 // Tiled backward: the CUDA fast path of op "attention_backward", the bits of the rows kernels above

@@ -39,6 +39,7 @@ from rlportable.ops import segments
 from rlportable.ops.checks import NULL_POINTER, round_up, shape_of
 from rlportable.ops.fixedpoint import K_ALIGN, encode_rows_reference
 from rlportable.runtime.base import Backend
+from rlportable.runtime.flags import WGMMA_CAPABILITIES, has_wgmma
 from rlportable.runtime.hip import MFMA_ARCHS
 
 Q_BITS = reference.Q_BITS  # 23: 3 int8 digits
@@ -53,14 +54,19 @@ GRID_LIMIT = 1 << 20  # grid-stride beyond this many blocks
 #:   "portable": attention_paged, one block per (query, head), scalar int64 arithmetic (CUDA and HIP);
 #:   "mma": attention_paged_mma_d128 / _d256, CUDA sources only (mma.sync int8 tensor cores), 64 query
 #:          rows x one head per block, padded head_dim <= 256;
+#:   "wgmma": attention_paged_wgmma_d128, CUDA sources on compute capability 9.0 (sm_90a warpgroup MMA),
+#:          the mma kernel's blocks with the products on wgmma; padded head_dim 128 and tables of at most
+#:          WGMMA_MAX_KEYS keys (its value sums stay int32 over a row);
 #:   "split": attention_split_scores / _values / _combine (CUDA and HIP), split-KV decode: one block per
 #:          (query row, kv head, key range) with all the group's q heads, K and V read once per group;
-#:   "auto": "mma" where it exists and the call has enough queries per sequence (prefill), else "split"
-#:          where it exists (decode), else "portable".
-METHODS = ("auto", "portable", "mma", "split")
+#:   "auto": "wgmma" where it exists and the tables fit it, else "mma", where the call has enough queries
+#:          per sequence (prefill); else "split" where it exists (decode), else "portable".
+METHODS = ("auto", "portable", "mma", "wgmma", "split")
 MMA_ROWS = 64  # query rows per block of the mma kernels
 MMA_THREADS = 256
 MMA_MAX_HEAD_DIM_PADDED = 256
+WGMMA_HEAD_DIM_PADDED = 128
+WGMMA_MAX_KEYS = 65536  # RLP_ATTW_MAX_KEYS: keys a table may address for the wgmma kernel
 #: the MFMA forward's largest padded head_dim: 256 would need 91 KB of LDS (backends/hip/attention.hip)
 MFMA_MAX_HEAD_DIM_PADDED = 128
 MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run the split kernels
@@ -239,7 +245,8 @@ def available_methods(backend: Backend, head_dim: int) -> tuple[str, ...]:
     if backend.runs_reference:
         return ("portable",)
     if backend.kernel_vendor == "cuda" and round_up(head_dim, K_ALIGN) <= MMA_MAX_HEAD_DIM_PADDED:
-        return ("portable", "mma", "split")
+        wgmma = has_wgmma(backend) and round_up(head_dim, K_ALIGN) == WGMMA_HEAD_DIM_PADDED
+        return ("portable", "mma", "wgmma", "split") if wgmma else ("portable", "mma", "split")
     if mfma_arch(backend) is not None and round_up(head_dim, K_ALIGN) <= MFMA_MAX_HEAD_DIM_PADDED:
         return ("portable", "mma", "split")
     return ("portable", "split")
@@ -260,12 +267,18 @@ def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, meth
         raise InputError(f"attention: the mma kernel exists for CUDA sources with padded head_dim <= "
                          f"{MMA_MAX_HEAD_DIM_PADDED} and for AMD's {', '.join(MFMA_ARCHS)} (MFMA) with padded head_dim <= "
                          f"{MFMA_MAX_HEAD_DIM_PADDED}; got {backend.label} with head_dim {head_dim}")
+    if method == "wgmma" and "wgmma" not in available:
+        raise InputError(f"attention: the wgmma kernel exists for CUDA sources on compute capability "
+                         f"{', '.join(WGMMA_CAPABILITIES)} with padded head_dim {WGMMA_HEAD_DIM_PADDED}; got "
+                         f"{backend.label} with head_dim {head_dim}")
     if method == "split" and "split" not in available:
         raise InputError(f"attention: the split kernels exist for CUDA and HIP sources; got {backend.label}")
     if method == "auto":
         if tq >= MMA_MIN_ROWS_PER_SEQ * max(num_seqs, 1):  # prefill-shaped
             # HIP-CPU emulates each MFMA in software: there the portable kernel is the default and the
             # MFMA one runs when asked for (conform asks)
+            if "wgmma" in available:
+                return "wgmma"
             return "mma" if "mma" in available and not backend.on_host else "portable"
         return "split" if "split" in available else "portable"  # decode-shaped
     return method
@@ -300,6 +313,11 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
     return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
 
 
+#: attention_paged_wgmma_d128's dynamic shared memory: 12 planes of 64 x 128 bytes (q 3, K 2, V transposed 4,
+#: weights 3) and 1 KB to align them to 1024 bytes (the 128-byte swizzle's period)
+WGMMA_SHARED_BYTES = 12 * MMA_ROWS * 128 + 1024
+
+
 def split_values_kernel(group: int) -> str:
     """The value kernel for a group of q heads per kv head: groups of 1 or 2 take the build with 2 heads
     per round (half the register sums, more keys in flight), larger groups rounds of SPLIT_VALUE_HEADS."""
@@ -331,7 +349,13 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
         raise InputError(f"attention: threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
     seqs = shape_of(block_tables)[0] if num_seqs is None else num_seqs
-    method = resolve_method(backend, tq, seqs, cache.head_dim, method)
+    requested, method = method, resolve_method(backend, tq, seqs, cache.head_dim, method)
+    capacity = shape_of(block_tables)[1] * cache.block_size
+    if method == "wgmma" and capacity > WGMMA_MAX_KEYS:
+        if requested != "auto":
+            raise InputError(f"attention: the wgmma kernel takes block tables of at most {WGMMA_MAX_KEYS} keys; "
+                             f"these address {capacity}")
+        method = "mma"
     _check_keys_per_split(keys_per_split)
     if row_stats is not None:
         if method == "split":
@@ -361,6 +385,9 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
         dp = cache.head_dim_padded
         kernel = "attention_paged_mma_d128" if dp <= 128 else "attention_paged_mma_d256"
         grid, block, shared = (-(-tq // MMA_ROWS), hq), (MMA_THREADS,), mma_shared_bytes(dp)
+    elif method == "wgmma":
+        kernel, grid, block = "attention_paged_wgmma_d128", (-(-tq // MMA_ROWS), hq), (MMA_THREADS,)
+        shared = WGMMA_SHARED_BYTES
     else:
         kernel, grid, block, shared = "attention_paged", (min(tq * hq, GRID_LIMIT),), (int(threads),), 0
     backend.launch("attention", kernel, grid, block,

@@ -21,6 +21,7 @@ import numpy as np
 from rlportable.contract import fixedpoint as fp
 from rlportable.errors import InputError
 from rlportable.ops.fixedpoint import EncodedRows
+from rlportable.runtime.flags import has_wgmma
 
 A_DIGITS, W_DIGITS = 3, 2
 
@@ -50,8 +51,6 @@ WGMMA_ROWS, WGMMA_KBLOCK = 64, 128
 #: stages per tile width (backends/cuda/gemm.cu RLP_GEMM_WGMMA_ENTRY): 3 keep a 64 x 32 block
 #: under half the shared memory, so two blocks share a multiprocessor
 WGMMA_STAGES = {32: 3, 64: 4, 128: 4, 96: 4, 192: 3}
-#: compute capabilities whose builds have wgmma (runtime/flags.py ARCH_SPECIFIC)
-WGMMA_CAPABILITIES = ("90",)
 # pick_tile's thresholds, in tiles or blocks of a launch: each where the H200's sweeps put the faster
 # tile (the measurements behind each: docs/gemm_performance.md, "How pick_tile chooses").
 #: 64 x 128 tiles from this many on (two waves of the H200's 132 multiprocessors)
@@ -103,10 +102,6 @@ WGMMA_OUTPUTS = 3
 
 #: N at and above which a GEMM is an LM head: many columns, memory-bound on the weight
 LARGE_N = 65536
-
-
-def has_wgmma(backend) -> bool:
-    return getattr(backend, "compute_capability", None) in WGMMA_CAPABILITIES
 
 
 def available_tiles(backend) -> list[str]:

@@ -27,9 +27,15 @@ HIP_OPTIONS = (
 
 
 #: Compute capabilities built for their arch-specific target ("sm_90a"): the Hopper-only
-#: instructions (wgmma, backends/cuda/gemm.cu) exist only there. The code runs on that
+#: instructions (wgmma, backends/cuda/pipeline.h) exist only there. The code runs on that
 #: compute capability only, which is the one the runtime compiles for anyway.
 ARCH_SPECIFIC = {"90": "a"}
+#: compute capabilities whose builds have wgmma (the gemm's and attention's warpgroup kernels)
+WGMMA_CAPABILITIES = ("90",)
+
+
+def has_wgmma(backend) -> bool:
+    return getattr(backend, "compute_capability", None) in WGMMA_CAPABILITIES
 
 
 def cuda_arch_option(compute_capability: str) -> str:

@@ -408,6 +408,34 @@ def test_methods_dispatch_and_reject():
     assert op.resolve_method(cuda, 16, 16, 128, "portable") == "portable"
     assert op.mma_shared_bytes(128) == 7 * 64 * 128 + 3 * 64 * 64
 
+    hopper = FakeCuda()
+    hopper.compute_capability = "90"
+    assert op.available_methods(hopper, 128) == ("portable", "mma", "wgmma", "split")
+    assert op.available_methods(hopper, 100) == ("portable", "mma", "wgmma", "split")
+    assert op.available_methods(hopper, 64) == ("portable", "mma", "split")  # padded to 64, not 128
+    assert op.available_methods(hopper, 256) == ("portable", "mma", "split")
+    assert op.resolve_method(hopper, 1024, 16, 128, "auto") == "wgmma"
+    assert op.resolve_method(hopper, 1024, 16, 256, "auto") == "mma"
+    assert op.resolve_method(hopper, 16, 16, 128, "auto") == "split"
+    with pytest.raises(InputError, match="wgmma"):
+        op.resolve_method(cuda, 1024, 16, 128, "wgmma")
+
+
+def test_wgmma_refuses_tables_beyond_its_key_limit():
+    """The wgmma kernel keeps its value sums in int32 for tables of at most WGMMA_MAX_KEYS keys: asked for
+    by name with wider tables it says so before any launch; "auto" takes the mma kernel there."""
+    class FakeHopper:
+        kernel_vendor, compute_capability, label = "cuda", "90", "cuda"
+        runs_reference = on_host = False
+
+    backend = FakeHopper()
+    cache = op.KVCache(None, None, None, None, num_slots=1 << 18, num_kv_heads=1, head_dim=128, block_size=1)
+    q = np.zeros((64, 1, 128), np.float32)
+    rows = np.zeros(64, np.int32)
+    wide = np.zeros((1, op.WGMMA_MAX_KEYS + 1), np.int32)
+    with pytest.raises(InputError, match="at most 65536 keys"):
+        op.attention_paged(backend, q, rows, rows, cache, wide, method="wgmma")
+
 
 def test_mma_kernels_are_declared_cuda_only():
     from rlportable.contract.spec import load_all

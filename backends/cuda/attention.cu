@@ -400,16 +400,27 @@ __device__ __forceinline__ void rlp_attention_mma(
             if (WG || (pair_in && kb + 32 * half <= my_max)) scores(s);
             if (pair_in && kb + 32 * half <= my_max) {
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
+                for (int nt = 0; nt < 4; ++nt) {
+                    // the exps of four scores side by side without branches (independent chains to overlap),
+                    // then the rare ones whose fast path does not decide
+                    bool take[4], decided[4];
+                    float e[4];
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
                         const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
-                        long long w = 0;
-                        if (ok[k] && kb + jl <= pos[k]) {
-                            const double p = (double)rlp_exp_f32(s[nt][c] - m[k]);
-                            total[k] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
-                            w = __double2ll_rn(p * rlp_pow2_f64(key_ev[jl] - e_max[k] + RLP_ATT_P_SHIFT));
-                        }
+                        take[c] = ok[k] && kb + jl <= pos[k];
+                        decided[c] = rlp_exp_f32_fast(take[c] ? s[nt][c] - m[k] : 0.0f, e[c]);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (take[c] && !decided[c]) e[c] = rlp_exp_f32_full(s[nt][c] - m[c / 2]);
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
+                        const double p = (double)e[c];
+                        // selects, not branches: a poisoned row's e_max may put the power of two out of range
+                        total[k] += take[c] ? __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) : 0;
+                        long long w = take[c] ? __double2ll_rn(p * rlp_pow2_f64(key_ev[jl] - e_max[k] + RLP_ATT_P_SHIFT)) : 0;
                         const int r = 16 * pair + gq + 8 * k;
 #pragma unroll
                         for (int digit = 0; digit < 3; ++digit) {
@@ -418,6 +429,7 @@ __device__ __forceinline__ void rlp_attention_mma(
                             *w_at(digit, r, jl, parity) = (signed char)low;
                         }
                     }
+                }
             } else if (WG || pair_in) {  // keys beyond every row of the pair: zero weights
                 for (int p = lane; p < 3 * 16 * 2; p += 32) {
                     const int digit = p / 32, r = 16 * pair + (p / 2) % 16, part = p % 2;

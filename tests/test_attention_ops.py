@@ -414,7 +414,7 @@ def test_methods_dispatch_and_reject():
     assert op.available_methods(hopper, 100) == ("portable", "mma", "wgmma", "split")
     assert op.available_methods(hopper, 64) == ("portable", "mma", "split")  # padded to 64, not 128
     assert op.available_methods(hopper, 256) == ("portable", "mma", "split")
-    assert op.resolve_method(hopper, 1024, 16, 128, "auto") == "wgmma"
+    assert op.resolve_method(hopper, 1024, 16, 128, "auto") == ("wgmma" if op.AUTO_WGMMA else "mma")
     assert op.resolve_method(hopper, 1024, 16, 256, "auto") == "mma"
     assert op.resolve_method(hopper, 16, 16, 128, "auto") == "split"
     with pytest.raises(InputError, match="wgmma"):

@@ -59,14 +59,17 @@ GRID_LIMIT = 1 << 20  # grid-stride beyond this many blocks
 #:          WGMMA_MAX_KEYS keys (its value sums stay int32 over a row);
 #:   "split": attention_split_scores / _values / _combine (CUDA and HIP), split-KV decode: one block per
 #:          (query row, kv head, key range) with all the group's q heads, K and V read once per group;
-#:   "auto": "wgmma" where it exists and the tables fit it, else "mma", where the call has enough queries
-#:          per sequence (prefill); else "split" where it exists (decode), else "portable".
+#:   "auto": "mma" (or "wgmma" where AUTO_WGMMA, it exists and the tables fit it) where the call has enough
+#:          queries per sequence (prefill); else "split" where it exists (decode), else "portable".
 METHODS = ("auto", "portable", "mma", "wgmma", "split")
 MMA_ROWS = 64  # query rows per block of the mma kernels
 MMA_THREADS = 256
 MMA_MAX_HEAD_DIM_PADDED = 256
 WGMMA_HEAD_DIM_PADDED = 128
 WGMMA_MAX_KEYS = 65536  # RLP_ATTW_MAX_KEYS: keys a table may address for the wgmma kernel
+#: whether "auto" takes "wgmma" where it exists: only once it is measured faster than "mma" on the device
+#: (docs/training.md, "The attention forward on the GPU")
+AUTO_WGMMA = False
 #: the MFMA forward's largest padded head_dim: 256 would need 91 KB of LDS (backends/hip/attention.hip)
 MFMA_MAX_HEAD_DIM_PADDED = 128
 MMA_MIN_ROWS_PER_SEQ = 8  # "auto": fewer query rows per sequence (decode) run the split kernels
@@ -277,7 +280,7 @@ def resolve_method(backend: Backend, tq: int, num_seqs: int, head_dim: int, meth
         if tq >= MMA_MIN_ROWS_PER_SEQ * max(num_seqs, 1):  # prefill-shaped
             # HIP-CPU emulates each MFMA in software: there the portable kernel is the default and the
             # MFMA one runs when asked for (conform asks)
-            if "wgmma" in available:
+            if AUTO_WGMMA and "wgmma" in available:
                 return "wgmma"
             return "mma" if "mma" in available and not backend.on_host else "portable"
         return "split" if "split" in available else "portable"  # decode-shaped

@@ -339,8 +339,24 @@ __device__ __forceinline__ void rlp_attention_mma(
                     *reinterpret_cast<int*>(vt + digit * 2 * RLP_ATTW_PLANE + rlp_swizzle128(4 * dg + c, 64 * parity + 4 * kg)) = word[c];
             }
         };
-        // WG: the next tile's scalars into buffer b (from registers loaded before the work that hid their latency).
+        // WG: the next tile's scalars, loaded into registers before the work that hides their latency.
         struct Next { long long row; int ek, ev, f; };
+        // WG: a pass's first tile into buffer 0; then, at each tile, wait until its copies landed for every
+        // thread (and the tile before's readers are done).
+        auto first_tile = [&](bool values) {
+            if (tid < RLP_ATTM_BK) {
+                Next n;
+                scalars(0, n.row, n.ek, n.ev, n.f);
+                put_scalars(0, n.row, n.ek, n.ev, n.f);
+            }
+            __syncthreads();
+            copy_tile(0, values);
+        };
+        auto tile_landed = [&]() {
+            rlp_cp_async_wait<0>();
+            rlp_attw_fence_proxy();
+            __syncthreads();
+        };
 
         // Scores of this warp's 16 rows x 32 keys (32 half .. 32 half + 31 of the tile), scalars in buffer b:
         // s[nt][c] for row g + 8 (c / 2), key 32 half + 8 nt + 2 t + c % 2.
@@ -402,17 +418,9 @@ __device__ __forceinline__ void rlp_attention_mma(
         };
         if constexpr (WG) {
             // Tile kb's scores run on the tensor cores while the next tile's scalars load and its K copies start.
-            if (tid < RLP_ATTM_BK) {
-                Next n;
-                scalars(0, n.row, n.ek, n.ev, n.f);
-                put_scalars(0, n.row, n.ek, n.ev, n.f);
-            }
-            __syncthreads();
-            copy_tile(0, false);
+            first_tile(false);
             for (int kb = 0, b = 0; kb <= last; kb += RLP_ATTM_BK, b ^= 1) {
-                rlp_cp_async_wait<0>();
-                rlp_attw_fence_proxy();
-                __syncthreads();  // tile kb is in buffer b for every thread; the tile before's readers are done
+                tile_landed();
                 const bool more = kb + RLP_ATTM_BK <= last;
                 int acc[4][16];
                 rlp_attw_scores_issue(acc, qs, ks + 2 * b * RLP_ATTW_PLANE, half);
@@ -515,17 +523,9 @@ __device__ __forceinline__ void rlp_attention_mma(
         if constexpr (WG) {
             // Tile kb: its scores run while V's rows are transposed and the next tile's scalars load and copies
             // start; its value products run while the next tile's are scored. Weights and V alternate halves.
-            if (tid < RLP_ATTM_BK) {
-                Next n;
-                scalars(0, n.row, n.ek, n.ev, n.f);
-                put_scalars(0, n.row, n.ek, n.ev, n.f);
-            }
-            __syncthreads();
-            copy_tile(0, true);
+            first_tile(true);
             for (int kb = 0, b = 0; kb <= last; kb += RLP_ATTM_BK, b ^= 1) {
-                rlp_cp_async_wait<0>();
-                rlp_attw_fence_proxy();
-                __syncthreads();
+                tile_landed();
                 const bool more = kb + RLP_ATTM_BK <= last;
                 int acc[4][16];
                 rlp_attw_scores_issue(acc, qs, ks + 2 * b * RLP_ATTW_PLANE, half);

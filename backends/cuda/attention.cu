@@ -51,16 +51,6 @@ __device__ __forceinline__ long long rlp_attm_combine(const int (&acc)[4][4], in
     return (((long long)acc[3][c] * 256 + acc[2][c]) * 256 + acc[1][c]) * 256 + acc[0][c];
 }
 
-// 4 keys x 4 columns of bytes (r[key], a word of 4 columns each) -> 4 columns x 4 keys (word[column]).
-__device__ __forceinline__ void rlp_attm_transpose4(const int (&r)[4], int (&word)[4]) {
-    const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
-    const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
-    word[0] = (int)__byte_perm(t0, t2, 0x5410);
-    word[1] = (int)__byte_perm(t0, t2, 0x7632);
-    word[2] = (int)__byte_perm(t1, t3, 0x5410);
-    word[3] = (int)__byte_perm(t1, t3, 0x7632);
-}
-
 __device__ __forceinline__ unsigned int rlp_attm_umax_rows(unsigned int v) {
     v = max(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -86,10 +76,9 @@ __device__ __forceinline__ void rlp_attw_fence_proxy() {
 #endif
 }
 
-// acc[k] = G_k of the warpgroup's 64 rows x keys 32 half..32 half + 31 of the staged tile, left in flight
-// until rlp_attw_scores_wait (which also waits for the value products issued before).
-__device__ __forceinline__ void rlp_attw_scores_issue(int (&acc)[4][16], const signed char* qs, const signed char* ks,
-                                                      int half) {
+// acc[k] = G_k of the warpgroup's 64 rows x keys 32 half..32 half + 31 of the staged tile.
+__device__ __forceinline__ void rlp_attw_scores(int (&acc)[4][16], const signed char* qs, const signed char* ks,
+                                                int half) {
 #ifdef RLP_HAS_WGMMA
 #pragma unroll
     for (int k = 0; k < 4; ++k)
@@ -106,18 +95,11 @@ __device__ __forceinline__ void rlp_attw_scores_issue(int (&acc)[4][16], const s
                 rlp_wgmma_n32(acc[i + j], a, rlp_wgmma_descriptor(ks + j * RLP_ATTW_PLANE + 32 * 128 * half + 32 * step));
         }
     rlp_wgmma_commit();
+    rlp_wgmma_wait<0>();  // also the previous tile's value products
 #pragma unroll
     for (int k = 0; k < 4; ++k) rlp_wgmma_pin<16>(acc[k]);
 #else
     __trap();
-#endif
-}
-
-__device__ __forceinline__ void rlp_attw_scores_wait(int (&acc)[4][16]) {
-#ifdef RLP_HAS_WGMMA
-    rlp_wgmma_wait<0>();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) rlp_wgmma_pin<16>(acc[k]);
 #endif
 }
 
@@ -163,20 +145,18 @@ __device__ __forceinline__ void rlp_attention_mma(
     __shared__ int row_seq[RLP_ATTM_BQ], row_pos[RLP_ATTM_BQ], row_eq[RLP_ATTM_BQ], row_done[RLP_ATTM_BQ];
     __shared__ unsigned int row_mkey[RLP_ATTM_BQ], row_ev[RLP_ATTM_BQ], row_flags[RLP_ATTM_BQ];
     __shared__ unsigned long long row_total[RLP_ATTM_BQ];
-    __shared__ long long key_row[2][RLP_ATTM_BK];  // the tile's per-key scalars (WG: two tiles, the next one's copied ahead)
-    __shared__ int key_ek[2][RLP_ATTM_BK], key_ev[2][RLP_ATTM_BK], key_flag[2][RLP_ATTM_BK];
+    __shared__ long long key_row[RLP_ATTM_BK];
+    __shared__ int key_ek[RLP_ATTM_BK], key_ev[RLP_ATTM_BK], key_flag[RLP_ATTM_BK];
     __shared__ int cur_seq, last_pos, pair_max[RLP_ATTM_BQ / 16];
 
     const int chunks = dp / 64;
     if constexpr (WG) smem += (1024 - ((unsigned int)__cvta_generic_to_shared(smem) & 1023)) & 1023;
     // mma: q [3][chunks][64 rows][64], K [2][chunks][64 keys][64], V^T [2][dp][64 keys], weights [3][64 rows][64 keys];
-    // WG: q [3][64 rows][128], K [2 buffers][2][64 keys][128], V^T [2][128 columns][128], weights [3][64 rows][128]
-    // (swizzled), V's rows as copied [2 buffers][2][64 keys][128]
+    // WG: q [3][64 rows][128], K [2][64 keys][128], V^T [2][128 columns][128], weights [3][64 rows][128] (swizzled)
     signed char* qs = smem;
     signed char* ks = qs + (WG ? 3 * RLP_ATTW_PLANE : 3 * RLP_ATTM_BQ * dp);
-    signed char* vt = ks + (WG ? 4 * RLP_ATTW_PLANE : 2 * RLP_ATTM_BK * dp);
+    signed char* vt = ks + (WG ? 2 * RLP_ATTW_PLANE : 2 * RLP_ATTM_BK * dp);
     signed char* ws = vt + (WG ? 4 * RLP_ATTW_PLANE : 2 * RLP_ATTM_BK * dp);
-    signed char* vraw = ws + 3 * RLP_ATTW_PLANE;  // WG only
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     // rows 16 pair.. and keys 32 half.. of each tile: warps 2 pair and 2 pair + 1 (mma), warp pair of warpgroup half (WG)
@@ -255,36 +235,30 @@ __device__ __forceinline__ void rlp_attention_mma(
             eqr[k] = act[k] ? row_eq[r] : 0;
         }
 
-        // The tile's per-key scalars (slot row, exponents, flag) in buffer b: thread tid < 64 takes key kb + tid.
-        auto put_scalars = [&](int b, long long row, int ek, int ev, int f) {
-            key_row[b][tid] = row;
-            key_ek[b][tid] = ek;
-            key_ev[b][tid] = ev;
-            key_flag[b][tid] = f;
-        };
-        auto scalars = [&](int kb, long long& row, int& ek, int& ev, int& f) {
-            rlp_att_tile_key(block_tables, max_blocks, block_size, num_slots, seq, kb + tid, last, hkv, gkv,
-                             k_exponents, v_exponents, row, ek, ev, f);
-        };
-
-        // mma: stage one key tile in place: its scalars, K digits, and (pass 2) V transposed.
-        auto stage = [&](int kb, bool values) {
+        // Stage one key tile: per-key slot rows and exponents, K digits, and (pass 2) V transposed
+        // (WG: into the rows' half `parity`).
+        auto stage = [&](int kb, bool values, int parity) {
             __syncthreads();  // the previous tile's readers are done
             if (tid < RLP_ATTM_BK) {
                 long long row;
                 int f, ek, ev;
-                scalars(kb, row, ek, ev, f);
-                put_scalars(0, row, ek, ev, f);
+                rlp_att_tile_key(block_tables, max_blocks, block_size, num_slots, seq, kb + tid, last, hkv, gkv,
+                                 k_exponents, v_exponents, row, ek, ev, f);
+                key_row[tid] = row;
+                key_ek[tid] = ek;
+                key_ev[tid] = ev;
+                key_flag[tid] = f;
             }
             __syncthreads();
             const int per = dp / 16;  // 16-byte pieces per digit row
             for (int p = tid; p < RLP_ATTM_BK * 2 * per; p += RLP_ATTM_THREADS) {
                 const int piece = p % per, digit = (p / per) % 2, key = p / (2 * per);
-                const long long row = key_row[0][key];
+                const long long row = key_row[key];
                 const int4 v = row >= 0 ? __ldg(reinterpret_cast<const int4*>(k_digits + row * (2LL * dp) +
                                                                              (long long)digit * dp + 16 * piece))
                                         : make_int4(0, 0, 0, 0);
-                *reinterpret_cast<int4*>(ks + ((digit * chunks + piece / 4) * RLP_ATTM_BK + key) * 64 + 16 * (piece % 4)) = v;
+                *reinterpret_cast<int4*>(WG ? ks + digit * RLP_ATTW_PLANE + rlp_swizzle128(key, 16 * piece)
+                                            : ks + ((digit * chunks + piece / 4) * RLP_ATTM_BK + key) * 64 + 16 * (piece % 4)) = v;
             }
             if (values) {
                 const int dgroups = dp / 4;
@@ -293,154 +267,94 @@ __device__ __forceinline__ void rlp_attention_mma(
                     int r[4];
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const long long row = key_row[0][4 * kg + i];
+                        const long long row = key_row[4 * kg + i];
                         r[i] = row >= 0 ? __ldg(reinterpret_cast<const int*>(v_digits + row * (2LL * dp) +
                                                                             (long long)digit * dp + 4 * dg))
                                         : 0;
                     }
-                    int word[4];
-                    rlp_attm_transpose4(r, word);
+                    // 4 keys x 4 columns of bytes -> 4 columns x 4 keys
+                    const unsigned int t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
+                    const unsigned int t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
+                    const int word[4] = {(int)__byte_perm(t0, t2, 0x5410), (int)__byte_perm(t0, t2, 0x7632),
+                                         (int)__byte_perm(t1, t3, 0x5410), (int)__byte_perm(t1, t3, 0x7632)};
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        *reinterpret_cast<int*>(vt + ((long long)digit * dp + 4 * dg + c) * RLP_ATTM_BK + 4 * kg) = word[c];
+                        *reinterpret_cast<int*>(
+                            WG ? vt + digit * 2 * RLP_ATTW_PLANE + rlp_swizzle128(4 * dg + c, 64 * parity + 4 * kg)
+                               : vt + ((long long)digit * dp + 4 * dg + c) * RLP_ATTM_BK + 4 * kg) = word[c];
                 }
             }
+            if (WG) rlp_attw_fence_proxy();  // the tile (and q) written through the generic proxy, read by wgmma
             __syncthreads();
         };
 
-        // WG: K (and V's rows, untransposed) of the tile whose scalars are in buffer b, copied by cp.async into
-        // buffer b while the block works on the tile before (one commit group; every thread 4 pieces of each).
-        auto copy_tile = [&](int b, bool values) {
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                const int v = tid + RLP_ATTM_THREADS * t;
-                const int piece = v % 8, key = (v / 8) % RLP_ATTM_BK, digit = v / (8 * RLP_ATTM_BK);
-                const long long row = key_row[b][key];
-                const long long at = row >= 0 ? row * 256 + digit * 128 + 16 * piece : 0;
-                rlp_cp_async16(ks + (2 * b + digit) * RLP_ATTW_PLANE + rlp_swizzle128(key, 16 * piece), k_digits + at, row >= 0);
-                if (values)
-                    rlp_cp_async16(vraw + (2 * b + digit) * RLP_ATTW_PLANE + key * 128 + 16 * piece, v_digits + at, row >= 0);
-            }
-            rlp_cp_async_commit();
-        };
-        // WG: V's rows of buffer b transposed into vt's half `parity` ([digit][column][keys], swizzled).
-        auto transpose_values = [&](int b, int parity) {
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                const int p = tid + RLP_ATTM_THREADS * t;  // 2 digits x 16 groups of 4 keys x 32 groups of 4 columns
-                const int dg = p % 32, kg = (p / 32) % 16, digit = p / 512;
-                const signed char* from = vraw + (2 * b + digit) * RLP_ATTW_PLANE + 4 * kg * 128 + 4 * dg;
-                int r[4], word[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) r[i] = *reinterpret_cast<const int*>(from + 128 * i);
-                rlp_attm_transpose4(r, word);
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    *reinterpret_cast<int*>(vt + digit * 2 * RLP_ATTW_PLANE + rlp_swizzle128(4 * dg + c, 64 * parity + 4 * kg)) = word[c];
-            }
-        };
-        // WG: the next tile's scalars, loaded into registers before the work that hides their latency.
-        struct Next { long long row; int ek, ev, f; };
-        // WG: a pass's first tile into buffer 0; then, at each tile, wait until its copies landed for every
-        // thread (and the tile before's readers are done).
-        auto first_tile = [&](bool values) {
-            if (tid < RLP_ATTM_BK) {
-                Next n;
-                scalars(0, n.row, n.ek, n.ev, n.f);
-                put_scalars(0, n.row, n.ek, n.ev, n.f);
-            }
-            __syncthreads();
-            copy_tile(0, values);
-        };
-        auto tile_landed = [&]() {
-            rlp_cp_async_wait<0>();
-            rlp_attw_fence_proxy();
-            __syncthreads();
-        };
-
-        // Scores of this warp's 16 rows x 32 keys (32 half .. 32 half + 31 of the tile), scalars in buffer b:
-        // s[nt][c] for row g + 8 (c / 2), key 32 half + 8 nt + 2 t + c % 2.
-        auto to_scores = [&](const int (&acc)[4][16], int b, float (&s)[4][4]) {  // WG: from the shift sums
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    s[nt][c] = rlp_att_score(
-                        (((long long)acc[3][4 * nt + c] * 256 + acc[2][4 * nt + c]) * 256 + acc[1][4 * nt + c]) * 256 + acc[0][4 * nt + c],
-                        eqr[c / 2], key_ek[b][32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
-        };
-        auto mma_scores = [&](float (&s)[4][4]) {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                int acc[4][4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) acc[i][c] = 0;
-                const int key = 32 * half + 8 * nt + gq;
-                for (int c = 0; c < chunks; ++c) {
-                    int4 a[3][2], b[2];
-#pragma unroll
-                    for (int i = 0; i < 3; ++i)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            a[i][r] = *reinterpret_cast<const int4*>(
-                                qs + ((i * chunks + c) * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * 64 + 16 * tq4);
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-                        b[j] = *reinterpret_cast<const int4*>(ks + ((j * chunks + c) * RLP_ATTM_BK + key) * 64 + 16 * tq4);
-                    rlp_attm_chunk(acc, a, b);
-                }
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    s[nt][c] = rlp_att_score(rlp_attm_combine(acc, c), eqr[c / 2],
-                                             key_ek[0][32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
-            }
-        };
-
-        // ---- pass 1: m, E, flags
-        unsigned int mkey[2] = {0u, 0u}, evk[2] = {0u, 0u}, flg[2] = {0u, 0u};
-        auto pass1_scores = [&](int kb, int b, const float (&s)[4][4]) {  // the warp's rows reach the tile
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
-                    if (act[k] && kb + jl <= pos[k]) {
-                        if (key_flag[b][jl]) {
-                            flg[k] |= (unsigned int)key_flag[b][jl];
-                        } else {
-                            mkey[k] = max(mkey[k], rlp_att_order_key(s[nt][c]));
-                            evk[k] = max(evk[k], (unsigned int)(key_ev[b][jl] + RLP_ATT_EV_OFFSET));
-                        }
-                    }
-                }
-        };
-        if constexpr (WG) {
-            // Tile kb's scores run on the tensor cores while the next tile's scalars load and its K copies start.
-            first_tile(false);
-            for (int kb = 0, b = 0; kb <= last; kb += RLP_ATTM_BK, b ^= 1) {
-                tile_landed();
-                const bool more = kb + RLP_ATTM_BK <= last;
+        // Scores of this warp's 16 rows x 32 keys (32 half .. 32 half + 31 of the tile):
+        // s[nt][c] for row g + 8 (c / 2), key 32 half + 8 nt + 2 t + c % 2. WG: every thread of the warpgroup calls it.
+        auto scores = [&](float (&s)[4][4]) {
+            if constexpr (WG) {
                 int acc[4][16];
-                rlp_attw_scores_issue(acc, qs, ks + 2 * b * RLP_ATTW_PLANE, half);
-                Next n;
-                if (tid < RLP_ATTM_BK && more) scalars(kb + RLP_ATTM_BK, n.row, n.ek, n.ev, n.f);
-                if (tid < RLP_ATTM_BK && more) put_scalars(b ^ 1, n.row, n.ek, n.ev, n.f);
-                __syncthreads();
-                if (more) copy_tile(b ^ 1, false);
-                rlp_attw_scores_wait(acc);
-                float s[4][4];
-                to_scores(acc, b, s);
-                if (kb + 32 * half <= my_max) pass1_scores(kb, b, s);
+                rlp_attw_scores(acc, qs, ks, half);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) rlp_wgmma_pin<32>(accv[k]);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        s[nt][c] = rlp_att_score(
+                            (((long long)acc[3][4 * nt + c] * 256 + acc[2][4 * nt + c]) * 256 + acc[1][4 * nt + c]) * 256 + acc[0][4 * nt + c],
+                            eqr[c / 2], key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    int acc[4][4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[i][c] = 0;
+                    const int key = 32 * half + 8 * nt + gq;
+                    for (int c = 0; c < chunks; ++c) {
+                        int4 a[3][2], b[2];
+#pragma unroll
+                        for (int i = 0; i < 3; ++i)
+#pragma unroll
+                            for (int r = 0; r < 2; ++r)
+                                a[i][r] = *reinterpret_cast<const int4*>(
+                                    qs + ((i * chunks + c) * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * 64 + 16 * tq4);
+#pragma unroll
+                        for (int j = 0; j < 2; ++j)
+                            b[j] = *reinterpret_cast<const int4*>(ks + ((j * chunks + c) * RLP_ATTM_BK + key) * 64 + 16 * tq4);
+                        rlp_attm_chunk(acc, a, b);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        s[nt][c] = rlp_att_score(rlp_attm_combine(acc, c), eqr[c / 2],
+                                                 key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
+                }
             }
-        } else {
-            for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
-                stage(kb, false);
-                if (kb + 32 * half <= my_max) {  // warp-uniform
-                    float s[4][4];
-                    mma_scores(s);
-                    pass1_scores(kb, 0, s);
+        };
+
+        // ---- pass 1: m, E, flags. The products run where the warp's rows (mma) or the block's (WG) reach.
+        unsigned int mkey[2] = {0u, 0u}, evk[2] = {0u, 0u}, flg[2] = {0u, 0u};
+        for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
+            stage(kb, false, 0);
+            if (WG || kb + 32 * half <= my_max) {  // warp-uniform; WG: every tile (wgmma in a uniform path)
+                float s[4][4];
+                scores(s);
+                if (kb + 32 * half <= my_max) {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
+                            if (act[k] && kb + jl <= pos[k]) {
+                                if (key_flag[jl]) {
+                                    flg[k] |= (unsigned int)key_flag[jl];
+                                } else {
+                                    mkey[k] = max(mkey[k], rlp_att_order_key(s[nt][c]));
+                                    evk[k] = max(evk[k], (unsigned int)(key_ev[jl] + RLP_ATT_EV_OFFSET));
+                                }
+                            }
+                        }
                 }
             }
         }
@@ -472,32 +386,30 @@ __device__ __forceinline__ void rlp_attention_mma(
 
         // ---- pass 2: p, L, weights, N
         long long total[2] = {0, 0};
-        // The weights' digits of the warp's rows and keys of tile kb (scalars in buffer b; WG: the rows' half
-        // `parity`); zeros where the warp's rows end before the keys.
-        auto weights = [&](int kb, int b, int parity, const float (&s)[4][4]) {
-            if (kb + 32 * half <= my_max) {
+        long long num[NTMAX][4];
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    // the exps of four scores side by side without branches (independent chains to overlap),
-                    // then the rare ones whose fast path does not decide
-                    bool take[4], decided[4];
-                    float e[4];
+        for (int n = 0; n < NTMAX; ++n)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
-                        take[c] = ok[k] && kb + jl <= pos[k];
-                        decided[c] = rlp_exp_f32_fast(take[c] ? s[nt][c] - m[k] : 0.0f, e[c]);
-                    }
+            for (int c = 0; c < 4; ++c) num[n][c] = 0;
+        const int ntiles = dp / 16;  // this warp's 8-column tiles (mma)
+        for (int kb = 0, parity = 0; kb <= last; kb += RLP_ATTM_BK, parity ^= (WG ? 1 : 0)) {
+            stage(kb, true, parity);
+            const bool pair_in = kb <= my_max;  // warp-uniform, equal for both warps of the pair
+            // WG: the warpgroup scores every tile (wgmma in a uniform path), every warp writes its weights (or zeros)
+            float s[4][4];
+            if (WG || (pair_in && kb + 32 * half <= my_max)) scores(s);
+            if (pair_in && kb + 32 * half <= my_max) {
 #pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        if (take[c] && !decided[c]) e[c] = rlp_exp_f32_full(s[nt][c] - m[c / 2]);
+                for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
                         const int jl = 32 * half + 8 * nt + 2 * tq4 + (c % 2), k = c / 2;
-                        const double p = (double)e[c];
-                        // selects, not branches: a poisoned row's e_max may put the power of two out of range
-                        total[k] += take[c] ? __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT)) : 0;
-                        long long w = take[c] ? __double2ll_rn(p * rlp_pow2_f64(key_ev[b][jl] - e_max[k] + RLP_ATT_P_SHIFT)) : 0;
+                        long long w = 0;
+                        if (ok[k] && kb + jl <= pos[k]) {
+                            const double p = (double)rlp_exp_f32(s[nt][c] - m[k]);
+                            total[k] += __double2ll_rn(p * rlp_pow2_f64(RLP_ATT_P_SHIFT));
+                            w = __double2ll_rn(p * rlp_pow2_f64(key_ev[jl] - e_max[k] + RLP_ATT_P_SHIFT));
+                        }
                         const int r = 16 * pair + gq + 8 * k;
 #pragma unroll
                         for (int digit = 0; digit < 3; ++digit) {
@@ -506,85 +418,44 @@ __device__ __forceinline__ void rlp_attention_mma(
                             *w_at(digit, r, jl, parity) = (signed char)low;
                         }
                     }
-                }
-            } else {
+            } else if (WG || pair_in) {  // keys beyond every row of the pair: zero weights
                 for (int p = lane; p < 3 * 16 * 2; p += 32) {
                     const int digit = p / 32, r = 16 * pair + (p / 2) % 16, part = p % 2;
                     *reinterpret_cast<int4*>(w_at(digit, r, 32 * half + 16 * part, parity)) = make_int4(0, 0, 0, 0);
                 }
             }
-        };
-        long long num[NTMAX][4];
+            if (WG) rlp_attw_fence_proxy();
+            __syncthreads();  // the pair's (WG: the block's) weights are in shared memory
+            if constexpr (WG) {
+                rlp_attw_values(accv, ws, vt, half, parity);
+            } else if (pair_in) {
+                int4 a[3][2];
 #pragma unroll
-        for (int n = 0; n < NTMAX; ++n)
+                for (int i = 0; i < 3; ++i)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) num[n][c] = 0;
-        const int ntiles = dp / 16;  // this warp's 8-column tiles (mma)
-        if constexpr (WG) {
-            // Tile kb: its scores run while V's rows are transposed and the next tile's scalars load and copies
-            // start; its value products run while the next tile's are scored. Weights and V alternate halves.
-            first_tile(true);
-            for (int kb = 0, b = 0; kb <= last; kb += RLP_ATTM_BK, b ^= 1) {
-                tile_landed();
-                const bool more = kb + RLP_ATTM_BK <= last;
-                int acc[4][16];
-                rlp_attw_scores_issue(acc, qs, ks + 2 * b * RLP_ATTW_PLANE, half);
-                Next n;
-                if (tid < RLP_ATTM_BK && more) scalars(kb + RLP_ATTM_BK, n.row, n.ek, n.ev, n.f);
-                transpose_values(b, b);
-                if (tid < RLP_ATTM_BK && more) put_scalars(b ^ 1, n.row, n.ek, n.ev, n.f);
-                rlp_attw_fence_proxy();
-                __syncthreads();  // V of tile kb in vt; the next tile's scalars in buffer b ^ 1
-                if (more) copy_tile(b ^ 1, true);
-                rlp_attw_scores_wait(acc);
+                    for (int r = 0; r < 2; ++r)
+                        a[i][r] = *reinterpret_cast<const int4*>(ws + (i * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * RLP_ATTM_BK + 16 * tq4);
 #pragma unroll
-                for (int k = 0; k < 4; ++k) rlp_wgmma_pin<32>(accv[k]);
-                float s[4][4];
-                to_scores(acc, b, s);
-                weights(kb, b, b, s);
-                rlp_attw_fence_proxy();
-                __syncthreads();  // the block's weights are in shared memory
-                rlp_attw_values(accv, ws, vt, half, b);
-            }
-            rlp_attw_wait(accv);
-        } else {
-            for (int kb = 0; kb <= last; kb += RLP_ATTM_BK) {
-                stage(kb, true);
-                const bool pair_in = kb <= my_max;  // warp-uniform, equal for both warps of the pair
-                if (pair_in) {
-                    float s[4][4];
-                    if (kb + 32 * half <= my_max) mma_scores(s);
-                    weights(kb, 0, 0, s);
-                }
-                __syncthreads();  // the pair's weights are in shared memory
-                if (pair_in) {
-                    int4 a[3][2];
+                for (int n = 0; n < NTMAX; ++n) {
+                    if (n < ntiles) {
+                        const int col = half * (dp / 2) + 8 * n + gq;
+                        int4 b[2];
 #pragma unroll
-                    for (int i = 0; i < 3; ++i)
+                        for (int j = 0; j < 2; ++j)
+                            b[j] = *reinterpret_cast<const int4*>(vt + ((long long)j * dp + col) * RLP_ATTM_BK + 16 * tq4);
+                        int acc[4][4];
 #pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            a[i][r] = *reinterpret_cast<const int4*>(ws + (i * RLP_ATTM_BQ + 16 * pair + gq + 8 * r) * RLP_ATTM_BK + 16 * tq4);
+                        for (int i = 0; i < 4; ++i)
 #pragma unroll
-                    for (int n = 0; n < NTMAX; ++n) {
-                        if (n < ntiles) {
-                            const int col = half * (dp / 2) + 8 * n + gq;
-                            int4 b[2];
+                            for (int c = 0; c < 4; ++c) acc[i][c] = 0;
+                        rlp_attm_chunk(acc, a, b);
 #pragma unroll
-                            for (int j = 0; j < 2; ++j)
-                                b[j] = *reinterpret_cast<const int4*>(vt + ((long long)j * dp + col) * RLP_ATTM_BK + 16 * tq4);
-                            int acc[4][4];
-#pragma unroll
-                            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                                for (int c = 0; c < 4; ++c) acc[i][c] = 0;
-                            rlp_attm_chunk(acc, a, b);
-#pragma unroll
-                            for (int c = 0; c < 4; ++c) num[n][c] += rlp_attm_combine(acc, c);
-                        }
+                        for (int c = 0; c < 4; ++c) num[n][c] += rlp_attm_combine(acc, c);
                     }
                 }
             }
         }
+        if constexpr (WG) rlp_attw_wait(accv);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             long long sum = total[k];
@@ -647,7 +518,7 @@ __device__ __forceinline__ void rlp_attention_mma(
 RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d128, 128, 2, false)
 RLP_ATTENTION_MMA_ENTRY(attention_paged_mma_d256, 256, 1, false)
 // head_dim padded to 128, sm_90a (traps elsewhere; ops/attention.py picks it on compute capability 9.0);
-// shared memory: 18 planes of 8 KB + 1 KB for the 1024-byte alignment (dynamic; ops/attention.py WGMMA_SHARED_BYTES)
+// shared memory: 4 * 3 * 8 KB + 1 KB for the 1024-byte alignment (dynamic)
 RLP_ATTENTION_MMA_ENTRY(attention_paged_wgmma_d128, 128, 1, true)
 
 // ---------------------------------------------------------------------------

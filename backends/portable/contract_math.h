@@ -276,12 +276,9 @@ __device__ __forceinline__ float rlp_exp_f32_full(float xf) {
 #define RLP_EXP_LN2_64_HI 0x1.62e42fefa39efp-7
 #define RLP_EXP_LN2_64_LO 0x1.abc9e3b39803fp-62
 #define RLP_EXP_FAST_WINDOW 64
-// rlp_exp_f32's fast path alone, without a branch: e its result, and whether it decides (false: outside
-// the range, also NaN and inf, or within the window; the full evaluation decides). Callers that take many
-// exps at once (attention's scores) evaluate several of these side by side and the rare rest after them.
-__device__ __forceinline__ bool rlp_exp_f32_fast(float xf, float& e) {
-    const bool in_range = rlp_magnitude_bits(xf) <= RLP_EXP_FAST_X_BITS;
-    const double x = in_range ? (double)xf : 0.0;  // keeps the discarded evaluation finite
+__device__ __forceinline__ float rlp_exp_f32(float xf) {
+    if (rlp_magnitude_bits(xf) > RLP_EXP_FAST_X_BITS) return rlp_exp_f32_full(xf);  // also NaN and inf
+    const double x = (double)xf;
     const double t = rlp_fma_f64(x, RLP_EXP_INV_LN2_64, RLP_EW_SHIFT);
     const long long n = __double_as_longlong(t) - RLP_EW_SHIFT_BITS;
     const double fn = t - RLP_EW_SHIFT;
@@ -294,13 +291,9 @@ __device__ __forceinline__ bool rlp_exp_f32_fast(float xf, float& e) {
     const int j = (int)(n & 63LL);
     const double y = rlp_exp_t_hi[j] + rlp_fma_f64(rlp_exp_t_hi[j], p, rlp_exp_t_lo[j]);
     const long long low = __double_as_longlong(y) & ((1LL << 29) - 1);
-    e = __double2float_rn(y * rlp_pow2_f64((int)(n >> 6)));
-    return in_range && !(low - (1LL << 28) <= RLP_EXP_FAST_WINDOW && (1LL << 28) - low <= RLP_EXP_FAST_WINDOW);
-}
-
-__device__ __forceinline__ float rlp_exp_f32(float xf) {
-    float e;
-    return rlp_exp_f32_fast(xf, e) ? e : rlp_exp_f32_full(xf);
+    if (low - (1LL << 28) <= RLP_EXP_FAST_WINDOW && (1LL << 28) - low <= RLP_EXP_FAST_WINDOW)
+        return rlp_exp_f32_full(xf);
+    return __double2float_rn(y * rlp_pow2_f64((int)(n >> 6)));
 }
 
 // ---- log_f32 (elementwise.log_f32 / _log_core)

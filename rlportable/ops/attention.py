@@ -316,9 +316,9 @@ def mma_shared_bytes(head_dim_padded: int) -> int:
     return 7 * MMA_ROWS * head_dim_padded + 3 * MMA_ROWS * 64
 
 
-#: attention_paged_wgmma_d128's dynamic shared memory: 18 planes of 64 x 128 bytes (q 3, K 2 x 2, V transposed 4,
-#: weights 3, V's rows as copied 2 x 2) and 1 KB to align them to 1024 bytes (the 128-byte swizzle's period)
-WGMMA_SHARED_BYTES = 18 * MMA_ROWS * 128 + 1024
+#: attention_paged_wgmma_d128's dynamic shared memory: 12 planes of 64 x 128 bytes (q 3, K 2, V transposed 4,
+#: weights 3) and 1 KB to align them to 1024 bytes (the 128-byte swizzle's period)
+WGMMA_SHARED_BYTES = 12 * MMA_ROWS * 128 + 1024
 
 
 def split_values_kernel(group: int) -> str:

@@ -42,8 +42,8 @@ def median_ms(call, runs=5):
 
 
 result = {"sequences": sequences, "length": length, "hq": hq, "hkv": hkv, "head_dim": dim}
-for method in methods:
-    suffix = "" if methods == ["auto"] else f"_{method}"
+suffixes = {method: "" if methods == ["auto"] else f"_{method}" for method in methods}  # of the result's keys
+for method, suffix in suffixes.items():
     result["attention_packed_ms" + suffix] = median_ms(
         lambda: attention.attention_packed(backend, q, k, v, cu, keep_stats=True, method=method))
     o, stats = attention.attention_packed(backend, q, k, v, cu, keep_stats=True, method=method)
@@ -57,8 +57,7 @@ try:
                   for heads in (hq, hkv, hkv))
     result["sdpa_bf16_ms"] = median_ms(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
                                                                               enable_gqa=True))
-    for method in methods:
-        suffix = "" if methods == ["auto"] else f"_{method}"
+    for suffix in suffixes.values():
         result["ratio" + suffix] = result["attention_packed_ms" + suffix] / result["sdpa_bf16_ms"]
 except ImportError:
     pass

@@ -423,7 +423,7 @@ def test_methods_dispatch_and_reject():
 
 def test_wgmma_refuses_tables_beyond_its_key_limit():
     """The wgmma kernel keeps its value sums in int32 for tables of at most WGMMA_MAX_KEYS keys: asked for
-    by name with wider tables it says so before any launch; "auto" takes the mma kernel there."""
+    by name with wider tables it says so before any launch."""
     class FakeHopper:
         kernel_vendor, compute_capability, label = "cuda", "90", "cuda"
         runs_reference = on_host = False

@@ -47,7 +47,9 @@ __device__ __forceinline__ void rlp_attm_chunk(int (&acc)[4][4], const int4 (&a)
                              rlp_word(b[j], 2 * step), rlp_word(b[j], 2 * step + 1));
 }
 
-__device__ __forceinline__ long long rlp_attm_combine(const int (&acc)[4][4], int c) {
+// S = sum_k 256^k G_k of register c of the four shift sums (exact in int64).
+template <int R>
+__device__ __forceinline__ long long rlp_attm_combine(const int (&acc)[4][R], int c) {
     return (((long long)acc[3][c] * 256 + acc[2][c]) * 256 + acc[1][c]) * 256 + acc[0][c];
 }
 
@@ -300,9 +302,8 @@ __device__ __forceinline__ void rlp_attention_mma(
                 for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        s[nt][c] = rlp_att_score(
-                            (((long long)acc[3][4 * nt + c] * 256 + acc[2][4 * nt + c]) * 256 + acc[1][4 * nt + c]) * 256 + acc[0][4 * nt + c],
-                            eqr[c / 2], key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
+                        s[nt][c] = rlp_att_score(rlp_attm_combine(acc, 4 * nt + c), eqr[c / 2],
+                                                 key_ek[32 * half + 8 * nt + 2 * tq4 + (c % 2)], scale);
             } else {
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
@@ -483,12 +484,8 @@ __device__ __forceinline__ void rlp_attention_mma(
                 for (int e = 0; e < 2; ++e) {
                     const int col = half * (WG ? 64 : dp / 2) + 8 * n + 2 * tq4 + e;
                     long long numerator;
-                    if constexpr (WG) {
-                        const int i = 4 * n + 2 * k + e;
-                        numerator = (((long long)accv[3][i] * 256 + accv[2][i]) * 256 + accv[1][i]) * 256 + accv[0][i];
-                    } else {
-                        numerator = num[n][2 * k + e];
-                    }
+                    if constexpr (WG) numerator = rlp_attm_combine(accv, 4 * n + 2 * k + e);
+                    else numerator = num[n][2 * k + e];
                     if ((WG || n < ntiles) && col < d)
                         orow[col] = ok[k] ? __double2float_rn((__ll2double_rn(numerator) * unit) / denominator)
                                           : rlp_canonical_nan();

@@ -91,9 +91,8 @@ template <int PENDING>
 __device__ __forceinline__ void rlp_wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 }
-// cp.async wrote the operands through the generic proxy; wgmma reads them through the async proxy.
+// Shared memory written through the generic proxy (stores, cp.async) before wgmma reads it through the async proxy.
 __device__ __forceinline__ void rlp_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 
 template <int BN>
 __device__ __forceinline__ void rlp_wgmma(int (&d)[BN / 2], unsigned long long a, unsigned long long b) {

@@ -340,13 +340,13 @@ def attention_paged(backend: Backend, q, q_seq, q_pos, cache: KVCache, block_tab
                     out=None, row_stats=None):
     """o [Tq, Hq, D] float32: query row i (sequence q_seq[i], position q_pos[i]) attends to keys
     0..q_pos[i] of its sequence in the paged cache (block_tables [num_seqs, max_blocks] int32).
-    method: "auto", "portable", "mma" or "split" (METHODS; all give the same bits). threads: the
+    method: "auto", "portable", "mma", "wgmma" or "split" (METHODS; all give the same bits). threads: the
     portable kernel's block size. keys_per_split: the split kernels' key range per block (None:
     split_plan's choice; any value gives the same bits). num_seqs: how many sequences the rows
     belong to, for "auto" (None: every row of block_tables). out: a C-contiguous float32 [Tq, Hq, D]
     device array to write o into (a slice of a larger output; devices only), else a new one.
     row_stats: a float64 [Tq * Hq, 3] device array (row t * Hq + h) into whose first two columns the
-    "mma" and "portable" kernels write each row's m and L (0 and 0 for a NaN row): the backward's
+    "mma", "wgmma" and "portable" kernels write each row's m and L (0 and 0 for a NaN row): the backward's
     statistics."""
     tq, hq = _check_query(q, q_seq, q_pos, cache, block_tables)
     if not isinstance(threads, (int, np.integer)) or not 1 <= int(threads) <= MAX_THREADS:
